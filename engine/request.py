@@ -1,0 +1,174 @@
+"""Request state, sampling parameters and the outputs handed back to callers."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    Raises:
+        ValueError: a field is out of range; the message names the field and value.
+    """
+
+    max_tokens: int | None = 16
+    """Output tokens at most; None: until EOS or the end of the context."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or -1: no top-k cut."""
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    """Top-k log-probabilities to return per output token (the sampled one always too)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        checks = [
+            ("max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens >= 1,
+             "must be >= 1 or None"),
+            ("temperature", self.temperature,
+             math.isfinite(self.temperature) and self.temperature >= 0, "must be >= 0"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k, self.top_k == -1 or self.top_k >= 0, "must be -1, 0 or >= 1"),
+            ("n", self.n, self.n >= 1, "must be >= 1"),
+            ("logprobs", self.logprobs, self.logprobs is None or self.logprobs >= 0,
+             "must be >= 0 or None"),
+            ("stop", self.stop, all(isinstance(s, str) and s for s in self.stop),
+             "must be non-empty strings"),
+        ]
+        for name, value, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={value!r}: {rule}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence's state inside the engine.
+
+    Lifecycle: WAITING -> RUNNING (prefill in chunks, then decode) -> FINISHED.
+    Preemption by recompute sends a RUNNING request back to WAITING with
+    ``num_computed_tokens = 0``; its output tokens are kept and re-prefilled with the
+    prompt. ``arrival_time`` never changes, so a preempted request keeps its place.
+
+    Invariant: the KV cache holds exactly the first ``num_computed_tokens`` of
+    ``token_ids`` (prompt then output), in the blocks of its block table.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    """Seconds, on the engine's clock."""
+    max_tokens: int
+    """Output tokens at most, after clamping max_tokens=None to the context."""
+    priority: int = 0
+    eos_token_id: int | None = None
+    parent_id: str | None = None
+    """The caller's request id when ``n > 1`` fans out into several sequences."""
+    index: int = 0
+    """This sequence's place among the ``n`` of its parent."""
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    generator: Any = None
+    """The request's own ``torch.Generator`` when it has a seed (made on first use)."""
+    detokenizer: Any = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV is not yet computed: 1 while decoding, more while prefilling."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the ``n`` sequences of a request.
+
+    ``text`` and ``token_ids`` are cumulative; ``delta_text`` and ``delta_token_ids``
+    hold what this step added, for streaming.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps in seconds on the engine's clock (``time.monotonic`` by default)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What a request has produced so far (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    prompt: str | None = None

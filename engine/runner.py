@@ -1,0 +1,164 @@
+"""Model runner: turns a scheduled step into one varlen forward pass and samples it."""
+
+from __future__ import annotations
+
+import logging
+import torch
+from transformers import AttentionInterface
+
+from engine.attention import (
+    ATTN_IMPLEMENTATION,
+    FLASH_BLOCK_MULTIPLE,
+    AttentionMetadata,
+    PrefillChunk,
+    flash_attn_available,
+    paged_attention,
+)
+from engine.request import Request
+from engine.sampler import Sampler, SampleResult
+from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+
+
+def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
+    """Bytes of K and V that one token occupies across all layers."""
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    per_layer = 2 * hf_config.num_key_value_heads * head_dim
+    return hf_config.num_hidden_layers * per_layer * torch.tensor([], dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the sampler.
+
+    The KV cache is one ``(k, v)`` pair per layer, each ``[num_blocks, block_size, KVH, D]``.
+    """
+
+    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, seed: int) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.use_flash = (
+            device.type == "cuda" and flash_attn_available()
+            and block_size % FLASH_BLOCK_MULTIPLE == 0
+        )
+        if device.type == "cuda" and not self.use_flash:
+            logger.warning(
+                "flash-attn path off (needs flash-attn and block_size %% %d == 0); using SDPA",
+                FLASH_BLOCK_MULTIPLE,
+            )
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self.sampler = Sampler(device, seed)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
+        """Run one step: forward over all scheduled tokens, sample where chunks end.
+
+        Returns:
+            The sampled token (and log-probabilities) of each request whose chunk
+            reached its last token.
+        """
+        input_ids, positions, md, sample_idx, sampling_reqs = self._prepare(out)
+        logits = self.model(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            use_cache=False,
+            logits_to_keep=sample_idx,
+            attn_metadata=md,
+        ).logits[0]
+        if not sampling_reqs:
+            return {}
+        results = self.sampler.sample(logits, sampling_reqs)
+        return {r.request_id: s for r, s in zip(sampling_reqs, results)}
+
+    def _prepare(self, out: SchedulerOutput):
+        """Flatten the step into varlen tensors (shapes in :class:`AttentionMetadata`)."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        qsl = [0]
+        ctx: list[int] = []
+        tables: list[list[int]] = []
+        sample_idx: list[int] = []
+        sampling_reqs: list[Request] = []
+        bm_tables = out.block_tables
+        for seq in out.seqs:
+            req, start, n = seq.request, seq.start, seq.num_tokens
+            ids.extend(req.token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            ctx.append(start + n)
+            tables.append(bm_tables[req.request_id])
+            if seq.samples:
+                sample_idx.append(qsl[-1] - 1)
+                sampling_reqs.append(req)
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.tensor(
+            [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32
+        )
+        positions = torch.tensor(pos, dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(len(ctx)), torch.tensor([s.num_tokens for s in out.seqs])
+        )
+        slot_mapping = (
+            block_tables[seq_of_token, positions // bs].to(torch.int64) * bs + positions % bs
+        )
+        context_lens = torch.tensor(ctx, dtype=torch.int32)
+        md = AttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=slot_mapping.to(self.device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=self.device),
+            context_lens=context_lens.to(self.device),
+            block_tables=block_tables.to(self.device),
+            max_query_len=max(s.num_tokens for s in out.seqs),
+            max_context_len=max(ctx),
+            num_decodes=out.num_decodes,
+            use_flash=self.use_flash,
+        )
+        if not self.use_flash:
+            self._prepare_sdpa(md, out, block_tables, context_lens, qsl)
+        return (
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            positions.to(self.device),
+            md,
+            torch.tensor(sample_idx, dtype=torch.int64, device=self.device),
+            sampling_reqs,
+        )
+
+    def _prepare_sdpa(self, md: AttentionMetadata, out: SchedulerOutput,
+                      block_tables: torch.Tensor, context_lens: torch.Tensor,
+                      qsl: list[int]) -> None:
+        """Gather indices and masks for the SDPA backend, shared by every layer."""
+        bs, dev = self.block_size, self.device
+        nd = out.num_decodes
+        if nd:
+            max_ctx = int(context_lens[:nd].max())
+            p = torch.arange(max_ctx)
+            md.decode_slots = (
+                block_tables[:nd, p // bs].to(torch.int64) * bs + p % bs
+            ).to(dev)
+            md.decode_mask = (p[None, :] < context_lens[:nd, None]).view(nd, 1, 1, max_ctx).to(dev)
+        for i in range(nd, len(out.seqs)):
+            seq = out.seqs[i]
+            chunk = PrefillChunk(qsl[i], qsl[i + 1], None, None)
+            if seq.start > 0:
+                c = seq.start + seq.num_tokens
+                p = torch.arange(c)
+                chunk.context_slots = (
+                    block_tables[i, p // bs].to(torch.int64) * bs + p % bs
+                ).to(dev)
+                q_pos = torch.arange(seq.start, c)
+                chunk.mask = (p[None, :] <= q_pos[:, None]).to(dev)
+            md.prefills.append(chunk)

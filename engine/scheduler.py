@@ -1,0 +1,233 @@
+"""Iteration-level scheduler with chunked prefill over a paged KV cache.
+
+Each call of :meth:`Scheduler.schedule` builds one mixed step under a token budget
+(``max_num_batched_tokens``) and ``max_num_seqs``, filled in this order:
+
+1. the decode token of every running request that has finished its prefill;
+2. the next chunk of every running request still prefilling;
+3. new (or preempted) requests, in the order the policy gives.
+
+Iteration-level scheduling is Orca's (Yu et al., OSDI 2022, section 3.1); chunked prefill
+that piggybacks decodes is Sarathi-Serve's (Agrawal et al., OSDI 2024, section 4);
+preemption by recompute is vLLM's (Kwon et al., SOSP 2023, section 4.5).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache import BlockManager
+from engine.request import FinishReason, Request, RequestStatus
+from policies.base import SchedulingPolicy
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One request's share of a step: tokens ``[start, start + num_tokens)`` of its ids."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last token, so its logits sample."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan. ``seqs`` holds the decodes (one token each) before the prefills."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_decodes: int = 0
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    """Request id -> its block table, for every scheduled request."""
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """Decides which tokens of which requests run in each step.
+
+    The scheduler owns the waiting and running queues and the block manager. It reads
+    time only through ``clock`` and calls ``policy`` for every ordering decision, so a
+    test or simulator can drive it with fake time and no model.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        policy: SchedulingPolicy,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.policy = policy
+        self.clock = clock
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._chunk_cap = (
+            config.long_prefill_token_threshold or config.max_num_batched_tokens
+            if config.enable_chunked_prefill
+            else None
+        )
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step; allocates the KV blocks its tokens need."""
+        out = SchedulerOutput()
+        self._fill(out)
+        for seq in out.seqs:
+            rid = seq.request.request_id
+            out.block_tables[rid] = self.block_manager.block_table(rid)
+        return out
+
+    def _fill(self, out: SchedulerOutput) -> None:
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        order = self.policy.order(self.running, self.clock())
+
+        # 1. Decodes. Iterating most urgent first means any victim taken from the
+        # not-yet-scheduled tail is no more urgent than the request being served.
+        for req in order:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING or req.num_pending_tokens != 1:
+                continue
+            if not self._make_room(req, req.num_tokens, scheduled, out):
+                continue
+            out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, 1))
+            scheduled.add(req.request_id)
+            budget -= 1
+        out.num_decodes = len(out.seqs)
+
+        # 2. Chunks of prompts already being prefilled.
+        for req in order:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING or req.request_id in scheduled:
+                continue
+            n = self._chunk(req, budget)
+            if n == 0:
+                continue
+            room = self._free_capacity(req)
+            if room == 0 and not out.seqs:
+                # Nothing else progresses this step: take blocks from a less urgent request
+                # so the system cannot deadlock on half-prefilled prompts.
+                if not self._make_room(req, req.num_computed_tokens + 1, scheduled, out):
+                    continue
+                room = self._free_capacity(req)
+            n = min(n, room)
+            if n == 0:
+                continue
+            self.block_manager.allocate(req.request_id, req.num_computed_tokens + n)
+            out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
+            scheduled.add(req.request_id)
+            budget -= n
+
+        # 3. New and preempted requests, in the policy's order. Not after a preemption:
+        # the cache is full, and a victim re-admitted at once would only thrash.
+        if out.preempted:
+            return
+        for req in self.policy.order(self.waiting, self.clock()):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            n = self._chunk(req, budget)
+            if n == 0 or not self.block_manager.can_allocate(req.request_id, n):
+                break  # FCFS: the head waits for room rather than being overtaken
+            self.block_manager.allocate(req.request_id, n)
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.seqs.append(ScheduledSeq(req, 0, n))
+            budget -= n
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens of ``req``'s prefill that fit this step's remaining ``budget``."""
+        pending = req.num_pending_tokens
+        if self._chunk_cap is None:
+            return pending if pending <= budget else 0
+        return min(pending, budget, self._chunk_cap)
+
+    def _free_capacity(self, req: Request) -> int:
+        """Tokens ``req`` could add using its own spare slots plus every free block."""
+        bm = self.block_manager
+        held = len(bm.block_table(req.request_id)) + bm.num_free_blocks
+        return held * bm.block_size - req.num_computed_tokens
+
+    def _make_room(
+        self, req: Request, total_tokens: int, scheduled: set[str], out: SchedulerOutput
+    ) -> bool:
+        """Allocate blocks for ``req`` to hold ``total_tokens``, preempting as needed.
+
+        Victims are chosen by the policy among running requests not scheduled in this
+        step, ``req`` included. Returns False when ``req`` itself was the victim.
+        """
+        bm = self.block_manager
+        while not bm.can_allocate(req.request_id, total_tokens):
+            candidates = [
+                r for r in self.running if r.request_id not in scheduled and r is not req
+            ]
+            victim = self.policy.pick_victim([*candidates, req])
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        bm.allocate(req.request_id, total_tokens)
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Send a running request back to WAITING; its KV is dropped and recomputed later."""
+        self.running.remove(req)
+        self.block_manager.free(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.append(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Account for an executed step.
+
+        Args:
+            out: the step that ran.
+            sampled: request id -> token id for each request whose chunk sampled.
+
+        Returns:
+            The requests that received a new token, in ``out.seqs`` order.
+        """
+        got_token = []
+        for seq in out.seqs:
+            req = seq.request
+            req.num_computed_tokens = seq.start + seq.num_tokens
+            if seq.samples:
+                req.append_token(sampled[req.request_id])
+                got_token.append(req)
+        return got_token
+
+    def finish(self, req: Request, reason: FinishReason, now: float) -> None:
+        """Remove ``req`` from its queue and free its blocks (also used for abort)."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self.block_manager.free(req.request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finish_time = now
