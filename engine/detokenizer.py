@@ -47,7 +47,10 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """All text emitted so far (the joined deltas), in characters."""
-        return "".join(self._chunks)
+        # Joined lazily and kept joined, so reading it once per step stays cheap when idle.
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
 
     @property
     def output_token_ids(self) -> list[int]:

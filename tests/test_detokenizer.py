@@ -59,7 +59,7 @@ def test_long_output_matches_full_decode(tokenizer):
     assert len(ids) - detok._prefix_offset <= 8
 
 
-@pytest.mark.parametrize("chunk", [2, 3, 5])
+@pytest.mark.parametrize("chunk", [2, 3, 6, 7])
 def test_several_ids_per_update(tokenizer, chunk):
     ids = tokenizer.encode("日本語 👍🏽 x café 🎉 テキスト" * 20)
     detok = IncrementalDetokenizer(tokenizer)

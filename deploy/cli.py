@@ -1,0 +1,64 @@
+"""The ``iterserve`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=args.model)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        seed=args.seed, stop=args.stop or [],
+    )
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    print(args.prompt + completion.text if not args.chat else completion.text)
+    m = out.metrics
+    print(
+        f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}, "
+        f"TTFT {m.first_token_time - m.arrival_time:.2f} s, "
+        f"E2E {m.finish_time - m.arrival_time:.2f} s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="print one completion (a quick look at a model)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--model", default=None,
+                     help="transformers directory or .gguf file (default: embedded SmolLM2-135M)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: a clear message, not a traceback
+        print(f"iterserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
