@@ -3,6 +3,7 @@
 No Ray import here: the engine runs the same in a script, a test or a Serve replica.
 """
 
+from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, RequestRejectedError
@@ -11,6 +12,7 @@ from engine.request import CompletionOutput, RequestOutput, SamplingParams
 
 __all__ = [
     "LLM",
+    "AsyncLLMEngine",
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",

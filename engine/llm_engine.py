@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from engine.attention import ATTN_IMPLEMENTATION
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import BlockManager
@@ -20,7 +21,6 @@ from engine.request import (
     RequestStatus,
     SamplingParams,
 )
-from engine.attention import ATTN_IMPLEMENTATION
 from engine.runner import ModelRunner, kv_bytes_per_token
 from engine.scheduler import Scheduler
 from policies import make_policy
@@ -95,16 +95,20 @@ class LLMEngine:
     def kv_capacity_tokens(self) -> int:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptType, tokenizer=None) -> tuple[str | None, list[int]]:
         """Return ``(prompt text or None, prompt token ids)``.
+
+        ``tokenizer`` overrides the engine's, for callers on another thread (a fast
+        tokenizer must not be used from two threads at once).
 
         Raises:
             ValueError: empty prompt, or a token id outside the vocabulary.
         """
+        tokenizer = tokenizer or self.tokenizer
         if isinstance(prompt, dict):
             prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            text, ids = prompt, tokenizer.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
         if not ids:
@@ -140,7 +144,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
         text, ids = self.tokenize(prompt)
-        max_tokens = self._check_length(len(ids), params.max_tokens)
+        max_tokens = self.check_length(len(ids), params.max_tokens)
         now = self.clock() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
@@ -155,7 +159,12 @@ class LLMEngine:
         for req in seqs:
             self.scheduler.add(req)
 
-    def _check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+    def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+        """Return the effective max_tokens (None: up to the context or KV capacity).
+
+        Raises:
+            RequestRejectedError: prompt plus max_tokens exceeds the context or the KV cache.
+        """
         limit = min(self.max_model_len, self.kv_capacity_tokens)
         if max_tokens is None:
             max_tokens = limit - prompt_len

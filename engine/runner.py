@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+
 import torch
 from transformers import AttentionInterface
 

@@ -78,6 +78,8 @@ class Scheduler:
         self.clock = clock
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.num_preemptions = 0
+        """Preemptions since start (a counter for tests and metrics)."""
         self._chunk_cap = (
             config.long_prefill_token_threshold or config.max_num_batched_tokens
             if config.enable_chunked_prefill
@@ -200,6 +202,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.append(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

@@ -1,0 +1,978 @@
+"""Offline throughput of iterserve against transformers' two batch APIs, plus a decode sweep.
+
+Run from the repository root::
+
+    .venv/bin/python bench/engine_throughput.py            # full run, 3 runs (~5-15 min here)
+    .venv/bin/python bench/engine_throughput.py --quick    # tiny smoke run (~1-2 min)
+
+Workload
+    Request lengths come from the Azure LLM inference trace 2023, conversation service
+    (``../shared/traces/azure_llm_2023_conv.csv`` relative to the repository root; columns
+    TIMESTAMP, ContextTokens, GeneratedTokens; CC-BY 4.0, published with Splitwise, Patel et al.,
+    ISCA 2024). The window is the first ``--num-requests`` rows (default 64, i.e. rows 0-63,
+    about the first 32 s of the trace), starting at ``--window-start`` (default 0). Arrival times
+    are ignored: every request is submitted at once (offline batch throughput). Lengths are scaled
+    so a run takes about a minute on a 2-core CPU: prompt = round(ContextTokens / 8) clamped to
+    [1, 512], output = round(GeneratedTokens / 4) clamped to [1, 128] (``--prompt-scale``,
+    ``--output-scale``, ``--max-prompt``, ``--max-output``). Prompt token ids are drawn
+    uniformly from [1000, 40000) by ``random.Random(seed)``, so every system and run gets the
+    same requests. Each request produces exactly its output length: iterserve with
+    ``SamplingParams(max_tokens=L, temperature=0, ignore_eos=True)``, transformers with EOS
+    stopping disabled (and ``min_new_tokens = max_new_tokens``); greedy everywhere.
+
+Systems (same requests, same process layout, fp32 on CPU, the embedded SmolLM2-135M-Instruct)
+    iterserve          ``LLM.generate`` on all requests at once (continuous batching, chunked
+                       prefill, paged KV: max_num_seqs 64, max_num_batched_tokens 512, block 16,
+                       1024 KV blocks = 16384 tokens).
+    hf_generate        transformers' ``model.generate`` with static batches of ``--hf-batch-size``
+                       (8) taken in trace order, left-padded (pad = EOS), max_new_tokens = the
+                       largest output length of the batch. Only each request's own L tokens count
+                       as output tokens; the rest is the price of static batching.
+    hf_generate_batch  transformers' continuous batching (``generate_batch``'s manager), sized
+                       like iterserve: page_size 16, num_blocks 1024, max_batch_tokens 512,
+                       max_requests_per_batch 64, SDPA attention, no prefix sharing, no compile.
+                       ``generate_batch`` takes one max_new_tokens for all requests, so by
+                       default the benchmark drives the same manager it builds
+                       (``continuous_batching_context_manager`` + ``add_request`` with each
+                       request's own max_new_tokens and EOS disabled); ``--hf-cb-api
+                       generate_batch`` calls ``generate_batch`` itself with max_new_tokens = the
+                       largest L and counts only the useful tokens.
+
+    Every (system, run) runs in its own subprocess, so peak RSS (``ru_maxrss``) is per system and
+    includes the model weights; runs are interleaved (run 1 of each system, then run 2, ...) so
+    the per-run ratios compare systems measured close in time. Wall time covers generation only:
+    model load, KV allocation and one tiny warm-up call of the same API are excluded.
+
+Decode sweep
+    iterserve decode tokens/s with 1, 8, 32 and 64 running sequences (16-token prompts): steps are
+    timed with ``llm.llm_engine.step()`` only once every sequence is decoding (the first two such
+    steps are skipped as warm-up). The roofline is fp32 GEMM FLOP/s (median of ``torch.mm`` on
+    2048x2048 matrices) divided by 2 x the model's parameter count (tied embeddings counted once:
+    the LM head is the one matmul they take part in). Per step, time in ``scheduler.schedule``,
+    ``runner._prepare``, the model forward and the sampler is measured with perf_counter wrappers
+    installed on the instances (no engine code is changed); scheduling + input preparation as a
+    fraction of the step is reported, with a target at 64 sequences.
+
+Output
+    A markdown table on stdout and ``bench/results/engine_throughput.json``. Targets are printed
+    beside the measurements, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.metadata
+import json
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+DEFAULT_OUT = REPO / "bench" / "results" / "engine_throughput.json"
+ATTRIBUTION = (
+    "Azure LLM inference trace 2023 (conversation), CC-BY 4.0, from Splitwise: Patel, Choukse, "
+    "Zhang, Shah, Goiri, Maleki, Bianchini, ISCA 2024 (Azure/AzurePublicDataset)"
+)
+SYSTEMS = ("iterserve", "hf_generate", "hf_generate_batch")
+TOKEN_ID_RANGE = (1000, 40000)
+TARGETS = {
+    "iterserve_over_hf_generate_batch": 2.0,
+    "iterserve_over_hf_generate": 1.5,
+    "decode_pct_roofline_at_64": 50.0,
+    "sched_prep_pct_at_64": 5.0,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Workload
+# --------------------------------------------------------------------------------------------
+
+
+def build_workload(args: argparse.Namespace) -> dict:
+    """Read the trace window, scale the lengths and make deterministic prompt token ids."""
+    with open(args.trace, newline="") as f:
+        rows = list(csv.DictReader(f))
+    window = rows[args.window_start:args.window_start + args.num_requests]
+    if len(window) < args.num_requests:
+        raise SystemExit(f"trace has only {len(rows)} rows; window does not fit")
+    rng = random.Random(args.seed)
+    prompts, out_lens, raw = [], [], []
+    for r in window:
+        ctx, gen = int(r["ContextTokens"]), int(r["GeneratedTokens"])
+        p = min(max(1, round(ctx / args.prompt_scale)), args.max_prompt)
+        o = min(max(1, round(gen / args.output_scale)), args.max_output)
+        prompts.append([rng.randrange(*TOKEN_ID_RANGE) for _ in range(p)])
+        out_lens.append(o)
+        raw.append((ctx, gen))
+    first, last = window[0]["TIMESTAMP"], window[-1]["TIMESTAMP"]
+    return {
+        "prompts": prompts,
+        "output_lens": out_lens,
+        "trace": {
+            "file": os.path.relpath(args.trace, REPO),
+            "attribution": ATTRIBUTION,
+            "window": (
+                f"rows {args.window_start}-{args.window_start + args.num_requests - 1} "
+                f"({args.num_requests} requests, TIMESTAMP {first} .. {last}); arrival times "
+                "ignored, all submitted at once"
+            ),
+            "prompt_len": f"round(ContextTokens / {args.prompt_scale}) clamped to [1, {args.max_prompt}]",
+            "output_len": f"round(GeneratedTokens / {args.output_scale}) clamped to [1, {args.max_output}]",
+            "prompt_scale": args.prompt_scale,
+            "output_scale": args.output_scale,
+            "max_prompt": args.max_prompt,
+            "max_output": args.max_output,
+            "prompt_token_ids": f"uniform in [{TOKEN_ID_RANGE[0]}, {TOKEN_ID_RANGE[1]}), "
+                                f"random.Random({args.seed})",
+            "raw_context_tokens_total": sum(c for c, _ in raw),
+            "raw_generated_tokens_total": sum(g for _, g in raw),
+        },
+    }
+
+
+def workload_stats(wl: dict) -> dict:
+    p = [len(x) for x in wl["prompts"]]
+    o = wl["output_lens"]
+    return {
+        "num_requests": len(p),
+        "prompt_tokens_total": sum(p),
+        "output_tokens_total": sum(o),
+        "prompt_len_p50": statistics.median(p),
+        "prompt_len_max": max(p),
+        "output_len_p50": statistics.median(o),
+        "output_len_max": max(o),
+    }
+
+
+def system_configs(args: argparse.Namespace) -> dict:
+    kv_tokens = args.num_kv_blocks * args.block_size
+    return {
+        "iterserve": {
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "block_size": args.block_size,
+            "num_kv_blocks": args.num_kv_blocks,
+            "kv_tokens": kv_tokens,
+            "dtype": "float32",
+        },
+        "hf_generate": {
+            "batch_size": args.hf_batch_size,
+            "batching": "static, trace order, left-padded with pad=eos, "
+                        "max_new_tokens = max L of the batch",
+            "attn_implementation": "sdpa",
+            "eos": "disabled (model.generation_config.eos_token_id=None), "
+                   "min_new_tokens = max_new_tokens",
+            "dtype": "float32",
+        },
+        "hf_generate_batch": {
+            "api": args.hf_cb_api,
+            "api_note": (
+                "continuous_batching_context_manager + add_request(max_new_tokens=L_i, "
+                "eos_token_id=-1): the manager generate_batch builds, with per-request lengths"
+                if args.hf_cb_api == "manager" else
+                "model.generate_batch(max_new_tokens = max L for all requests); "
+                "only each request's own L tokens are counted"
+            ),
+            "attn_implementation": "sdpa (CB accepts sdpa, paged|eager or flash; "
+                                   "no flash on CPU; paged|sdpa is deprecated in 5.2x)",
+            "page_size": args.block_size,
+            "num_blocks": args.num_kv_blocks,
+            "kv_tokens": kv_tokens,
+            "max_batch_tokens": args.max_num_batched_tokens,
+            "max_requests_per_batch": args.max_num_seqs,
+            "allow_block_sharing": False,
+            "auto_switch_to_flash": False,
+            "scheduler_type": "fifo",
+            "default_compile_level": 0,
+            "max_memory_percent": "default (0.6 on CPU): only a cap here, since num_blocks and "
+                                  "max_batch_tokens are fixed",
+            "dtype": "float32",
+        },
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Workers (each runs in its own subprocess)
+# --------------------------------------------------------------------------------------------
+
+
+def _peak_rss_mib() -> float:
+    """Peak resident set of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def _rss_mib() -> float | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return None
+
+
+def _cpu_snapshot() -> tuple[float, float] | None:
+    """(machine-wide busy CPU seconds, this process's CPU seconds), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return busy, ru.ru_utime + ru.ru_stime
+
+
+def _foreign_cores(start, end, wall: float) -> float | None:
+    """Average number of cores other processes kept busy between two snapshots: a noise gauge
+    on a shared machine (0 when this benchmark had the machine to itself)."""
+    if start is None or end is None or wall <= 0:
+        return None
+    return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / wall)
+
+
+class _Timed:
+    """Context manager: wall seconds and other processes' CPU load over a timed section."""
+
+    def __enter__(self):
+        self.snap = _cpu_snapshot()
+        self.t = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.t
+        self.foreign = _foreign_cores(self.snap, _cpu_snapshot(), self.wall)
+        return False
+
+
+def _set_threads(cfg: dict) -> None:
+    import torch
+
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg["threads"])
+
+
+def _result(wl: dict, wall: float, tokens: list[list[int]], **extra) -> dict:
+    lens = wl["output_lens"]
+    bad = [i for i, (t, n) in enumerate(zip(tokens, lens)) if len(t) != n]
+    if bad:
+        i = bad[0]
+        raise RuntimeError(
+            f"{len(bad)} requests got the wrong number of tokens "
+            f"(request {i}: {len(tokens[i])} instead of {lens[i]})"
+        )
+    out_tok = sum(lens)
+    prompt_tok = sum(len(p) for p in wl["prompts"])
+    return {
+        "wall_s": wall,
+        "output_tokens": out_tok,
+        "prompt_tokens": prompt_tok,
+        "output_tok_s": out_tok / wall,
+        "total_tok_s": (out_tok + prompt_tok) / wall,
+        "token_ids": tokens,
+        **extra,
+    }
+
+
+def worker_iterserve(wl: dict, cfg: dict) -> dict:
+    from engine import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=None,
+        max_num_seqs=cfg["max_num_seqs"],
+        max_num_batched_tokens=cfg["max_num_batched_tokens"],
+        block_size=cfg["block_size"],
+        num_kv_blocks=cfg["num_kv_blocks"],
+        dtype="float32",
+    )
+    setup = time.perf_counter() - t0
+    rss_loaded = _rss_mib()
+    engine = llm.llm_engine
+    preemptions = 0
+    orig_preempt = engine.scheduler.preempt
+
+    def counting_preempt(req):
+        nonlocal preemptions
+        preemptions += 1
+        return orig_preempt(req)
+
+    engine.scheduler.preempt = counting_preempt
+    warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p[:32]} for p in wl["prompts"][:2]], warm, use_tqdm=False)
+    preemptions = 0
+
+    prompts = [{"prompt_token_ids": p} for p in wl["prompts"]]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl["output_lens"]]
+    with _Timed() as tm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = tm.wall
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+    e2e = [o.metrics.finish_time - o.metrics.arrival_time for o in outs]
+    return _result(
+        wl, wall, [list(o.outputs[0].token_ids) for o in outs],
+        setup_s=setup, rss_after_load_mib=rss_loaded, preemptions=preemptions,
+        foreign_cores=tm.foreign,
+        ttft_s_p50=statistics.median(ttft), e2e_s_p50=statistics.median(e2e),
+        model_dir=str(engine.model_dir),
+    )
+
+
+def _load_hf(attn: str = "sdpa"):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.model_loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(None)  # the same directory as llm.llm_engine.model_dir
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=attn
+    ).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return model, tok, model_dir
+
+
+def worker_hf_generate(wl: dict, cfg: dict) -> dict:
+    import torch
+    from transformers import GenerationConfig
+
+    t0 = time.perf_counter()
+    model, tok, model_dir = _load_hf()
+    setup = time.perf_counter() - t0
+    rss_loaded = _rss_mib()
+    pad = tok.eos_token_id
+    tok.padding_side = "left"
+    # ignore_eos: with eos_token_id None nothing stops on EOS and nothing suppresses it (a None
+    # in the GenerationConfig passed to generate is filled from the model's, hence this).
+    model.generation_config.eos_token_id = None
+
+    def run_batch(prompts: list[list[int]], n_new: int) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        gc = GenerationConfig(
+            max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+            pad_token_id=pad, eos_token_id=None,
+        )
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+        new = out[:, width:]
+        if new.shape[1] != n_new:
+            raise RuntimeError(f"generate returned {new.shape[1]} new tokens, expected {n_new}")
+        return new.tolist()
+
+    run_batch([p[:32] for p in wl["prompts"][:2]], 4)  # warm-up
+
+    B = cfg["batch_size"]
+    prompts, lens = wl["prompts"], wl["output_lens"]
+    tokens: list[list[int]] = []
+    computed = 0
+    with _Timed() as tm:
+        for s in range(0, len(prompts), B):
+            n_new = max(lens[s:s + B])
+            rows = run_batch(prompts[s:s + B], n_new)
+            computed += n_new * len(rows)
+            tokens.extend(r[:n] for r, n in zip(rows, lens[s:s + B]))
+    return _result(
+        wl, tm.wall, tokens, setup_s=setup, rss_after_load_mib=rss_loaded, foreign_cores=tm.foreign,
+        output_tokens_computed=computed, model_dir=str(model_dir),
+    )
+
+
+def worker_hf_generate_batch(wl: dict, cfg: dict) -> dict:
+    import torch
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    t0 = time.perf_counter()
+    model, tok, model_dir = _load_hf()
+    rss_loaded = _rss_mib()
+    prompts, lens = wl["prompts"], wl["output_lens"]
+
+    def cb_config():
+        return ContinuousBatchingConfig(
+            page_size=cfg["page_size"],
+            num_blocks=cfg["num_blocks"],
+            max_batch_tokens=cfg["max_batch_tokens"],
+            max_requests_per_batch=cfg["max_requests_per_batch"],
+            allow_block_sharing=cfg["allow_block_sharing"],
+            auto_switch_to_flash=cfg["auto_switch_to_flash"],
+            scheduler_type=cfg["scheduler_type"],
+            default_compile_level=cfg["default_compile_level"],
+        )
+
+    def gen_config(n_new: int):
+        # eos_token_id=-1: EOS never matches, so it neither stops nor is suppressed
+        return GenerationConfig(
+            max_new_tokens=n_new, do_sample=False, eos_token_id=-1, pad_token_id=tok.eos_token_id
+        )
+
+    def via_generate_batch(ps: list[list[int]], n_new: int):
+        with _Timed() as tm:  # includes the manager's set-up and warm-up
+            res = model.generate_batch(
+                inputs=ps, generation_config=gen_config(n_new),
+                continuous_batching_config=cb_config(),
+            )
+        out = list(res.values())
+        if len(out) != len(ps) or any(r.error for r in out):
+            errs = [r.error for r in out if r.error]
+            raise RuntimeError(f"generate_batch returned {len(out)}/{len(ps)} results; {errs[:1]}")
+        return [list(r.generated_tokens) for r in out], tm
+
+    def via_manager(ps: list[list[int]], ns: list[int]):
+        with torch.inference_mode():
+            t = time.perf_counter()
+            with model.continuous_batching_context_manager(
+                generation_config=gen_config(max(ns)), continuous_batching_config=cb_config(),
+                block=True, timeout=30,
+            ) as mgr:
+                setup = time.perf_counter() - t
+                tm = _Timed().__enter__()
+                ids = [
+                    mgr.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+                    for i, (p, n) in enumerate(zip(ps, ns))
+                ]
+                done: dict = {}
+                while len(done) < len(ids):
+                    r = mgr.get_result(timeout=1)
+                    if r is not None and r.is_finished():
+                        if r.error:
+                            raise RuntimeError(f"request {r.request_id} failed: {r.error}")
+                        done[r.request_id] = r
+                    elif r is None and not mgr.is_running():
+                        raise RuntimeError(
+                            f"continuous batching thread stopped with {len(done)}/{len(ids)} done"
+                        )
+                tm.__exit__(None, None, None)
+        return [list(done[i].generated_tokens) for i in ids], tm, setup
+
+    warm = [p[:32] for p in prompts[:2]]
+    if cfg["api"] == "generate_batch":
+        via_generate_batch(warm, 4)
+        setup = time.perf_counter() - t0
+        n_new = max(lens)
+        rows, tm = via_generate_batch(prompts, n_new)
+        tokens = [r[:n] for r, n in zip(rows, lens)]
+        extra = {"output_tokens_computed": n_new * len(prompts),
+                 "note": "wall includes generate_batch's manager set-up and warm-up"}
+    else:
+        via_manager(warm, [4, 4])
+        load = time.perf_counter() - t0
+        tokens, tm, mgr_setup = via_manager(prompts, lens)
+        setup = load + mgr_setup
+        extra = {"manager_setup_s": mgr_setup}
+    return _result(wl, tm.wall, tokens, setup_s=setup, rss_after_load_mib=rss_loaded,
+                   foreign_cores=tm.foreign, model_dir=str(model_dir), **extra)
+
+
+def _gemm_flops(n: int, reps: int) -> tuple[float, list[float]]:
+    import torch
+
+    a = torch.randn(n, n, dtype=torch.float32)
+    b = torch.randn(n, n, dtype=torch.float32)
+    for _ in range(2):
+        torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times), times
+
+
+def worker_sweep(wl: dict, cfg: dict) -> dict:
+    """Decode tokens/s at several batch sizes, with a per-phase breakdown of each step."""
+    import torch
+
+    from engine import LLM, SamplingParams
+
+    gemm_flops, gemm_times = _gemm_flops(cfg["gemm_size"], cfg["gemm_reps"])
+    llm = LLM(
+        model=None,
+        max_num_seqs=cfg["max_num_seqs"],
+        max_num_batched_tokens=cfg["max_num_batched_tokens"],
+        block_size=cfg["block_size"],
+        num_kv_blocks=cfg["num_kv_blocks"],
+        dtype="float32",
+    )
+    engine = llm.llm_engine
+    runner = engine.runner
+    n_params = sum(p.numel() for p in runner.model.parameters())
+    roofline = gemm_flops / (2 * n_params)
+
+    acc = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0}
+    last_out = []
+
+    def timed(name, fn, keep=False):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            r = fn(*a, **kw)
+            acc[name] += time.perf_counter() - t
+            if keep:
+                last_out[:] = [r]
+            return r
+        return wrapper
+
+    # Instance attributes shadow the methods; LLMEngine.step and ModelRunner.execute call them
+    # through self, so these wrappers see every call. nn.Module.__call__ dispatches to
+    # self.forward, which the instance attribute overrides too.
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule, keep=True)
+    runner._prepare = timed("prepare", runner._prepare)
+    runner.model.forward = timed("forward", runner.model.forward)
+    runner.sampler.sample = timed("sample", runner.sampler.sample)
+
+    rng = random.Random(cfg["seed"] + 1)
+    points = []
+    skip, steps = cfg["warm_steps"], cfg["steps"]
+    for n in cfg["batch_sizes"]:
+        prompts = [[rng.randrange(*TOKEN_ID_RANGE) for _ in range(cfg["prompt_len"])]
+                   for _ in range(n)]
+        params = SamplingParams(max_tokens=skip + steps + 4, temperature=0, ignore_eos=True)
+        ids = [f"sweep{n}-{i}" for i in range(n)]
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, p, params)
+        prefill_steps = 0
+        records = []
+        meas_start = None  # (cpu snapshot, time) before the first measured step
+        while len(records) < skip + steps:
+            for k in acc:
+                acc[k] = 0.0
+            snap = _cpu_snapshot()
+            t = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t
+            out = last_out[0]
+            if not out.num_decodes == len(out.seqs) == n:  # a prefill is still in this step
+                prefill_steps += 1
+                if records or prefill_steps > 100:
+                    raise RuntimeError(f"sweep at {n} seqs: not all sequences decoding")
+                continue
+            if len(records) == skip:
+                meas_start = (snap, t)
+            records.append({"step": dt, **acc})
+        foreign = _foreign_cores(meas_start[0], _cpu_snapshot(),
+                                 time.perf_counter() - meas_start[1])
+        engine.abort(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+        rec = records[skip:]
+        total = sum(r["step"] for r in rec)
+        phase = {k: sum(r[k] for r in rec) / len(rec) for k in acc}
+        step_mean = total / len(rec)
+        other = step_mean - sum(phase.values())
+        tok_s = n * len(rec) / total
+        points.append({
+            "num_seqs": n,
+            "steps_measured": len(rec),
+            "tok_s": tok_s,
+            "pct_roofline": 100 * tok_s / roofline,
+            "step_ms_mean": 1000 * step_mean,
+            "step_ms_median": 1000 * statistics.median(r["step"] for r in rec),
+            "breakdown_ms": {**{k: 1000 * v for k, v in phase.items()}, "other": 1000 * other},
+            "sched_prep_pct": 100 * (phase["schedule"] + phase["prepare"]) / step_mean,
+            "outside_forward_pct": 100 * (step_mean - phase["forward"]) / step_mean,
+            "foreign_cores": foreign,
+        })
+    return {
+        "gemm": {"n": cfg["gemm_size"], "reps": cfg["gemm_reps"], "gflop_s": gemm_flops / 1e9,
+                 "times_s": gemm_times},
+        "num_params": n_params,
+        "flop_per_token": 2 * n_params,
+        "roofline_tok_s": roofline,
+        "torch_threads": torch.get_num_threads(),
+        "prompt_len": cfg["prompt_len"],
+        "points": points,
+    }
+
+
+WORKERS = {
+    "iterserve": worker_iterserve,
+    "hf_generate": worker_hf_generate,
+    "hf_generate_batch": worker_hf_generate_batch,
+    "sweep": worker_sweep,
+}
+
+
+def worker_main(name: str, spec_path: str, result_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    _set_threads(spec["config"])
+    try:
+        res = WORKERS[name](spec["workload"], spec["config"])
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which records it
+        import traceback
+
+        res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    res["peak_rss_mib"] = _peak_rss_mib()
+    import torch
+
+    res["torch_threads"] = torch.get_num_threads()
+    Path(result_path).write_text(json.dumps(res))
+
+
+# --------------------------------------------------------------------------------------------
+# Parent: orchestration, aggregation, report
+# --------------------------------------------------------------------------------------------
+
+
+def spawn(name: str, workload: dict, config: dict, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="iterserve-bench-") as tmp:
+        spec, result = Path(tmp, "spec.json"), Path(tmp, "result.json")
+        spec.write_text(json.dumps({"workload": workload, "config": config}))
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name,
+               "--spec", str(spec), "--result", str(result)]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s"}
+        if result.is_file():
+            res = json.loads(result.read_text())
+        else:
+            res = {"error": f"worker exited with {proc.returncode} and no result"}
+        if "error" in res:
+            res["stderr_tail"] = proc.stderr[-3000:]
+        return res
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How many requests got identical greedy tokens, and where the others first diverge."""
+    firsts = []
+    for x, y in zip(a, b):
+        if x != y:
+            firsts.append(next((i for i, (u, v) in enumerate(zip(x, y)) if u != v),
+                               min(len(x), len(y))))
+    return {
+        "requests": len(a),
+        "identical": len(a) - len(firsts),
+        "first_divergence_positions": sorted(firsts),
+    }
+
+
+def aggregate(runs: dict[str, list[dict]]) -> dict:
+    out = {}
+    for name, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        errors = [r["error"] for r in rs if "error" in r]
+        entry = {
+            "runs_ok": len(ok),
+            "errors": errors,
+            "output_tok_s_runs": [r.get("output_tok_s") for r in rs],
+            "total_tok_s_runs": [r.get("total_tok_s") for r in rs],
+            "wall_s_runs": [r.get("wall_s") for r in rs],
+            "peak_rss_mib_runs": [r.get("peak_rss_mib") for r in rs],
+            "output_tok_s_median": _median(r["output_tok_s"] for r in ok),
+            "total_tok_s_median": _median(r["total_tok_s"] for r in ok),
+            "wall_s_median": _median(r["wall_s"] for r in ok),
+            "peak_rss_mib_max": max((r["peak_rss_mib"] for r in rs if "peak_rss_mib" in r),
+                                    default=None),
+            "rss_after_load_mib": _median(r.get("rss_after_load_mib") for r in ok),
+            "setup_s_median": _median(r.get("setup_s") for r in ok),
+        }
+        for key in ("output_tokens_computed", "preemptions", "ttft_s_p50", "e2e_s_p50",
+                    "manager_setup_s", "note"):
+            vals = [r[key] for r in ok if key in r]
+            if vals:
+                entry[key] = vals if key != "note" else vals[0]
+        if ok:
+            entry["output_tokens"] = ok[0]["output_tokens"]
+            entry["prompt_tokens"] = ok[0]["prompt_tokens"]
+        if errors:
+            entry["stderr_tail"] = next(r.get("stderr_tail", "") for r in rs if "error" in r)
+            entry["traceback"] = next(r.get("traceback", "") for r in rs if "error" in r)
+        out[name] = entry
+    return out
+
+
+def ratios(systems: dict, runs: int) -> dict:
+    res = {}
+    base = systems.get("iterserve")
+    for other in ("hf_generate_batch", "hf_generate"):
+        if base is None or other not in systems:
+            continue
+        per_run = []
+        for i in range(runs):
+            a = base["output_tok_s_runs"][i]
+            b = systems[other]["output_tok_s_runs"][i]
+            per_run.append(a / b if a and b else None)
+        key = f"iterserve_over_{other}"
+        med = _median(per_run)
+        res[key] = {"per_run": per_run, "median": med, "target": TARGETS[key],
+                    "met": None if med is None else med >= TARGETS[key]}
+    return res
+
+
+def fmt(x, spec=".1f", missing="—") -> str:
+    return missing if x is None else format(x, spec)
+
+
+def print_report(report: dict) -> None:
+    tr, wl = report["trace"], report["workload"]
+    print()
+    print(f"## iterserve engine throughput ({'quick' if report['quick'] else 'full'} run, "
+          f"{report['runs']} run(s), SmolLM2-135M-Instruct fp32, "
+          f"{report['machine']['cpu_count']} CPUs)")
+    print()
+    print(f"Workload: {tr['attribution']}.")
+    print(f"Window: {tr['window']}. Prompt len = {tr['prompt_len']}; output len = "
+          f"{tr['output_len']}; prompt ids {tr['prompt_token_ids']}.")
+    print(f"{wl['num_requests']} requests, {wl['prompt_tokens_total']} prompt tokens "
+          f"(p50 {wl['prompt_len_p50']}, max {wl['prompt_len_max']}), "
+          f"{wl['output_tokens_total']} output tokens (p50 {wl['output_len_p50']}, "
+          f"max {wl['output_len_max']}).")
+    print()
+    print("| system | output tok/s (median) | output tok/s per run | total tok/s | wall s "
+          "| peak RSS MiB | notes |")
+    print("|---|---:|---|---:|---:|---:|---|")
+    for name, s in report["systems"].items():
+        per = ", ".join(fmt(x) for x in s["output_tok_s_runs"])
+        notes = []
+        if s["errors"]:
+            notes.append(f"ERROR: {s['errors'][0][:160]}")
+        if "output_tokens_computed" in s:
+            notes.append(f"computed {s['output_tokens_computed'][0]} output tokens for "
+                         f"{s.get('output_tokens')} useful")
+        if "preemptions" in s and any(s["preemptions"]):
+            notes.append(f"preemptions {s['preemptions']}")
+        if "ttft_s_p50" in s:
+            notes.append(f"TTFT p50 {fmt(_median(s['ttft_s_p50']), '.2f')} s")
+        print(f"| {name} | {fmt(s['output_tok_s_median'])} | {per} | "
+              f"{fmt(s['total_tok_s_median'])} | {fmt(s['wall_s_median'])} | "
+              f"{fmt(s['peak_rss_mib_max'], '.0f')} | {'; '.join(notes)} |")
+    print()
+    print("Peak RSS: ru_maxrss of each system's own subprocess (weights + KV cache + "
+          "activations), max over runs.")
+    print()
+    print("| metric | measured | per run | target | met |")
+    print("|---|---:|---|---:|---|")
+    for key, r in report["ratios"].items():
+        per = ", ".join(fmt(x, ".2f") for x in r["per_run"])
+        print(f"| {key.replace('_', ' ')} | {fmt(r['median'], '.2f')}x | {per} | "
+              f"≥{r['target']}x | {r['met']} |")
+    sw = report.get("decode_sweep") or {}
+    at64 = next((p for p in sw.get("points", []) if p["num_seqs"] == 64), None)
+    if at64:
+        pct, sp = at64["pct_roofline"], at64["sched_prep_pct"]
+        print(f"| decode % of roofline at 64 seqs | {pct:.1f}% | | "
+              f"≥{TARGETS['decode_pct_roofline_at_64']:.0f}% | "
+              f"{pct >= TARGETS['decode_pct_roofline_at_64']} |")
+        print(f"| scheduling+prep % of step at 64 seqs | {sp:.1f}% | | "
+              f"≤{TARGETS['sched_prep_pct_at_64']:.0f}% | "
+              f"{sp <= TARGETS['sched_prep_pct_at_64']} |")
+    print()
+    if sw.get("error"):
+        print(f"Decode sweep ERROR: {sw['error']}")
+    elif sw:
+        g = sw["gemm"]
+        print(f"Decode sweep (iterserve, {sw['prompt_len']}-token prompts, pure-decode steps "
+              f"only). Roofline: fp32 GEMM {g['gflop_s']:.1f} GFLOP/s (torch.mm {g['n']}x{g['n']}, "
+              f"median of {g['reps']}) / (2 x {sw['num_params'] / 1e6:.1f} M params) = "
+              f"{sw['roofline_tok_s']:.0f} tok/s.")
+        print()
+        print("| seqs | decode tok/s | % roofline | step ms (mean) | schedule ms | prepare ms "
+              "| forward ms | sample ms | other ms | sched+prep % | outside forward % |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for p in sw["points"]:
+            b = p["breakdown_ms"]
+            print(f"| {p['num_seqs']} | {p['tok_s']:.1f} | {p['pct_roofline']:.1f} | "
+                  f"{p['step_ms_mean']:.1f} | {b['schedule']:.2f} | {b['prepare']:.2f} | "
+                  f"{b['forward']:.1f} | {b['sample']:.2f} | {b['other']:.2f} | "
+                  f"{p['sched_prep_pct']:.1f} | {p['outside_forward_pct']:.1f} |")
+        print()
+    ag = report.get("greedy_agreement") or {}
+    if ag:
+        print("Greedy agreement (run 1 tokens; fp32, different batch shapes may flip near-ties):")
+        print()
+        print("| pair | identical requests | first divergence positions |")
+        print("|---|---:|---|")
+        for pair, a in ag.items():
+            pos = a["first_divergence_positions"]
+            shown = ", ".join(map(str, pos[:12])) + (" ..." if len(pos) > 12 else "")
+            print(f"| {pair} | {a['identical']}/{a['requests']} | {shown or '—'} |")
+        print()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny smoke run: 8 requests, 1 run, short sweep (about 1-2 min)")
+    ap.add_argument("--runs", type=int, default=None, help="runs per system (default 3; quick 1)")
+    ap.add_argument("--num-requests", type=int, default=None,
+                    help="trace rows in the window (default 64; quick 8)")
+    ap.add_argument("--window-start", type=int, default=0, help="first trace row of the window")
+    ap.add_argument("--prompt-scale", type=float, default=8.0)
+    ap.add_argument("--output-scale", type=float, default=4.0)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--max-output", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-kv-blocks", type=int, default=1024)
+    ap.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of hf_generate")
+    ap.add_argument("--hf-cb-api", choices=("manager", "generate_batch"), default="manager",
+                    help="manager: per-request max_new_tokens through generate_batch's manager; "
+                         "generate_batch: the call itself, one max_new_tokens for all")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the decode sweep")
+    ap.add_argument("--sweep-sizes", default="1,8,32,64")
+    ap.add_argument("--sweep-steps", type=int, default=None,
+                    help="measured pure-decode steps per size (default 20; quick 4)")
+    ap.add_argument("--gemm-size", type=int, default=2048)
+    ap.add_argument("--worker-timeout", type=float, default=1800.0)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.runs is None:
+        args.runs = 1 if args.quick else 3
+    if args.num_requests is None:
+        args.num_requests = 8 if args.quick else 64
+    if args.sweep_steps is None:
+        args.sweep_steps = 4 if args.quick else 20
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args.worker, args.spec, args.result)
+        return 0
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems: {sorted(unknown)}")
+
+    wl = build_workload(args)
+    stats = workload_stats(wl)
+    kv_tokens = args.num_kv_blocks * args.block_size
+    longest = max(len(p) + n for p, n in zip(wl["prompts"], wl["output_lens"]))
+    if longest > kv_tokens:
+        raise SystemExit(f"a request needs {longest} tokens; the KV cache holds {kv_tokens}")
+    configs = system_configs(args)
+    workload = {"prompts": wl["prompts"], "output_lens": wl["output_lens"]}
+    print(f"workload: {stats['num_requests']} requests, {stats['prompt_tokens_total']} prompt + "
+          f"{stats['output_tokens_total']} output tokens; {args.runs} run(s) of "
+          f"{', '.join(systems)}", flush=True)
+
+    t_start = time.perf_counter()
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for i in range(args.runs):
+        for name in systems:
+            t = time.perf_counter()
+            r = spawn(name, workload, configs[name], args.worker_timeout)
+            runs[name].append(r)
+            what = (f"ERROR {r['error']}" if "error" in r else
+                    f"{r['output_tok_s']:.1f} out tok/s, wall {r['wall_s']:.1f} s, "
+                    f"peak RSS {r['peak_rss_mib']:.0f} MiB")
+            print(f"[run {i + 1}/{args.runs}] {name}: {what} "
+                  f"({time.perf_counter() - t:.0f} s with start-up)", flush=True)
+
+    sweep = None
+    if not args.no_sweep:
+        t = time.perf_counter()
+        sweep_cfg = {
+            **configs["iterserve"],
+            "batch_sizes": [int(x) for x in args.sweep_sizes.split(",")],
+            "prompt_len": 16,
+            "steps": args.sweep_steps,
+            "warm_steps": 2,
+            "gemm_size": args.gemm_size,
+            "gemm_reps": 3 if args.quick else 9,
+            "seed": args.seed,
+        }
+        sweep = spawn("sweep", {}, sweep_cfg, args.worker_timeout)
+        what = f"ERROR {sweep['error']}" if "error" in sweep else "done"
+        print(f"decode sweep: {what} ({time.perf_counter() - t:.0f} s)", flush=True)
+
+    agg = aggregate(runs)
+    greedy = {}
+    first_ok = {n: next((r for r in rs if "error" not in r), None) for n, rs in runs.items()}
+    names = [n for n in systems if first_ok[n] is not None]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            greedy[f"{a} vs {b}"] = agreement(first_ok[a]["token_ids"], first_ok[b]["token_ids"])
+
+    report = {
+        "benchmark": "engine_throughput",
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "quick": args.quick,
+        "runs": args.runs,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": _version("torch"),
+            "transformers": _version("transformers"),
+        },
+        "model": "SmolLM2-135M-Instruct (embedded GGUF, de-quantised to fp32)",
+        "trace": wl["trace"],
+        "workload": stats,
+        "config": configs,
+        "method": {
+            "wall_time": "generation only (model load, KV allocation and a tiny warm-up excluded)",
+            "output_tok_s": "sum of each request's own output length / wall",
+            "total_tok_s": "(prompt tokens + output tokens) / wall",
+            "peak_rss": "resource.getrusage(RUSAGE_SELF).ru_maxrss in each system's own "
+                        "subprocess, one subprocess per (system, run)",
+            "run_order": "interleaved: run i of every system, then run i+1",
+        },
+        "systems": agg,
+        "ratios": ratios(agg, args.runs),
+        "decode_sweep": sweep,
+        "targets": TARGETS,
+        "greedy_agreement": greedy,
+        "elapsed_s": time.perf_counter() - t_start,
+    }
+    if sweep and "points" in sweep:
+        at64 = next((p for p in sweep["points"] if p["num_seqs"] == 64), None)
+        if at64:
+            report["target_met"] = {
+                "decode_pct_roofline_at_64":
+                    at64["pct_roofline"] >= TARGETS["decode_pct_roofline_at_64"],
+                "sched_prep_pct_at_64": at64["sched_prep_pct"] <= TARGETS["sched_prep_pct_at_64"],
+            }
+    for name, r in report["ratios"].items():
+        report.setdefault("target_met", {})[name] = r["met"]
+
+    print_report(report)
+    for name, s in agg.items():
+        if s["errors"]:
+            print(f"{name} failed: {s['errors'][0]}\n{s.get('stderr_tail', '')[-1500:]}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {os.path.relpath(args.out)} ({report['elapsed_s']:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

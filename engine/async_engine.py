@@ -1,0 +1,165 @@
+"""AsyncLLMEngine: the batching loop in the background, one async stream per request."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, PromptType
+from engine.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The background loop failed; the stream cannot finish."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int
+
+
+class AsyncLLMEngine:
+    """Drives an :class:`LLMEngine` from an asyncio loop.
+
+    ``step()`` runs in one worker thread (torch releases the GIL, so the event loop keeps
+    serving); additions and aborts are queued and applied on the event loop between
+    steps, so the engine is only ever touched by one thread at a time. An abort thus
+    takes effect, and frees the request's KV blocks, before the next step starts.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        # The worker thread detokenizes with the engine's tokenizer; this copy encodes
+        # prompts on the event loop thread.
+        self._tokenizer = copy.deepcopy(engine.tokenizer)
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._to_add: list[_Pending] = []
+        self._to_abort: list[str] = []
+        self._wake = asyncio.Event()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._loop_task: asyncio.Task | None = None
+        self._ids = itertools.count()
+        self._error: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as tokens arrive; the last has ``finished=True``.
+
+        Each output carries the cumulative text and this step's delta. Leaving the
+        iterator early (or cancelling the task that iterates) aborts the request.
+
+        Raises:
+            ValueError, RequestRejectedError: bad prompt or parameters, raised before the
+                first output (see :meth:`LLMEngine.add_request`).
+            EngineDeadError: the background loop failed.
+        """
+        if self._error is not None:
+            raise EngineDeadError("engine loop failed") from self._error
+        params = sampling_params or SamplingParams()
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        # Validate now so the caller gets the error before any stream starts.
+        _, ids = self.engine.tokenize(prompt, self._tokenizer)
+        self.engine.check_length(len(ids), params.max_tokens)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[rid] = queue
+        self._to_add.append(_Pending(rid, {"prompt_token_ids": ids}, params, priority))
+        self._ensure_loop()
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError("engine loop failed") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._to_abort.append(rid)
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed before the next step."""
+        self._to_abort.append(request_id)
+        self._wake.set()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def _apply_pending(self) -> None:
+        engine = self.engine
+        if self._to_abort:
+            aborted = set(self._to_abort)
+            self._to_abort.clear()
+            self._to_add = [p for p in self._to_add if p.request_id not in aborted]
+            engine.abort(list(aborted))
+        for p in self._to_add:
+            try:
+                engine.add_request(p.request_id, p.prompt, p.params, priority=p.priority)
+            except ValueError as e:  # validated in generate(); only a race can land here
+                queue = self._streams.get(p.request_id)
+                if queue is not None:
+                    queue.put_nowait(e)
+        self._to_add.clear()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        try:
+            while True:
+                self._apply_pending()
+                if not engine.has_unfinished_requests():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                outputs = await loop.run_in_executor(self._executor, engine.step)
+                for out in outputs:
+                    queue = self._streams.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                # Let streams consume and cancellations land before the next step.
+                await asyncio.sleep(0)
+        except Exception as e:  # a bug in the engine: fail every stream instead of hanging
+            logger.exception("engine loop failed")
+            self._error = e
+            for queue in self._streams.values():
+                queue.put_nowait(e)
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,173 @@
+"""Engine behaviour on the real default model: refusal, abort, seeds, stops, async streams."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, AsyncLLMEngine, RequestRejectedError, SamplingParams
+from engine.model_loader import ModelLoadError, load_model
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # 40 blocks of 16 tokens: a 640-token KV cache, small enough to test refusal.
+    return LLM(num_kv_blocks=40, max_num_seqs=8)
+
+
+def all_blocks_free(llm) -> bool:
+    bm = llm.llm_engine.block_manager
+    bm.check()
+    return bm.num_free_blocks == bm.num_blocks
+
+
+def test_offline_generate_default_prompt(llm):
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0),
+                       use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 8
+
+
+def test_oversized_request_is_refused_when_added_and_others_run(llm):
+    engine = llm.llm_engine
+    with pytest.raises(RequestRejectedError, match="KV cache capacity of 640 tokens"):
+        engine.add_request("big", {"prompt_token_ids": [100] * 600},
+                           SamplingParams(max_tokens=100))
+    ctx = engine.max_model_len
+    with pytest.raises(RequestRejectedError, match=f"context of {ctx} tokens"):
+        engine.add_request("ctx", {"prompt_token_ids": [100] * 10},
+                           SamplingParams(max_tokens=ctx))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request("empty", "")
+    assert not engine.has_unfinished_requests()
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert all_blocks_free(llm)
+
+
+def test_max_tokens_none_runs_to_the_end_of_the_cache(llm):
+    params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [100] * 620}], params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 20  # 640 tokens of KV cache in all
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.llm_engine
+    engine.add_request("a", "Write a long poem about the sea.", SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.add_request("b", "Count to one hundred:", SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert not all_blocks_free(llm)
+    outs = engine.abort(["a", "b"])
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort", "abort"]
+    assert not engine.has_unfinished_requests() and all_blocks_free(llm)
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llm):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    alone = llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(max_tokens=12, temperature=1.0)
+    batch = llm.generate(
+        ["A recipe for bread:", "Once upon a time", "def main():"],
+        [others, params, others], use_tqdm=False,
+    )
+    assert batch[1].outputs[0].token_ids == alone
+    unseeded = [llm.generate(["Once upon a time"], others, use_tqdm=False)[0].outputs[0].token_ids
+                for _ in range(2)]
+    assert alone != unseeded[0] or alone != unseeded[1]
+
+
+def test_stop_string_and_stop_token_finish_reasons(llm):
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    base = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0]
+    assert base.text.startswith(" Paris.")
+    out = llm.generate(["The capital of France is"],
+                       SamplingParams(max_tokens=12, temperature=0, stop=["ris."]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == " Pa" and out.finish_reason == "stop" and out.stop_reason == "ris."
+    stop_id = base.token_ids[1]
+    out = llm.generate(["The capital of France is"],
+                       SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[:2] and out.finish_reason == "stop"
+    chat = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], tokenize=False,
+                                   add_generation_prompt=True)
+    out = llm.generate([chat], SamplingParams(max_tokens=64, temperature=0),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == tok.eos_token_id
+    assert "<|im_end|>" not in out.text
+
+
+def test_n_and_logprobs(llm):
+    params = SamplingParams(max_tokens=5, temperature=0.8, n=3, seed=7, logprobs=2)
+    out = llm.generate(["The weather today is"], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for c in out.outputs:
+        assert len(c.token_ids) == 5 and len(c.logprobs) == 5
+        for tok_id, step in zip(c.token_ids, c.logprobs):
+            assert tok_id in step and len(step) <= 3
+            assert all(v <= 0 for v in step.values())
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert all_blocks_free(llm)
+
+
+def test_invalid_sampling_params_name_the_field():
+    for kwargs, field in [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
+                          (dict(top_p=0), "top_p"), (dict(n=0), "n"), (dict(stop=[""]), "stop")]:
+        with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
+            SamplingParams(**kwargs)
+
+
+def test_model_errors_name_the_path_or_architecture(tmp_path):
+    import torch
+
+    with pytest.raises(ModelLoadError, match="does not exist: /no/such/model"):
+        load_model("/no/such/model", torch.float32, torch.device("cpu"), "sdpa")
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*BertModel"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"), "sdpa")
+
+
+async def test_async_stream_and_cancel_frees_blocks_within_one_step():
+    engine = AsyncLLMEngine.from_config(__import__("engine").EngineConfig(num_kv_blocks=64))
+    try:
+        deltas = []
+        async for out in engine.generate("The capital of France is",
+                                         SamplingParams(max_tokens=10, temperature=0)):
+            deltas.append(out.outputs[0].delta_text)
+        assert out.finished and "".join(deltas) == out.outputs[0].text
+        assert out.outputs[0].text.startswith(" Paris")
+
+        steps = []
+        real_step = engine.engine.step
+        engine.engine.step = lambda: steps.append(1) or real_step()
+        stream = engine.generate("Tell me a story.", SamplingParams(max_tokens=500))
+        async for out in stream:
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        await stream.aclose()
+        bm = engine.engine.block_manager
+        seen = len(steps)
+        for _ in range(100):
+            if bm.num_free_blocks == bm.num_blocks:
+                break
+            await asyncio.sleep(0.01)
+        assert bm.num_free_blocks == bm.num_blocks
+        assert len(steps) - seen <= 1
+        assert not engine.engine.has_unfinished_requests()
+    finally:
+        await engine.shutdown()
+
+
+async def test_async_rejects_before_streaming():
+    engine = AsyncLLMEngine.from_config(__import__("engine").EngineConfig(num_kv_blocks=4))
+    try:
+        with pytest.raises(RequestRejectedError):
+            async for _ in engine.generate({"prompt_token_ids": [5] * 100}):
+                pass
+        assert engine.num_unfinished == 0
+    finally:
+        await engine.shutdown()
