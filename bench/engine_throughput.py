@@ -79,6 +79,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 DEFAULT_OUT = REPO / "bench" / "results" / "engine_throughput.json"
+QUICK_OUT = REPO / "bench" / "results" / "engine_throughput_quick.json"
 ATTRIBUTION = (
     "Azure LLM inference trace 2023 (conversation), CC-BY 4.0, from Splitwise: Patel, Choukse, "
     "Zhang, Shah, Goiri, Maleki, Bianchini, ISCA 2024 (Azure/AzurePublicDataset)"
@@ -692,6 +693,8 @@ def aggregate(runs: dict[str, list[dict]]) -> dict:
                                     default=None),
             "rss_after_load_mib": _median(r.get("rss_after_load_mib") for r in ok),
             "setup_s_median": _median(r.get("setup_s") for r in ok),
+            "foreign_cores_runs": [r.get("foreign_cores") for r in rs],
+            "torch_threads": next((r["torch_threads"] for r in rs if "torch_threads" in r), None),
         }
         for key in ("output_tokens_computed", "preemptions", "ttft_s_p50", "e2e_s_p50",
                     "manager_setup_s", "note"):
@@ -746,8 +749,8 @@ def print_report(report: dict) -> None:
           f"max {wl['output_len_max']}).")
     print()
     print("| system | output tok/s (median) | output tok/s per run | total tok/s | wall s "
-          "| peak RSS MiB | notes |")
-    print("|---|---:|---|---:|---:|---:|---|")
+          "| peak RSS MiB | other load (cores) per run | notes |")
+    print("|---|---:|---|---:|---:|---:|---|---|")
     for name, s in report["systems"].items():
         per = ", ".join(fmt(x) for x in s["output_tok_s_runs"])
         notes = []
@@ -762,10 +765,13 @@ def print_report(report: dict) -> None:
             notes.append(f"TTFT p50 {fmt(_median(s['ttft_s_p50']), '.2f')} s")
         print(f"| {name} | {fmt(s['output_tok_s_median'])} | {per} | "
               f"{fmt(s['total_tok_s_median'])} | {fmt(s['wall_s_median'])} | "
-              f"{fmt(s['peak_rss_mib_max'], '.0f')} | {'; '.join(notes)} |")
+              f"{fmt(s['peak_rss_mib_max'], '.0f')} | "
+              f"{', '.join(fmt(x, '.2f') for x in s['foreign_cores_runs'])} | {'; '.join(notes)} |")
     print()
     print("Peak RSS: ru_maxrss of each system's own subprocess (weights + KV cache + "
-          "activations), max over runs.")
+          "activations), max over runs. Other load: average cores other processes kept busy "
+          "during the timed section (/proc/stat minus this worker); well above 0 means the "
+          f"numbers are contended. torch threads per worker: {report['machine']['torch_threads']}.")
     print()
     print("| metric | measured | per run | target | met |")
     print("|---|---:|---|---:|---|")
@@ -794,14 +800,16 @@ def print_report(report: dict) -> None:
               f"{sw['roofline_tok_s']:.0f} tok/s.")
         print()
         print("| seqs | decode tok/s | % roofline | step ms (mean) | schedule ms | prepare ms "
-              "| forward ms | sample ms | other ms | sched+prep % | outside forward % |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| forward ms | sample ms | other ms | sched+prep % | outside forward % "
+              "| other load (cores) |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for p in sw["points"]:
             b = p["breakdown_ms"]
             print(f"| {p['num_seqs']} | {p['tok_s']:.1f} | {p['pct_roofline']:.1f} | "
                   f"{p['step_ms_mean']:.1f} | {b['schedule']:.2f} | {b['prepare']:.2f} | "
                   f"{b['forward']:.1f} | {b['sample']:.2f} | {b['other']:.2f} | "
-                  f"{p['sched_prep_pct']:.1f} | {p['outside_forward_pct']:.1f} |")
+                  f"{p['sched_prep_pct']:.1f} | {p['outside_forward_pct']:.1f} | "
+                  f"{fmt(p['foreign_cores'], '.2f')} |")
         print()
     ag = report.get("greedy_agreement") or {}
     if ag:
@@ -846,8 +854,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sweep-steps", type=int, default=None,
                     help="measured pure-decode steps per size (default 20; quick 4)")
     ap.add_argument("--gemm-size", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads in every worker (default: torch's default, "
+                         "one per core); 1 is far less hurt by other processes on a busy machine")
     ap.add_argument("--worker-timeout", type=float, default=1800.0)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"JSON path (default {os.path.relpath(DEFAULT_OUT, REPO)}, "
+                         f"or {os.path.relpath(QUICK_OUT, REPO)} with --quick)")
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -858,6 +871,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.num_requests = 8 if args.quick else 64
     if args.sweep_steps is None:
         args.sweep_steps = 4 if args.quick else 20
+    if args.out is None:
+        args.out = QUICK_OUT if args.quick else DEFAULT_OUT
     return args
 
 
@@ -878,6 +893,8 @@ def main(argv=None) -> int:
     if longest > kv_tokens:
         raise SystemExit(f"a request needs {longest} tokens; the KV cache holds {kv_tokens}")
     configs = system_configs(args)
+    for c in configs.values():
+        c["threads"] = args.threads
     workload = {"prompts": wl["prompts"], "output_lens": wl["output_lens"]}
     print(f"workload: {stats['num_requests']} requests, {stats['prompt_tokens_total']} prompt + "
           f"{stats['output_tokens_total']} output tokens; {args.runs} run(s) of "
@@ -892,7 +909,8 @@ def main(argv=None) -> int:
             runs[name].append(r)
             what = (f"ERROR {r['error']}" if "error" in r else
                     f"{r['output_tok_s']:.1f} out tok/s, wall {r['wall_s']:.1f} s, "
-                    f"peak RSS {r['peak_rss_mib']:.0f} MiB")
+                    f"peak RSS {r['peak_rss_mib']:.0f} MiB, other load "
+                    f"{fmt(r.get('foreign_cores'), '.2f')} cores")
             print(f"[run {i + 1}/{args.runs}] {name}: {what} "
                   f"({time.perf_counter() - t:.0f} s with start-up)", flush=True)
 
@@ -908,6 +926,7 @@ def main(argv=None) -> int:
             "gemm_size": args.gemm_size,
             "gemm_reps": 3 if args.quick else 9,
             "seed": args.seed,
+            "threads": args.threads,
         }
         sweep = spawn("sweep", {}, sweep_cfg, args.worker_timeout)
         what = f"ERROR {sweep['error']}" if "error" in sweep else "done"
@@ -953,6 +972,8 @@ def main(argv=None) -> int:
         "greedy_agreement": greedy,
         "elapsed_s": time.perf_counter() - t_start,
     }
+    report["machine"]["torch_threads"] = next(
+        (s["torch_threads"] for s in agg.values() if s["torch_threads"]), None)
     if sweep and "points" in sweep:
         at64 = next((p for p in sweep["points"] if p["num_seqs"] == 64), None)
         if at64:

@@ -106,7 +106,9 @@ class LLMEngine:
         """
         tokenizer = tokenizer or self.tokenizer
         if isinstance(prompt, dict):
-            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+            if not {"prompt_token_ids", "prompt"} & prompt.keys():
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
         if isinstance(prompt, str):
             text, ids = prompt, tokenizer.encode(prompt)
         else:
@@ -115,7 +117,9 @@ class LLMEngine:
             raise ValueError("prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
         return text, ids
 
     def add_request(
@@ -171,7 +175,8 @@ class LLMEngine:
             if max_tokens < 1:
                 raise RequestRejectedError(
                     f"prompt has {prompt_len} tokens; the limit is {limit - 1} "
-                    f"(max_model_len {self.max_model_len}, KV cache {self.kv_capacity_tokens} tokens)",
+                    f"(max_model_len {self.max_model_len}, "
+                    f"KV cache {self.kv_capacity_tokens} tokens)",
                     prompt_len + 1, limit,
                 )
         need = prompt_len + max_tokens

@@ -64,7 +64,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"

@@ -55,8 +55,9 @@ def test_max_tokens_none_runs_to_the_end_of_the_cache(llm):
 
 def test_abort_frees_blocks(llm):
     engine = llm.llm_engine
-    engine.add_request("a", "Write a long poem about the sea.", SamplingParams(max_tokens=200, ignore_eos=True))
-    engine.add_request("b", "Count to one hundred:", SamplingParams(max_tokens=200, ignore_eos=True))
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    engine.add_request("a", "Write a long poem about the sea.", params)
+    engine.add_request("b", "Count to one hundred:", params)
     for _ in range(3):
         engine.step()
     assert not all_blocks_free(llm)
