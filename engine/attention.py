@@ -132,8 +132,11 @@ def paged_attention(
     nd = md.num_decodes
     if nd:
         # One padded SDPA call for all decodes: [nd, H, 1, D] against [nd, KVH, L, D].
-        kd = k_flat[md.decode_slots].transpose(1, 2)
-        vd = v_flat[md.decode_slots].transpose(1, 2)
+        # index_select on flat slots is ~10x faster than advanced indexing on CPU here.
+        shape = (nd, md.decode_slots.shape[1], *k_flat.shape[1:])
+        flat_slots = md.decode_slots.view(-1)
+        kd = k_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)
+        vd = v_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), kd, vd, attn_mask=md.decode_mask, scale=scaling, enable_gqa=True
         )
@@ -143,7 +146,8 @@ def paged_attention(
         if p.context_slots is None:
             kp, vp = k_new[p.start:p.end], v_new[p.start:p.end]
         else:
-            kp, vp = k_flat[p.context_slots], v_flat[p.context_slots]
+            kp = k_flat.index_select(0, p.context_slots)
+            vp = v_flat.index_select(0, p.context_slots)
         o = F.scaled_dot_product_attention(
             qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
             attn_mask=p.mask, is_causal=p.mask is None, scale=scaling, enable_gqa=True,

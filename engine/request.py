@@ -91,7 +91,7 @@ class Request:
     max_tokens: int
     """Output tokens at most, after clamping max_tokens=None to the context."""
     priority: int = 0
-    eos_token_id: int | None = None
+    traffic_class: str = "standard"
     parent_id: str | None = None
     """The caller's request id when ``n > 1`` fans out into several sequences."""
     index: int = 0

@@ -80,6 +80,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         """Preemptions since start (a counter for tests and metrics)."""
+        self._head_skips: tuple[str | None, int] = (None, 0)
+        """(id of the waiting head that lacks KV room, how often it was overtaken)."""
         self._chunk_cap = (
             config.long_prefill_token_threshold or config.max_num_batched_tokens
             if config.enable_chunked_prefill
@@ -104,7 +106,10 @@ class Scheduler:
     def _fill(self, out: SchedulerOutput) -> None:
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
-        order = self.policy.order(self.running, self.clock())
+        now = self.clock()
+        self._preempt_for_urgent(out, now)
+        num_urgent_preemptions = len(out.preempted)
+        order = self.policy.order(self.running, now)
 
         # 1. Decodes. Iterating most urgent first means any victim taken from the
         # not-yet-scheduled tail is no more urgent than the request being served.
@@ -144,22 +149,69 @@ class Scheduler:
             scheduled.add(req.request_id)
             budget -= n
 
-        # 3. New and preempted requests, in the policy's order. Not after a preemption:
-        # the cache is full, and a victim re-admitted at once would only thrash.
-        if out.preempted:
+        # 3. New and preempted requests, in the policy's order. Not after running out of
+        # KV blocks: the cache is full, and a victim re-admitted at once would only thrash.
+        if len(out.preempted) > num_urgent_preemptions:
             return
-        for req in self.policy.order(self.waiting, self.clock()):
+        self._admit(out, budget, now)
+
+    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        policy, bm = self.policy, self.block_manager
+        num_running = len(self.running)
+        blocked_head: Request | None = None
+        for req in policy.order(self.waiting, now):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if not policy.may_admit(req, num_running, len(self.waiting), now):
+                continue
             n = self._chunk(req, budget)
-            if n == 0 or not self.block_manager.can_allocate(req.request_id, n):
-                break  # FCFS: the head waits for room rather than being overtaken
-            self.block_manager.allocate(req.request_id, n)
+            if n == 0:
+                break
+            if not bm.can_allocate(req.request_id, n):
+                if blocked_head is None:
+                    blocked_head = req
+                if policy.max_head_of_line_skips == 0:
+                    break
+                continue
+            if blocked_head is not None:
+                # Bounded overtaking: once the head has been passed this many times, stop
+                # admitting so that finishing requests free blocks for it.
+                head_id, skips = self._head_skips
+                skips = skips + 1 if head_id == blocked_head.request_id else 1
+                if skips > policy.max_head_of_line_skips:
+                    break
+                self._head_skips = (blocked_head.request_id, skips)
+            bm.allocate(req.request_id, n)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.seqs.append(ScheduledSeq(req, 0, n))
             budget -= n
+
+    def _preempt_for_urgent(self, out: SchedulerOutput, now: float) -> None:
+        """Let waiting requests the policy deems more urgent displace running ones.
+
+        Walks the waiting order; for each request blocked by ``max_num_seqs`` or KV room,
+        preempts the policy's victims while the policy says the waiting request outranks
+        them. Stops at the first request that cannot be made to fit.
+        """
+        bm = self.block_manager
+        seats = blocks = 0
+        for req in self.policy.order(self.waiting, now):
+            chunk = self._chunk(req, self.config.max_num_batched_tokens) or req.num_pending_tokens
+            seats += 1
+            blocks += bm.blocks_needed(chunk)
+            while self.running and (
+                len(self.running) + seats > self.config.max_num_seqs
+                or bm.num_free_blocks < blocks
+            ):
+                victim = self.policy.pick_victim(self.running)
+                if not self.policy.preempts(req, victim, now):
+                    return
+                self.preempt(victim)
+                out.preempted.append(victim)
+            if len(self.running) + seats > self.config.max_num_seqs or bm.num_free_blocks < blocks:
+                return
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens of ``req``'s prefill that fit this step's remaining ``budget``."""
@@ -231,6 +283,7 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         self.block_manager.free(req.request_id)
+        self.policy.on_finish(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finish_time = now

@@ -20,21 +20,44 @@ R = TypeVar("R", bound=Schedulable)
 
 
 class SchedulingPolicy(Protocol):
-    """Decides what runs next; the scheduler supplies the mechanism."""
+    """Decides what runs next; the scheduler supplies the mechanism.
 
-    def order(self, waiting: Sequence[R], now: float) -> list[R]:
-        """The waiting requests in the order they should be admitted.
+    The scheduler calls, each step: ``order`` on the running requests (to serve decodes
+    most urgent first) and on the waiting ones (to admit); ``pick_victim`` when KV blocks
+    run out; ``may_admit`` before admitting a waiting request; ``preempts`` when the
+    head of the waiting order is blocked by ``max_num_seqs`` or KV room.
+    """
+
+    max_head_of_line_skips: int
+    """How many later requests may be admitted past a head that lacks KV room before the
+    scheduler stops admitting, so that blocks free up for the head (0: strict order)."""
+
+    def order(self, requests: Sequence[R], now: float) -> list[R]:
+        """``requests`` most urgent first.
 
         Args:
-            waiting: requests not running (new and preempted).
+            requests: waiting requests (new and preempted) or running ones.
             now: the current time in seconds, on the engine's clock.
         """
         ...
 
     def pick_victim(self, running: Sequence[R]) -> R:
-        """The running request to preempt when KV blocks run out.
+        """The running request to preempt (by recompute); ``running`` is non-empty."""
+        ...
+
+    def preempts(self, waiting: R, running: R, now: float) -> bool:
+        """Whether blocked ``waiting`` may preempt ``running`` to take its place."""
+        ...
+
+    def may_admit(self, request: R, num_running: int, num_waiting: int, now: float) -> bool:
+        """Whether ``request``, next in ``order``, may start now.
 
         Args:
-            running: a non-empty sequence of running requests.
+            num_running: requests running before this step's admissions.
+            num_waiting: requests waiting, this one included.
         """
+        ...
+
+    def on_finish(self, request: R) -> None:
+        """``request`` left the engine (finished or aborted)."""
         ...

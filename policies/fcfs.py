@@ -8,10 +8,24 @@ from policies.base import R
 
 
 class FCFSPolicy:
-    """Admit in arrival order; preempt the latest arrival (it has waited least)."""
+    """Admit in arrival order; preempt the latest arrival (it has waited least).
 
-    def order(self, waiting: Sequence[R], now: float) -> list[R]:
-        return sorted(waiting, key=lambda r: r.arrival_time)
+    Strict head of line: a later request never overtakes a head that lacks KV room.
+    """
+
+    max_head_of_line_skips = 0
+
+    def order(self, requests: Sequence[R], now: float) -> list[R]:
+        return sorted(requests, key=lambda r: r.arrival_time)
 
     def pick_victim(self, running: Sequence[R]) -> R:
         return max(running, key=lambda r: r.arrival_time)
+
+    def preempts(self, waiting: R, running: R, now: float) -> bool:
+        return False
+
+    def may_admit(self, request: R, num_running: int, num_waiting: int, now: float) -> bool:
+        return True
+
+    def on_finish(self, request: R) -> None:
+        pass
