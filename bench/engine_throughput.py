@@ -12,9 +12,11 @@ Workload
     ISCA 2024). The window is the first ``--num-requests`` rows (default 64, i.e. rows 0-63,
     about the first 32 s of the trace), starting at ``--window-start`` (default 0). Arrival times
     are ignored: every request is submitted at once (offline batch throughput). Lengths are scaled
-    so a run takes about a minute on a 2-core CPU: prompt = round(ContextTokens / 8) clamped to
-    [1, 512], output = round(GeneratedTokens / 4) clamped to [1, 128] (``--prompt-scale``,
-    ``--output-scale``, ``--max-prompt``, ``--max-output``). Prompt token ids are drawn
+    so that one run of all three systems takes about 2-3 minutes on a 2-core CPU:
+    prompt = round(ContextTokens / 16) clamped to [1, 256], output = round(GeneratedTokens / 8)
+    clamped to [1, 64] (``--prompt-scale``, ``--output-scale``, ``--max-prompt``,
+    ``--max-output``). For rows 0-63 that is 2842 prompt tokens (p50 24, max 255) and 1009
+    output tokens (p50 14.5, max 50). Prompt token ids are drawn
     uniformly from [1000, 40000) by ``random.Random(seed)``, so every system and run gets the
     same requests. Each request produces exactly its output length: iterserve with
     ``SamplingParams(max_tokens=L, temperature=0, ignore_eos=True)``, transformers with EOS
@@ -393,6 +395,24 @@ def worker_hf_generate(wl: dict, cfg: dict) -> dict:
     )
 
 
+def _resolved_cb(mgr) -> dict:
+    """What transformers actually built from our ContinuousBatchingConfig."""
+    c = mgr.continuous_batching_config
+    out = {k: getattr(c, k, None) for k in (
+        "page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch",
+        "max_blocks_per_request", "max_memory_percent", "use_async_batching", "use_cuda_graph",
+        "allow_block_sharing", "scheduler_type")}
+    cache = getattr(getattr(mgr, "batch_processor", None), "cache", None)
+    if cache is not None:
+        out["cache_num_blocks"] = getattr(cache, "num_blocks", None)
+        out["cache_max_batch_tokens"] = getattr(cache, "max_batch_tokens", None)
+        tensor = getattr(cache, "cache_tensor", None)
+        if tensor is not None:
+            out["cache_tensor_mib"] = tensor.numel() * tensor.element_size() / 2**20
+    out["attn_implementation"] = mgr.model.config._attn_implementation
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
+
+
 def worker_hf_generate_batch(wl: dict, cfg: dict) -> dict:
     import torch
     from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -440,6 +460,7 @@ def worker_hf_generate_batch(wl: dict, cfg: dict) -> dict:
                 block=True, timeout=30,
             ) as mgr:
                 setup = time.perf_counter() - t
+                resolved.update(_resolved_cb(mgr))
                 tm = _Timed().__enter__()
                 ids = [
                     mgr.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
@@ -459,6 +480,7 @@ def worker_hf_generate_batch(wl: dict, cfg: dict) -> dict:
                 tm.__exit__(None, None, None)
         return [list(done[i].generated_tokens) for i in ids], tm, setup
 
+    resolved: dict = {}
     warm = [p[:32] for p in prompts[:2]]
     if cfg["api"] == "generate_batch":
         via_generate_batch(warm, 4)
@@ -473,7 +495,7 @@ def worker_hf_generate_batch(wl: dict, cfg: dict) -> dict:
         load = time.perf_counter() - t0
         tokens, tm, mgr_setup = via_manager(prompts, lens)
         setup = load + mgr_setup
-        extra = {"manager_setup_s": mgr_setup}
+        extra = {"manager_setup_s": mgr_setup, "resolved_config": resolved}
     return _result(wl, tm.wall, tokens, setup_s=setup, rss_after_load_mib=rss_loaded,
                    foreign_cores=tm.foreign, model_dir=str(model_dir), **extra)
 
@@ -697,10 +719,10 @@ def aggregate(runs: dict[str, list[dict]]) -> dict:
             "torch_threads": next((r["torch_threads"] for r in rs if "torch_threads" in r), None),
         }
         for key in ("output_tokens_computed", "preemptions", "ttft_s_p50", "e2e_s_p50",
-                    "manager_setup_s", "note"):
+                    "manager_setup_s", "note", "resolved_config"):
             vals = [r[key] for r in ok if key in r]
             if vals:
-                entry[key] = vals if key != "note" else vals[0]
+                entry[key] = vals[0] if key in ("note", "resolved_config") else vals
         if ok:
             entry["output_tokens"] = ok[0]["output_tokens"]
             entry["prompt_tokens"] = ok[0]["prompt_tokens"]
@@ -773,14 +795,15 @@ def print_report(report: dict) -> None:
           "during the timed section (/proc/stat minus this worker); well above 0 means the "
           f"numbers are contended. torch threads per worker: {report['machine']['torch_threads']}.")
     print()
-    print("| metric | measured | per run | target | met |")
-    print("|---|---:|---|---:|---|")
+    sw = report.get("decode_sweep") or {}
+    at64 = next((p for p in sw.get("points", []) if p["num_seqs"] == 64), None)
+    if report["ratios"] or at64:
+        print("| metric | measured | per run | target | met |")
+        print("|---|---:|---|---:|---|")
     for key, r in report["ratios"].items():
         per = ", ".join(fmt(x, ".2f") for x in r["per_run"])
         print(f"| {key.replace('_', ' ')} | {fmt(r['median'], '.2f')}x | {per} | "
               f"≥{r['target']}x | {r['met']} |")
-    sw = report.get("decode_sweep") or {}
-    at64 = next((p for p in sw.get("points", []) if p["num_seqs"] == 64), None)
     if at64:
         pct, sp = at64["pct_roofline"], at64["sched_prep_pct"]
         print(f"| decode % of roofline at 64 seqs | {pct:.1f}% | | "
@@ -833,10 +856,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-requests", type=int, default=None,
                     help="trace rows in the window (default 64; quick 8)")
     ap.add_argument("--window-start", type=int, default=0, help="first trace row of the window")
-    ap.add_argument("--prompt-scale", type=float, default=8.0)
-    ap.add_argument("--output-scale", type=float, default=4.0)
-    ap.add_argument("--max-prompt", type=int, default=512)
-    ap.add_argument("--max-output", type=int, default=128)
+    ap.add_argument("--prompt-scale", type=float, default=16.0,
+                    help="prompt length = round(ContextTokens / this)")
+    ap.add_argument("--output-scale", type=float, default=8.0,
+                    help="output length = round(GeneratedTokens / this)")
+    ap.add_argument("--max-prompt", type=int, default=256)
+    ap.add_argument("--max-output", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--systems", default=",".join(SYSTEMS),
@@ -991,7 +1016,7 @@ def main(argv=None) -> int:
             print(f"{name} failed: {s['errors'][0]}\n{s.get('stderr_tail', '')[-1500:]}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {os.path.relpath(args.out)} ({report['elapsed_s']:.0f} s in all)")
+    print(f"wrote {args.out} ({report['elapsed_s']:.0f} s in all)")
     return 0
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.request import RequestOutput, SamplingParams
+from policies import AdmissionController, Decision, LoadSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,8 @@ class _Pending:
     request_id: str
     prompt: PromptType
     params: SamplingParams
-    priority: int
+    priority: int | None
+    traffic_class: str | None
 
 
 class AsyncLLMEngine:
@@ -43,6 +45,9 @@ class AsyncLLMEngine:
         # The worker thread detokenizes with the engine's tokenizer; this copy encodes
         # prompts on the event loop thread.
         self._tokenizer = copy.deepcopy(engine.tokenizer)
+        self.admission = AdmissionController(
+            engine.traffic_classes, priority_scheduling=engine.config.policy == "priority"
+        )
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._to_add: list[_Pending] = []
         self._to_abort: list[str] = []
@@ -61,16 +66,20 @@ class AsyncLLMEngine:
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
-        priority: int = 0,
+        priority: int | None = None,
+        traffic_class: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens arrive; the last has ``finished=True``.
 
         Each output carries the cumulative text and this step's delta. Leaving the
         iterator early (or cancelling the task that iterates) aborts the request.
 
+        ``priority`` None means the traffic class's default (see
+        :meth:`LLMEngine.add_request`).
+
         Raises:
-            ValueError, RequestRejectedError: bad prompt or parameters, raised before the
-                first output (see :meth:`LLMEngine.add_request`).
+            ValueError, RequestRejectedError: bad prompt, parameters or traffic class,
+                raised before the first output.
             EngineDeadError: the background loop failed.
         """
         if self._error is not None:
@@ -80,11 +89,15 @@ class AsyncLLMEngine:
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
         # Validate now so the caller gets the error before any stream starts.
+        if traffic_class is not None and traffic_class not in self.engine.traffic_classes:
+            raise ValueError(f"unknown traffic_class {traffic_class!r}")
         _, ids = self.engine.tokenize(prompt, self._tokenizer)
         self.engine.check_length(len(ids), params.max_tokens)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
-        self._to_add.append(_Pending(rid, {"prompt_token_ids": ids}, params, priority))
+        self._to_add.append(
+            _Pending(rid, {"prompt_token_ids": ids}, params, priority, traffic_class)
+        )
         self._ensure_loop()
         self._wake.set()
         finished = False
@@ -108,6 +121,37 @@ class AsyncLLMEngine:
         self._to_abort.append(request_id)
         self._wake.set()
 
+    def load_snapshot(self) -> LoadSnapshot:
+        """The replica's load (queues per class, KV usage, fitted step-time model).
+
+        Read on the event loop between steps; requests queued for the next step count as
+        waiting, so back-to-back admissions see each other.
+        """
+        snap = self.engine.load_snapshot()
+        for p in self._to_add:
+            cls = p.traffic_class or "standard"
+            n = len(p.prompt["prompt_token_ids"])
+            snap.waiting_prefill_tokens[cls] = snap.waiting_prefill_tokens.get(cls, 0) + n
+            snap.waiting_requests[cls] = snap.waiting_requests.get(cls, 0) + 1
+        return snap
+
+    def admission_decision(self, prompt_tokens: int, max_tokens: int | None,
+                           traffic_class: str = "standard", priority: int | None = None,
+                           waited_s: float = 0.0) -> Decision:
+        """Admit, wait (bounded) or reject a request of this shape, from the current load.
+
+        Args:
+            prompt_tokens: the request's prompt length in tokens.
+            max_tokens: its output cap (None: unbounded).
+            waited_s: seconds it has already waited for admission.
+        """
+        cls = self.engine.traffic_classes[traffic_class]
+        return self.admission.decide(
+            self.load_snapshot(), traffic_class, prompt_tokens,
+            max_tokens if max_tokens is not None else self.engine.max_model_len,
+            cls.default_priority if priority is None else priority, waited_s,
+        )
+
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)
@@ -125,7 +169,8 @@ class AsyncLLMEngine:
             engine.abort(list(aborted))
         for p in self._to_add:
             try:
-                engine.add_request(p.request_id, p.prompt, p.params, priority=p.priority)
+                engine.add_request(p.request_id, p.prompt, p.params, priority=p.priority,
+                                   traffic_class=p.traffic_class)
             except ValueError as e:  # validated in generate(); only a race can land here
                 queue = self._streams.get(p.request_id)
                 if queue is not None:

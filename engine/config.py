@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -32,7 +32,19 @@ class EngineConfig(BaseModel):
     )
     enable_chunked_prefill: bool = True
     max_model_len: int | None = Field(None, ge=1, description="default: the model's context")
-    policy: Literal["fcfs"] = "fcfs"
+    policy: Literal["fcfs", "priority", "static"] = "fcfs"
+    aging_s_per_level: float | None = Field(
+        10.0, gt=0, description="priority policy: seconds of waiting that gain one level"
+    )
+    max_head_of_line_skips: int = Field(
+        8, ge=0, description="priority policy: admissions past a head that lacks KV room"
+    )
+    batch_wait_timeout_s: float = Field(
+        0.5, ge=0, description="static policy: wait this long to fill a batch"
+    )
+    traffic_classes: dict[str, dict[str, Any]] | None = Field(
+        None, description="overrides of policies.DEFAULT_CLASSES fields, by class name"
+    )
     seed: int = 0
 
     @model_validator(mode="after")
@@ -40,6 +52,16 @@ class EngineConfig(BaseModel):
         if not self.enable_chunked_prefill and self.long_prefill_token_threshold is not None:
             raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
         return self
+
+    def policy_options(self) -> dict[str, Any]:
+        """Constructor keywords of the chosen policy (``policies.make_policy``)."""
+        return {
+            "fcfs": {},
+            "priority": {"aging_s_per_level": self.aging_s_per_level,
+                         "max_head_of_line_skips": self.max_head_of_line_skips},
+            "static": {"max_num_seqs": self.max_num_seqs,
+                       "batch_wait_timeout_s": self.batch_wait_timeout_s},
+        }[self.policy]
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

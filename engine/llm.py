@@ -33,13 +33,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
+        traffic_class: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         Args:
             prompts: one prompt or a list (text, token ids, or ``{"prompt_token_ids": ...}``).
             sampling_params: one for all prompts, or one per prompt.
-            priority: one integer per prompt, lower is more urgent.
+            priority: one integer per prompt, lower is more urgent (default: the
+                traffic class's default priority).
+            traffic_class: one class name per prompt (default ``standard``).
             use_tqdm: show a progress bar of finished requests.
 
         Raises:
@@ -52,16 +55,19 @@ class LLM:
             prompts = [prompts]
         n = len(prompts)
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * n
-        prios = list(priority) if priority is not None else [0] * n
-        if len(params) != n or len(prios) != n:
+        prios = list(priority) if priority is not None else [None] * n
+        classes = list(traffic_class) if traffic_class is not None else [None] * n
+        if not len(params) == len(prios) == len(classes) == n:
             raise ValueError(
-                f"{n} prompts but {len(params)} sampling_params and {len(prios)} priorities"
+                f"{n} prompts but {len(params)} sampling_params, {len(prios)} priorities "
+                f"and {len(classes)} traffic classes"
             )
         engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in range(n)]
         try:
-            for rid, prompt, p, prio in zip(ids, prompts, params, prios):
-                engine.add_request(rid, prompt, p or SamplingParams(), priority=prio)
+            for rid, prompt, p, prio, cls in zip(ids, prompts, params, prios, classes):
+                engine.add_request(rid, prompt, p or SamplingParams(), priority=prio,
+                                   traffic_class=cls)
         except Exception:
             engine.abort(ids)
             raise

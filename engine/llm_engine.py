@@ -23,7 +23,7 @@ from engine.request import (
 )
 from engine.runner import ModelRunner, kv_bytes_per_token
 from engine.scheduler import Scheduler
-from policies import make_policy
+from policies import LoadSnapshot, StepTimeModel, make_classes, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,10 @@ class LLMEngine:
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block")
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(config, self.block_manager, make_policy(config.policy), clock)
+        self.traffic_classes = make_classes(config.traffic_classes)
+        policy = make_policy(config.policy, **config.policy_options())
+        self.scheduler = Scheduler(config, self.block_manager, policy, clock)
+        self.step_time_model = StepTimeModel()
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, config.seed)
         eos = model.generation_config.eos_token_id
         if eos is None:
@@ -127,7 +130,8 @@ class LLMEngine:
         request_id: str,
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
-        priority: int = 0,
+        priority: int | None = None,
+        traffic_class: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request; it joins the batch at the next step that has room.
@@ -136,17 +140,25 @@ class LLMEngine:
             request_id: unique among unfinished requests.
             prompt: text, token ids, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}``.
             sampling_params: default ``SamplingParams()``.
-            priority: lower is more urgent.
+            priority: lower is more urgent; None: the traffic class's default priority.
+            traffic_class: a configured class (default ``standard``).
             arrival_time: seconds on the engine's clock; default now.
 
         Raises:
-            ValueError: duplicate id or empty prompt.
+            ValueError: duplicate id, empty prompt or unknown traffic class.
             RequestRejectedError: prompt plus max_tokens exceeds the model's context or the
                 whole KV cache, so it could never run.
         """
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
+        traffic_class = traffic_class or "standard"
+        if traffic_class not in self.traffic_classes:
+            raise ValueError(
+                f"unknown traffic_class {traffic_class!r}; known: {sorted(self.traffic_classes)}"
+            )
+        if priority is None:
+            priority = self.traffic_classes[traffic_class].default_priority
         text, ids = self.tokenize(prompt)
         max_tokens = self.check_length(len(ids), params.max_tokens)
         now = self.clock() if arrival_time is None else arrival_time
@@ -154,7 +166,7 @@ class LLMEngine:
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(seq_id, ids, params, now, max_tokens, priority=priority,
-                          parent_id=request_id, index=i)
+                          traffic_class=traffic_class, parent_id=request_id, index=i)
             if params.seed is not None and params.n > 1:
                 req.params = replace(params, seed=params.seed + i)
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
@@ -222,6 +234,7 @@ class LLMEngine:
             One output for each request that got a token (cumulative text and tokens, plus
             this step's delta); finished requests appear once with ``finished=True``.
         """
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -249,7 +262,42 @@ class LLMEngine:
             outputs.append(self._output(group, deltas))
             if all(r.is_finished for r in group.seqs):
                 del self._groups[parent]
+        self.step_time_model.observe(
+            out.num_batched_tokens - out.num_decodes, out.num_decodes,
+            time.perf_counter() - start,
+        )
         return outputs
+
+    def load_snapshot(self) -> LoadSnapshot:
+        """This replica's load, per traffic class, for admission control and routing."""
+        waiting_tokens: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        running: dict[str, int] = {}
+        blocks: dict[str, int] = {}
+        for req in self.scheduler.waiting:
+            c = req.traffic_class
+            waiting_tokens[c] = waiting_tokens.get(c, 0) + req.num_pending_tokens
+            waiting[c] = waiting.get(c, 0) + 1
+        for req in self.scheduler.running:
+            c = req.traffic_class
+            running[c] = running.get(c, 0) + 1
+            if req.num_pending_tokens > 1:  # still prefilling
+                waiting_tokens[c] = waiting_tokens.get(c, 0) + req.num_pending_tokens
+            blocks[c] = blocks.get(c, 0) + len(self.block_manager.block_table(req.request_id))
+        bm = self.block_manager
+        return LoadSnapshot(
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            num_kv_blocks_free=bm.num_free_blocks,
+            block_size=bm.block_size,
+            waiting_prefill_tokens=waiting_tokens,
+            running_seqs=running,
+            waiting_requests=waiting,
+            kv_blocks_used=blocks,
+            kv_usage=bm.usage,
+            step_coefficients=self.step_time_model.coefficients(),
+            timestamp=time.time(),
+        )
 
     def _stop_reason(self, req: Request, token: int, stop_str: str | None) -> FinishReason | None:
         params = req.params

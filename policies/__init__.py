@@ -1,25 +1,69 @@
 """Scheduling and admission policies: pure Python, no torch.
 
 A policy orders the waiting requests and picks preemption victims; the engine's
-scheduler calls it and never branches on a policy's name.
+scheduler calls it and never branches on a policy's name. ``policies.admission`` decides,
+at the router, whether a replica should take a request at all.
 """
 
+from collections.abc import Callable
+from typing import Any
+
+from policies.admission import (
+    AdmissionController,
+    Admit,
+    Decision,
+    LoadSnapshot,
+    Prediction,
+    PredictionLog,
+    Reject,
+    StepTimeModel,
+    Wait,
+)
 from policies.base import SchedulingPolicy
 from policies.fcfs import FCFSPolicy
+from policies.priority import DEFAULT_CLASSES, PriorityPolicy, TrafficClass, make_classes
+from policies.static import StaticBatchPolicy
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {"fcfs": FCFSPolicy}
+POLICIES: dict[str, Callable[..., SchedulingPolicy]] = {
+    "fcfs": FCFSPolicy,
+    "priority": PriorityPolicy,
+    "static": StaticBatchPolicy,
+}
 
 
-def make_policy(name: str) -> SchedulingPolicy:
-    """Build the policy registered as ``name``.
+def make_policy(name: str, **options: Any) -> SchedulingPolicy:
+    """Build the policy registered as ``name``, passing ``options`` to its constructor.
+
+    ``"static"`` needs ``max_num_seqs`` (the engine's); ``"priority"`` takes
+    ``aging_s_per_level`` and ``max_head_of_line_skips``.
 
     Raises:
         ValueError: no policy has that name.
     """
     try:
-        return POLICIES[name]()
+        factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}") from None
+    return factory(**options)
 
 
-__all__ = ["POLICIES", "FCFSPolicy", "SchedulingPolicy", "make_policy"]
+__all__ = [
+    "DEFAULT_CLASSES",
+    "POLICIES",
+    "AdmissionController",
+    "Admit",
+    "Decision",
+    "FCFSPolicy",
+    "LoadSnapshot",
+    "Prediction",
+    "PredictionLog",
+    "PriorityPolicy",
+    "Reject",
+    "SchedulingPolicy",
+    "StaticBatchPolicy",
+    "StepTimeModel",
+    "TrafficClass",
+    "Wait",
+    "make_classes",
+    "make_policy",
+]

@@ -1,0 +1,267 @@
+"""SLO-aware admission: the step-time model, decisions on synthetic snapshots, the log."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from policies import (
+    DEFAULT_CLASSES,
+    AdmissionController,
+    Admit,
+    LoadSnapshot,
+    PredictionLog,
+    Reject,
+    StepTimeModel,
+    Wait,
+)
+
+# -- StepTimeModel -------------------------------------------------------------------------
+
+
+def test_step_time_model_recovers_known_coefficients_from_noisy_steps():
+    true = (0.03, 0.0008, 0.004)
+    for seed in range(3):
+        rng = random.Random(seed)
+        model = StepTimeModel()
+        for _ in range(300):
+            p, d = rng.choice([0, rng.randint(1, 512)]), rng.randint(0, 64)
+            model.observe(p, d, true[0] + true[1] * p + true[2] * d + rng.gauss(0, 0.005))
+        for got, want in zip(model.coefficients(), true):
+            assert got == pytest.approx(want, rel=0.10)
+        assert model.predict(256, 32) == pytest.approx(0.03 + 0.2048 + 0.128, rel=0.03)
+
+
+def test_step_time_model_uses_the_prior_until_it_has_enough_samples():
+    prior = (0.05, 0.002, 0.002)
+    model = StepTimeModel(prior=prior, min_samples=8)
+    assert model.coefficients() == prior
+    for i in range(7):
+        model.observe(100 * i, 4, 0.5)
+    assert model.coefficients() == prior
+    assert model.predict(100, 10) == pytest.approx(0.05 + 0.2 + 0.02)
+    model.observe(700, 4, 0.5)
+    assert model.coefficients() != prior
+
+
+def test_step_time_model_keeps_unidentified_coefficients_at_the_prior_and_clamps():
+    rng = random.Random(1)
+    decode_only = StepTimeModel(prior=(0.05, 0.002, 0.002))
+    for _ in range(50):
+        d = rng.randint(1, 30)
+        decode_only.observe(0, d, 0.01 + 0.003 * d)
+    a, b, c = decode_only.coefficients()
+    assert b == pytest.approx(0.002)  # no prefill seen: b cannot be learnt
+    assert a == pytest.approx(0.01, abs=0.002) and c == pytest.approx(0.003, rel=0.05)
+
+    falling = StepTimeModel()
+    for _ in range(50):
+        p = rng.randint(1, 300)
+        falling.observe(p, 0, 0.2 - 0.0001 * p)  # a negative slope: clamped to 0
+    a, b, _ = falling.coefficients()
+    assert b == 0.0 and a > 0
+    assert all(x >= 0 for x in falling.coefficients())
+
+
+def test_step_time_model_window_follows_drift_and_rejects_bad_input():
+    model = StepTimeModel(window=64)
+    rng = random.Random(2)
+    for slope in (0.001, 0.004):
+        for _ in range(64):
+            p = rng.randint(0, 512)
+            model.observe(p, 8, 0.02 + slope * p + 0.001 * 8)
+    assert model.coefficients()[1] == pytest.approx(0.004, rel=0.01)
+    assert model.num_samples == 64
+    for bad in ((-1, 0, 0.1), (0, -1, 0.1), (0, 0, math.nan), (0, 0, -0.1)):
+        with pytest.raises(ValueError):
+            model.observe(*bad)
+
+
+# -- decisions ---------------------------------------------------------------------------
+
+COEFS = (0.05, 0.002, 0.002)
+
+
+def snap(waiting_tokens=None, running=None, waiting_requests=None, kv_free=100_000, **kw):
+    return LoadSnapshot(
+        max_num_batched_tokens=512, max_num_seqs=64, num_kv_blocks_free=kv_free,
+        waiting_prefill_tokens=waiting_tokens or {}, running_seqs=running or {},
+        waiting_requests=waiting_requests or {}, step_coefficients=COEFS, **kw)
+
+
+def queue(cls, tokens, running=None, prompt=200):
+    """A snapshot with ``tokens`` of ``cls`` prompts queued, ``prompt`` tokens each."""
+    return snap({cls: tokens}, running or {}, {cls: tokens // prompt})
+
+
+def test_idle_replica_admits():
+    ac = AdmissionController()
+    for cls, prio in (("interactive", 0), ("standard", 1), ("batch", 2)):
+        assert ac.decide(snap(), cls, 200, 128, prio, 0.0) == Admit()
+    # Even a prompt too long for the TTFT SLO anywhere: waiting would not help it.
+    assert ac.predict(snap(), "interactive", 20_000).ttft_s > 2.0
+    assert ac.decide(snap(), "interactive", 20_000, 128, 0, 0.0) == Admit()
+
+
+def test_prediction_matches_the_budgeted_step_model():
+    ac = AdmissionController()
+    s = snap({"interactive": 1000}, {"interactive": 12}, {"interactive": 5})
+    pred = ac.predict(s, "interactive", 300)
+    # 1300 tokens at 512 - 12 = 500 per step: 3 steps of a + 12c, plus 1300 b.
+    assert pred.steps == 3 and pred.tokens_ahead == 1000 and pred.requests_ahead == 5
+    assert pred.ttft_s == pytest.approx(3 * (0.05 + 12 * 0.002) + 1300 * 0.002)
+    # TPOT: the 1300 tokens amortised over 32 steps, 13 decodes.
+    assert pred.tpot_s == pytest.approx(0.05 + 0.002 * 1300 / 32 + 13 * 0.002)
+
+
+def test_interactive_behind_a_huge_interactive_queue_waits_then_is_rejected():
+    ac = AdmissionController()
+    s = queue("interactive", 20_000, {"interactive": 8})
+    first = ac.decide(s, "interactive", 200, 128, 0, waited_s=0.0)
+    assert isinstance(first, Wait) and first.max_wait_s == pytest.approx(1.0)
+    assert "TTFT" in first.reason
+    later = ac.decide(s, "interactive", 200, 128, 0, waited_s=0.4)
+    assert isinstance(later, Wait) and later.max_wait_s == pytest.approx(0.6)
+    final = ac.decide(s, "interactive", 200, 128, 0, waited_s=1.0)
+    assert isinstance(final, Reject)
+    assert final.retry_after_s >= 1 and final.retry_after_s == int(final.retry_after_s)
+
+
+def test_retry_after_grows_with_the_queue_and_is_at_least_one_second():
+    ac = AdmissionController()
+    retries = []
+    for tokens in (1_000, 3_000, 10_000, 30_000, 100_000):
+        d = ac.decide(queue("interactive", tokens), "interactive", 200, 128, 0, 5.0)
+        assert isinstance(d, Reject)
+        retries.append(d.retry_after_s)
+    assert all(r >= 1 for r in retries)
+    assert retries == sorted(retries) and retries[-1] > 10 * retries[1] > 0
+
+
+def test_retry_after_is_long_enough_for_the_queue_to_drain():
+    ac = AdmissionController()
+    tokens, d = 30_000, 8
+    s = queue("interactive", tokens, {"interactive": d})
+    retry = ac.decide(s, "interactive", 200, 128, 0, 5.0).retry_after_s
+    # The queue drains at (budget - d) tokens per step of a + b (budget - d) + c d s.
+    per_step = 512 - d
+    drained = int(retry / (COEFS[0] + COEFS[1] * per_step + COEFS[2] * d)) * per_step
+    later = queue("interactive", max(0, tokens - drained), {"interactive": d})
+    assert ac.decide(later, "interactive", 200, 128, 0, 0.0) == Admit()
+    # And not wildly longer: two seconds less would not have been enough.
+    drained = int((retry - 2) / (COEFS[0] + COEFS[1] * per_step + COEFS[2] * d)) * per_step
+    earlier = queue("interactive", tokens - drained, {"interactive": d})
+    assert ac.decide(earlier, "interactive", 200, 128, 0, 0.0) != Admit()
+
+
+def test_waited_time_counts_against_the_ttft_slo():
+    ac = AdmissionController()
+    s = queue("interactive", 500)  # TTFT ~1.45 s: fits 2 s fresh, not after 0.9 s
+    assert ac.decide(s, "interactive", 200, 128, 0, 0.0) == Admit()
+    assert isinstance(ac.decide(s, "interactive", 200, 128, 0, 0.9), Wait)
+
+
+def test_batch_under_the_same_load_waits_and_is_rejected_only_at_its_queue_cap():
+    ac = AdmissionController()
+    cap = DEFAULT_CLASSES["batch"].hard_queue_cap
+    heavy = snap({"interactive": 20_000, "batch": 400_000}, {"interactive": 8},
+                 {"interactive": 100, "batch": cap - 1})
+    for waited in (0.0, 10.0, 30.0, 300.0, 3000.0):
+        d = ac.decide(heavy, "batch", 200, 128, 2, waited)
+        assert isinstance(d, Wait), (waited, d)
+        assert 0 < d.max_wait_s <= DEFAULT_CLASSES["batch"].max_queue_wait_s
+    at_cap = snap({"interactive": 20_000, "batch": 400_000}, {"interactive": 8},
+                  {"interactive": 100, "batch": cap})
+    for waited in (0.0, 300.0):
+        d = ac.decide(at_cap, "batch", 200, 128, 2, waited)
+        assert isinstance(d, Reject) and "cap" in d.reason and d.retry_after_s >= 1
+
+
+def test_lower_priority_queue_does_not_block_interactive():
+    ac = AdmissionController()
+    s = snap({"batch": 500_000, "standard": 50_000}, {"batch": 20},
+             {"batch": 999, "standard": 100})
+    assert ac.decide(s, "interactive", 200, 128, 0, 0.0) == Admit()
+    assert ac.predict(s, "interactive", 200).tokens_ahead == 0
+    # ...but it blocks standard (standard queue ahead) and, under FCFS, interactive too.
+    assert isinstance(ac.decide(s, "standard", 200, 128, 1, 0.0), Wait)
+    fcfs = AdmissionController(priority_scheduling=False)
+    assert isinstance(fcfs.decide(s, "interactive", 200, 128, 0, 0.0), Wait)
+
+
+def test_seats_taken_by_urgent_work_block_and_by_preemptible_work_do_not():
+    ac = AdmissionController()
+    full_of_batch = snap(running={"batch": 30, "interactive": 34})
+    assert ac.decide(full_of_batch, "interactive", 50, 16, 0, 0.0) == Admit()
+    full_of_urgent = snap(running={"interactive": 64})
+    d = ac.decide(full_of_urgent, "interactive", 50, 16, 0, 0.0)
+    assert isinstance(d, Wait) and "seat" in d.reason
+
+
+def test_kv_shortage_waits_unless_less_urgent_blocks_can_be_reclaimed():
+    ac = AdmissionController()
+    tight = snap(kv_free=5, running={"batch": 4})
+    d = ac.decide(tight, "interactive", 200, 16, 0, 0.0)  # 13 + 1 blocks > 5 free
+    assert isinstance(d, Wait) and "KV" in d.reason
+    reclaim = snap(kv_free=5, running={"batch": 4}, kv_blocks_used={"batch": 40})
+    assert ac.decide(reclaim, "interactive", 200, 16, 0, 0.0) == Admit()
+
+
+def test_tpot_of_running_requests_gates_admission():
+    ac = AdmissionController()
+    # 230 decodes: a step takes 0.05 + 0.002 * 231 = 0.51 s > the 0.5 s interactive SLO.
+    s = snap(running={"standard": 230})
+    s.max_num_seqs = 256
+    d = ac.decide(s, "interactive", 20, 16, 0, 0.0)
+    assert isinstance(d, Wait) and "TPOT" in d.reason
+    # Standard's looser 1.0 s TPOT SLO allows it while no interactive request runs.
+    assert ac.decide(s, "standard", 20, 16, 1, 0.0) == Admit()
+
+
+def test_unknown_class_and_bad_arguments():
+    ac = AdmissionController()
+    with pytest.raises(ValueError, match="unknown traffic class"):
+        ac.decide(snap(), "gold", 10, 10, 0, 0.0)
+    with pytest.raises(ValueError):
+        ac.decide(snap(), "interactive", 10, 10, 0, -1.0)
+    with pytest.raises(ValueError):
+        ac.predict(snap(), "interactive", -5)
+
+
+# -- LoadSnapshot and PredictionLog -------------------------------------------------------
+
+
+def test_load_snapshot_round_trips_through_json():
+    s = LoadSnapshot(
+        max_num_batched_tokens=512, max_num_seqs=64, num_kv_blocks_free=1234, block_size=16,
+        waiting_prefill_tokens={"interactive": 300, "batch": 90_000},
+        running_seqs={"standard": 7}, waiting_requests={"interactive": 2, "batch": 450},
+        kv_blocks_used={"standard": 88}, kv_usage=0.42,
+        step_coefficients=(0.031, 0.00071, 0.0042), timestamp=1_700_000_000.25)
+    wire = json.dumps(s.to_dict())
+    back = LoadSnapshot.from_dict(json.loads(wire))
+    assert back == s
+    assert isinstance(back.step_coefficients, tuple)
+    # Keys from a newer replica are ignored; missing optional ones take defaults.
+    newer = {**json.loads(wire), "gpu_temperature": 71}
+    assert LoadSnapshot.from_dict(newer) == s
+    minimal = LoadSnapshot.from_dict(
+        {"max_num_batched_tokens": 256, "max_num_seqs": 8, "num_kv_blocks_free": 10})
+    assert minimal.running_seqs == {} and minimal.total_running == 0
+    with pytest.raises(TypeError):
+        LoadSnapshot.from_dict({"max_num_seqs": 8})
+
+
+def test_prediction_log():
+    log = PredictionLog()
+    assert math.isnan(log.mean_absolute_error()) and math.isnan(log.median_relative_error())
+    for predicted, actual in ((1.0, 1.0), (2.0, 1.0), (1.5, 2.0), (0.3, 0.0)):
+        log.record(predicted, actual)
+    assert len(log) == 4
+    assert log.mean_absolute_error() == pytest.approx((0 + 1 + 0.5 + 0.3) / 4)
+    # Relative errors 0, 1, 0.25 (actual 0 is skipped): median 0.25.
+    assert log.median_relative_error() == pytest.approx(0.25)
+    assert log.summary()["count"] == 4
