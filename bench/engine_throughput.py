@@ -55,9 +55,17 @@ Decode sweep
     installed on the instances (no engine code is changed); scheduling + input preparation as a
     fraction of the step is reported, with a target at 64 sequences.
 
+Noise
+    This machine is shared. Each timed section also records the cores this worker kept busy and
+    the cores other processes kept busy (``/proc/stat`` minus this process's CPU time); runs where
+    others took a core this run needed are flagged. With 2 cores and torch's default of 2 threads,
+    one foreign busy process can slow a run several-fold; ``--threads 1`` makes every worker
+    single-threaded (slower, but far less sensitive).
+
 Output
-    A markdown table on stdout and ``bench/results/engine_throughput.json``. Targets are printed
-    beside the measurements, never asserted.
+    A markdown table on stdout and ``bench/results/engine_throughput.json``
+    (``engine_throughput_quick.json`` with ``--quick``). Targets are printed beside the
+    measurements, never asserted.
 """
 
 from __future__ import annotations
@@ -75,7 +83,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,6 +96,7 @@ ATTRIBUTION = (
 )
 SYSTEMS = ("iterserve", "hf_generate", "hf_generate_batch")
 TOKEN_ID_RANGE = (1000, 40000)
+CONTENTION_CORES = 0.25  # other processes' average load above which a measurement is flagged
 TARGETS = {
     "iterserve_over_hf_generate_batch": 2.0,
     "iterserve_over_hf_generate": 1.5,
@@ -103,6 +112,9 @@ TARGETS = {
 
 def build_workload(args: argparse.Namespace) -> dict:
     """Read the trace window, scale the lengths and make deterministic prompt token ids."""
+    if not Path(args.trace).is_file():
+        raise SystemExit(f"trace not found: {args.trace} (expected ../shared/traces/ beside "
+                         "the repository)")
     with open(args.trace, newline="") as f:
         rows = list(csv.DictReader(f))
     window = rows[args.window_start:args.window_start + args.num_requests]
@@ -129,8 +141,10 @@ def build_workload(args: argparse.Namespace) -> dict:
                 f"({args.num_requests} requests, TIMESTAMP {first} .. {last}); arrival times "
                 "ignored, all submitted at once"
             ),
-            "prompt_len": f"round(ContextTokens / {args.prompt_scale}) clamped to [1, {args.max_prompt}]",
-            "output_len": f"round(GeneratedTokens / {args.output_scale}) clamped to [1, {args.max_output}]",
+            "prompt_len": f"round(ContextTokens / {args.prompt_scale:g}) "
+                          f"clamped to [1, {args.max_prompt}]",
+            "output_len": f"round(GeneratedTokens / {args.output_scale:g}) "
+                          f"clamped to [1, {args.max_output}]",
             "prompt_scale": args.prompt_scale,
             "output_scale": args.output_scale,
             "max_prompt": args.max_prompt,
@@ -254,7 +268,10 @@ class _Timed:
 
     def __exit__(self, *exc):
         self.wall = time.perf_counter() - self.t
-        self.foreign = _foreign_cores(self.snap, _cpu_snapshot(), self.wall)
+        end = _cpu_snapshot()
+        self.foreign = _foreign_cores(self.snap, end, self.wall)
+        # cores this process kept busy (all its threads): how parallel the system really ran
+        self.own = (end[1] - self.snap[1]) / self.wall if self.snap and end else None
         return False
 
 
@@ -316,7 +333,8 @@ def worker_iterserve(wl: dict, cfg: dict) -> dict:
     preemptions = 0
 
     prompts = [{"prompt_token_ids": p} for p in wl["prompts"]]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl["output_lens"]]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+              for n in wl["output_lens"]]
     with _Timed() as tm:
         outs = llm.generate(prompts, params, use_tqdm=False)
     wall = tm.wall
@@ -325,7 +343,7 @@ def worker_iterserve(wl: dict, cfg: dict) -> dict:
     return _result(
         wl, wall, [list(o.outputs[0].token_ids) for o in outs],
         setup_s=setup, rss_after_load_mib=rss_loaded, preemptions=preemptions,
-        foreign_cores=tm.foreign,
+        foreign_cores=tm.foreign, own_cores=tm.own,
         ttft_s_p50=statistics.median(ttft), e2e_s_p50=statistics.median(e2e),
         model_dir=str(engine.model_dir),
     )
@@ -353,8 +371,7 @@ def worker_hf_generate(wl: dict, cfg: dict) -> dict:
     model, tok, model_dir = _load_hf()
     setup = time.perf_counter() - t0
     rss_loaded = _rss_mib()
-    pad = tok.eos_token_id
-    tok.padding_side = "left"
+    pad = tok.eos_token_id  # prompts are left-padded by hand below, with an attention mask
     # ignore_eos: with eos_token_id None nothing stops on EOS and nothing suppresses it (a None
     # in the GenerationConfig passed to generate is filled from the model's, hence this).
     model.generation_config.eos_token_id = None
@@ -390,7 +407,8 @@ def worker_hf_generate(wl: dict, cfg: dict) -> dict:
             computed += n_new * len(rows)
             tokens.extend(r[:n] for r, n in zip(rows, lens[s:s + B]))
     return _result(
-        wl, tm.wall, tokens, setup_s=setup, rss_after_load_mib=rss_loaded, foreign_cores=tm.foreign,
+        wl, tm.wall, tokens, setup_s=setup, rss_after_load_mib=rss_loaded,
+        foreign_cores=tm.foreign, own_cores=tm.own,
         output_tokens_computed=computed, model_dir=str(model_dir),
     )
 
@@ -461,23 +479,21 @@ def worker_hf_generate_batch(wl: dict, cfg: dict) -> dict:
             ) as mgr:
                 setup = time.perf_counter() - t
                 resolved.update(_resolved_cb(mgr))
-                tm = _Timed().__enter__()
-                ids = [
-                    mgr.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
-                    for i, (p, n) in enumerate(zip(ps, ns))
-                ]
                 done: dict = {}
-                while len(done) < len(ids):
-                    r = mgr.get_result(timeout=1)
-                    if r is not None and r.is_finished():
-                        if r.error:
-                            raise RuntimeError(f"request {r.request_id} failed: {r.error}")
-                        done[r.request_id] = r
-                    elif r is None and not mgr.is_running():
-                        raise RuntimeError(
-                            f"continuous batching thread stopped with {len(done)}/{len(ids)} done"
-                        )
-                tm.__exit__(None, None, None)
+                with _Timed() as tm:  # ends before the manager's stop/join
+                    ids = [
+                        mgr.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+                        for i, (p, n) in enumerate(zip(ps, ns))
+                    ]
+                    while len(done) < len(ids):
+                        r = mgr.get_result(timeout=1)
+                        if r is not None and r.is_finished():
+                            if r.error:
+                                raise RuntimeError(f"request {r.request_id} failed: {r.error}")
+                            done[r.request_id] = r
+                        elif r is None and not mgr.is_running():
+                            raise RuntimeError(f"continuous batching thread stopped with "
+                                               f"{len(done)}/{len(ids)} requests done")
         return [list(done[i].generated_tokens) for i in ids], tm, setup
 
     resolved: dict = {}
@@ -497,7 +513,8 @@ def worker_hf_generate_batch(wl: dict, cfg: dict) -> dict:
         setup = load + mgr_setup
         extra = {"manager_setup_s": mgr_setup, "resolved_config": resolved}
     return _result(wl, tm.wall, tokens, setup_s=setup, rss_after_load_mib=rss_loaded,
-                   foreign_cores=tm.foreign, model_dir=str(model_dir), **extra)
+                   foreign_cores=tm.foreign, own_cores=tm.own, model_dir=str(model_dir),
+                   **extra)
 
 
 def _gemm_flops(n: int, reps: int) -> tuple[float, list[float]]:
@@ -716,6 +733,7 @@ def aggregate(runs: dict[str, list[dict]]) -> dict:
             "rss_after_load_mib": _median(r.get("rss_after_load_mib") for r in ok),
             "setup_s_median": _median(r.get("setup_s") for r in ok),
             "foreign_cores_runs": [r.get("foreign_cores") for r in rs],
+            "own_cores_runs": [r.get("own_cores") for r in rs],
             "torch_threads": next((r["torch_threads"] for r in rs if "torch_threads" in r), None),
         }
         for key in ("output_tokens_computed", "preemptions", "ttft_s_p50", "e2e_s_p50",
@@ -746,8 +764,10 @@ def ratios(systems: dict, runs: int) -> dict:
             per_run.append(a / b if a and b else None)
         key = f"iterserve_over_{other}"
         med = _median(per_run)
-        res[key] = {"per_run": per_run, "median": med, "target": TARGETS[key],
-                    "met": None if med is None else med >= TARGETS[key]}
+        a, b = base["output_tok_s_median"], systems[other]["output_tok_s_median"]
+        res[key] = {"per_run": per_run, "median": med,
+                    "ratio_of_medians": a / b if a and b else None,
+                    "target": TARGETS[key], "met": None if med is None else med >= TARGETS[key]}
     return res
 
 
@@ -771,8 +791,8 @@ def print_report(report: dict) -> None:
           f"max {wl['output_len_max']}).")
     print()
     print("| system | output tok/s (median) | output tok/s per run | total tok/s | wall s "
-          "| peak RSS MiB | other load (cores) per run | notes |")
-    print("|---|---:|---|---:|---:|---:|---|---|")
+          "| peak RSS MiB | own cores used | other load (cores) per run | notes |")
+    print("|---|---:|---|---:|---:|---:|---|---|---|")
     for name, s in report["systems"].items():
         per = ", ".join(fmt(x) for x in s["output_tok_s_runs"])
         notes = []
@@ -788,10 +808,13 @@ def print_report(report: dict) -> None:
         print(f"| {name} | {fmt(s['output_tok_s_median'])} | {per} | "
               f"{fmt(s['total_tok_s_median'])} | {fmt(s['wall_s_median'])} | "
               f"{fmt(s['peak_rss_mib_max'], '.0f')} | "
+              f"{', '.join(fmt(x, '.2f') for x in s['own_cores_runs'])} | "
               f"{', '.join(fmt(x, '.2f') for x in s['foreign_cores_runs'])} | {'; '.join(notes)} |")
     print()
     print("Peak RSS: ru_maxrss of each system's own subprocess (weights + KV cache + "
-          "activations), max over runs. Other load: average cores other processes kept busy "
+          "activations), max over runs. Own cores: the worker's CPU seconds / wall in the timed "
+          "section (how parallel it really ran). Other load: average cores other processes "
+          "kept busy "
           "during the timed section (/proc/stat minus this worker); well above 0 means the "
           f"numbers are contended. torch threads per worker: {report['machine']['torch_threads']}.")
     print()
@@ -964,10 +987,15 @@ def main(argv=None) -> int:
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             greedy[f"{a} vs {b}"] = agreement(first_ok[a]["token_ids"], first_ok[b]["token_ids"])
+    for n in names:  # run-to-run determinism of each system
+        for k, r in enumerate(runs[n]):
+            if "error" not in r and r is not first_ok[n]:
+                greedy[f"{n} run 1 vs run {k + 1}"] = agreement(
+                    first_ok[n]["token_ids"], r["token_ids"])
 
     report = {
         "benchmark": "engine_throughput",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "quick": args.quick,
         "runs": args.runs,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -998,7 +1026,8 @@ def main(argv=None) -> int:
         "elapsed_s": time.perf_counter() - t_start,
     }
     report["machine"]["torch_threads"] = next(
-        (s["torch_threads"] for s in agg.values() if s["torch_threads"]), None)
+        (s["torch_threads"] for s in agg.values() if s["torch_threads"]),
+        (sweep or {}).get("torch_threads"))
     if sweep and "points" in sweep:
         at64 = next((p for p in sweep["points"] if p["num_seqs"] == 64), None)
         if at64:
@@ -1010,7 +1039,26 @@ def main(argv=None) -> int:
     for name, r in report["ratios"].items():
         report.setdefault("target_met", {})[name] = r["met"]
 
+    loads = [(f"{n} run {i + 1}", x) for n, e in agg.items()
+             for i, x in enumerate(e["foreign_cores_runs"]) if x is not None]
+    if sweep and "points" in sweep:
+        loads += [(f"sweep {p['num_seqs']} seqs", p["foreign_cores"]) for p in sweep["points"]
+                  if p.get("foreign_cores") is not None]
+    # A worker with T threads on C cores is undisturbed while others use at most C - T cores.
+    threads = report["machine"]["torch_threads"] or os.cpu_count() or 1
+    spare = max(0, (os.cpu_count() or 1) - threads)
+    busy = [(what, x) for what, x in loads if x > spare + CONTENTION_CORES]
+    if busy:
+        report["contention_warning"] = (
+            "other processes kept "
+            + ", ".join(f"{x:.2f} cores busy during {what}" for what, x in busy)
+            + f"; with {os.cpu_count()} cores and {threads} torch threads per worker, a run can "
+            "slow down several-fold when another process takes a core it needs. Re-run on an "
+            "idle machine, or with --threads 1."
+        )
     print_report(report)
+    if busy:
+        print(f"WARNING: {report['contention_warning']}\n")
     for name, s in agg.items():
         if s["errors"]:
             print(f"{name} failed: {s['errors'][0]}\n{s.get('stderr_tail', '')[-1500:]}")
