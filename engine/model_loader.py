@@ -92,12 +92,12 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
 def _converted_dir(gguf_path: Path, name: str) -> Path:
     """Convert ``gguf_path`` into the cache once; return the converted directory.
 
-    The key includes the file's size and mtime, so a changed file converts again. The
+    The key is the file's name, size and a hash of its head and tail, so the same file in
+    another virtualenv reuses the conversion and a changed file converts again. The
     directory is written under a temporary name and renamed into place, so a killed
     conversion never leaves a half-written directory that a later run would use.
     """
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    key = _file_key(gguf_path)
     target = cache_dir() / "models" / f"{name}-{key[:12]}"
     if (target / "config.json").is_file():
         return target
@@ -115,6 +115,16 @@ def _converted_dir(gguf_path: Path, name: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _file_key(path: Path, span: int = 1 << 20) -> str:
+    """Identify a GGUF file by content without hashing all of it (tens of MB to GB)."""
+    h = hashlib.sha256(f"{path.name}:{path.stat().st_size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(span))
+        f.seek(max(0, path.stat().st_size - span))
+        h.update(f.read(span))
+    return h.hexdigest()
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
