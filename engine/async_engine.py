@@ -17,6 +17,9 @@ from policies import AdmissionController, Decision, LoadSnapshot
 
 logger = logging.getLogger(__name__)
 
+IDLE_TICK_S = 0.01
+"""Seconds to wait before re-trying a step that had nothing to schedule."""
+
 
 class EngineDeadError(RuntimeError):
     """The background loop failed; the stream cannot finish."""
@@ -29,6 +32,7 @@ class _Pending:
     params: SamplingParams
     priority: int | None
     traffic_class: str | None
+    arrival_time: float
 
 
 class AsyncLLMEngine:
@@ -96,7 +100,8 @@ class AsyncLLMEngine:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
         self._to_add.append(
-            _Pending(rid, {"prompt_token_ids": ids}, params, priority, traffic_class)
+            _Pending(rid, {"prompt_token_ids": ids}, params, priority, traffic_class,
+                     self.engine.clock())
         )
         self._ensure_loop()
         self._wake.set()
@@ -124,10 +129,11 @@ class AsyncLLMEngine:
     def load_snapshot(self) -> LoadSnapshot:
         """The replica's load (queues per class, KV usage, fitted step-time model).
 
-        Read on the event loop between steps; requests queued for the next step count as
+        The engine's state as of its last step (a step may be running in the worker thread,
+        so the live queues are not read); requests queued for the next step count as
         waiting, so back-to-back admissions see each other.
         """
-        snap = self.engine.load_snapshot()
+        snap = copy.deepcopy(self.engine.last_snapshot)
         for p in self._to_add:
             cls = p.traffic_class or "standard"
             n = len(p.prompt["prompt_token_ids"])
@@ -170,7 +176,7 @@ class AsyncLLMEngine:
         for p in self._to_add:
             try:
                 engine.add_request(p.request_id, p.prompt, p.params, priority=p.priority,
-                                   traffic_class=p.traffic_class)
+                                   traffic_class=p.traffic_class, arrival_time=p.arrival_time)
             except ValueError as e:  # validated in generate(); only a race can land here
                 queue = self._streams.get(p.request_id)
                 if queue is not None:
@@ -192,8 +198,17 @@ class AsyncLLMEngine:
                     queue = self._streams.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
-                # Let streams consume and cancellations land before the next step.
-                await asyncio.sleep(0)
+                if engine.last_step_num_tokens == 0:
+                    # Nothing could run (e.g. the static policy is filling a batch): wait
+                    # for news or a short tick instead of spinning on empty steps.
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), IDLE_TICK_S)
+                    except TimeoutError:
+                        pass
+                else:
+                    # Let streams consume and cancellations land before the next step.
+                    await asyncio.sleep(0)
         except Exception as e:  # a bug in the engine: fail every stream instead of hanging
             logger.exception("engine loop failed")
             self._error = e

@@ -89,6 +89,10 @@ class LLMEngine:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self._groups: dict[str, _Group] = {}
+        self.last_step_num_tokens = 0
+        """Tokens the last ``step()`` ran (0: it had nothing to schedule)."""
+        self.last_snapshot = self.load_snapshot()
+        """The load as of the end of the last step (safe to read from another thread)."""
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s",
             self.model_dir, num_blocks, config.block_size, self.max_model_len, device,
@@ -198,6 +202,15 @@ class LLMEngine:
                 f"exceeds the model's context of {self.max_model_len} tokens",
                 need, self.max_model_len,
             )
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and need > budget:
+            # Without chunking a prompt (and, after preemption, its recompute) must fit
+            # one step's budget whole, or it would wait forever.
+            raise RequestRejectedError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) = {need} tokens "
+                f"exceeds max_num_batched_tokens ({budget}) with chunked prefill disabled",
+                need, budget,
+            )
         if need > self.kv_capacity_tokens:
             raise RequestRejectedError(
                 f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) = {need} tokens "
@@ -236,7 +249,9 @@ class LLMEngine:
         """
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        self.last_step_num_tokens = out.num_batched_tokens
         if out.is_empty:
+            self.last_snapshot = self.load_snapshot()
             return []
         samples = self.runner.execute(out)
         got = self.scheduler.update(out, {rid: s.token_id for rid, s in samples.items()})
@@ -266,6 +281,7 @@ class LLMEngine:
             out.num_batched_tokens - out.num_decodes, out.num_decodes,
             time.perf_counter() - start,
         )
+        self.last_snapshot = self.load_snapshot()
         return outputs
 
     def load_snapshot(self) -> LoadSnapshot:

@@ -172,3 +172,28 @@ async def test_async_rejects_before_streaming():
         assert engine.num_unfinished == 0
     finally:
         await engine.shutdown()
+
+
+def test_without_chunking_a_request_over_the_budget_is_refused():
+    llm = LLM(enable_chunked_prefill=False, max_num_batched_tokens=64, num_kv_blocks=16)
+    engine = llm.llm_engine
+    with pytest.raises(RequestRejectedError, match="chunked prefill disabled"):
+        engine.add_request("long", {"prompt_token_ids": [100] * 60}, SamplingParams(max_tokens=8))
+    out = llm.generate([{"prompt_token_ids": [100] * 40}], SamplingParams(max_tokens=8),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+
+
+async def test_async_arrival_time_is_when_generate_was_called():
+    from engine import EngineConfig
+
+    engine = AsyncLLMEngine.from_config(EngineConfig(num_kv_blocks=64))
+    try:
+        called = engine.engine.clock()
+        async for out in engine.generate("Hi", SamplingParams(max_tokens=2)):
+            pass
+        assert abs(out.metrics.arrival_time - called) < 0.05
+        snap = engine.load_snapshot()
+        assert snap.num_kv_blocks_free == 64 and not snap.running_seqs
+    finally:
+        await engine.shutdown()
