@@ -86,6 +86,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from cpu_load import cpu_snapshot, foreign_cores
+
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 DEFAULT_OUT = REPO / "bench" / "results" / "engine_throughput.json"
@@ -237,39 +239,18 @@ def _rss_mib() -> float | None:
         return None
 
 
-def _cpu_snapshot() -> tuple[float, float] | None:
-    """(machine-wide busy CPU seconds, this process's CPU seconds), from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return busy, ru.ru_utime + ru.ru_stime
-
-
-def _foreign_cores(start, end, wall: float) -> float | None:
-    """Average number of cores other processes kept busy between two snapshots: a noise gauge
-    on a shared machine (0 when this benchmark had the machine to itself)."""
-    if start is None or end is None or wall <= 0:
-        return None
-    return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / wall)
-
-
 class _Timed:
     """Context manager: wall seconds and other processes' CPU load over a timed section."""
 
     def __enter__(self):
-        self.snap = _cpu_snapshot()
+        self.snap = cpu_snapshot()
         self.t = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         self.wall = time.perf_counter() - self.t
-        end = _cpu_snapshot()
-        self.foreign = _foreign_cores(self.snap, end, self.wall)
+        end = cpu_snapshot()
+        self.foreign = foreign_cores(self.snap, end, self.wall)
         # cores this process kept busy (all its threads): how parallel the system really ran
         self.own = (end[1] - self.snap[1]) / self.wall if self.snap and end else None
         return False
@@ -589,7 +570,7 @@ def worker_sweep(wl: dict, cfg: dict) -> dict:
         while len(records) < skip + steps:
             for k in acc:
                 acc[k] = 0.0
-            snap = _cpu_snapshot()
+            snap = cpu_snapshot()
             t = time.perf_counter()
             engine.step()
             dt = time.perf_counter() - t
@@ -602,7 +583,7 @@ def worker_sweep(wl: dict, cfg: dict) -> dict:
             if len(records) == skip:
                 meas_start = (snap, t)
             records.append({"step": dt, **acc})
-        foreign = _foreign_cores(meas_start[0], _cpu_snapshot(),
+        foreign = foreign_cores(meas_start[0], cpu_snapshot(),
                                  time.perf_counter() - meas_start[1])
         engine.abort(ids)
         while engine.has_unfinished_requests():

@@ -112,6 +112,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cpu_load import cpu_snapshot, foreign_cores
+
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 RESULTS = REPO / "bench" / "results"
@@ -251,27 +253,6 @@ def pct(xs: list[float], q: float) -> float | None:
     lo = math.floor(k)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def _cpu_snapshot() -> tuple[float, float] | None:
-    """(machine-wide busy CPU seconds, this process's CPU seconds)."""
-    import resource
-
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return busy, ru.ru_utime + ru.ru_stime
-
-
-def _foreign_cores(start, end, wall: float) -> float | None:
-    if start is None or end is None or wall <= 0:
-        return None
-    return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / wall)
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -470,7 +451,7 @@ async def run_open_loop(aeng, schedule: list[tuple[float, TraceRequest]], *, adm
                                         predict=predict, record_tokens=record_tokens))
              for rec, (_, r) in zip(recs, schedule)]
     preempt0 = aeng.engine.scheduler.num_preemptions
-    cpu0 = _cpu_snapshot()
+    cpu0 = cpu_snapshot()
     cutoff = t0 + duration + drain
     waited = [t for t, rec in zip(tasks, recs)
               if drain_only is None or rec["cls"] in drain_only]
@@ -486,14 +467,14 @@ async def run_open_loop(aeng, schedule: list[tuple[float, TraceRequest]], *, adm
         await asyncio.gather(*pending, return_exceptions=True)
     t_end = time.monotonic()
     wall = t_end - t0
-    cpu1 = _cpu_snapshot()
+    cpu1 = cpu_snapshot()
     idle = await wait_idle(aeng)
     for t in tasks:
         if t.done() and not t.cancelled() and t.exception() is not None:
             idle.setdefault("client_exceptions", []).append(repr(t.exception()))
     info = {"t0": t0, "t_end": t_end, "wall_s": wall, "cut_off": len(pending),
             "preemptions": aeng.engine.scheduler.num_preemptions - preempt0,
-            "foreign_cores": _foreign_cores(cpu0, cpu1, wall), **idle}
+            "foreign_cores": foreign_cores(cpu0, cpu1, wall), **idle}
     return recs, info
 
 
@@ -657,7 +638,7 @@ async def measure_capacity(wl: Workload, args: argparse.Namespace) -> dict[str, 
                 raise
             done_reqs += 1
 
-    cpu0 = _cpu_snapshot()
+    cpu0 = cpu_snapshot()
     t0 = time.monotonic()
     tasks = [asyncio.create_task(loop_client(c)) for c in range(args.capacity_concurrency)]
     await asyncio.sleep(max(0.0, t_end - time.monotonic()))
@@ -665,7 +646,7 @@ async def measure_capacity(wl: Workload, args: argparse.Namespace) -> dict[str, 
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     wall = time.monotonic() - t0
-    foreign = _foreign_cores(cpu0, _cpu_snapshot(), wall)
+    foreign = foreign_cores(cpu0, cpu_snapshot(), wall)
     idle = await wait_idle(aeng)
     coef = aeng.engine.step_time_model.coefficients()
     await stop_engine(aeng)
@@ -810,7 +791,7 @@ async def exp_chunk(wl: Workload, args: argparse.Namespace) -> dict[str, Any]:
                 client(aeng, r2, time.monotonic(), rec, admission=False, predict=False,
                        record_tokens=True))
         windows = []
-        cpu0, t_start = _cpu_snapshot(), time.monotonic()
+        cpu0, t_start = cpu_snapshot(), time.monotonic()
         err = None
         try:
             target = steady_tokens
@@ -834,7 +815,7 @@ async def exp_chunk(wl: Workload, args: argparse.Namespace) -> dict[str, Any]:
                 rec["task"].cancel()
             await asyncio.gather(*(rec["task"] for rec in recs), return_exceptions=True)
         wall = time.monotonic() - t_start
-        foreign = _foreign_cores(cpu0, _cpu_snapshot(), wall)
+        foreign = foreign_cores(cpu0, cpu_snapshot(), wall)
         idle = await wait_idle(aeng)
         await stop_engine(aeng)
         del aeng
