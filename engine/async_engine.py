@@ -49,6 +49,8 @@ class AsyncLLMEngine:
         # The worker thread detokenizes with the engine's tokenizer; this copy encodes
         # prompts on the event loop thread.
         self._tokenizer = copy.deepcopy(engine.tokenizer)
+        self._snapshot = engine.load_snapshot()
+        """The load as of the end of the last step; read by the event loop."""
         self.admission = AdmissionController(
             engine.traffic_classes, priority_scheduling=engine.config.policy == "priority"
         )
@@ -133,7 +135,7 @@ class AsyncLLMEngine:
         so the live queues are not read); requests queued for the next step count as
         waiting, so back-to-back admissions see each other.
         """
-        snap = copy.deepcopy(self.engine.last_snapshot)
+        snap = copy.deepcopy(self._snapshot)
         for p in self._to_add:
             cls = p.traffic_class or "standard"
             n = len(p.prompt["prompt_token_ids"])
@@ -183,6 +185,12 @@ class AsyncLLMEngine:
                     queue.put_nowait(e)
         self._to_add.clear()
 
+    def _step(self) -> list[RequestOutput]:
+        """One engine step, then the load snapshot, both on the worker thread."""
+        outputs = self.engine.step()
+        self._snapshot = self.engine.load_snapshot()
+        return outputs
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         engine = self.engine
@@ -193,7 +201,7 @@ class AsyncLLMEngine:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                outputs = await loop.run_in_executor(self._executor, engine.step)
+                outputs = await loop.run_in_executor(self._executor, self._step)
                 for out in outputs:
                     queue = self._streams.get(out.request_id)
                     if queue is not None:

@@ -91,8 +91,6 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self.last_step_num_tokens = 0
         """Tokens the last ``step()`` ran (0: it had nothing to schedule)."""
-        self.last_snapshot = self.load_snapshot()
-        """The load as of the end of the last step (safe to read from another thread)."""
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s",
             self.model_dir, num_blocks, config.block_size, self.max_model_len, device,
@@ -251,7 +249,6 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.last_step_num_tokens = out.num_batched_tokens
         if out.is_empty:
-            self.last_snapshot = self.load_snapshot()
             return []
         samples = self.runner.execute(out)
         got = self.scheduler.update(out, {rid: s.token_id for rid, s in samples.items()})
@@ -281,7 +278,6 @@ class LLMEngine:
             out.num_batched_tokens - out.num_decodes, out.num_decodes,
             time.perf_counter() - start,
         )
-        self.last_snapshot = self.load_snapshot()
         return outputs
 
     def load_snapshot(self) -> LoadSnapshot:

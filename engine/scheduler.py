@@ -107,7 +107,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         now = self.clock()
-        self._preempt_for_urgent(out, now)
+        # One sort of the waiting queue per step; again only if preemption changed it.
+        waiting_order = self.policy.order(self.waiting, now)
+        self._preempt_for_urgent(out, waiting_order, now)
         num_urgent_preemptions = len(out.preempted)
         order = self.policy.order(self.running, now)
 
@@ -153,13 +155,16 @@ class Scheduler:
         # KV blocks: the cache is full, and a victim re-admitted at once would only thrash.
         if len(out.preempted) > num_urgent_preemptions:
             return
-        self._admit(out, budget, now)
+        if out.preempted:
+            waiting_order = self.policy.order(self.waiting, now)
+        self._admit(out, waiting_order, budget, now)
 
-    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
+    def _admit(self, out: SchedulerOutput, waiting_order: list[Request], budget: int,
+               now: float) -> None:
         policy, bm = self.policy, self.block_manager
         num_running = len(self.running)
         blocked_head: Request | None = None
-        for req in policy.order(self.waiting, now):
+        for req in waiting_order:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if not policy.may_admit(req, num_running, len(self.waiting), now):
@@ -188,7 +193,8 @@ class Scheduler:
             out.seqs.append(ScheduledSeq(req, 0, n))
             budget -= n
 
-    def _preempt_for_urgent(self, out: SchedulerOutput, now: float) -> None:
+    def _preempt_for_urgent(self, out: SchedulerOutput, waiting_order: list[Request],
+                            now: float) -> None:
         """Let waiting requests the policy deems more urgent displace running ones.
 
         Walks the waiting order; for each request blocked by ``max_num_seqs`` or KV room,
@@ -197,7 +203,7 @@ class Scheduler:
         """
         bm = self.block_manager
         seats = blocks = 0
-        for req in self.policy.order(self.waiting, now):
+        for req in waiting_order:
             chunk = self._chunk(req, self.config.max_num_batched_tokens) or req.num_pending_tokens
             seats += 1
             blocks += bm.blocks_needed(chunk)
