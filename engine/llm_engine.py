@@ -69,6 +69,11 @@ class LLMEngine:
         )
         hf_config = model.config
         context = hf_config.max_position_embeddings
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True):
+            # The paged attention attends to the whole context; capping the context at the
+            # window keeps it exact for sliding-window models (Mistral).
+            context = min(context, window)
         self.max_model_len = min(config.max_model_len or context, context)
         self.vocab_size = hf_config.vocab_size
         if config.num_kv_blocks is not None:
