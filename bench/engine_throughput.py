@@ -285,11 +285,11 @@ def _result(wl: dict, wall: float, tokens: list[list[int]], **extra) -> dict:
     }
 
 
-def worker_iterserve(wl: dict, cfg: dict) -> dict:
-    from engine import LLM, SamplingParams
+def _make_llm(cfg: dict):
+    """iterserve's LLM on the embedded model, sized by the benchmark's config."""
+    from engine import LLM
 
-    t0 = time.perf_counter()
-    llm = LLM(
+    return LLM(
         model=None,
         max_num_seqs=cfg["max_num_seqs"],
         max_num_batched_tokens=cfg["max_num_batched_tokens"],
@@ -297,6 +297,13 @@ def worker_iterserve(wl: dict, cfg: dict) -> dict:
         num_kv_blocks=cfg["num_kv_blocks"],
         dtype="float32",
     )
+
+
+def worker_iterserve(wl: dict, cfg: dict) -> dict:
+    from engine import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = _make_llm(cfg)
     setup = time.perf_counter() - t0
     rss_loaded = _rss_mib()
     engine = llm.llm_engine
@@ -517,17 +524,10 @@ def worker_sweep(wl: dict, cfg: dict) -> dict:
     """Decode tokens/s at several batch sizes, with a per-phase breakdown of each step."""
     import torch
 
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
 
     gemm_flops, gemm_times = _gemm_flops(cfg["gemm_size"], cfg["gemm_reps"])
-    llm = LLM(
-        model=None,
-        max_num_seqs=cfg["max_num_seqs"],
-        max_num_batched_tokens=cfg["max_num_batched_tokens"],
-        block_size=cfg["block_size"],
-        num_kv_blocks=cfg["num_kv_blocks"],
-        dtype="float32",
-    )
+    llm = _make_llm(cfg)
     engine = llm.llm_engine
     runner = engine.runner
     n_params = sum(p.numel() for p in runner.model.parameters())

@@ -114,10 +114,6 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
