@@ -33,6 +33,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from deploy.config import ServiceConfig
+
+    config = ServiceConfig.load(args.config, model=args.model, num_replicas=args.num_replicas,
+                                host=args.host, port=args.port)
+    from deploy.server import run_server
+
+    return run_server(config, address=args.address)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (Ray Serve)")
+    srv.add_argument("--model", default=None,
+                     help="transformers directory or .gguf file (default: embedded SmolLM2-135M)")
+    srv.add_argument("--num-replicas", type=int, default=None, help="model replicas (default 1)")
+    srv.add_argument("--host", default=None, help="HTTP host (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    srv.add_argument("--config", default=None,
+                     help="YAML ServiceConfig; flags given here override it")
+    srv.add_argument("--address", default=None,
+                     help="an existing Ray cluster (default: start an embedded local one)")
+    srv.set_defaults(func=_serve)
     return parser
 
 

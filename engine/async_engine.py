@@ -7,6 +7,7 @@ import concurrent.futures
 import copy
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -95,10 +96,7 @@ class AsyncLLMEngine:
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
         # Validate now so the caller gets the error before any stream starts.
-        if traffic_class is not None and traffic_class not in self.engine.traffic_classes:
-            raise ValueError(f"unknown traffic_class {traffic_class!r}")
-        _, ids = self.engine.tokenize(prompt, self._tokenizer)
-        self.engine.check_length(len(ids), params.max_tokens)
+        ids = self.validate(prompt, params, traffic_class)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
         self._to_add.append(
@@ -123,6 +121,28 @@ class AsyncLLMEngine:
                 self._to_abort.append(rid)
                 self._wake.set()
 
+    def validate(self, prompt: PromptType, sampling_params: SamplingParams,
+                 traffic_class: str | None = None) -> list[int]:
+        """Check a request as :meth:`generate` will, without queuing it.
+
+        Returns:
+            The prompt's token ids.
+
+        Raises:
+            ValueError: empty prompt, token id outside the vocabulary, unknown class.
+            RequestRejectedError: prompt plus max_tokens exceeds the context or KV cache.
+        """
+        if traffic_class is not None and traffic_class not in self.engine.traffic_classes:
+            raise ValueError(f"unknown traffic_class {traffic_class!r}")
+        _, ids = self.engine.tokenize(prompt, self._tokenizer)
+        self.engine.check_length(len(ids), sampling_params.max_tokens)
+        return ids
+
+    @property
+    def dead(self) -> bool:
+        """The background loop failed; no request can finish (the replica should restart)."""
+        return self._error is not None
+
     async def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed before the next step."""
         self._to_abort.append(request_id)
@@ -131,11 +151,15 @@ class AsyncLLMEngine:
     def load_snapshot(self) -> LoadSnapshot:
         """The replica's load (queues per class, KV usage, fitted step-time model).
 
-        The engine's state as of its last step (a step may be running in the worker thread,
-        so the live queues are not read); requests queued for the next step count as
-        waiting, so back-to-back admissions see each other.
+        The engine's state as of its last step or its last batch of additions (a step may
+        be running in the worker thread, so the live queues are not read); requests queued
+        for the next step count as waiting, so back-to-back admissions see each other.
+        ``timestamp`` is the time of this call.
         """
         snap = copy.deepcopy(self._snapshot)
+        # Every request is counted exactly once: _snapshot was taken after the last
+        # additions were applied (or after the last step), and _to_add holds the rest.
+        snap.timestamp = time.time()
         for p in self._to_add:
             cls = p.traffic_class or "standard"
             n = len(p.prompt["prompt_token_ids"])
@@ -196,7 +220,9 @@ class AsyncLLMEngine:
         engine = self.engine
         try:
             while True:
-                self._apply_pending()
+                if self._to_add or self._to_abort:
+                    self._apply_pending()
+                    self._snapshot = engine.load_snapshot()  # the worker is idle here
                 if not engine.has_unfinished_requests():
                     self._wake.clear()
                     await self._wake.wait()

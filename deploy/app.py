@@ -1,0 +1,75 @@
+"""build_app(config): the Ray Serve application (ingress + model replicas)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+
+from deploy.config import ServiceConfig
+from deploy.replica import ModelReplica
+from router.api import OpenAIIngress
+from router.request_router import LoadAwareRouter
+
+APP_NAME = "iterserve"
+INGRESS_NAME = "OpenAIIngress"
+REPLICA_NAME = "ModelReplica"
+
+
+def build_app(config: ServiceConfig) -> serve.Application:
+    """The application: ``OpenAIIngress`` (FastAPI) bound to ``num_replicas`` ``ModelReplica``s.
+
+    Each replica reserves ``replica_num_cpus`` CPUs (torch uses that many threads) and
+    ``replica_num_gpus`` GPUs. Replicas publish their load snapshot every
+    ``routing_stats_period_s`` seconds; :class:`router.routing.LoadAwareRouter` routes
+    on it and the ingress admits on it. The ingress reserves no CPU: it only waits on I/O.
+    """
+    engine = config.engine_config()
+    actor_options: dict[str, Any] = {"num_cpus": config.replica_num_cpus}
+    if config.replica_num_gpus:
+        actor_options["num_gpus"] = config.replica_num_gpus
+    router_config = RequestRouterConfig(
+        request_router_class=LoadAwareRouter,
+        request_router_kwargs={"traffic_classes": config.engine.get("traffic_classes"),
+                               "priority_scheduling": engine.policy == "priority"},
+        request_routing_stats_period_s=config.routing_stats_period_s,
+        request_routing_stats_timeout_s=max(5.0, 10 * config.routing_stats_period_s),
+    )
+    replica = serve.deployment(ModelReplica, name=REPLICA_NAME).options(
+        num_replicas=config.num_replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options=actor_options,
+        request_router_config=router_config,
+        health_check_period_s=2.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=5.0,
+    ).bind(engine.model_dump(), max(1, math.floor(config.replica_num_cpus)))
+    ingress = serve.deployment(OpenAIIngress, name=INGRESS_NAME).options(
+        num_replicas=1,
+        max_ongoing_requests=100_000,  # it holds requests for admission; replicas cap work
+        ray_actor_options={"num_cpus": 0},
+    )
+    settings = {
+        "model_name": config.model_name(),
+        "api_keys": {k: v.model_dump() for k, v in config.api_keys.items()},
+        "traffic_classes": config.engine.get("traffic_classes"),
+        "priority_scheduling": engine.policy == "priority",
+        "admission": config.admission,
+        "max_n": config.max_n,
+        "max_request_body_bytes": config.max_request_body_bytes,
+    }
+    return ingress.bind(replica, settings)
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """Entry point for ``serve run`` / ``serve deploy`` (``import_path: deploy.app:app_builder``).
+
+    ``args`` are :class:`ServiceConfig` fields (the config file's ``args:`` section).
+    """
+    return build_app(ServiceConfig(**args))
+
+
+__all__ = ["APP_NAME", "DeploymentHandle", "build_app", "app_builder"]

@@ -1,0 +1,113 @@
+"""ServiceConfig: one model for the YAML file, the CLI flags and (later) the Helm values.
+
+A setting has one name everywhere: ``num_replicas`` in YAML is ``--num-replicas`` on the
+command line. Engine settings nest under ``engine`` (:class:`engine.EngineConfig` fields,
+``model`` excepted: it is top level because the API serves it by name).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from policies import make_classes
+from router.tenants import ApiKeyConfig
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ServiceConfig(BaseModel):
+    """Everything ``iterserve serve`` and ``build_app`` need.
+
+    Raises (at construction):
+        pydantic.ValidationError: an unknown key or a value out of range.
+    """
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = Field(None, description="None: the embedded SmolLM2-135M-Instruct")
+    served_model_name: str | None = Field(
+        None, description="the name clients send as `model`; default: the model's name"
+    )
+    num_replicas: int = Field(1, ge=1)
+    replica_num_cpus: float = Field(
+        1.0, gt=0, description="CPUs Ray reserves per replica; torch uses as many threads"
+    )
+    replica_num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (0: CPU)")
+    max_ongoing_requests: int = Field(
+        512, ge=1, description="requests in flight per replica (Ray Serve's cap)"
+    )
+    engine: dict[str, Any] = Field(
+        default_factory=lambda: {"policy": "priority"},
+        description="engine.EngineConfig fields except `model`",
+    )
+    api_keys: dict[str, ApiKeyConfig] = Field(
+        default_factory=dict, description="key -> tenant, class, priority ceiling; "
+                                          "empty: no key needed, every request `standard`",
+    )
+    admission: bool = Field(True, description="SLO-aware admission at the ingress")
+    routing_stats_period_s: float = Field(
+        0.1, gt=0, description="how often each replica publishes its load snapshot"
+    )
+    max_n: int = Field(8, ge=1, description="cap on a request's `n`")
+    max_request_body_bytes: int = Field(1 << 20, ge=1024, description="larger bodies get 413")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_valid(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from engine.config import EngineConfig  # torch import: only when validating
+
+        if "model" in v:
+            raise ValueError("set `model` at the top level, not under `engine`")
+        EngineConfig(**v)
+        return v
+
+    @model_validator(mode="after")
+    def _keys_valid(self) -> ServiceConfig:
+        classes = self.traffic_classes()
+        for k in self.api_keys.values():
+            if k.traffic_class not in classes:
+                raise ValueError(f"api key of tenant {k.tenant!r}: unknown traffic_class "
+                                 f"{k.traffic_class!r}; known: {sorted(classes)}")
+        return self
+
+    def engine_config(self):
+        """The replicas' :class:`engine.EngineConfig`."""
+        from engine.config import EngineConfig
+
+        return EngineConfig(model=self.model, **self.engine)
+
+    def traffic_classes(self):
+        """Traffic classes by name: the defaults with ``engine.traffic_classes`` applied."""
+        return make_classes(self.engine.get("traffic_classes"))
+
+    def model_name(self) -> str:
+        """The name the API serves the model under."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            return DEFAULT_MODEL_NAME
+        return Path(self.model.rstrip("/")).name.removesuffix(".gguf")
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> ServiceConfig:
+        """Read a YAML file (optional), then apply non-None ``overrides`` (CLI flags).
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            ValueError: the file is not a YAML mapping.
+            pydantic.ValidationError: a bad key or value.
+        """
+        data: dict[str, Any] = {}
+        if path is not None:
+            loaded = yaml.safe_load(Path(path).read_text())
+            if loaded is not None and not isinstance(loaded, dict):
+                raise ValueError(f"{path}: expected a YAML mapping at the top level")
+            data = dict(loaded or {})
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)

@@ -1,0 +1,97 @@
+"""The model-replica deployment: a thin Ray Serve wrapper around one AsyncLLMEngine.
+
+The ingress tokenizes, validates the API fields and admits; the replica re-checks the
+request against its engine (context and KV capacity), streams plain dicts back, and
+publishes its load snapshot for routing and admission.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from engine import AsyncLLMEngine, EngineConfig, RequestRejectedError, SamplingParams
+from router.routing import RequestShape
+
+logger = logging.getLogger(__name__)
+
+
+class ModelReplica:
+    """One engine replica.
+
+    Args:
+        engine_config: :class:`engine.EngineConfig` fields.
+        num_threads: torch intra-op threads; the CPUs Ray reserved for this replica, so
+            replicas sharing a machine do not oversubscribe it (on 2 cores, two replicas
+            of 2 threads each run several times slower than two of 1).
+    """
+
+    def __init__(self, engine_config: dict[str, Any], num_threads: int = 1) -> None:
+        torch.set_num_threads(max(1, num_threads))
+        self.engine = AsyncLLMEngine.from_config(EngineConfig(**engine_config))
+        logger.info("replica ready (pid %d, %d torch threads)", os.getpid(), num_threads)
+
+    def info(self) -> dict[str, Any]:
+        """What the ingress needs once: the tokenizer (pickled by Ray) and the limits."""
+        engine = self.engine.engine
+        return {
+            "tokenizer": engine.tokenizer,
+            "max_model_len": engine.max_model_len,
+            "kv_capacity_tokens": engine.kv_capacity_tokens,
+        }
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: dict[str, Any], shape: RequestShape) -> AsyncIterator[dict]:
+        """Run one request; stream dicts the ingress turns into OpenAI chunks.
+
+        The first item is ``{"accepted": True, "prompt_tokens": n}`` once the request is
+        queued, or ``{"error": {...}}`` (and nothing more) if the engine refuses it, so the
+        ingress can answer 400 before any stream starts. Then one item per step that
+        produced tokens: ``{"outputs": [{"index", "text", "token_ids", "logprobs",
+        "finish_reason", "stop_reason"}], "finished": bool}`` with this step's deltas;
+        ``logprobs`` is a list (one per new token) of ``{token_id: logprob}`` or None.
+
+        Cancelling the call (client gone) aborts the engine request before its next step.
+        """
+        try:
+            sampling = SamplingParams(**params)
+            ids = self.engine.validate(prompt_token_ids, sampling, shape.traffic_class)
+        except RequestRejectedError as e:
+            yield {"error": {"message": str(e), "status": 400, "param": "prompt",
+                             "code": "context_length_exceeded"}}
+            return
+        except ValueError as e:
+            yield {"error": {"message": str(e), "status": 400, "param": None,
+                             "code": "invalid_value"}}
+            return
+        yield {"accepted": True, "prompt_tokens": len(ids)}
+        async for out in self.engine.generate(ids, sampling, request_id=request_id,
+                                              priority=shape.priority,
+                                              traffic_class=shape.traffic_class):
+            items = []
+            for c in out.outputs:
+                new = len(c.delta_token_ids)
+                if not (c.delta_text or new or c.finish_reason):
+                    continue
+                items.append({
+                    "index": c.index,
+                    "text": c.delta_text,
+                    "token_ids": list(c.delta_token_ids),
+                    "logprobs": c.logprobs[len(c.logprobs) - new:] if c.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                })
+            yield {"outputs": items, "finished": out.finished}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve polls this; the routers and the ingress's admission read it."""
+        return self.engine.load_snapshot().to_dict()
+
+    def check_health(self) -> None:
+        """Ray Serve calls this periodically; raising makes it replace the replica."""
+        if self.engine.dead:
+            raise RuntimeError("engine loop failed")

@@ -1,0 +1,115 @@
+"""``iterserve serve``: start (or join) Ray, deploy the application, wait for a signal."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+import ray
+from ray import serve
+
+from deploy.app import APP_NAME, build_app
+from deploy.config import ServiceConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ServeError(RuntimeError):
+    """The server cannot start; the message says why and what to do."""
+
+
+def start_ray(address: str | None) -> None:
+    """Join ``address``, or start an embedded single-machine Ray with the dashboard off.
+
+    Ray 2.60 turns on token authentication for new local clusters: ``ray.init`` writes
+    a token to ``~/.ray/auth_token`` and this process uses it. Other clients of that
+    cluster (``ray job submit``, ``serve deploy``) need ``RAY_AUTH_MODE=token`` to send
+    it. Joining a cluster with authentication needs its token the same way.
+
+    Raises:
+        ServeError: the cluster cannot be reached or refuses our token.
+    """
+    try:
+        if address:
+            ray.init(address=address, logging_level=logging.WARNING)
+        else:
+            ray.init(include_dashboard=False, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError) as e:
+        hint = ""
+        if "auth" in str(e).lower() or "token" in str(e).lower():
+            hint = (" The cluster uses token authentication: set RAY_AUTH_MODE=token and "
+                    "put its token in ~/.ray/auth_token or RAY_AUTH_TOKEN.")
+        raise ServeError(f"cannot start or join Ray ({address or 'local'}): {e}.{hint}") from e
+
+
+def check_resources(config: ServiceConfig) -> None:
+    """Fail fast when the replicas cannot all be placed (Ray would wait forever).
+
+    Raises:
+        ServeError: not enough CPUs or GPUs in the cluster.
+    """
+    total = ray.cluster_resources()
+    need_cpu = config.num_replicas * config.replica_num_cpus
+    need_gpu = config.num_replicas * config.replica_num_gpus
+    if need_cpu > total.get("CPU", 0) or need_gpu > total.get("GPU", 0):
+        raise ServeError(
+            f"{config.num_replicas} replicas need {need_cpu:g} CPUs and {need_gpu:g} GPUs; "
+            f"the cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs "
+            "(lower --num-replicas or replica_num_cpus)"
+        )
+
+
+def deploy(config: ServiceConfig) -> str:
+    """Start Serve's HTTP proxy on ``config.host:port`` and deploy; return the base URL.
+
+    Blocks until every replica has loaded the model.
+    """
+    check_resources(config)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    return f"http://{config.host}:{config.port}"
+
+
+def run_server(config: ServiceConfig, address: str | None = None) -> int:
+    """Serve until SIGINT or SIGTERM, then shut Serve and Ray down cleanly."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        start_ray(address)
+        url = deploy(config)
+    except ServeError as e:
+        print(f"iterserve: error: {e}", flush=True)
+        _shutdown(own_cluster=address is None)
+        return 1
+    name = config.model_name()
+    key = next(iter(config.api_keys), None)
+    auth = f' -H "Authorization: Bearer {key}"' if key else ""
+    print(
+        f"\niterserve is ready: {url}/v1 (model {name!r}, {config.num_replicas} replicas, "
+        f"pid {os.getpid()})\n"
+        f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"    -d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", "
+        f"\"max_tokens\": 16, \"temperature\": 0}}'\n"
+        "Stop with Ctrl-C.",
+        flush=True,
+    )
+    stop.wait()
+    print("iterserve: shutting down", flush=True)
+    _shutdown(own_cluster=address is None)
+    return 0
+
+
+def _shutdown(own_cluster: bool) -> None:
+    """Stop what we started: all of Serve on our own cluster, only our app on a shared one."""
+    if not ray.is_initialized():
+        return
+    try:
+        if own_cluster:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
+    finally:
+        ray.shutdown()

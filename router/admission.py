@@ -1,0 +1,103 @@
+"""Admission at the ingress: ``policies.admission`` applied to every replica's latest load.
+
+A request is admitted as soon as one replica would take it within its class's SLOs
+(the router then picks between two replicas by predicted TTFT). While no replica would,
+it is held and re-decided as new snapshots arrive, for at most its class's
+``max_queue_wait_s``; then a rejectable class gets 429 with a Retry-After, and the batch
+class keeps waiting (it is refused only at its hard queue cap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+
+from policies import AdmissionController, Admit, LoadSnapshot, Reject, TrafficClass
+
+POLL_S = 0.05
+"""Seconds between re-decisions of a held request (snapshots refresh about every 0.1 s)."""
+
+
+class AdmissionRejected(Exception):
+    """Answer 429: no replica can take the request within its SLO now."""
+
+    def __init__(self, retry_after_s: float, reason: str) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+
+
+class IngressAdmission:
+    """Holds or refuses requests that no replica could serve within their SLOs.
+
+    Args:
+        classes: traffic classes by name.
+        priority_scheduling: whether the replicas run the priority policy.
+        enabled: False admits everything at once (admission off).
+        clock: monotonic seconds, injectable for tests.
+    """
+
+    def __init__(self, classes: Mapping[str, TrafficClass], *, priority_scheduling: bool,
+                 enabled: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        self.controller = AdmissionController(classes, priority_scheduling=priority_scheduling)
+        self.enabled = enabled
+        self.clock = clock
+        self._held: Counter[str] = Counter()
+
+    @property
+    def held(self) -> dict[str, int]:
+        """Requests held at this ingress now, per class."""
+        return {k: n for k, n in self._held.items() if n}
+
+    async def admit(self, loads: Callable[[], list[LoadSnapshot]], traffic_class: str,
+                    prompt_tokens: int, max_tokens: int, priority: int,
+                    arrival_s: float) -> float:
+        """Return once the request may go to a replica; the seconds it was held.
+
+        Args:
+            loads: the replicas' current snapshots (re-read at every decision); empty
+                when none has reported yet, which admits (the router then balances on
+                queue lengths).
+            arrival_s: when the request arrived, on ``clock``.
+
+        Raises:
+            AdmissionRejected: refuse with 429 and ``retry_after_s``.
+        """
+        if not self.enabled:
+            return 0.0
+        self._held[traffic_class] += 1
+        try:
+            while True:
+                snaps = loads()
+                if not snaps:
+                    break
+                waited = max(0.0, self.clock() - arrival_s)
+                decisions = [
+                    self.controller.decide(self._with_held(s, traffic_class), traffic_class,
+                                           prompt_tokens, max_tokens, priority, waited)
+                    for s in snaps
+                ]
+                if any(isinstance(d, Admit) for d in decisions):
+                    break
+                if all(isinstance(d, Reject) for d in decisions):
+                    best = min(decisions, key=lambda d: d.retry_after_s)
+                    raise AdmissionRejected(best.retry_after_s, best.reason)
+                await asyncio.sleep(POLL_S)
+        finally:
+            self._held[traffic_class] -= 1
+        return max(0.0, self.clock() - arrival_s)
+
+    def _with_held(self, snap: LoadSnapshot, traffic_class: str) -> LoadSnapshot:
+        """Count the other requests held here as queued (for seats and the hard cap)."""
+        held = dict(self._held)
+        held[traffic_class] -= 1
+        if not any(held.values()):
+            return snap
+        waiting = dict(snap.waiting_requests)
+        for k, n in held.items():
+            # Conservative: each replica counts every held request, as any may go there.
+            waiting[k] = waiting.get(k, 0) + n
+        return dataclasses.replace(snap, waiting_requests=waiting)

@@ -1,0 +1,489 @@
+"""The ingress: OpenAI-compatible REST routes, validation, admission, SSE streaming.
+
+One request's path: the body is read (413 past the size limit) and validated (400 naming
+the field), the model checked (404), the caller resolved from its API key
+(:mod:`router.tenants`), the prompt tokenized (chat template for chat), admission asked
+(:mod:`router.admission`; 429 with Retry-After), and the request sent to a replica chosen
+by :class:`router.routing.LoadAwareRouter`. The replica answers first "accepted" or a
+length error (400 before any stream starts), then one item per step; they become OpenAI
+chunks (SSE ending with ``data: [DONE]``) or one response.
+
+If a replica dies before the request produced a token, the request is sent to another
+replica; once tokens were streamed, the stream ends with an error event. A client that
+disconnects cancels the replica call, which aborts the engine request before its next
+step and frees its KV blocks.
+"""
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from policies import make_classes
+from router.admission import AdmissionRejected, IngressAdmission
+from router.errors import ApiError
+from router.routing import RequestShape, load_view
+from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.tenants import CLASS_HEADER, ApiKeyConfig, resolve_caller
+
+logger = logging.getLogger(__name__)
+
+MAX_DISPATCH_ATTEMPTS = 3
+"""Replicas tried for one request when they die before it produced a token."""
+
+REPLICA_LOST = (RayActorError, ActorUnavailableError)
+
+
+class IngressSettings(BaseModel):
+    """What the ingress needs of :class:`deploy.config.ServiceConfig` (no torch import)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model_name: str
+    api_keys: dict[str, ApiKeyConfig] = {}
+    traffic_classes: dict[str, dict[str, Any]] | None = None
+    priority_scheduling: bool = True
+    admission: bool = True
+    max_n: int = 8
+    max_request_body_bytes: int = 1 << 20
+
+
+@dataclass(slots=True)
+class _ModelInfo:
+    tokenizer: Any
+    max_model_len: int
+    kv_capacity_tokens: int
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One of the ``n`` sequences, accumulated for a non-streamed response."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+class ReplicaLost(Exception):
+    """The replica serving a stream died after it had produced tokens."""
+
+
+class _Dispatch:
+    """One request's call to a replica, re-sent elsewhere if its replica dies early."""
+
+    def __init__(self, handle: DeploymentHandle, args: tuple, shape: RequestShape) -> None:
+        self.handle = handle
+        self.args = args
+        self.shape = shape
+        self.gen: DeploymentResponseGenerator | None = None
+        self.produced = False
+        self.done = False
+        self.prompt_tokens = 0
+        self.attempts = 0
+
+    async def start(self) -> None:
+        """Send the request; return once a replica accepted it.
+
+        Raises:
+            ApiError: 400 if the replica refuses it (context or KV capacity), 503 if no
+                replica could take it.
+        """
+        while True:
+            self.attempts += 1
+            self.gen = self.handle.generate.remote(*self.args, shape=self.shape)
+            try:
+                first = await self.gen.__anext__()
+            except REPLICA_LOST as e:
+                if self.attempts >= MAX_DISPATCH_ATTEMPTS:
+                    raise ApiError(503, f"no replica could take the request: {e}",
+                                   code="replica_unavailable") from e
+                logger.warning("replica lost before accepting a request; re-sending: %s", e)
+                continue
+            if "error" in first:
+                err = first["error"]
+                self.done = True
+                raise ApiError(err["status"], err["message"], param=err.get("param"),
+                               code=err.get("code"))
+            self.prompt_tokens = first["prompt_tokens"]
+            return
+
+    async def items(self) -> AsyncIterator[dict]:
+        """The replica's step items; re-sends the request if its replica dies first.
+
+        Raises:
+            ReplicaLost: the replica died after the request had produced tokens.
+            ApiError: a re-sent request was refused (see :meth:`start`).
+        """
+        while True:
+            try:
+                async for item in self.gen:
+                    if item["outputs"]:
+                        self.produced = True
+                    yield item
+                    if item["finished"]:
+                        self.done = True
+                        return
+                raise ReplicaLost("the replica ended the stream early")
+            except REPLICA_LOST as e:
+                if self.produced or self.attempts >= MAX_DISPATCH_ATTEMPTS:
+                    raise ReplicaLost(f"the replica serving this request died: {e}") from e
+                logger.warning("replica lost before the first token; re-sending: %s", e)
+                await self.start()
+
+    def cancel(self) -> None:
+        """Abort the replica call (the engine frees the request's blocks next step)."""
+        if self.gen is not None and not self.done:
+            self.gen.cancel()
+            self.done = True
+
+
+app = FastAPI(title="iterserve", summary="OpenAI-compatible LLM serving")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    return JSONResponse(err.body(), status_code=exc.status_code)
+
+
+@serve.ingress(app)
+class OpenAIIngress:
+    """The HTTP ingress deployment.
+
+    Args:
+        replicas: handle to the model-replica deployment.
+        settings: :class:`IngressSettings` fields.
+    """
+
+    def __init__(self, replicas: DeploymentHandle, settings: dict[str, Any]) -> None:
+        self.settings = IngressSettings(**settings)
+        self.replicas = replicas.options(stream=True)
+        self._info_handle = replicas
+        self.classes = make_classes(self.settings.traffic_classes)
+        self.admission = IngressAdmission(
+            self.classes, priority_scheduling=self.settings.priority_scheduling,
+            enabled=self.settings.admission,
+        )
+        self._info: _ModelInfo | None = None
+        self._info_lock = asyncio.Lock()
+        self._created = int(time.time())
+
+    # -- routes ------------------------------------------------------------------------
+    # (No `from __future__ import annotations` in this module: FastAPI reads the
+    # annotations at runtime to tell the Request parameter from a query parameter.)
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        """200 once a replica is up (the body lists replicas' load); else 503."""
+        try:
+            await asyncio.wait_for(self._model_info(), timeout=5)
+        except (ApiError, TimeoutError):
+            return self._error(ApiError(503, "no model replica is ready yet",
+                                        code="not_ready"))
+        view = load_view(self.replicas.app_name, self.replicas.deployment_name)
+        snaps = view.snapshots() if view is not None else {}
+        replicas = [
+            {"replica": rid.unique_id, "kv_usage": round(s.kv_usage, 4),
+             "num_kv_blocks_free": s.num_kv_blocks_free, "running": s.total_running,
+             "waiting": sum(s.waiting_requests.values())}
+            for rid, s in snaps.items()
+        ]
+        num = len(view.curr_replicas) if view is not None else 0
+        if num == 0:
+            return self._error(ApiError(503, "no model replica is running", code="not_ready"))
+        return JSONResponse({"status": "ok", "num_replicas": num, "replicas": replicas,
+                             "held": self.admission.held})
+
+    @app.get("/v1/models")
+    async def models(self) -> Response:
+        try:
+            info = await self._model_info()
+        except ApiError as e:
+            return self._error(e)
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.settings.model_name, "object": "model", "created": self._created,
+            "owned_by": "iterserve", "max_model_len": info.max_model_len,
+        }]})
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    # -- one request -------------------------------------------------------------------
+
+    async def _serve(self, request: Request, chat: bool) -> Response:
+        arrival = time.monotonic()
+        try:
+            body = await self._read_json(request)
+            req = self._validate(body, ChatCompletionRequest if chat else CompletionRequest)
+            if req.model != self.settings.model_name:
+                raise ApiError(404, f"model {req.model!r} does not exist; this server "
+                                    f"serves {self.settings.model_name!r}", param="model",
+                               code="model_not_found")
+            if req.n > self.settings.max_n:
+                raise ApiError(400, f"n={req.n} is over the server's cap of "
+                                    f"{self.settings.max_n}", param="n", code="invalid_value")
+            caller = resolve_caller(self.settings.api_keys, self.classes,
+                                    request.headers.get("authorization"),
+                                    request.headers.get(CLASS_HEADER), req.priority)
+            info = await self._model_info()
+            ids = self._prompt_ids(req, chat, info.tokenizer)
+            params = self._sampling_params(req, chat)
+            shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
+            try:
+                await self.admission.admit(self._loads, caller.traffic_class, len(ids),
+                                           params["max_tokens"] or 0, caller.priority, arrival)
+            except AdmissionRejected as e:
+                retry = str(int(e.retry_after_s))
+                raise ApiError(429, f"server busy, retry after {retry} s ({e.reason})",
+                               code="rate_limit_exceeded",
+                               headers={"Retry-After": retry}) from None
+            prefix = "chatcmpl" if chat else "cmpl"
+            rid = f"{prefix}-{uuid.uuid4().hex}"
+            dispatch = _Dispatch(self.replicas, (rid, ids, params), shape)
+            try:
+                await dispatch.start()
+            except BaseException:  # refused, or the client left while it was sent
+                dispatch.cancel()
+                raise
+        except ApiError as e:
+            return self._error(e)
+        headers = {"x-request-id": rid, "x-iterserve-class": caller.traffic_class,
+                   "x-iterserve-priority": str(caller.priority)}
+        if req.stream:
+            return StreamingResponse(self._stream(dispatch, req, chat, rid, info),
+                                     media_type="text/event-stream", headers=headers)
+        try:
+            return JSONResponse(await self._collect(dispatch, req, chat, rid, info),
+                                headers=headers)
+        except ReplicaLost as e:
+            return self._error(ApiError(503, str(e), code="replica_lost"))
+        finally:
+            dispatch.cancel()
+
+    async def _collect(self, dispatch: _Dispatch, req: Any, chat: bool, rid: str,
+                       info: _ModelInfo) -> dict:
+        choices = [_Choice() for _ in range(req.n)]
+        async for item in dispatch.items():
+            for o in item["outputs"]:
+                c = choices[o["index"]]
+                c.text.append(o["text"])
+                c.token_ids.extend(o["token_ids"])
+                if o["logprobs"]:
+                    c.logprobs.extend(o["logprobs"])
+                if o["finish_reason"]:
+                    c.finish_reason, c.stop_reason = o["finish_reason"], o["stop_reason"]
+        want_logprobs = self._wants_logprobs(req, chat)
+        out = []
+        for i, c in enumerate(choices):
+            text = "".join(c.text)
+            lp = (self._logprobs(info.tokenizer, c.token_ids, c.logprobs, req, chat)
+                  if want_logprobs else None)
+            choice: dict[str, Any] = {"index": i, "logprobs": lp,
+                                      "finish_reason": c.finish_reason,
+                                      "stop_reason": c.stop_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            out.append(choice)
+        completion = sum(len(c.token_ids) for c in choices)
+        return {
+            "id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.settings.model_name, "choices": out,
+            "usage": self._usage(dispatch.prompt_tokens, completion),
+        }
+
+    async def _stream(self, dispatch: _Dispatch, req: Any, chat: bool, rid: str,
+                      info: _ModelInfo) -> AsyncIterator[str]:
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        want_logprobs = self._wants_logprobs(req, chat)
+        completion = 0
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            data: dict[str, Any] = {"id": rid, "object": obj, "created": created,
+                                    "model": self.settings.model_name, "choices": choices}
+            if include_usage:
+                data["usage"] = usage
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        try:
+            if chat:
+                for i in range(req.n):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+            async for item in dispatch.items():
+                for o in item["outputs"]:
+                    completion += len(o["token_ids"])
+                    lp = (self._logprobs(info.tokenizer, o["token_ids"], o["logprobs"] or [],
+                                         req, chat) if want_logprobs else None)
+                    choice: dict[str, Any] = {"index": o["index"], "logprobs": lp,
+                                              "finish_reason": o["finish_reason"]}
+                    if o["finish_reason"]:
+                        choice["stop_reason"] = o["stop_reason"]
+                    if chat:
+                        choice["delta"] = {"content": o["text"]} if o["text"] else {}
+                    else:
+                        choice["text"] = o["text"]
+                    yield chunk([choice])
+            if include_usage:
+                yield chunk([], self._usage(dispatch.prompt_tokens, completion))
+        except (ReplicaLost, ApiError) as e:
+            err = e if isinstance(e, ApiError) else ApiError(503, str(e), code="replica_lost")
+            yield f"data: {json.dumps(err.body())}\n\n"
+        finally:
+            dispatch.cancel()
+        yield "data: [DONE]\n\n"
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _loads(self) -> list:
+        view = load_view(self.replicas.app_name, self.replicas.deployment_name)
+        return list(view.snapshots().values()) if view is not None else []
+
+    async def _model_info(self) -> _ModelInfo:
+        """The replicas' tokenizer and limits, fetched from one replica on first use.
+
+        Raises:
+            ApiError: 503 when no replica answers.
+        """
+        if self._info is None:
+            async with self._info_lock:
+                if self._info is None:
+                    try:
+                        info = await self._info_handle.info.remote()
+                    except REPLICA_LOST as e:
+                        raise ApiError(503, f"no model replica is ready: {e}",
+                                       code="not_ready") from e
+                    self._info = _ModelInfo(**info)
+        return self._info
+
+    async def _read_json(self, request: Request) -> dict:
+        limit = self.settings.max_request_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body of {declared} bytes is over the limit of "
+                                f"{limit} bytes", code="request_too_large")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise ApiError(413, f"request body is over the limit of {limit} bytes",
+                               code="request_too_large")
+        try:
+            data = json.loads(body)
+        except ValueError as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}",
+                           code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+        return data
+
+    @staticmethod
+    def _validate(body: dict, schema: type[BaseModel]) -> Any:
+        try:
+            return schema.model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = ".".join(str(p) for p in err["loc"]) or None
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "missing":
+                message = f"{param}: field required"
+            else:
+                message = f"{param}: {msg} (got {err.get('input')!r})"
+            raise ApiError(400, message, param=param, code="invalid_value") from None
+
+    @staticmethod
+    def _prompt_ids(req: Any, chat: bool, tokenizer: Any) -> list[int]:
+        if not chat:
+            prompt = req.prompt
+            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if not ids:
+                raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
+            return ids
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception as e:  # jinja errors from a model's template: bad messages
+            raise ApiError(400, f"messages: cannot apply the chat template: {e}",
+                           param="messages", code="invalid_value") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def _sampling_params(req: Any, chat: bool) -> dict[str, Any]:
+        if chat:
+            max_tokens = req.max_completion_tokens or req.max_tokens
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            max_tokens, logprobs = req.max_tokens, req.logprobs
+        return {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                "n": req.n, "stop": req.stop or [], "seed": req.seed, "ignore_eos": req.ignore_eos,
+                "logprobs": logprobs}
+
+    @staticmethod
+    def _wants_logprobs(req: Any, chat: bool) -> bool:
+        return bool(req.logprobs) if chat else req.logprobs is not None
+
+    @staticmethod
+    def _logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]],
+                  req: Any, chat: bool) -> dict:
+        """OpenAI's logprobs object for these tokens (chat and legacy completion forms)."""
+        def tok(t: int) -> str:
+            return tokenizer.decode([t])
+
+        if chat:
+            k = req.top_logprobs or 0
+            content = []
+            for t, e in zip(token_ids, entries):
+                s = tok(t)
+                top = sorted(e.items(), key=lambda kv: -kv[1])[:k]
+                content.append({
+                    "token": s, "logprob": e.get(t, float("-inf")), "bytes": list(s.encode()),
+                    "top_logprobs": [{"token": tok(i), "logprob": lp,
+                                      "bytes": list(tok(i).encode())} for i, lp in top],
+                })
+            return {"content": content}
+        tokens, offsets, offset = [], [], 0
+        for t in token_ids:
+            s = tok(t)
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.get(t, float("-inf")) for t, e in zip(token_ids, entries)],
+            "top_logprobs": [{tok(i): lp for i, lp in sorted(e.items(), key=lambda kv: -kv[1])}
+                             for e in entries],
+            "text_offset": offsets,
+        }
+
+    @staticmethod
+    def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    @staticmethod
+    def _error(e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)

@@ -1,0 +1,112 @@
+"""The Ray Serve ``RequestRouter`` class: power of two choices on predicted TTFT.
+
+See :mod:`router.routing` for the method. This module holds only the class, because Ray
+Serve pickles a custom router's module by value into every handle's process: state that
+the ingress must share with the router (the registry of routers, the request shape type)
+lives in :mod:`router.routing`, which is imported normally.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from policies import AdmissionController, LoadSnapshot, make_classes
+from router.routing import ROUTED_MEMORY_S, Routed, register, shape_of
+
+logger = logging.getLogger(__name__)
+
+
+class LoadAwareRouter(RequestRouter):
+    """Two random replicas; the one with the lower predicted TTFT first.
+
+    Falls back to Ray Serve's queue-length choice between the two when either has not
+    published a snapshot yet, or when the call carries no :class:`RequestShape`.
+
+    ``request_router_kwargs``: ``traffic_classes`` (overrides of the default classes)
+    and ``priority_scheduling`` (whether the replicas run the priority policy).
+    """
+
+    def initialize_state(self, traffic_classes: dict | None = None,
+                         priority_scheduling: bool = True, **_: object) -> None:
+        self.admission = AdmissionController(make_classes(traffic_classes),
+                                             priority_scheduling=priority_scheduling)
+        self._routed: dict[ReplicaID, deque[Routed]] = {}
+        self._lock = threading.Lock()  # the router runs on its own loop thread
+        register(self)
+
+    # -- the load view -------------------------------------------------------------------
+
+    def snapshot(self, replica: RunningReplica) -> LoadSnapshot | None:
+        """The replica's last published load plus what was routed to it since."""
+        stats = replica.routing_stats
+        if not stats:
+            return None
+        try:
+            snap = LoadSnapshot.from_dict(stats)
+        except (TypeError, ValueError, KeyError):
+            logger.warning("replica %s published unreadable stats", replica.replica_id)
+            return None
+        with self._lock:
+            routed = self._routed.get(replica.replica_id, ())
+            while routed and routed[0].time_s < min(snap.timestamp,
+                                                    time.time() - ROUTED_MEMORY_S):
+                routed.popleft()
+            since = [r.shape for r in routed if r.time_s >= snap.timestamp]
+        for s in since:
+            c = s.traffic_class
+            snap.waiting_prefill_tokens[c] = snap.waiting_prefill_tokens.get(c, 0) + s.prompt_tokens
+            snap.waiting_requests[c] = snap.waiting_requests.get(c, 0) + 1
+        return snap
+
+    def snapshots(self) -> dict[ReplicaID, LoadSnapshot]:
+        """Adjusted snapshots of every running replica that has published one."""
+        out = {}
+        for rid, replica in list(self._replicas.items()):
+            snap = self.snapshot(replica)
+            if snap is not None:
+                out[rid] = snap
+        return out
+
+    # -- RequestRouter -------------------------------------------------------------------
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        pair = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
+        shape = shape_of(pending_request)
+        if shape is None or len(pair) == 1:
+            return [pair]
+        ttfts = []
+        for r in pair:
+            snap = self.snapshot(r)
+            if snap is None:
+                return [pair]  # no stats yet: Ray Serve's queue-length choice
+            pred = self.admission.predict(snap, shape.traffic_class, shape.prompt_tokens,
+                                          shape.priority)
+            ttfts.append(pred.ttft_s)
+        first, second = pair if ttfts[0] <= ttfts[1] else pair[::-1]
+        # The other replica stays as a second rank, used if the first refuses (full queue).
+        return [[first], [second]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: object) -> None:
+        shape = shape_of(pending_request)
+        if shape is None:
+            return
+        with self._lock:
+            self._routed.setdefault(replica_id, deque()).append(Routed(time.time(), shape))
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        with self._lock:
+            self._routed.pop(replica_id, None)

@@ -1,0 +1,89 @@
+"""API keys to tenants: who may ask for which traffic class and priority.
+
+A key maps to a tenant, a traffic class and a priority ceiling (the most urgent priority,
+i.e. the lowest number, its requests may carry). A request may lower its urgency, with
+the ``priority`` field or the ``x-iterserve-class`` header, never raise it. With no keys
+configured no key is needed and every request is ``standard``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies import TrafficClass
+from router.errors import ApiError
+
+CLASS_HEADER = "x-iterserve-class"
+
+
+class ApiKeyConfig(BaseModel):
+    """What one API key may do."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str
+    traffic_class: str = "standard"
+    max_priority: int | None = Field(
+        None, description="the most urgent priority (lowest number) its requests may carry; "
+                          "None: its class's default priority",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request and how it is scheduled."""
+
+    tenant: str | None
+    traffic_class: str
+    priority: int
+
+
+def resolve_caller(api_keys: Mapping[str, ApiKeyConfig], classes: Mapping[str, TrafficClass],
+                   authorization: str | None, class_header: str | None,
+                   priority: int | None) -> Caller:
+    """The caller's tenant, class and priority for one request.
+
+    Args:
+        authorization: the ``Authorization`` header (``Bearer <key>``), if sent.
+        class_header: the ``x-iterserve-class`` header, if sent.
+        priority: the body's ``priority`` field, if sent.
+
+    Raises:
+        ApiError: 401 for a missing or unknown key (when keys are configured); 400 for an
+            unknown class; 403 for a class or priority more urgent than the key allows.
+    """
+    if api_keys:
+        key = (authorization or "").removeprefix("Bearer ").strip()
+        if not key:
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                           code="missing_api_key")
+        entry = api_keys.get(key)
+        if entry is None:
+            raise ApiError(401, "invalid API key", code="invalid_api_key")
+        tenant, base = entry.tenant, entry.traffic_class
+        ceiling = entry.max_priority
+    else:
+        tenant, base, ceiling = None, "standard", None
+    if ceiling is None:
+        ceiling = classes[base].default_priority
+    name = base
+    if class_header:
+        name = class_header.strip()
+        if name not in classes:
+            raise ApiError(400, f"unknown traffic class {name!r} in {CLASS_HEADER}; "
+                                f"known: {sorted(classes)}", param=CLASS_HEADER,
+                           code="invalid_value")
+        if classes[name].default_priority < ceiling:
+            raise ApiError(403, f"traffic class {name!r} (priority "
+                                f"{classes[name].default_priority}) is more urgent than this "
+                                f"key allows (priority {ceiling} at most urgent)",
+                           param=CLASS_HEADER, code="priority_not_allowed")
+    effective = classes[name].default_priority if priority is None else priority
+    if effective < ceiling:
+        raise ApiError(403, f"priority {effective} is more urgent than this key allows "
+                            f"({ceiling}; lower numbers are more urgent)", param="priority",
+                       code="priority_not_allowed")
+    return Caller(tenant, name, effective)
