@@ -41,7 +41,7 @@ class ServiceConfig(BaseModel):
         512, ge=1, description="requests in flight per replica (Ray Serve's cap)"
     )
     engine: dict[str, Any] = Field(
-        default_factory=lambda: {"policy": "priority"},
+        default_factory=lambda: {"policy": "priority", "tpot_slo_guard": True},
         description="engine.EngineConfig fields except `model`",
     )
     api_keys: dict[str, ApiKeyConfig] = Field(

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
+from ray import serve
 
 from engine import AsyncLLMEngine, EngineConfig, RequestRejectedError, SamplingParams
 from router.routing import RequestShape
@@ -33,6 +34,7 @@ class ModelReplica:
     def __init__(self, engine_config: dict[str, Any], num_threads: int = 1) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.engine = AsyncLLMEngine.from_config(EngineConfig(**engine_config))
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
         logger.info("replica ready (pid %d, %d torch threads)", os.getpid(), num_threads)
 
     def info(self) -> dict[str, Any]:
@@ -48,10 +50,10 @@ class ModelReplica:
                        params: dict[str, Any], shape: RequestShape) -> AsyncIterator[dict]:
         """Run one request; stream dicts the ingress turns into OpenAI chunks.
 
-        The first item is ``{"accepted": True, "prompt_tokens": n}`` once the request is
-        queued, or ``{"error": {...}}`` (and nothing more) if the engine refuses it, so the
-        ingress can answer 400 before any stream starts. Then one item per step that
-        produced tokens: ``{"outputs": [{"index", "text", "token_ids", "logprobs",
+        The first item is ``{"accepted": True, "prompt_tokens": n, "replica": id}`` once
+        the request is queued, or ``{"error": {...}}`` (and nothing more) if the engine
+        refuses it, so the ingress can answer 400 before any stream starts. Then one item
+        per step that produced tokens: ``{"outputs": [{"index", "text", "token_ids", "logprobs",
         "finish_reason", "stop_reason"}], "finished": bool}`` with this step's deltas;
         ``logprobs`` is a list (one per new token) of ``{token_id: logprob}`` or None.
 
@@ -68,7 +70,7 @@ class ModelReplica:
             yield {"error": {"message": str(e), "status": 400, "param": None,
                              "code": "invalid_value"}}
             return
-        yield {"accepted": True, "prompt_tokens": len(ids)}
+        yield {"accepted": True, "prompt_tokens": len(ids), "replica": self.replica_id}
         async for out in self.engine.generate(ids, sampling, request_id=request_id,
                                               priority=shape.priority,
                                               traffic_class=shape.traffic_class):

@@ -15,6 +15,8 @@ from deploy.config import ServiceConfig
 
 logger = logging.getLogger(__name__)
 
+SHUTDOWN_TIMEOUT_S = 20.0
+
 
 class ServeError(RuntimeError):
     """The server cannot start; the message says why and what to do."""
@@ -75,10 +77,11 @@ def deploy(config: ServiceConfig) -> str:
 def run_server(config: ServiceConfig, address: str | None = None) -> int:
     """Serve until SIGINT or SIGTERM, then shut Serve and Ray down cleanly."""
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         start_ray(address)
+        # After ray.init, which installs its own SIGTERM handler (exit without cleanup).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         url = deploy(config)
     except ServeError as e:
         print(f"iterserve: error: {e}", flush=True)
@@ -106,10 +109,13 @@ def _shutdown(own_cluster: bool) -> None:
     """Stop what we started: all of Serve on our own cluster, only our app on a shared one."""
     if not ray.is_initialized():
         return
-    try:
-        if own_cluster:
-            serve.shutdown()
-        else:
-            serve.delete(APP_NAME)
-    finally:
-        ray.shutdown()
+    # Ctrl-C in a terminal signals the whole process group, Ray's own processes included;
+    # Serve's shutdown then waits on a dead controller, so it gets a deadline.
+    stopper = threading.Thread(
+        target=serve.shutdown if own_cluster else lambda: serve.delete(APP_NAME), daemon=True
+    )
+    stopper.start()
+    stopper.join(SHUTDOWN_TIMEOUT_S)
+    if stopper.is_alive():
+        logger.warning("Serve did not shut down within %.0f s; stopping Ray", SHUTDOWN_TIMEOUT_S)
+    ray.shutdown()

@@ -39,6 +39,10 @@ class EngineConfig(BaseModel):
     max_head_of_line_skips: int = Field(
         8, ge=0, description="priority policy: admissions past a head that lacks KV room"
     )
+    tpot_slo_guard: bool = Field(
+        False, description="shed less urgent decodes and cap prefill chunks so the step "
+                           "time stays within the running requests' TPOT SLOs",
+    )
     batch_wait_timeout_s: float = Field(
         0.5, ge=0, description="static policy: wait this long to fill a batch"
     )

@@ -86,8 +86,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.traffic_classes = make_classes(config.traffic_classes)
         policy = make_policy(config.policy, **config.policy_options())
-        self.scheduler = Scheduler(config, self.block_manager, policy, clock)
         self.step_time_model = StepTimeModel()
+        self.scheduler = Scheduler(config, self.block_manager, policy, clock,
+                                   self.step_time_model if config.tpot_slo_guard else None)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, config.seed)
         eos = model.generation_config.eos_token_id
         if eos is None:
@@ -173,7 +174,8 @@ class LLMEngine:
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(seq_id, ids, params, now, max_tokens, priority=priority,
-                          traffic_class=traffic_class, parent_id=request_id, index=i)
+                          traffic_class=traffic_class, parent_id=request_id, index=i,
+                          tpot_slo_s=self.traffic_classes[traffic_class].tpot_slo_s)
             if params.seed is not None and params.n > 1:
                 req.params = replace(params, seed=params.seed + i)
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
@@ -313,6 +315,7 @@ class LLMEngine:
             kv_blocks_used=blocks,
             kv_usage=bm.usage,
             step_coefficients=self.step_time_model.coefficients(),
+            tpot_slo_guard=self.config.tpot_slo_guard,
             timestamp=time.time(),
         )
 

@@ -14,6 +14,7 @@ preemption by recompute is vLLM's (Kwon et al., SOSP 2023, section 4.5).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.kv_cache import BlockManager
 from engine.request import FinishReason, Request, RequestStatus
+from policies.admission import StepTimeModel
 from policies.base import SchedulingPolicy
 
 
@@ -71,8 +73,11 @@ class Scheduler:
         block_manager: BlockManager,
         policy: SchedulingPolicy,
         clock: Callable[[], float] = time.monotonic,
+        step_time: StepTimeModel | None = None,
     ) -> None:
         self.config = config
+        self.step_time = step_time
+        """With a model, the TPOT SLO guard is on (see :meth:`_tpot_guard`)."""
         self.block_manager = block_manager
         self.policy = policy
         self.clock = clock
@@ -110,8 +115,9 @@ class Scheduler:
         # One sort of the waiting queue per step; again only if preemption changed it.
         waiting_order = self.policy.order(self.waiting, now)
         self._preempt_for_urgent(out, waiting_order, now)
-        num_urgent_preemptions = len(out.preempted)
         order = self.policy.order(self.running, now)
+        prefill_cap, slo = self._tpot_guard(out, order, now)
+        num_urgent_preemptions = len(out.preempted)
 
         # 1. Decodes. Iterating most urgent first means any victim taken from the
         # not-yet-scheduled tail is no more urgent than the request being served.
@@ -126,6 +132,7 @@ class Scheduler:
             scheduled.add(req.request_id)
             budget -= 1
         out.num_decodes = len(out.seqs)
+        budget = min(budget, prefill_cap)
 
         # 2. Chunks of prompts already being prefilled.
         for req in order:
@@ -157,10 +164,49 @@ class Scheduler:
             return
         if out.preempted:
             waiting_order = self.policy.order(self.waiting, now)
-        self._admit(out, waiting_order, budget, now)
+        self._admit(out, waiting_order, budget, now, slo)
+
+    def _tpot_guard(self, out: SchedulerOutput, order: list[Request],
+                    now: float) -> tuple[float, float]:
+        """Keep the step time within the running requests' TPOT SLOs (guard on only).
+
+        Walks the running requests most urgent first, tracking the tightest TPOT SLO so
+        far among those decoding; a request whose decode would push the predicted decode-only step time past
+        that SLO is preempted if the policy lets the SLO's owner outrank it (so batch
+        work yields to interactive work, never the reverse). Then the step's prefill
+        tokens are capped so the predicted step time stays within the tightest SLO
+        kept: Sarathi-Serve's token budget derived from the TPOT SLO (Agrawal et al.,
+        OSDI 2024, section 4.3), per step instead of fixed. At least one block of prefill
+        runs per step, so prompts always progress.
+
+        Returns:
+            (prefill token cap for this step, tightest TPOT SLO kept in seconds); both
+            ``math.inf`` with the guard off.
+        """
+        model = self.step_time
+        if model is None:
+            return math.inf, math.inf
+        slo, owner, kept = math.inf, None, 0
+        for req in order:
+            # A request's TPOT SLO binds once it decodes; while it prefills, the prefill
+            # budget should go to its TTFT instead.
+            if req.tpot_slo_s < slo and req.num_pending_tokens == 1:
+                slo, owner = req.tpot_slo_s, req
+            if (owner is not req and model.predict(0, kept + 1) > slo
+                    and self.policy.preempts(owner, req, now)):
+                self.preempt(req)
+                out.preempted.append(req)
+                continue
+            kept += 1
+        if math.isinf(slo):
+            return math.inf, slo
+        _, b, _ = model.coefficients()
+        spare = slo - model.predict(0, kept)
+        cap = math.floor(spare / b) if b > 0 else math.inf
+        return max(self.block_manager.block_size, cap), slo
 
     def _admit(self, out: SchedulerOutput, waiting_order: list[Request], budget: int,
-               now: float) -> None:
+               now: float, slo: float = math.inf) -> None:
         policy, bm = self.policy, self.block_manager
         num_running = len(self.running)
         blocked_head: Request | None = None
@@ -169,6 +215,9 @@ class Scheduler:
                 break
             if not policy.may_admit(req, num_running, len(self.waiting), now):
                 continue
+            if (self.step_time is not None and req.tpot_slo_s >= slo
+                    and self.step_time.predict(0, len(self.running) + 1) > slo):
+                continue  # the TPOT guard would shed it again at once
             n = self._chunk(req, budget)
             if n == 0:
                 break

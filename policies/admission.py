@@ -195,6 +195,8 @@ class LoadSnapshot:
     """Fraction of the KV cache in use, 0..1."""
     step_coefficients: tuple[float, float, float] = DEFAULT_STEP_COEFFICIENTS
     """The replica's :meth:`StepTimeModel.coefficients`."""
+    tpot_slo_guard: bool = False
+    """The replica sheds less urgent decodes to hold the tightest TPOT SLO running."""
     timestamp: float = 0.0
     """When the snapshot was taken, seconds since the epoch (``time.time()``: it crosses
     processes, so not a monotonic clock)."""
@@ -388,10 +390,18 @@ class AdmissionController:
         d = s.total_running
         tokens = tokens_ahead + prompt_tokens
         ttft, steps = self._ttft(s, tokens, d)
+        guarded = s.tpot_slo_guard and self.priority_scheduling
+        if guarded:
+            # The replica's TPOT guard sheds less urgent decodes for this request's SLO
+            # and sheds this request's decodes for more urgent ones' SLOs: only the
+            # requests served before it, and its own SLO, matter.
+            d_tpot, tpot_slo = load.running_before, cls.tpot_slo_s
+        else:
+            d_tpot, tpot_slo = d, min([cls.tpot_slo_s, *load.tpot_slos])
         return Prediction(
             ttft_s=ttft,
-            tpot_s=self._tpot(s, tokens, d),
-            tpot_slo_s=min([cls.tpot_slo_s, *load.tpot_slos]),
+            tpot_s=self._tpot(s, tokens, d_tpot),
+            tpot_slo_s=tpot_slo,
             tokens_ahead=tokens_ahead,
             requests_ahead=load.requests_ahead,
             steps=steps,

@@ -66,6 +66,15 @@ class _ModelInfo:
     max_model_len: int
     kv_capacity_tokens: int
 
+    def fits(self, prompt_tokens: int, max_tokens: int | None) -> bool:
+        """Whether the replicas could ever run this request (else they refuse it)."""
+        need = prompt_tokens + (max_tokens or 1)
+        return need <= min(self.max_model_len, self.kv_capacity_tokens)
+
+
+class _WillBeRefused(Exception):
+    """Skip admission: the replica will refuse the request with a 400 that has the numbers."""
+
 
 @dataclass(slots=True)
 class _Choice:
@@ -94,6 +103,8 @@ class _Dispatch:
         self.produced = False
         self.done = False
         self.prompt_tokens = 0
+        self.replica = ""
+        """The serving replica's id (Ray Serve's unique id), once accepted."""
         self.attempts = 0
 
     async def start(self) -> None:
@@ -120,6 +131,7 @@ class _Dispatch:
                 raise ApiError(err["status"], err["message"], param=err.get("param"),
                                code=err.get("code"))
             self.prompt_tokens = first["prompt_tokens"]
+            self.replica = first["replica"]
             return
 
     async def items(self) -> AsyncIterator[dict]:
@@ -250,8 +262,12 @@ class OpenAIIngress:
             params = self._sampling_params(req, chat)
             shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
             try:
+                if not info.fits(len(ids), params["max_tokens"]):
+                    raise _WillBeRefused  # the replica answers 400 with the numbers
                 await self.admission.admit(self._loads, caller.traffic_class, len(ids),
                                            params["max_tokens"] or 0, caller.priority, arrival)
+            except _WillBeRefused:
+                pass
             except AdmissionRejected as e:
                 retry = str(int(e.retry_after_s))
                 raise ApiError(429, f"server busy, retry after {retry} s ({e.reason})",
@@ -267,8 +283,13 @@ class OpenAIIngress:
                 raise
         except ApiError as e:
             return self._error(e)
+        except Exception:  # a bug of ours: an OpenAI-shaped 500, and the server stays up
+            logger.exception("request failed")
+            return self._error(ApiError(500, "internal error; see the server log",
+                                        code="internal_error"))
         headers = {"x-request-id": rid, "x-iterserve-class": caller.traffic_class,
-                   "x-iterserve-priority": str(caller.priority)}
+                   "x-iterserve-priority": str(caller.priority),
+                   "x-iterserve-replica": dispatch.replica}
         if req.stream:
             return StreamingResponse(self._stream(dispatch, req, chat, rid, info),
                                      media_type="text/event-stream", headers=headers)

@@ -142,3 +142,65 @@ def test_static_policy_waits_to_fill_a_batch():
     assert sched.schedule().is_empty  # one request, no timeout yet: keep waiting
     clock.t = 1.0
     assert [s.request.request_id for s in sched.schedule().seqs] == ["x"]
+
+
+def _guarded(max_num_seqs=32, budget=512):
+    """Scheduler with the TPOT guard on a step model of 0.1 s + 0.001 s/prefill token +
+    0.02 s/decode: 0.5 s TPOT holds up to 20 decodes."""
+    from policies import StepTimeModel
+
+    model = StepTimeModel(prior=(0.1, 0.001, 0.02), min_samples=10**9)  # fixed: the prior
+    config = EngineConfig(block_size=4, num_kv_blocks=4000, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=budget)
+    clock = FakeClock()
+    sched = Scheduler(config, BlockManager(4000, 4), PriorityPolicy(aging_s_per_level=None),
+                      clock, step_time=model)
+    return sched, clock, model
+
+
+def guarded_req(rid, arrival, priority, slo, prompt_len=8, max_tokens=500):
+    r = req(rid, prompt_len, max_tokens, arrival, priority=priority)
+    r.tpot_slo_s = slo
+    return r
+
+
+def test_tpot_guard_sheds_batch_decodes_for_an_interactive_slo():
+    sched, clock, model = _guarded()
+    batch = [guarded_req(f"b{i}", 0.01 * i, priority=2, slo=5.0) for i in range(30)]
+    for r in batch:
+        sched.add(r)
+    for _ in range(3):
+        fake_step(sched, clock)
+    assert len(sched.running) == 30  # 30 decodes: 0.7 s, within batch's 5 s SLO
+    urgent = guarded_req("urgent", clock(), priority=0, slo=0.5, prompt_len=1000,
+                         max_tokens=10)
+    sched.add(urgent)
+    steps = 0
+    while urgent.first_token_time is None and not urgent.output_token_ids:
+        out = fake_step(sched, clock)
+        steps += 1
+        assert not out.preempted  # while it prefills, its TPOT SLO does not bind yet
+    # 1000 tokens at the full budget less 30 decodes (482 a step): 3 steps.
+    assert steps == 3
+    out = fake_step(sched, clock)
+    # The urgent request plus 19 batch decodes: 20 x 0.02 + 0.1 = 0.5 s.
+    assert len(sched.running) == 20 and len(out.preempted) == 11
+    assert all(r.priority == 2 for r in out.preempted)
+    for _ in range(5):  # shed requests are not re-admitted while the urgent one runs
+        out = fake_step(sched, clock)
+        assert model.predict(0, out.num_decodes) <= 0.5 + 1e-9
+    while not urgent.is_finished:
+        fake_step(sched, clock)
+    fake_step(sched, clock)
+    fake_step(sched, clock)
+    assert len(sched.running) == 30  # batch work resumes at full width
+
+
+def test_tpot_guard_never_sheds_more_urgent_work():
+    sched, clock, _ = _guarded()
+    for i in range(25):
+        sched.add(guarded_req(f"i{i}", 0.01 * i, priority=0, slo=0.5))
+    for _ in range(3):
+        out = fake_step(sched, clock)
+        assert not out.preempted
+    assert len(sched.running) == 25  # same class: the guard does not preempt its own peers

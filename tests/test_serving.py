@@ -1,0 +1,413 @@
+"""The real application (Ray Serve, 2 replicas of the default model) through the openai client.
+
+One module-scoped server; the replica-death test runs last because it kills a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from deploy.config import ServiceConfig  # noqa: E402
+from deploy.server import deploy  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+KEYS = {
+    "sk-interactive": {"tenant": "alice", "traffic_class": "interactive"},
+    "sk-standard": {"tenant": "carol", "traffic_class": "standard"},
+    "sk-batch": {"tenant": "bob", "traffic_class": "batch"},
+}
+NUM_KV_BLOCKS = 512  # 8192 tokens: a 5000-token request fits the context but not the cache
+MAX_NUM_SEQS = 32
+PROMPT = "The capital of France is"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = ServiceConfig(
+        num_replicas=2,
+        port=_free_port(),
+        api_keys=KEYS,
+        engine={
+            "policy": "priority", "tpot_slo_guard": True,
+            "num_kv_blocks": NUM_KV_BLOCKS // 2,
+            "max_num_seqs": MAX_NUM_SEQS,
+            "max_model_len": 8192,
+            # A class that can never meet its SLO under load and goes after everything:
+            # it shows admission's 429 without touching the other classes.
+            "traffic_classes": {"tight": {"ttft_slo_s": 0.01, "tpot_slo_s": 0.01,
+                                          "default_priority": 3, "max_queue_wait_s": 0.3}},
+        },
+    )
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
+             log_to_driver=False)
+    try:
+        url = deploy(config)
+        _wait_health(url, replicas=2, timeout_s=60)
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _client(url: str, key: str = "sk-standard") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _health(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=10).json()
+
+
+def _wait_health(url: str, replicas: int, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        h = _health(url)
+        if h.get("status") == "ok" and len(h["replicas"]) >= replicas:
+            return h
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {replicas} healthy replicas after {timeout_s} s: {h}")
+        time.sleep(0.5)
+
+
+def _wait_idle(url: str, timeout_s: float = 10) -> float:
+    """Seconds until every replica reports no running request and no KV block in use."""
+    start = time.monotonic()
+    while True:
+        h = _health(url)
+        if h.get("replicas") and all(r["running"] == 0 and r["waiting"] == 0 and r["kv_usage"] == 0
+                                 for r in h["replicas"]):
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"replicas still busy after {timeout_s} s: {h}")
+        time.sleep(0.1)
+
+
+def _post(url: str, path: str, body: dict | bytes, key: str | None = "sk-standard",
+          **headers: str) -> httpx.Response:
+    h = {"Content-Type": "application/json", **headers}
+    if key:
+        h["Authorization"] = f"Bearer {key}"
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{url}{path}", content=content, headers=h, timeout=120)
+
+
+# -- correctness ----------------------------------------------------------------------------
+
+
+def test_completion_matches_transformers_generate(server, model_dir, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = _client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
+                                             temperature=0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    ref = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:]
+    assert out.choices[0].text == tokenizer.decode(ref, skip_special_tokens=True)
+    assert out.usage.prompt_tokens == ids.shape[1]
+    assert out.usage.completion_tokens == len(ref)
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_models_and_health(server):
+    models = _client(server).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    h = _health(server)
+    assert h["status"] == "ok" and h["num_replicas"] == 2
+
+
+def test_chat_streaming_equals_non_streaming_with_one_usage_chunk(server, tokenizer):
+    client = _client(server)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                          temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    usage = [c for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0] is chunks[-1] and usage[0].choices == []
+    assert usage[0].usage.model_dump() == full.usage.model_dump()
+    choice_chunks = [c for c in chunks if c.choices]
+    assert choice_chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in choice_chunks)
+    assert text == full.choices[0].message.content and text
+    assert [c.choices[0].finish_reason for c in choice_chunks][-1] == full.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in choice_chunks[:-1])
+    expected_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                    tokenize=False)
+    assert full.usage.prompt_tokens == len(tokenizer.encode(expected_prompt,
+                                                            add_special_tokens=False))
+
+
+def test_completion_streaming_equals_non_streaming(server):
+    client = _client(server)
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0.8, seed=7)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
+
+
+def test_stop_string_stream_and_not(server):
+    client = _client(server)
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stop=["."])
+    full = client.completions.create(**kw)
+    assert full.choices[0].text == " Paris"  # greedy: " Paris.\n\n..."
+    assert full.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
+    assert streamed == " Paris"
+
+
+def test_n_seed_and_logprobs(server):
+    client = _client(server)
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=3, seed=11,
+              logprobs=2)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert a.usage.completion_tokens == 3 * 8
+    lp = a.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 8
+    assert "".join(lp.tokens) == a.choices[0].text
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(2 <= len(t) <= 3 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 for c in content)
+    # Greedy: the sampled token is the most likely one.
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
+
+
+def test_max_tokens_null_means_unset(server):
+    r = _post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": None, "temperature": 0})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["finish_reason"] == "stop"  # ran to EOS
+    assert out["usage"]["completion_tokens"] > 0
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body,status,param,needle", [
+    ({"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens",
+     "greater than or equal to 1"),
+    ({"model": MODEL, "prompt": "a", "n": 0}, 400, "n", "greater than or equal to 1"),
+    ({"model": MODEL, "prompt": "a", "n": 9}, 400, "n", "cap of 8"),
+    ({"model": MODEL, "prompt": "a", "temperature": -0.5}, 400, "temperature",
+     "greater than or equal to 0"),
+    ({"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p", "greater than 0"),
+    ({"model": MODEL, "prompt": "a", "top_p": 1.5}, 400, "top_p", "less than or equal to 1"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt", "empty"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": 9000}, 400, "prompt", "context of 8192"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": 5000}, 400, "prompt",
+     f"KV cache capacity of {NUM_KV_BLOCKS // 2 * 16}"),
+    ({"model": "gpt-4", "prompt": "a"}, 404, "model", "does not exist"),
+    ({"prompt": "a"}, 400, "model", "required"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_input_gets_openai_error(server, body, status, param, needle, stream):
+    r = _post(server, "/v1/completions", {**body, "stream": stream})
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")  # before any stream
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and needle in err["message"], err
+
+
+def test_bad_chat_input(server):
+    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(server).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x " * 9000}], max_tokens=4)
+    assert "context" in str(e.value)
+
+
+def test_malformed_json_oversized_body_and_auth(server):
+    r = _post(server, "/v1/completions", b'{"model": "x", "prompt": ')
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    big = json.dumps({"model": MODEL, "prompt": "a" * (2 << 20)}).encode()
+    r = _post(server, "/v1/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert _post(server, "/v1/completions", {"model": MODEL, "prompt": "a"},
+                 key=None).status_code == 401
+    assert _post(server, "/v1/completions", {"model": MODEL, "prompt": "a"},
+                 key="sk-wrong").status_code == 401
+    # A key may lower its urgency, never raise it.
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2},
+              key="sk-standard", **{"x-iterserve-class": "interactive"})
+    assert r.status_code == 403 and r.json()["error"]["param"] == "x-iterserve-class"
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2,
+                                          "priority": 0}, key="sk-standard")
+    assert r.status_code == 403 and r.json()["error"]["param"] == "priority"
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2},
+              key="sk-standard", **{"x-iterserve-class": "batch"})
+    assert r.status_code == 200 and r.headers["x-iterserve-class"] == "batch"
+    # The server is healthy after all of that.
+    out = _client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert out.choices[0].finish_reason == "length"
+
+
+# -- load -----------------------------------------------------------------------------------
+
+
+def test_50_concurrent_streams(server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"Request {i}: the weather today is", max_tokens=8,
+            temperature=0, extra_body={"ignore_eos": True}, stream=True)
+        text, reason = "", None
+        async for c in stream:
+            text += c.choices[0].text
+            reason = c.choices[0].finish_reason or reason
+        return text, reason
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="sk-standard",
+                                    max_retries=0, timeout=120)
+        return await asyncio.gather(*(one(client, i) for i in range(50)))
+
+    results = asyncio.run(main())
+    assert len(results) == 50
+    assert all(reason == "length" and text for text, reason in results)
+    _wait_idle(server)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_and_frees_blocks(server, stream):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True,
+            "temperature": 0, "stream": stream}
+    headers = {"Authorization": "Bearer sk-standard"}
+    start = time.monotonic()
+    if stream:
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers,
+                          timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [line for line, _ in zip((x for x in lines if x.startswith("data:")),
+                                           range(3))]
+            assert len(got) == 3
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=2.0)
+    # 2000 tokens would take minutes: idle within seconds means the request was aborted.
+    freed_s = _wait_idle(server, timeout_s=15)
+    assert time.monotonic() - start < 30, freed_s
+
+
+def test_interactive_first_token_while_batch_saturates(server):
+    num_batch = 2 * MAX_NUM_SEQS + 8  # every seat of both replicas, and a queue
+    done = []
+    lock = threading.Lock()
+
+    def run_batch(i: int) -> None:
+        client = _client(server, "sk-batch")
+        out = client.completions.create(model=MODEL, prompt=f"Batch job {i}:", max_tokens=48,
+                                        extra_body={"ignore_eos": True}, temperature=0)
+        with lock:
+            done.append((time.monotonic(), out.choices[0].finish_reason))
+
+    threads = [threading.Thread(target=run_batch, args=(i,)) for i in range(num_batch)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sum(r["running"] for r in _health(server).get("replicas", [])) < 2 * MAX_NUM_SEQS:
+        assert time.monotonic() < deadline, _health(server)
+        time.sleep(0.2)
+
+    # A class that cannot meet its SLO behind this load is refused with a Retry-After.
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 4},
+              key="sk-batch", **{"x-iterserve-class": "tight"})
+    assert r.status_code == 429, r.text
+    assert int(r.headers["Retry-After"]) >= 1 and r.json()["error"]["type"] == "rate_limit_error"
+
+    sent = time.monotonic()
+    stream = _client(server, "sk-interactive").completions.create(
+        model=MODEL, prompt="Quick question: what is 2+2?", max_tokens=4, temperature=0,
+        stream=True)
+    first = next(iter(stream))
+    ttft = time.monotonic() - sent
+    with lock:
+        finished_before = len(done)
+    list(stream)
+    for t in threads:
+        t.join(timeout=300)
+    assert first.choices[0].text is not None
+    assert finished_before < num_batch, "the batch work was over before the first token"
+    assert ttft < 2.0, f"interactive TTFT {ttft:.2f} s under saturating batch load"
+    assert len(done) == num_batch and all(reason == "length" for _, reason in done)
+    _wait_idle(server)
+
+
+# -- faults (last: kills a replica) ---------------------------------------------------------
+
+
+def test_replica_death(server):
+    """Streams on a killed replica end with an error event; new requests still succeed;
+    Ray Serve replaces the replica."""
+    results: dict[int, dict] = {}
+
+    def run_stream(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server}/v1/completions", json=body,
+                          headers={"Authorization": "Bearer sk-standard"}, timeout=120) as r:
+            results[i] = {"replica": r.headers["x-iterserve-replica"], "events": []}
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    results[i]["events"].append(line.removeprefix("data: "))
+
+    threads = [threading.Thread(target=run_stream, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len({r["replica"] for r in results.values()}) < 2 or len(results) < 6:
+        assert time.monotonic() < deadline, results
+        time.sleep(0.1)
+    victim = results[0]["replica"]
+    (name, namespace), = [(a["name"], a["namespace"])
+                          for a in ray.util.list_named_actors(all_namespaces=True)
+                          if victim in a["name"]]
+    ray.kill(ray.get_actor(name, namespace=namespace))
+
+    # New requests are served meanwhile (by the other replica, or re-sent to it).
+    out = _client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+    assert out.choices[0].finish_reason == "length"
+
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive(), "a stream hung after its replica died"
+    for r in results.values():
+        assert r["events"][-1] == "[DONE]"
+        last = json.loads(r["events"][-2])
+        if r["replica"] == victim:
+            assert "error" in last and last["error"]["code"] == "replica_lost", last
+        else:
+            assert last["choices"][0]["finish_reason"] == "length", last
+    _wait_health(server, replicas=2, timeout_s=180)
+    assert victim not in {r["replica"] for r in _health(server)["replicas"]}
