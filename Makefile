@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 serve: venv
-	$(VENV)/bin/iterserve generate --prompt "The capital of France is" --max-tokens 32
+	$(VENV)/bin/iterserve serve --num-replicas 2
 
 test: venv
 	$(PY) -m pytest -q -rs

@@ -7,7 +7,6 @@ from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.handle import DeploymentHandle
 
 from deploy.config import ServiceConfig
 from deploy.replica import ModelReplica
@@ -72,4 +71,4 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     return build_app(ServiceConfig(**args))
 
 
-__all__ = ["APP_NAME", "DeploymentHandle", "build_app", "app_builder"]
+__all__ = ["APP_NAME", "INGRESS_NAME", "REPLICA_NAME", "app_builder", "build_app"]

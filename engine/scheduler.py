@@ -171,13 +171,13 @@ class Scheduler:
         """Keep the step time within the running requests' TPOT SLOs (guard on only).
 
         Walks the running requests most urgent first, tracking the tightest TPOT SLO so
-        far among those decoding; a request whose decode would push the predicted decode-only step time past
-        that SLO is preempted if the policy lets the SLO's owner outrank it (so batch
-        work yields to interactive work, never the reverse). Then the step's prefill
-        tokens are capped so the predicted step time stays within the tightest SLO
-        kept: Sarathi-Serve's token budget derived from the TPOT SLO (Agrawal et al.,
-        OSDI 2024, section 4.3), per step instead of fixed. At least one block of prefill
-        runs per step, so prompts always progress.
+        far among those decoding; a request whose decode would push the predicted
+        decode-only step time past that SLO is preempted if the policy lets the SLO's
+        owner outrank it (so batch work yields to interactive work, never the reverse).
+        Then the step's prefill tokens are capped so the predicted step time stays within
+        the tightest SLO kept: Sarathi-Serve's token budget derived from the TPOT SLO
+        (Agrawal et al., OSDI 2024, section 4.3), per step instead of fixed. At least one
+        block of prefill runs per step, so prompts always progress.
 
         Returns:
             (prefill token cap for this step, tightest TPOT SLO kept in seconds); both

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -45,12 +46,14 @@ class IngressAdmission:
         self.controller = AdmissionController(classes, priority_scheduling=priority_scheduling)
         self.enabled = enabled
         self.clock = clock
-        self._held: Counter[str] = Counter()
+        self._held: dict[int, tuple[str, float]] = {}
+        """Requests held now: a token -> (class, arrival)."""
+        self._tokens = itertools.count()
 
     @property
     def held(self) -> dict[str, int]:
         """Requests held at this ingress now, per class."""
-        return {k: n for k, n in self._held.items() if n}
+        return dict(Counter(cls for cls, _ in self._held.values()))
 
     async def admit(self, loads: Callable[[], list[LoadSnapshot]], traffic_class: str,
                     prompt_tokens: int, max_tokens: int, priority: int,
@@ -68,7 +71,8 @@ class IngressAdmission:
         """
         if not self.enabled:
             return 0.0
-        self._held[traffic_class] += 1
+        token = next(self._tokens)
+        self._held[token] = (traffic_class, arrival_s)
         try:
             while True:
                 snaps = loads()
@@ -76,7 +80,7 @@ class IngressAdmission:
                     break
                 waited = max(0.0, self.clock() - arrival_s)
                 decisions = [
-                    self.controller.decide(self._with_held(s, traffic_class), traffic_class,
+                    self.controller.decide(self._with_held(s, arrival_s), traffic_class,
                                            prompt_tokens, max_tokens, priority, waited)
                     for s in snaps
                 ]
@@ -87,17 +91,20 @@ class IngressAdmission:
                     raise AdmissionRejected(best.retry_after_s, best.reason)
                 await asyncio.sleep(POLL_S)
         finally:
-            self._held[traffic_class] -= 1
+            del self._held[token]
         return max(0.0, self.clock() - arrival_s)
 
-    def _with_held(self, snap: LoadSnapshot, traffic_class: str) -> LoadSnapshot:
-        """Count the other requests held here as queued (for seats and the hard cap)."""
-        held = dict(self._held)
-        held[traffic_class] -= 1
-        if not any(held.values()):
+    def _with_held(self, snap: LoadSnapshot, arrival_s: float) -> LoadSnapshot:
+        """Count the requests held here since before this one as queued ahead of it.
+
+        Only earlier arrivals: counting every held request would make held requests
+        block each other for ever. Conservative across replicas: each replica counts
+        all of them, as any may go there.
+        """
+        earlier = Counter(cls for cls, t in self._held.values() if t < arrival_s)
+        if not earlier:
             return snap
         waiting = dict(snap.waiting_requests)
-        for k, n in held.items():
-            # Conservative: each replica counts every held request, as any may go there.
+        for k, n in earlier.items():
             waiting[k] = waiting.get(k, 0) + n
         return dataclasses.replace(snap, waiting_requests=waiting)
