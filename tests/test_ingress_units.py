@@ -1,0 +1,132 @@
+"""Ingress pieces without a cluster: tenants, held admission, the service config."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.config import ServiceConfig
+from policies import DEFAULT_CLASSES, LoadSnapshot
+from router.admission import AdmissionRejected, IngressAdmission
+from router.errors import ApiError
+from router.tenants import ApiKeyConfig, resolve_caller
+
+KEYS = {
+    "k-int": ApiKeyConfig(tenant="a", traffic_class="interactive"),
+    "k-batch": ApiKeyConfig(tenant="b", traffic_class="batch"),
+    "k-std-urgent": ApiKeyConfig(tenant="c", traffic_class="standard", max_priority=0),
+}
+
+
+def test_no_keys_means_standard_and_no_key_needed():
+    c = resolve_caller({}, DEFAULT_CLASSES, None, None, None)
+    assert (c.tenant, c.traffic_class, c.priority) == (None, "standard", 1)
+    assert resolve_caller({}, DEFAULT_CLASSES, None, "batch", None).traffic_class == "batch"
+    with pytest.raises(ApiError) as e:
+        resolve_caller({}, DEFAULT_CLASSES, None, "interactive", None)
+    assert e.value.status == 403
+
+
+def test_key_gives_class_and_ceiling():
+    c = resolve_caller(KEYS, DEFAULT_CLASSES, "Bearer k-int", None, None)
+    assert (c.tenant, c.traffic_class, c.priority) == ("a", "interactive", 0)
+    # Lowering urgency is allowed, by header or field.
+    assert resolve_caller(KEYS, DEFAULT_CLASSES, "Bearer k-int", "batch", None).priority == 2
+    assert resolve_caller(KEYS, DEFAULT_CLASSES, "Bearer k-int", None, 5).priority == 5
+    # A ceiling above the class default lets a standard key ask for priority 0.
+    assert resolve_caller(KEYS, DEFAULT_CLASSES, "Bearer k-std-urgent", None, 0).priority == 0
+    for header, prio in [("interactive", None), (None, 1)]:
+        with pytest.raises(ApiError) as e:
+            resolve_caller(KEYS, DEFAULT_CLASSES, "Bearer k-batch", header, prio)
+        assert e.value.status == 403
+    for auth in [None, "Bearer nope", "Bearer "]:
+        with pytest.raises(ApiError) as e:
+            resolve_caller(KEYS, DEFAULT_CLASSES, auth, None, None)
+        assert e.value.status == 401
+    with pytest.raises(ApiError) as e:
+        resolve_caller(KEYS, DEFAULT_CLASSES, "Bearer k-int", "vip", None)
+    assert e.value.status == 400 and e.value.param == "x-iterserve-class"
+
+
+def _snap(running: int = 0, waiting_tokens: int = 0) -> LoadSnapshot:
+    return LoadSnapshot(max_num_batched_tokens=512, max_num_seqs=64, num_kv_blocks_free=1000,
+                        running_seqs={"standard": running},
+                        waiting_prefill_tokens={"standard": waiting_tokens},
+                        waiting_requests={"standard": 1 if waiting_tokens else 0},
+                        step_coefficients=(0.05, 0.002, 0.002))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def test_admit_at_once_on_an_idle_replica_and_without_stats():
+    adm = IngressAdmission(DEFAULT_CLASSES, priority_scheduling=True)
+    assert await adm.admit(lambda: [_snap()], "standard", 10, 16, 1, adm.clock()) < 0.1
+    assert await adm.admit(lambda: [], "standard", 10, 16, 1, adm.clock()) < 0.1
+    assert adm.held == {}
+
+
+async def test_held_until_load_drops_then_admitted():
+    adm = IngressAdmission(DEFAULT_CLASSES, priority_scheduling=True)
+    loads = [_snap(waiting_tokens=100_000)]  # ~200 s of prefill ahead: over the TTFT SLO
+    task = asyncio.create_task(adm.admit(lambda: loads, "standard", 10, 16, 1, adm.clock()))
+    await asyncio.sleep(0.2)
+    assert not task.done() and adm.held == {"standard": 1}
+    loads[:] = [_snap()]  # the queue drained
+    assert await asyncio.wait_for(task, 2) >= 0.2
+    assert adm.held == {}
+
+
+async def test_rejected_after_max_queue_wait_with_retry_after_but_batch_waits():
+    clock = FakeClock()
+    adm = IngressAdmission(DEFAULT_CLASSES, priority_scheduling=True, clock=clock)
+    busy = [_snap(waiting_tokens=100_000)]
+    clock.t = DEFAULT_CLASSES["standard"].max_queue_wait_s + 0.1  # arrived at 0
+    with pytest.raises(AdmissionRejected) as e:
+        await adm.admit(lambda: busy, "standard", 10, 16, 1, 0.0)
+    assert e.value.retry_after_s >= 1 and "TTFT" in e.value.reason
+    clock.t = 1000.0  # long past batch's max_queue_wait_s: batch is held, not refused
+    task = asyncio.create_task(adm.admit(lambda: busy, "batch", 10, 16, 2, 0.0))
+    await asyncio.sleep(0.2)
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert adm.held == {}  # a client that left is no longer counted
+
+
+async def test_admission_off_admits_everything():
+    adm = IngressAdmission(DEFAULT_CLASSES, priority_scheduling=True, enabled=False)
+    assert await adm.admit(lambda: [_snap(waiting_tokens=10**7)], "standard", 10, 16, 1,
+                           0.0) == 0.0
+
+
+def test_service_config_yaml_and_flags(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"num_replicas": 3, "engine": {"max_num_seqs": 8},
+                                 "api_keys": {"k": {"tenant": "t"}}}))
+    c = ServiceConfig.load(f, num_replicas=2, port=None)
+    assert c.num_replicas == 2 and c.port == 8000  # a flag wins; an unset flag does not
+    assert c.engine_config().max_num_seqs == 8 and c.model_name() == "SmolLM2-135M-Instruct"
+    with pytest.raises(ValueError, match="unknown traffic_class"):
+        ServiceConfig(api_keys={"k": {"tenant": "t", "traffic_class": "vip"}})
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        ServiceConfig(engine={"max_num_seqs": 0})
+    with pytest.raises(ValueError, match="top level"):
+        ServiceConfig(engine={"model": "x"})
+
+
+def test_serve_config_yaml_builds_a_valid_service_config():
+    doc = yaml.safe_load((Path(__file__).parent.parent / "deploy/serve_config.yaml").read_text())
+    (app,) = doc["applications"]
+    assert app["import_path"] == "deploy.app:app_builder"
+    config = ServiceConfig(**app["args"])
+    assert config.num_replicas == 2 and config.engine_config().policy == "priority"
