@@ -281,6 +281,7 @@ def engine_kwargs(args: argparse.Namespace, policy: str, chunked: bool,
         "num_kv_blocks": args.num_kv_blocks,
         "block_size": 16,
         "seed": args.seed,
+        "tpot_slo_guard": args.tpot_guard and policy == "priority",
     }
 
 
@@ -1337,6 +1338,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="priority experiment: interactive traffic, x capacity")
     ap.add_argument("--interactive-offset-rows", type=int, default=3000,
                     help="priority experiment: window row where the interactive stream starts")
+    ap.add_argument("--tpot-guard", action="store_true",
+                    help="turn on the engine's TPOT SLO guard in the priority-policy runs")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", type=Path, default=TRACE)

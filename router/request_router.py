@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 class LoadAwareRouter(RequestRouter):
     """Two random replicas; the one with the lower predicted TTFT first.
 
+    When the two predictions are within one step's time of each other, the replica with
+    fewer running and queued requests goes first instead (see :meth:`choose_replicas`).
+
     Falls back to Ray Serve's queue-length choice between the two when either has not
     published a snapshot yet, or when the call carries no :class:`RequestShape`.
 
@@ -86,15 +89,24 @@ class LoadAwareRouter(RequestRouter):
         shape = shape_of(pending_request)
         if shape is None or len(pair) == 1:
             return [pair]
-        ttfts = []
+        keys = []
         for r in pair:
             snap = self.snapshot(r)
             if snap is None:
                 return [pair]  # no stats yet: Ray Serve's queue-length choice
             pred = self.admission.predict(snap, shape.traffic_class, shape.prompt_tokens,
                                           shape.priority)
-            ttfts.append(pred.ttft_s)
-        first, second = pair if ttfts[0] <= ttfts[1] else pair[::-1]
+            load = snap.total_running + sum(snap.waiting_requests.values())
+            keys.append((pred.ttft_s, load, snap.step_time(0, snap.total_running + 1)))
+        (t0, n0, step0), (t1, n1, step1) = keys
+        if abs(t0 - t1) <= max(step0, step1):
+            # The same number of steps either way (short prompts all fit one step, so TTFT
+            # does not see them queue): balance the decode load by request count instead,
+            # or every burst would go to the replica whose fitted step time is lower.
+            better_first = n0 <= n1
+        else:
+            better_first = t0 < t1
+        first, second = pair if better_first else pair[::-1]
         # The other replica stays as a second rank, used if the first refuses (full queue).
         return [[first], [second]]
 
