@@ -1,0 +1,90 @@
+"""LoadAwareRouter's choice between two replicas, on fake replicas (no cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+pytest.importorskip("ray")
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # noqa: E402
+from ray.serve.request_router import PendingRequest  # noqa: E402
+
+from policies import LoadSnapshot  # noqa: E402
+from router.request_router import LoadAwareRouter  # noqa: E402
+from router.routing import RequestShape, load_view  # noqa: E402
+
+
+@dataclass
+class FakeReplica:
+    replica_id: str
+    routing_stats: dict = field(default_factory=dict)
+
+
+def _stats(a: float, running: int = 0, waiting_tokens: int = 0, waiting: int = 0) -> dict:
+    return LoadSnapshot(
+        max_num_batched_tokens=512, max_num_seqs=64, num_kv_blocks_free=1000,
+        running_seqs={"standard": running}, waiting_prefill_tokens={"standard": waiting_tokens},
+        waiting_requests={"standard": waiting}, step_coefficients=(a, 0.001, 0.005),
+        timestamp=time.time(),
+    ).to_dict()
+
+
+def _pending(prompt_tokens: int) -> PendingRequest:
+    shape = RequestShape(prompt_tokens, "standard", 1)
+    return PendingRequest(args=[], kwargs={"shape": shape}, metadata=None,
+                          future=asyncio.Future())
+
+
+@pytest.fixture
+def router():
+    r = LoadAwareRouter(DeploymentID(name="ModelReplica", app_name="app-test"),
+                        DeploymentHandleSource.UNKNOWN)
+    r.initialize_state(traffic_classes=None, priority_scheduling=True)
+    return r
+
+
+async def test_registered_for_the_ingress(router):
+    assert load_view("app-test", "ModelReplica") is router
+    assert load_view("app-test", "Other") is None
+
+
+async def test_lower_predicted_ttft_first(router):
+    busy = FakeReplica("busy", _stats(0.05, waiting_tokens=5000, waiting=10))
+    idle = FakeReplica("idle", _stats(0.05))
+    for _ in range(5):  # the pair is sampled in random order
+        ranks = await router.choose_replicas([busy, idle], _pending(100))
+        assert [[r.replica_id for r in rank] for rank in ranks] == [["idle"], ["busy"]]
+
+
+async def test_within_one_step_the_replica_with_fewer_requests_first(router):
+    # The faster replica (lower fitted step time) holds more requests; a short prompt
+    # would finish its prefill in one step on either, so TTFT alone cannot tell them apart.
+    fast = FakeReplica("fast", _stats(0.04, running=6))
+    slow = FakeReplica("slow", _stats(0.06, running=1))
+    ranks = await router.choose_replicas([fast, slow], _pending(8))
+    assert ranks[0][0].replica_id == "slow"
+
+
+async def test_routed_requests_count_until_a_newer_snapshot(router):
+    a, b = FakeReplica("a", _stats(0.05)), FakeReplica("b", _stats(0.05))
+    chosen = []
+    for _ in range(6):  # a burst between two snapshots alternates
+        first = (await router.choose_replicas([a, b], pending := _pending(8)))[0][0]
+        router.on_request_routed(pending, first.replica_id, None)
+        chosen.append(first.replica_id)
+    assert sorted(chosen) == ["a", "a", "a", "b", "b", "b"]
+    snap = router.snapshot(a)
+    assert snap.waiting_requests["standard"] == 3
+    a.routing_stats = _stats(0.05)  # a newer snapshot has counted them
+    assert router.snapshot(a).waiting_requests["standard"] == 0
+
+
+async def test_no_stats_or_no_shape_falls_back_to_queue_length(router):
+    a, b = FakeReplica("a"), FakeReplica("b", _stats(0.05))
+    ranks = await router.choose_replicas([a, b], _pending(8))
+    assert len(ranks) == 1 and {r.replica_id for r in ranks[0]} == {"a", "b"}
+    ranks = await router.choose_replicas([b], None)
+    assert [[r.replica_id for r in rank] for rank in ranks] == [["b"]]
