@@ -81,7 +81,6 @@ class _Choice:
     """One of the ``n`` sequences, accumulated for a non-streamed response."""
 
     text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] = field(default_factory=list)
