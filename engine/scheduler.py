@@ -216,8 +216,11 @@ class Scheduler:
             if not policy.may_admit(req, num_running, len(self.waiting), now):
                 continue
             if (self.step_time is not None and req.tpot_slo_s >= slo
-                    and self.step_time.predict(0, len(self.running) + 1) > slo):
-                continue  # the TPOT guard would shed it again at once
+                    and self.step_time.predict(0, len(self.running) + 1) > slo
+                    and not policy.preempts(req, policy.pick_victim(self.running), now)):
+                # The TPOT guard would shed it again at once. A request that outranks
+                # running work is admitted: the guard sheds that work for it instead.
+                continue
             n = self._chunk(req, budget)
             if n == 0:
                 break

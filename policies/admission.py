@@ -267,7 +267,8 @@ class Prediction:
     tpot_s: float
     """Mean seconds per output token that running requests would see."""
     tpot_slo_s: float
-    """The tightest TPOT SLO among the classes running and the new request's."""
+    """The TPOT SLO the prediction must meet: the tightest among the classes running and
+    the new request's; under a replica's TPOT guard, the new request's own."""
     tokens_ahead: int
     """Queued prefill tokens that the request waits for."""
     requests_ahead: int
@@ -312,6 +313,10 @@ class AdmissionController:
       request's output: one short prompt's chunk is one slow step among many, while a
       backlog of ``H`` or more steps makes every step a full budget for a long stretch.
       Less urgent queued work will also slow steps, but not because of this admission.
+      On a replica with the TPOT guard (``LoadSnapshot.tpot_slo_guard``, priority
+      scheduling), ``d`` counts only running requests served before this one and the
+      SLO is its own: the guard sheds less urgent decodes for it, and its decodes for
+      more urgent ones.
     * Seats: the running requests of classes that go before it plus the requests queued
       ahead plus this one must fit ``max_num_seqs`` (less urgent running requests can be
       preempted by the priority policy); else its TTFT hangs on decodes finishing, which

@@ -196,6 +196,28 @@ def test_tpot_guard_sheds_batch_decodes_for_an_interactive_slo():
     assert len(sched.running) == 30  # batch work resumes at full width
 
 
+def test_tpot_guard_caps_prefill_and_admits_work_that_outranks_the_running():
+    sched, clock, model = _guarded()
+    for i in range(30):
+        sched.add(guarded_req(f"b{i}", 0.01 * i, priority=2, slo=5.0))
+    first = guarded_req("first", 0.5, priority=1, slo=0.5, max_tokens=400)
+    sched.add(first)
+    for _ in range(4):
+        fake_step(sched, clock)
+    assert first.output_token_ids and len(sched.running) == 20  # shed to the 0.5 s SLO
+    # A more urgent prompt still gets in (the guard sheds batch decodes for it) ...
+    second = guarded_req("second", clock(), priority=0, slo=0.5, prompt_len=400)
+    sched.add(second)
+    out = fake_step(sched, clock)
+    assert second.status is RequestStatus.RUNNING
+    # ... and while the 0.5 s SLO binds, each step's prefill is capped to fit it.
+    for _ in range(5):
+        out = fake_step(sched, clock)
+        prefill = out.num_batched_tokens - out.num_decodes
+        assert prefill > 0
+        assert model.predict(prefill, out.num_decodes) <= 0.5 + 1e-9 or prefill == 4
+
+
 def test_tpot_guard_never_sheds_more_urgent_work():
     sched, clock, _ = _guarded()
     for i in range(25):
