@@ -72,10 +72,6 @@ class _ModelInfo:
         return need <= min(self.max_model_len, self.kv_capacity_tokens)
 
 
-class _WillBeRefused(Exception):
-    """Skip admission: the replica will refuse the request with a 400 that has the numbers."""
-
-
 @dataclass(slots=True)
 class _Choice:
     """One of the ``n`` sequences, accumulated for a non-streamed response."""
@@ -260,18 +256,10 @@ class OpenAIIngress:
             ids = self._prompt_ids(req, chat, info.tokenizer)
             params = self._sampling_params(req, chat)
             shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
-            try:
-                if not info.fits(len(ids), params["max_tokens"]):
-                    raise _WillBeRefused  # the replica answers 400 with the numbers
-                await self.admission.admit(self._loads, caller.traffic_class, len(ids),
-                                           params["max_tokens"] or 0, caller.priority, arrival)
-            except _WillBeRefused:
-                pass
-            except AdmissionRejected as e:
-                retry = str(int(e.retry_after_s))
-                raise ApiError(429, f"server busy, retry after {retry} s ({e.reason})",
-                               code="rate_limit_exceeded",
-                               headers={"Retry-After": retry}) from None
+            # A request that can never fit skips admission: the replica answers it with
+            # a 400 that has the numbers, not a 429.
+            if info.fits(len(ids), params["max_tokens"]):
+                await self._admit(caller, len(ids), params["max_tokens"], arrival)
             prefix = "chatcmpl" if chat else "cmpl"
             rid = f"{prefix}-{uuid.uuid4().hex}"
             dispatch = _Dispatch(self.replicas, (rid, ids, params), shape)
@@ -377,6 +365,17 @@ class OpenAIIngress:
         yield "data: [DONE]\n\n"
 
     # -- helpers -----------------------------------------------------------------------
+
+    async def _admit(self, caller: Any, prompt_tokens: int, max_tokens: int | None,
+                     arrival: float) -> None:
+        """Wait for admission. Raises ApiError 429 with Retry-After when refused."""
+        try:
+            await self.admission.admit(self._loads, caller.traffic_class, prompt_tokens,
+                                       max_tokens or 0, caller.priority, arrival)
+        except AdmissionRejected as e:
+            retry = str(int(e.retry_after_s))
+            raise ApiError(429, f"server busy, retry after {retry} s ({e.reason})",
+                           code="rate_limit_exceeded", headers={"Retry-After": retry}) from None
 
     def _loads(self) -> list:
         view = load_view(self.replicas.app_name, self.replicas.deployment_name)
