@@ -44,7 +44,8 @@ Systems (one engine per config, reused across its loads, warmed up first; fp32 o
     static          policy="static" (Orca's request-level baseline), no chunked prefill
     cont-nochunk    continuous batching, FCFS, enable_chunked_prefill=False
     cont-chunk      continuous batching, FCFS, chunked prefill (budget --chunk-budget, 128)
-    priority        continuous + chunked, policy="priority" (aging 10 s/level)
+    priority        continuous + chunked, policy="priority" (aging 10 s/level) with the TPOT
+                    SLO guard at 0.85 of the SLO, as the server runs it (``--no-tpot-guard``)
     cont-chunk+adm  cont-chunk, with admission control in front
     priority+adm    priority, with admission control in front
     The chunked budget follows Sarathi-Serve's rule (a full step should fit the TPOT SLO): on
@@ -76,7 +77,7 @@ Targeted experiments (``--experiments``)
                long prompt (1024 tokens, max_tokens 1) arrives, twice, 10 decode tokens apart;
                inter-token gaps (ITL) of the decoders that overlap the long prompt's prefill
                (arrival to first token) vs their median gap with no prefill in flight, with
-               chunking off and at budgets 512 (engine default), 128 and 64
+               chunking off and at budgets 512 (engine default), 128, 64 and 32
                (``--chunk-variants``). "TPOT during a long prompt" is that gap: the per-request
                mean TPOT dilutes a stall over the whole output (also reported).
     admission  from the sweep at the highest load (2x): attainment of admitted interactive
@@ -281,7 +282,7 @@ def engine_kwargs(args: argparse.Namespace, policy: str, chunked: bool,
         "num_kv_blocks": args.num_kv_blocks,
         "block_size": 16,
         "seed": args.seed,
-        "tpot_slo_guard": args.tpot_guard and policy == "priority",
+        "tpot_slo_guard": not args.no_tpot_guard and policy == "priority",
     }
 
 
@@ -1330,7 +1331,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--long-prompt", type=int, default=1024)
     ap.add_argument("--long-repeats", type=int, default=None, help="default 2; quick 1")
     ap.add_argument("--decoders", type=int, default=4)
-    ap.add_argument("--chunk-variants", default="off,512,128,64",
+    ap.add_argument("--chunk-variants", default="off,512,128,64,32",
                     help="'off' and/or chunk budgets for the chunk experiment")
     ap.add_argument("--batch-load", type=float, default=2.0,
                     help="priority experiment: batch traffic, x capacity")
@@ -1338,8 +1339,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="priority experiment: interactive traffic, x capacity")
     ap.add_argument("--interactive-offset-rows", type=int, default=3000,
                     help="priority experiment: window row where the interactive stream starts")
-    ap.add_argument("--tpot-guard", action="store_true",
-                    help="turn on the engine's TPOT SLO guard in the priority-policy runs")
+    ap.add_argument("--no-tpot-guard", action="store_true",
+                    help="turn off the engine's TPOT SLO guard in the priority-policy runs")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", type=Path, default=TRACE)

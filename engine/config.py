@@ -43,6 +43,11 @@ class EngineConfig(BaseModel):
         False, description="shed less urgent decodes and cap prefill chunks so the step "
                            "time stays within the running requests' TPOT SLOs",
     )
+    tpot_slo_guard_target: float = Field(
+        0.85, gt=0, le=1, description="the TPOT guard aims the predicted step time at this "
+                                      "fraction of the tightest TPOT SLO (headroom for "
+                                      "step-time jitter, which is about 10-15% on a shared CPU)",
+    )
     batch_wait_timeout_s: float = Field(
         0.5, ge=0, description="static policy: wait this long to fill a batch"
     )

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -24,6 +26,9 @@ from engine.request import (
 from engine.runner import ModelRunner, kv_bytes_per_token
 from engine.scheduler import Scheduler
 from policies import LoadSnapshot, StepTimeModel, make_classes, make_policy
+
+RECENT_STEPS = 8
+"""Steps averaged into ``LoadSnapshot.recent_step_s`` (a few, so it follows bursts)."""
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +92,7 @@ class LLMEngine:
         self.traffic_classes = make_classes(config.traffic_classes)
         policy = make_policy(config.policy, **config.policy_options())
         self.step_time_model = StepTimeModel()
+        self._recent_step_s: deque[float] = deque(maxlen=RECENT_STEPS)
         self.scheduler = Scheduler(config, self.block_manager, policy, clock,
                                    self.step_time_model if config.tpot_slo_guard else None)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, config.seed)
@@ -281,10 +287,10 @@ class LLMEngine:
             outputs.append(self._output(group, deltas))
             if all(r.is_finished for r in group.seqs):
                 del self._groups[parent]
-        self.step_time_model.observe(
-            out.num_batched_tokens - out.num_decodes, out.num_decodes,
-            time.perf_counter() - start,
-        )
+        seconds = time.perf_counter() - start
+        self.step_time_model.observe(out.num_batched_tokens - out.num_decodes,
+                                     out.num_decodes, seconds)
+        self._recent_step_s.append(seconds)
         return outputs
 
     def load_snapshot(self) -> LoadSnapshot:
@@ -316,6 +322,9 @@ class LLMEngine:
             kv_usage=bm.usage,
             step_coefficients=self.step_time_model.coefficients(),
             tpot_slo_guard=self.config.tpot_slo_guard,
+            tpot_slo_guard_target=self.config.tpot_slo_guard_target,
+            recent_step_s=(statistics.fmean(self._recent_step_s)
+                           if self._recent_step_s and self.has_unfinished_requests() else 0.0),
             timestamp=time.time(),
         )
 

@@ -170,28 +170,30 @@ class Scheduler:
                     now: float) -> tuple[float, float]:
         """Keep the step time within the running requests' TPOT SLOs (guard on only).
 
-        Walks the running requests most urgent first, tracking the tightest TPOT SLO so
-        far among those decoding; a request whose decode would push the predicted
-        decode-only step time past that SLO is preempted if the policy lets the SLO's
-        owner outrank it (so batch work yields to interactive work, never the reverse).
-        Then the step's prefill tokens are capped so the predicted step time stays within
-        the tightest SLO kept: Sarathi-Serve's token budget derived from the TPOT SLO
-        (Agrawal et al., OSDI 2024, section 4.3), per step instead of fixed. At least one
-        block of prefill runs per step, so prompts always progress.
+        Walks the running requests most urgent first, tracking the tightest step-time
+        limit so far among those decoding (a TPOT SLO times ``tpot_slo_guard_target``); a
+        request whose decode would push the predicted decode-only step time past that
+        limit is preempted if the policy lets the limit's owner outrank it (so batch work
+        yields to interactive work, never the reverse). Then the step's prefill tokens are
+        capped so the predicted step time stays within the tightest limit kept:
+        Sarathi-Serve's token budget derived from the TPOT SLO (Agrawal et al., OSDI 2024,
+        section 4.3), per step instead of fixed. At least one block of prefill runs per
+        step, so prompts always progress.
 
         Returns:
-            (prefill token cap for this step, tightest TPOT SLO kept in seconds); both
-            ``math.inf`` with the guard off.
+            (prefill token cap for this step, tightest step-time limit kept in seconds);
+            both ``math.inf`` with the guard off.
         """
         model = self.step_time
         if model is None:
             return math.inf, math.inf
+        target = self.config.tpot_slo_guard_target
         slo, owner, kept = math.inf, None, 0
         for req in order:
             # A request's TPOT SLO binds once it decodes; while it prefills, the prefill
             # budget should go to its TTFT instead.
-            if req.tpot_slo_s < slo and req.num_pending_tokens == 1:
-                slo, owner = req.tpot_slo_s, req
+            if req.tpot_slo_s * target < slo and req.num_pending_tokens == 1:
+                slo, owner = req.tpot_slo_s * target, req
             if (owner is not req and model.predict(0, kept + 1) > slo
                     and self.policy.preempts(owner, req, now)):
                 self.preempt(req)
@@ -215,7 +217,8 @@ class Scheduler:
                 break
             if not policy.may_admit(req, num_running, len(self.waiting), now):
                 continue
-            if (self.step_time is not None and req.tpot_slo_s >= slo
+            if (self.step_time is not None
+                    and req.tpot_slo_s * self.config.tpot_slo_guard_target >= slo
                     and self.step_time.predict(0, len(self.running) + 1) > slo
                     and not policy.preempts(req, policy.pick_victim(self.running), now)):
                 # The TPOT guard would shed it again at once. A request that outranks

@@ -197,6 +197,10 @@ class LoadSnapshot:
     """The replica's :meth:`StepTimeModel.coefficients`."""
     tpot_slo_guard: bool = False
     """The replica sheds less urgent decodes to hold the tightest TPOT SLO running."""
+    tpot_slo_guard_target: float = 1.0
+    """The guard holds the predicted step time at this fraction of that SLO."""
+    recent_step_s: float = 0.0
+    """Mean wall time of the replica's last few steps, seconds; 0 when it is idle."""
     timestamp: float = 0.0
     """When the snapshot was taken, seconds since the epoch (``time.time()``: it crosses
     processes, so not a monotonic clock)."""
@@ -288,6 +292,8 @@ class _Load:
     tokens_ahead: int
     requests_ahead: int
     running_before: int
+    tokens_total: int
+    """Queued prefill tokens of every class: what fills each step's token budget."""
     reclaimable_blocks: int
     """KV blocks of running requests of classes served after it (preemptible)."""
     tpot_slos: tuple[float, ...]
@@ -304,19 +310,24 @@ class AdmissionController:
       delay it; with ``priority_scheduling=False``, FCFS, all queued work is ahead).
       Classes unknown to the controller count as ahead (conservative).
     * Each step decodes every running request (``d``) and prefills up to
-      ``budget - d`` tokens (at least 1), so prefilling ``x`` tokens ahead plus the
-      prompt ``P`` takes ``n = ceil((x + P) / (budget - d))`` steps, and
-      ``TTFT = n * (a + c * d) + b * (x + P)``.
+      ``m = min(budget - d, cap)`` tokens (at least 1), where ``cap`` is what the
+      replica's TPOT guard allows (``LoadSnapshot.tpot_slo_guard``, priority scheduling:
+      the prefill that keeps ``a + c * d + b * m`` within the tightest running TPOT SLO
+      times ``tpot_slo_guard_target``), else unbounded. Prefilling ``x`` tokens ahead
+      plus the prompt ``P`` takes ``n = ceil((x + P) / m)`` steps, and
+      ``TTFT = r + n * (a + c * d) + b * min(n * m, max(x + P, X))``: ``r`` is the step
+      in flight (``LoadSnapshot.recent_step_s``; a request joins the next step), and
+      ``X``, the queued tokens of every class, fills those steps' budgets (under the
+      priority policy less urgent prefill does not go first, but it shares each step).
     * TPOT of the running requests (and of the new one): the mean step time while that
       prefill drains, ``a + b * (x + P) / max(n, H) + c * (d + 1)``. Amortising over at
       least ``H = tpot_horizon_steps`` steps reflects that TPOT is a mean over a
       request's output: one short prompt's chunk is one slow step among many, while a
       backlog of ``H`` or more steps makes every step a full budget for a long stretch.
-      Less urgent queued work will also slow steps, but not because of this admission.
-      On a replica with the TPOT guard (``LoadSnapshot.tpot_slo_guard``, priority
-      scheduling), ``d`` counts only running requests served before this one and the
-      SLO is its own: the guard sheds less urgent decodes for it, and its decodes for
-      more urgent ones.
+      Without the guard it is at least the measured ``recent_step_s``: steps already
+      slower than the SLO stay so, whatever this request adds. With the guard, ``d``
+      counts only running requests served before this one and the SLO is its own: the
+      guard sheds less urgent decodes for it, and its decodes for more urgent ones.
     * Seats: the running requests of classes that go before it plus the requests queued
       ahead plus this one must fit ``max_num_seqs`` (less urgent running requests can be
       preempted by the priority policy); else its TTFT hangs on decodes finishing, which
@@ -362,16 +373,36 @@ class AdmissionController:
 
     # -- the model ---------------------------------------------------------------------
 
-    def _ttft(self, s: LoadSnapshot, tokens: int, d: int) -> tuple[float, int]:
-        """(seconds, steps) to prefill ``tokens`` alongside ``d`` decodes."""
-        a, b, c = s.step_coefficients
-        per_step = max(1, s.max_num_batched_tokens - d)
-        steps = max(1, math.ceil(tokens / per_step))
-        return steps * (a + c * d) + b * tokens, steps
+    def _ttft(self, s: LoadSnapshot, tokens: int, d: int, *, total: int = 0,
+              cap: float = math.inf, residual_s: float = 0.0) -> tuple[float, int]:
+        """(seconds, steps) to prefill ``tokens`` alongside ``d`` decodes.
 
-    def _tpot(self, s: LoadSnapshot, tokens: int, d: int) -> float:
-        _, steps = self._ttft(s, tokens, d)
+        Steps take at most ``cap`` prefill tokens (the TPOT guard's) and are filled up to
+        their budget from ``total`` queued tokens (less urgent work included: it shares
+        the steps it does not delay). ``residual_s``: the step in flight, which a new
+        request cannot join.
+        """
+        a, b, c = s.step_coefficients
+        per_step = max(1, min(s.max_num_batched_tokens - d, cap))
+        steps = max(1, math.ceil(tokens / per_step))
+        executed = min(steps * per_step, max(tokens, total))
+        return residual_s + steps * (a + c * d) + b * executed, steps
+
+    def _tpot(self, s: LoadSnapshot, tokens: int, d: int, cap: float = math.inf) -> float:
+        _, steps = self._ttft(s, tokens, d, cap=cap)
         return s.step_time(tokens / max(steps, self.tpot_horizon_steps), d + 1)
+
+    def _guarded(self, s: LoadSnapshot) -> bool:
+        return s.tpot_slo_guard and self.priority_scheduling
+
+    def _guard_cap(self, s: LoadSnapshot, load: _Load, d: int) -> float:
+        """Prefill tokens per step that the replica's TPOT guard allows (inf: no guard)."""
+        if not (self._guarded(s) and load.tpot_slos):
+            return math.inf
+        a, b, c = s.step_coefficients
+        limit = min(load.tpot_slos) * s.tpot_slo_guard_target
+        spare = limit - (a + c * d)
+        return max(s.block_size, math.floor(spare / b)) if b > 0 else math.inf
 
     def _kv_fits(self, s: LoadSnapshot, tokens: int, reclaimable: int) -> bool:
         return math.ceil(tokens / s.block_size) + 1 <= s.num_kv_blocks_free + reclaimable
@@ -384,6 +415,7 @@ class AdmissionController:
             tokens_ahead=sum(n for k, n in s.waiting_prefill_tokens.items() if k in before),
             requests_ahead=sum(n for k, n in s.waiting_requests.items() if k in before),
             running_before=sum(n for k, n in s.running_seqs.items() if k in before),
+            tokens_total=sum(s.waiting_prefill_tokens.values()),
             reclaimable_blocks=sum(n for k, n in s.kv_blocks_used.items() if k not in before),
             tpot_slos=tuple(self.classes[k].tpot_slo_s for k, n in s.running_seqs.items()
                             if n > 0 and k in self.classes),
@@ -394,18 +426,24 @@ class AdmissionController:
         """The prediction with ``tokens_ahead`` queued ahead instead of the snapshot's."""
         d = s.total_running
         tokens = tokens_ahead + prompt_tokens
-        ttft, steps = self._ttft(s, tokens, d)
-        guarded = s.tpot_slo_guard and self.priority_scheduling
-        if guarded:
+        cap = self._guard_cap(s, load, d)
+        total = load.tokens_total - load.tokens_ahead + tokens
+        ttft, steps = self._ttft(s, tokens, d, total=total, cap=cap,
+                                 residual_s=s.recent_step_s)
+        if self._guarded(s):
             # The replica's TPOT guard sheds less urgent decodes for this request's SLO
             # and sheds this request's decodes for more urgent ones' SLOs: only the
             # requests served before it, and its own SLO, matter.
-            d_tpot, tpot_slo = load.running_before, cls.tpot_slo_s
+            tpot = self._tpot(s, tokens, load.running_before, cap)
+            tpot_slo = cls.tpot_slo_s
         else:
-            d_tpot, tpot_slo = d, min([cls.tpot_slo_s, *load.tpot_slos])
+            # Without the guard, steps already slower than the SLO stay so whatever the
+            # model says of this request's share: the measured step time is a floor.
+            tpot = max(self._tpot(s, tokens, d), s.recent_step_s)
+            tpot_slo = min([cls.tpot_slo_s, *load.tpot_slos])
         return Prediction(
             ttft_s=ttft,
-            tpot_s=self._tpot(s, tokens, d_tpot),
+            tpot_s=tpot,
             tpot_slo_s=tpot_slo,
             tokens_ahead=tokens_ahead,
             requests_ahead=load.requests_ahead,

@@ -221,6 +221,50 @@ def test_tpot_of_running_requests_gates_admission():
     assert ac.decide(s, "standard", 20, 16, 1, 0.0) == Admit()
 
 
+def test_ttft_counts_the_step_in_flight_and_less_urgent_prefill_sharing_its_steps():
+    ac = AdmissionController()
+    a, b, c = COEFS
+    alone = snap({"interactive": 300}, {"interactive": 12}, {"interactive": 1})
+    assert ac.predict(alone, "interactive", 100).ttft_s == pytest.approx(
+        (a + 12 * c) + 400 * b)
+    # A step is running (0.3 s) and batch prefill fills the rest of the 500-token budget:
+    # under priority the batch tokens do not go first, but they lengthen the shared step.
+    busy = snap({"interactive": 300, "batch": 5000}, {"interactive": 12},
+                {"interactive": 1, "batch": 25}, recent_step_s=0.3)
+    pred = ac.predict(busy, "interactive", 100)
+    assert pred.tokens_ahead == 300 and pred.steps == 1
+    assert pred.ttft_s == pytest.approx(0.3 + (a + 12 * c) + 500 * b)
+
+
+def test_ttft_follows_the_tpot_guards_prefill_cap():
+    ac = AdmissionController()
+    a, b, c = COEFS
+    running = {"interactive": 10}
+    plain = snap(running=running)
+    guarded = snap(running=running, tpot_slo_guard=True, tpot_slo_guard_target=0.8)
+    # Unguarded: 500 tokens fit one step of the 502-token budget.
+    assert ac.predict(plain, "interactive", 500).steps == 1
+    # Guarded: steps stay within 0.8 x 0.5 s with 10 decodes, so they prefill
+    # floor((0.4 - a - 10c) / b) = 165 tokens each: 4 steps.
+    pred = ac.predict(guarded, "interactive", 500)
+    assert pred.steps == 4
+    assert pred.ttft_s == pytest.approx(4 * (a + 10 * c) + 500 * b)
+    # Nothing decoding under a TPOT SLO: no cap.
+    assert ac.predict(snap(tpot_slo_guard=True), "interactive", 500).steps == 1
+
+
+def test_measured_step_time_floors_tpot_unless_the_guard_holds_it():
+    ac = AdmissionController()
+    slow = snap(running={"interactive": 4}, recent_step_s=0.6)
+    d = ac.decide(slow, "interactive", 20, 16, 0, 0.0)
+    assert isinstance(d, Wait) and "TPOT 0.600" in d.reason
+    fcfs = AdmissionController(priority_scheduling=False)
+    assert isinstance(fcfs.decide(slow, "batch", 20, 16, 2, 0.0), Wait)  # 0.5 s binds it
+    # With the guard, the replica sheds less urgent work to hold the SLO: the model rules.
+    guarded = snap(running={"interactive": 4}, recent_step_s=0.6, tpot_slo_guard=True)
+    assert ac.decide(guarded, "interactive", 20, 16, 0, 0.0) == Admit()
+
+
 def test_unknown_class_and_bad_arguments():
     ac = AdmissionController()
     with pytest.raises(ValueError, match="unknown traffic class"):

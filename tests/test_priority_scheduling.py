@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.kv_cache import BlockManager
 from engine.request import Request, RequestStatus, SamplingParams
@@ -144,14 +146,14 @@ def test_static_policy_waits_to_fill_a_batch():
     assert [s.request.request_id for s in sched.schedule().seqs] == ["x"]
 
 
-def _guarded(max_num_seqs=32, budget=512):
+def _guarded(max_num_seqs=32, budget=512, target=1.0):
     """Scheduler with the TPOT guard on a step model of 0.1 s + 0.001 s/prefill token +
-    0.02 s/decode: 0.5 s TPOT holds up to 20 decodes."""
+    0.02 s/decode: 0.5 s TPOT holds up to 20 decodes (at ``target`` 1: the full SLO)."""
     from policies import StepTimeModel
 
     model = StepTimeModel(prior=(0.1, 0.001, 0.02), min_samples=10**9)  # fixed: the prior
     config = EngineConfig(block_size=4, num_kv_blocks=4000, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=budget)
+                          max_num_batched_tokens=budget, tpot_slo_guard_target=target)
     clock = FakeClock()
     sched = Scheduler(config, BlockManager(4000, 4), PriorityPolicy(aging_s_per_level=None),
                       clock, step_time=model)
@@ -164,8 +166,9 @@ def guarded_req(rid, arrival, priority, slo, prompt_len=8, max_tokens=500):
     return r
 
 
-def test_tpot_guard_sheds_batch_decodes_for_an_interactive_slo():
-    sched, clock, model = _guarded()
+@pytest.mark.parametrize("target,kept", [(1.0, 20), (0.8, 15)])
+def test_tpot_guard_sheds_batch_decodes_for_an_interactive_slo(target, kept):
+    sched, clock, model = _guarded(target=target)
     batch = [guarded_req(f"b{i}", 0.01 * i, priority=2, slo=5.0) for i in range(30)]
     for r in batch:
         sched.add(r)
@@ -183,12 +186,13 @@ def test_tpot_guard_sheds_batch_decodes_for_an_interactive_slo():
     # 1000 tokens at the full budget less 30 decodes (482 a step): 3 steps.
     assert steps == 3
     out = fake_step(sched, clock)
-    # The urgent request plus 19 batch decodes: 20 x 0.02 + 0.1 = 0.5 s.
-    assert len(sched.running) == 20 and len(out.preempted) == 11
+    # The urgent request plus batch decodes up to the limit: 20 x 0.02 + 0.1 = 0.5 s at
+    # the full SLO, 15 x 0.02 + 0.1 = 0.4 s at 0.8 of it.
+    assert len(sched.running) == kept and len(out.preempted) == 31 - kept
     assert all(r.priority == 2 for r in out.preempted)
     for _ in range(5):  # shed requests are not re-admitted while the urgent one runs
         out = fake_step(sched, clock)
-        assert model.predict(0, out.num_decodes) <= 0.5 + 1e-9
+        assert model.predict(0, out.num_decodes) <= 0.5 * target + 1e-9
     while not urgent.is_finished:
         fake_step(sched, clock)
     fake_step(sched, clock)
