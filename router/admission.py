@@ -46,14 +46,14 @@ class IngressAdmission:
         self.controller = AdmissionController(classes, priority_scheduling=priority_scheduling)
         self.enabled = enabled
         self.clock = clock
-        self._held: dict[int, tuple[str, float]] = {}
-        """Requests held now: a token -> (class, arrival)."""
+        self._held: dict[int, tuple[str, float, int]] = {}
+        """Requests held now: a token -> (class, arrival, prompt tokens)."""
         self._tokens = itertools.count()
 
     @property
     def held(self) -> dict[str, int]:
         """Requests held at this ingress now, per class."""
-        return dict(Counter(cls for cls, _ in self._held.values()))
+        return dict(Counter(cls for cls, _, _ in self._held.values()))
 
     async def admit(self, loads: Callable[[], list[LoadSnapshot]], traffic_class: str,
                     prompt_tokens: int, max_tokens: int, priority: int,
@@ -72,7 +72,7 @@ class IngressAdmission:
         if not self.enabled:
             return 0.0
         token = next(self._tokens)
-        self._held[token] = (traffic_class, arrival_s)
+        self._held[token] = (traffic_class, arrival_s, prompt_tokens)
         try:
             while True:
                 snaps = loads()
@@ -99,12 +99,14 @@ class IngressAdmission:
 
         Only earlier arrivals: counting every held request would make held requests
         block each other for ever. Conservative across replicas: each replica counts
-        all of them, as any may go there.
+        all of them (requests and prompt tokens), as any may go there.
         """
-        earlier = Counter(cls for cls, t in self._held.values() if t < arrival_s)
+        earlier = [(cls, n) for cls, t, n in self._held.values() if t < arrival_s]
         if not earlier:
             return snap
-        waiting = dict(snap.waiting_requests)
-        for k, n in earlier.items():
-            waiting[k] = waiting.get(k, 0) + n
-        return dataclasses.replace(snap, waiting_requests=waiting)
+        waiting, tokens = dict(snap.waiting_requests), dict(snap.waiting_prefill_tokens)
+        for k, n in earlier:
+            waiting[k] = waiting.get(k, 0) + 1
+            tokens[k] = tokens.get(k, 0) + n
+        return dataclasses.replace(snap, waiting_requests=waiting,
+                                   waiting_prefill_tokens=tokens)

@@ -468,7 +468,11 @@ class OpenAIIngress:
     @staticmethod
     def _logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]],
                   req: Any, chat: bool) -> dict:
-        """OpenAI's logprobs object for these tokens (chat and legacy completion forms)."""
+        """OpenAI's logprobs object for these tokens (chat and legacy completion forms).
+
+        ``entries[i]`` maps token id to log-probability and always holds ``token_ids[i]``
+        (the sampler adds the sampled token to the top ones).
+        """
         def tok(t: int) -> str:
             return tokenizer.decode([t])
 
@@ -479,7 +483,7 @@ class OpenAIIngress:
                 s = tok(t)
                 top = sorted(e.items(), key=lambda kv: -kv[1])[:k]
                 content.append({
-                    "token": s, "logprob": e.get(t, float("-inf")), "bytes": list(s.encode()),
+                    "token": s, "logprob": e[t], "bytes": list(s.encode()),
                     "top_logprobs": [{"token": tok(i), "logprob": lp,
                                       "bytes": list(tok(i).encode())} for i, lp in top],
                 })
@@ -492,7 +496,7 @@ class OpenAIIngress:
             offset += len(s)
         return {
             "tokens": tokens,
-            "token_logprobs": [e.get(t, float("-inf")) for t, e in zip(token_ids, entries)],
+            "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
             "top_logprobs": [{tok(i): lp for i, lp in sorted(e.items(), key=lambda kv: -kv[1])}
                              for e in entries],
             "text_offset": offsets,

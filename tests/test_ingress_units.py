@@ -85,6 +85,22 @@ async def test_held_until_load_drops_then_admitted():
     assert adm.held == {}
 
 
+async def test_earlier_held_requests_count_ahead_with_their_prompts():
+    adm = IngressAdmission(DEFAULT_CLASSES, priority_scheduling=True)
+    # 600 tokens queued: a fresh request is admitted (TTFT about 1.3 s of the 5 s SLO).
+    loads = [_snap(waiting_tokens=600)]
+    assert await adm.admit(lambda: loads, "standard", 10, 16, 1, adm.clock()) < 0.1
+    # Requests held since earlier with 1800 prompt tokens would go first: over the SLO
+    # together (TTFT 5.07 s), so a later one is held too ...
+    adm._held.update({-1: ("standard", 0.0, 900), -2: ("standard", 0.0, 900)})
+    task = asyncio.create_task(adm.admit(lambda: loads, "standard", 10, 16, 1, adm.clock()))
+    await asyncio.sleep(0.2)
+    assert not task.done()
+    # ... until they are sent on.
+    del adm._held[-1], adm._held[-2]
+    assert await asyncio.wait_for(task, 2) >= 0.2
+
+
 async def test_rejected_after_max_queue_wait_with_retry_after_but_batch_waits():
     clock = FakeClock()
     adm = IngressAdmission(DEFAULT_CLASSES, priority_scheduling=True, clock=clock)
