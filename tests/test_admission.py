@@ -164,6 +164,16 @@ def test_waited_time_counts_against_the_ttft_slo():
     assert isinstance(ac.decide(s, "interactive", 200, 128, 0, 0.9), Wait)
 
 
+def test_predictions_must_fit_the_slo_margin():
+    s = queue("interactive", 650)  # 850 tokens: 2 steps, TTFT 0.1 + 1.7 = 1.8 s
+    assert AdmissionController(slo_margin=1.0).decide(s, "interactive", 200, 16, 0, 0.0) \
+        == Admit()
+    d = AdmissionController(slo_margin=0.85).decide(s, "interactive", 200, 16, 0, 0.0)
+    assert isinstance(d, Wait) and "1.80 s > 1.70 s" in d.reason
+    with pytest.raises(ValueError, match="slo_margin"):
+        AdmissionController(slo_margin=0.0)
+
+
 def test_batch_under_the_same_load_waits_and_is_rejected_only_at_its_queue_cap():
     ac = AdmissionController()
     cap = DEFAULT_CLASSES["batch"].hard_queue_cap
