@@ -133,6 +133,18 @@ class Scheduler:
             budget -= 1
         out.num_decodes = len(out.seqs)
         budget = min(budget, prefill_cap)
+        kv_exhausted = len(out.preempted) > num_urgent_preemptions
+
+        # 2a. Waiting requests that outrank the most urgent prompt already being prefilled
+        # (enough to preempt it) take the budget first: else a batch prompt admitted
+        # earlier would hold an interactive arrival's prefill back until it is done.
+        head = next((r for r in order if r.status is RequestStatus.RUNNING
+                     and r.request_id not in scheduled), None)
+        if head is not None and not kv_exhausted:
+            urgent = [r for r in waiting_order if self.policy.preempts(r, head, now)]
+            if urgent:
+                budget = self._admit(out, urgent, budget, now, slo)
+                waiting_order = [r for r in waiting_order if r.status is not RequestStatus.RUNNING]
 
         # 2. Chunks of prompts already being prefilled.
         for req in order:
@@ -160,7 +172,7 @@ class Scheduler:
 
         # 3. New and preempted requests, in the policy's order. Not after running out of
         # KV blocks: the cache is full, and a victim re-admitted at once would only thrash.
-        if len(out.preempted) > num_urgent_preemptions:
+        if kv_exhausted or len(out.preempted) > num_urgent_preemptions:
             return
         if out.preempted:
             waiting_order = self.policy.order(self.waiting, now)
@@ -208,7 +220,9 @@ class Scheduler:
         return max(self.block_manager.block_size, cap), slo
 
     def _admit(self, out: SchedulerOutput, waiting_order: list[Request], budget: int,
-               now: float, slo: float = math.inf) -> None:
+               now: float, slo: float = math.inf) -> int:
+        """Admit waiting requests in ``waiting_order`` with their first chunks; returns the
+        budget left."""
         policy, bm = self.policy, self.block_manager
         num_running = len(self.running)
         blocked_head: Request | None = None
@@ -247,6 +261,7 @@ class Scheduler:
             self.running.append(req)
             out.seqs.append(ScheduledSeq(req, 0, n))
             budget -= n
+        return budget
 
     def _preempt_for_urgent(self, out: SchedulerOutput, waiting_order: list[Request],
                             now: float) -> None:

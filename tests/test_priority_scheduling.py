@@ -8,7 +8,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import BlockManager
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
-from policies import PriorityPolicy, StaticBatchPolicy
+from policies import FCFSPolicy, PriorityPolicy, StaticBatchPolicy
 from tests.test_scheduler import FakeClock, fake_step
 
 
@@ -41,6 +41,24 @@ def test_high_priority_preempts_at_max_num_seqs_within_two_steps():
     while sched.has_unfinished() and not urgent.is_finished:
         fake_step(sched, clock)
     assert urgent.is_finished
+
+
+@pytest.mark.parametrize("policy,expect_first_step", [(PriorityPolicy(), 1), (None, 16)])
+def test_urgent_prompt_takes_the_budget_before_a_batch_prompt_being_prefilled(
+        policy, expect_first_step):
+    sched, clock = make(policy or FCFSPolicy(), max_num_batched_tokens=64,
+                        enable_chunked_prefill=True)
+    sched.add(req("batch", 1024, 4, 0.0, priority=2))
+    fake_step(sched, clock)  # the batch prompt's first 64-token chunk
+    urgent = req("urgent", 32, 4, clock(), priority=0)
+    sched.add(urgent)
+    steps = 0
+    while urgent.num_computed_tokens == 0:
+        fake_step(sched, clock)
+        steps += 1
+    # Under priority the urgent prompt runs in the next step; FCFS serves the 1024-token
+    # prompt first (15 more chunks), then the urgent one.
+    assert steps == expect_first_step
 
 
 def test_preempted_request_is_not_overtaken_by_same_priority_newcomers():
