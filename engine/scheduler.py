@@ -172,7 +172,7 @@ class Scheduler:
 
         # 3. New and preempted requests, in the policy's order. Not after running out of
         # KV blocks: the cache is full, and a victim re-admitted at once would only thrash.
-        if kv_exhausted or len(out.preempted) > num_urgent_preemptions:
+        if len(out.preempted) > num_urgent_preemptions:  # grows: kv_exhausted stays true
             return
         if out.preempted:
             waiting_order = self.policy.order(self.waiting, now)
