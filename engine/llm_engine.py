@@ -179,9 +179,10 @@ class LLMEngine:
         seqs = []
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            cls = self.traffic_classes[traffic_class]
             req = Request(seq_id, ids, params, now, max_tokens, priority=priority,
                           traffic_class=traffic_class, parent_id=request_id, index=i,
-                          tpot_slo_s=self.traffic_classes[traffic_class].tpot_slo_s)
+                          ttft_slo_s=cls.ttft_slo_s, tpot_slo_s=cls.tpot_slo_s)
             if params.seed is not None and params.n > 1:
                 req.params = replace(params, seed=params.seed + i)
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)

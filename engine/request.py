@@ -92,6 +92,8 @@ class Request:
     """Output tokens at most, after clamping max_tokens=None to the context."""
     priority: int = 0
     traffic_class: str = "standard"
+    ttft_slo_s: float = math.inf
+    """The traffic class's TTFT SLO in seconds (read by the scheduler's TPOT guard)."""
     tpot_slo_s: float = math.inf
     """The traffic class's TPOT SLO in seconds (read by the scheduler's TPOT guard)."""
     parent_id: str | None = None

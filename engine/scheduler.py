@@ -41,6 +41,23 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True)
+class PrefillBudget:
+    """A step's prefill tokens under the TPOT guard.
+
+    ``total`` is what ``max_num_batched_tokens`` leaves after the decodes; ``capped`` is
+    the share any prompt may take (the guard's cap, at most ``total``). A prompt the
+    guard lets past the cap, to meet its TTFT SLO, may take up to ``total``.
+    """
+
+    total: int
+    capped: int
+
+    def take(self, n: int) -> None:
+        self.total -= n
+        self.capped = max(0, min(self.capped - n, self.total))
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """One step's plan. ``seqs`` holds the decodes (one token each) before the prefills."""
 
@@ -87,6 +104,8 @@ class Scheduler:
         """Preemptions since start (a counter for tests and metrics)."""
         self._head_skips: tuple[str | None, int] = (None, 0)
         """(id of the waiting head that lacks KV room, how often it was overtaken)."""
+        self._guard: tuple[Request, float] | None = None
+        """This step's TPOT guard: (the request whose SLO binds, its step-time limit)."""
         self._chunk_cap = (
             config.long_prefill_token_threshold or config.max_num_batched_tokens
             if config.enable_chunked_prefill
@@ -132,7 +151,7 @@ class Scheduler:
             scheduled.add(req.request_id)
             budget -= 1
         out.num_decodes = len(out.seqs)
-        budget = min(budget, prefill_cap)
+        budget = PrefillBudget(budget, min(budget, prefill_cap))
         kv_exhausted = len(out.preempted) > num_urgent_preemptions
 
         # 2a. Waiting requests that outrank the most urgent prompt already being prefilled
@@ -143,16 +162,16 @@ class Scheduler:
         if head is not None and not kv_exhausted:
             urgent = [r for r in waiting_order if self.policy.preempts(r, head, now)]
             if urgent:
-                budget = self._admit(out, urgent, budget, now, slo)
+                self._admit(out, urgent, budget, now, slo)
                 waiting_order = [r for r in waiting_order if r.status is not RequestStatus.RUNNING]
 
         # 2. Chunks of prompts already being prefilled.
         for req in order:
-            if budget == 0:
+            if budget.total == 0:
                 break
             if req.status is not RequestStatus.RUNNING or req.request_id in scheduled:
                 continue
-            n = self._chunk(req, budget)
+            n = self._chunk(req, self._allowance(req, budget, now))
             if n == 0:
                 continue
             room = self._free_capacity(req)
@@ -168,7 +187,7 @@ class Scheduler:
             self.block_manager.allocate(req.request_id, req.num_computed_tokens + n)
             out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
             scheduled.add(req.request_id)
-            budget -= n
+            budget.take(n)
 
         # 3. New and preempted requests, in the policy's order. Not after running out of
         # KV blocks: the cache is full, and a victim re-admitted at once would only thrash.
@@ -197,6 +216,7 @@ class Scheduler:
             both ``math.inf`` with the guard off.
         """
         model = self.step_time
+        self._guard = None
         if model is None:
             return math.inf, math.inf
         target = self.config.tpot_slo_guard_target
@@ -214,20 +234,43 @@ class Scheduler:
             kept += 1
         if math.isinf(slo):
             return math.inf, slo
+        self._guard = (owner, slo)
         _, b, _ = model.coefficients()
         spare = slo - model.predict(0, kept)
         cap = math.floor(spare / b) if b > 0 else math.inf
         return max(self.block_manager.block_size, cap), slo
 
-    def _admit(self, out: SchedulerOutput, waiting_order: list[Request], budget: int,
-               now: float, slo: float = math.inf) -> int:
-        """Admit waiting requests in ``waiting_order`` with their first chunks; returns the
-        budget left."""
+    def _allowance(self, req: Request, budget: PrefillBudget, now: float) -> int:
+        """Prefill tokens ``req`` may take this step.
+
+        The guard's cap holds for prompts its binding request outranks. A prompt it does
+        not outrank (the same class, say) is owed its TTFT too: when the capped steps
+        left before its TTFT deadline (``ttft_slo_s * tpot_slo_guard_target`` after
+        arrival, each step up to the guard's limit) cannot hold its prompt, it takes an
+        even share of the prompt per step left, up to the whole budget. The decodes'
+        TPOT is a mean over their tokens, so a few longer steps cost it little, while a
+        long prompt in capped steps pays each step's fixed cost again and misses its TTFT.
+        """
+        if self._guard is None or budget.capped >= budget.total or req.output_token_ids:
+            return budget.capped
+        owner, limit = self._guard
+        if self.policy.preempts(owner, req, now):
+            return budget.capped
+        left = req.arrival_time + req.ttft_slo_s * self.config.tpot_slo_guard_target - now
+        if not 0 < left < math.inf:
+            return budget.capped  # no TTFT SLO, or already missed: no reason to stretch
+        need = math.ceil(req.num_pending_tokens / max(1, math.floor(left / limit)))
+        return min(budget.total, max(budget.capped, need))
+
+    def _admit(self, out: SchedulerOutput, waiting_order: list[Request],
+               budget: PrefillBudget, now: float, slo: float = math.inf) -> None:
+        """Admit waiting requests in ``waiting_order`` with their first chunks, taking
+        their tokens from ``budget``."""
         policy, bm = self.policy, self.block_manager
         num_running = len(self.running)
         blocked_head: Request | None = None
         for req in waiting_order:
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget.total == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if not policy.may_admit(req, num_running, len(self.waiting), now):
                 continue
@@ -238,8 +281,10 @@ class Scheduler:
                 # The TPOT guard would shed it again at once. A request that outranks
                 # running work is admitted: the guard sheds that work for it instead.
                 continue
-            n = self._chunk(req, budget)
+            n = self._chunk(req, self._allowance(req, budget, now))
             if n == 0:
+                if budget.capped == 0 and budget.total > 0:
+                    continue  # the cap is spent; a later prompt may be owed more for its TTFT
                 break
             if not bm.can_allocate(req.request_id, n):
                 if blocked_head is None:
@@ -259,9 +304,9 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            policy.on_admit(req, now)
             out.seqs.append(ScheduledSeq(req, 0, n))
-            budget -= n
-        return budget
+            budget.take(n)
 
     def _preempt_for_urgent(self, out: SchedulerOutput, waiting_order: list[Request],
                             now: float) -> None:

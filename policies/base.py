@@ -24,8 +24,9 @@ class SchedulingPolicy(Protocol):
 
     The scheduler calls, each step: ``order`` on the running requests (to serve decodes
     most urgent first) and on the waiting ones (to admit); ``pick_victim`` when KV blocks
-    run out; ``may_admit`` before admitting a waiting request; ``preempts`` when the
-    head of the waiting order is blocked by ``max_num_seqs`` or KV room.
+    run out; ``may_admit`` before admitting a waiting request and ``on_admit`` after;
+    ``preempts`` when the head of the waiting order is blocked by ``max_num_seqs`` or KV
+    room; ``on_finish`` when a request leaves.
     """
 
     max_head_of_line_skips: int
@@ -56,6 +57,11 @@ class SchedulingPolicy(Protocol):
             num_running: requests running before this step's admissions.
             num_waiting: requests waiting, this one included.
         """
+        ...
+
+    def on_admit(self, request: R, now: float) -> None:
+        """``request`` left the waiting queue to run (also on re-admission after a
+        preemption)."""
         ...
 
     def on_finish(self, request: R) -> None:

@@ -27,5 +27,8 @@ class FCFSPolicy:
     def may_admit(self, request: R, num_running: int, num_waiting: int, now: float) -> bool:
         return True
 
+    def on_admit(self, request: R, now: float) -> None:
+        pass
+
     def on_finish(self, request: R) -> None:
         pass

@@ -108,16 +108,25 @@ def make_classes(
 class PriorityPolicy:
     """Most urgent effective priority first, then earliest arrival; preempts less urgent work.
 
-    Effective priority of a request at time ``now`` (seconds)::
+    Effective priority of a waiting request at time ``now`` (seconds)::
 
-        priority - (now - arrival_time) / aging_s_per_level
+        priority - (now - start) / aging_s_per_level,
+        start = max(arrival_time, last admission of a request of the same priority)
 
-    so each ``aging_s_per_level`` seconds of waiting is worth one priority level. Because
-    every request ages at the same rate, the order this gives never changes with ``now``:
-    it is the order of ``arrival_time + priority * aging_s_per_level``, a virtual deadline
-    (like earliest-deadline-first). A request that arrived at ``t0`` is therefore ahead of
-    every request of priority ``p_new`` arriving after ``t0 + (p - p_new) * aging_s_per_level``:
-    under any stream of more urgent arrivals it reaches the head within that bound.
+    so each ``aging_s_per_level`` seconds that its priority level goes unserved is worth
+    one level. Every request ages at the same rate, so between admissions the order never
+    changes with ``now``: it is the order of ``start + priority * aging_s_per_level``, a
+    virtual deadline (like earliest-deadline-first). A request of priority ``p`` whose
+    level was last served at ``t0`` is ahead of every request of priority ``p_new``
+    arriving after ``t0 + (p - p_new) * aging_s_per_level``: under any stream of more
+    urgent arrivals its level is served within that bound, so batch work always
+    progresses. Counting from the level's last admission rather than from arrival is what
+    keeps a backlog of less urgent work, while its level is being served, from aging
+    ahead of fresh urgent arrivals: with plain arrival-time aging, a batch backlog older
+    than ``(p - p_new) * aging_s_per_level`` (20 s for batch over interactive by default)
+    would hold every interactive arrival behind it for as long as batch traffic exceeds
+    capacity. An admitted request keeps the deadline it was admitted with (also after a
+    preemption), so it neither loses its place nor can be thrashed by the aging of others.
 
     Args:
         aging_s_per_level: seconds of waiting that gain one priority level; None or
@@ -141,12 +150,26 @@ class PriorityPolicy:
             else float(aging_s_per_level)
         )
         self.max_head_of_line_skips = max_head_of_line_skips
+        self._level_served: dict[int, float] = {}
+        """Priority level -> when a request of it was last admitted (engine clock, s)."""
+        self._admitted_deadline: dict[str, float] = {}
+        """Request id -> its virtual deadline when admitted, until it leaves the engine."""
+
+    def _deadline(self, request: R) -> float:
+        """``start + priority * aging_s_per_level`` (see the class docstring)."""
+        kept = self._admitted_deadline.get(request.request_id)
+        if kept is not None:
+            return kept
+        start = max(request.arrival_time,
+                    self._level_served.get(request.priority, request.arrival_time))
+        return start + request.priority * self.aging_s_per_level
 
     def effective_priority(self, request: R, now: float) -> float:
-        """``request``'s priority less one level per ``aging_s_per_level`` s since arrival."""
+        """``request``'s priority less one level per ``aging_s_per_level`` s of waiting
+        while its level went unserved (see the class docstring)."""
         if self.aging_s_per_level is None:
             return float(request.priority)
-        return request.priority - (now - request.arrival_time) / self.aging_s_per_level
+        return (self._deadline(request) - now) / self.aging_s_per_level
 
     def _key(self, request: R) -> tuple[float, float]:
         # (effective priority, arrival) in its time-invariant form: sorting on it is the
@@ -154,8 +177,7 @@ class PriorityPolicy:
         # subtracting ``now``, and equal keys are exact ties broken by arrival.
         if self.aging_s_per_level is None:
             return (request.priority, request.arrival_time)
-        return (request.arrival_time + request.priority * self.aging_s_per_level,
-                request.arrival_time)
+        return (self._deadline(request), request.arrival_time)
 
     def order(self, requests: Sequence[R], now: float) -> list[R]:
         # Running requests use the same key: decodes of the most urgent are served first.
@@ -194,5 +216,12 @@ class PriorityPolicy:
     def may_admit(self, request: R, num_running: int, num_waiting: int, now: float) -> bool:
         return True
 
+    def on_admit(self, request: R, now: float) -> None:
+        if self.aging_s_per_level is None:
+            return
+        self._admitted_deadline.setdefault(request.request_id, self._deadline(request))
+        served = self._level_served.get(request.priority, now)
+        self._level_served[request.priority] = max(served, now)
+
     def on_finish(self, request: R) -> None:
-        pass
+        self._admitted_deadline.pop(request.request_id, None)

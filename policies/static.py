@@ -91,6 +91,9 @@ class StaticBatchPolicy:
     def preempts(self, waiting: R, running: R, now: float) -> bool:
         return False
 
+    def on_admit(self, request: R, now: float) -> None:
+        pass
+
     def on_finish(self, request: R) -> None:
         """``request`` left the engine; the batch ends when its last member does."""
         self._batch.discard(request.request_id)

@@ -93,6 +93,37 @@ def test_aging_bounds_the_wait_of_low_priority_under_a_constant_urgent_stream():
     assert served_strict is None
 
 
+def test_a_backlog_whose_level_is_being_served_does_not_age_past_urgent_arrivals():
+    policy = PriorityPolicy(aging_s_per_level=10.0)
+    backlog = [Req(f"b{i}", 0.1 * i, priority=2) for i in range(10)]
+    # Batch requests keep being admitted (batch traffic above capacity, say) ...
+    for t in (5.0, 15.0, 30.0, 45.0):
+        policy.on_admit(Req(f"served{t}", t - 1.0, priority=2), t)
+    # ... so at 50 s the 50-second-old backlog has gained only (50 - 45) / 10 levels:
+    # a fresh interactive request goes first.
+    order = ids(policy.order([*backlog, Req("i", 50.0, 0)], now=50.0))
+    assert order[0] == "i" and order[1:] == [f"b{i}" for i in range(10)]
+    assert policy.preempts(Req("i", 50.0, 0), Req("b_running", 0.0, 2), now=50.0)
+    # Once its level goes unserved for two levels' worth, the backlog's head overtakes.
+    order = ids(policy.order([*backlog, Req("i", 66.0, 0)], now=66.0))
+    assert order[0] == "b0"
+    # Plain arrival-time aging would have put the whole backlog first at 50 s.
+    fresh = PriorityPolicy(aging_s_per_level=10.0)
+    assert ids(fresh.order([*backlog, Req("i", 50.0, 0)], now=50.0))[-1] == "i"
+
+
+def test_an_admitted_request_keeps_its_deadline_after_its_level_is_served_again():
+    policy = PriorityPolicy(aging_s_per_level=10.0)
+    aged = Req("aged", 0.0, priority=2)
+    policy.on_admit(aged, 25.0)  # aged past fresh urgent work: deadline 20 s
+    policy.on_admit(Req("later", 24.0, priority=2), 26.0)
+    fresh = Req("i", 27.0, 0)
+    assert not policy.preempts(fresh, aged, now=27.0)  # no thrash: it keeps its place
+    assert ids(policy.order([fresh, aged], now=27.0)) == ["aged", "i"]
+    policy.on_finish(aged)
+    assert policy.effective_priority(Req("aged", 0.0, 2), 27.0) == pytest.approx(2 - 0.1)
+
+
 def test_priority_orders_running_requests_with_the_same_key():
     policy = PriorityPolicy()
     running = [Req("b", 0.0, 2), Req("i", 1.0, 0), Req("s", 0.5, 1)]

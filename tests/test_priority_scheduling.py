@@ -248,3 +248,35 @@ def test_tpot_guard_never_sheds_more_urgent_work():
         out = fake_step(sched, clock)
         assert not out.preempted
     assert len(sched.running) == 25  # same class: the guard does not preempt its own peers
+
+
+@pytest.mark.parametrize("ttft_slo,first_chunk,prefill_steps",
+                         [(2.0, 400, 5), (float("inf"), 300, 6)])
+def test_tpot_guard_lets_a_same_class_prompt_past_the_cap_to_meet_its_ttft(
+        ttft_slo, first_chunk, prefill_steps):
+    sched, clock, model = _guarded()
+    for i in range(5):
+        sched.add(guarded_req(f"i{i}", 0.01 * i, priority=0, slo=0.5))
+    for _ in range(2):
+        fake_step(sched, clock)
+    peer = guarded_req("peer", clock(), priority=0, slo=0.5, prompt_len=1600, max_tokens=4)
+    peer.ttft_slo_s = ttft_slo
+    batch = guarded_req("batch", clock(), priority=2, slo=5.0, prompt_len=1600)
+    batch.ttft_slo_s = 60.0
+    sched.add(peer)
+    sched.add(batch)
+    cap = 300  # (0.5 s - 0.1 s - 5 decodes x 0.02 s) / 0.001 s per token
+    steps, peer_chunks = 0, []
+    while not peer.output_token_ids:
+        out = fake_step(sched, clock)
+        steps += 1
+        chunks = {s.request.request_id: s.num_tokens for s in out.seqs if s.num_tokens > 1}
+        peer_chunks.append(chunks.get("peer", 0))
+        # Peer chunks beyond the cap displace the batch prompt; the two never exceed it.
+        assert chunks.get("batch", 0) <= max(0, cap - chunks.get("peer", 0))
+        assert out.num_batched_tokens <= 512
+    # 1600 tokens: 300 a step under the cap. With a 2 s TTFT SLO and steps of up to 0.5 s,
+    # four steps are left: 400 each. The fake clock's steps take 0.1 s, so the need
+    # falls back under the cap after two (1600 = 400 + 400 + 300 + 300 + 200).
+    assert peer_chunks[0] == first_chunk
+    assert steps == prefill_steps
