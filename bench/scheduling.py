@@ -85,11 +85,13 @@ Targeted experiments (``--experiments``)
                whole-request TPOT, which dilutes a stall over the output, is reported too.
     admission  from the sweep at the highest load (2x): attainment of admitted interactive
                requests and SLO goodput rate vs the peak over loads, admission on vs off.
-    priority   batch traffic alone at 2x capacity (open loop, trace arrivals, 60 s), then the
-               same plus interactive traffic at 0.1x capacity (requests; trace rows from
-               3000), under FCFS and under priority: interactive p99 TTFT vs its SLO, and
-               batch output throughput (tokens produced within the duration) vs batch alone.
-               The interactive stream's share of the replica's work (its prompt and output
+    priority   batch traffic alone at 2x capacity (open loop, trace arrivals, 45 s), then the
+               same plus interactive traffic at 0.05x and 0.1x capacity (requests; trace rows
+               from 3000), under FCFS (once) and under priority (``--priority-repeats``, 3,
+               each paired with its own batch-alone run): interactive p99 TTFT over the
+               pooled priority runs vs its SLO, and the median over pairs of batch output
+               throughput (tokens produced within the duration) vs batch alone. The
+               interactive stream's share of the replica's work (its prompt and output
                tokens per second over capacity's) is reported: batch cannot keep more than
                the rest of capacity.
 
@@ -886,56 +888,83 @@ async def exp_chunk(wl: Workload, args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 
 
-async def exp_priority(wl: Workload, args: argparse.Namespace, capacity: float) -> dict[str, Any]:
+async def _priority_run(args: argparse.Namespace, policy: str,
+                        sched: list[tuple[float, TraceRequest]], tag: str) -> dict[str, Any]:
+    """One open-loop run of the priority experiment; batch tokens counted within duration."""
     from policies import DEFAULT_CLASSES
 
-    batch_rate = args.batch_load * capacity
-    int_rate = args.interactive_load * capacity
     duration = args.priority_duration
-    batch_sched, bscale = wl.window(batch_rate, duration, cls="batch")
-    # The interactive stream replays a later stretch of the same window.
-    int_start = args.interactive_offset_rows
-    int_sched, iscale = wl.window(int_rate, duration, start=int_start, cls="interactive")
-    # The interactive stream's share of the replica's work (prompt + output tokens, against
-    # capacity x the capacity rows' mean request): batch cannot keep more than the rest.
+    kwargs = engine_kwargs(args, policy, True)
+    aeng, _ = await start_engine(kwargs, args)
+    recs, info = await run_open_loop(
+        aeng, sched, admission=False, predict=False, duration=duration,
+        drain=args.drain, tag=tag, record_tokens=True, drain_only={"interactive"})
+    await stop_engine(aeng)
+    del aeng
+    t0 = info["t0"]
+    in_window = sum(sum(1 for t in r.get("token_times", []) if t <= t0 + duration)
+                    for r in recs if r["cls"] == "batch")
+    summ = summarize(recs, DEFAULT_CLASSES, duration, info["wall_s"], info["t_end"])
+    res = {"engine": kwargs, "summary": summ,
+           "batch_tok_s_in_window": in_window / duration,
+           "interactive_ttft_s": [r["ttft_s"] for r in recs if r["cls"] == "interactive"],
+           **{k: v for k, v in info.items() if k not in ("t0", "t_end")}}
+    i = summ["interactive"]
+    print(f"[priority] {tag}: batch {res['batch_tok_s_in_window']:.1f} tok/s in window; "
+          f"interactive TTFT p50 {_f(i['ttft_p50_s'])} p99 {_f(i['ttft_p99_s'])} s "
+          f"({i['offered']} req, {i['cut_off']} cut off), preemptions "
+          f"{info['preemptions']}, other load {_f(info['foreign_cores'])}", flush=True)
+    return res
+
+
+async def exp_priority(wl: Workload, args: argparse.Namespace, capacity: float) -> dict[str, Any]:
+    duration = args.priority_duration
+    batch_sched, _ = wl.window(args.batch_load * capacity, duration, cls="batch")
+    # The interactive streams replay a later stretch of the same window. Their share of the
+    # replica's work (prompt + output tokens, against capacity x the capacity rows' mean
+    # request) bounds what batch can keep: at most the rest.
     p_mean, o_mean = wl.mean_lengths(args.capacity_rows)
-    int_tok_s = sum(len(r.prompt_ids) + r.max_tokens for _, r in int_sched) / duration
-    share = int_tok_s / (capacity * (p_mean + o_mean))
+    streams = {}
     out: dict[str, Any] = {
-        "duration_s": duration, "batch_rate": batch_rate, "interactive_rate": int_rate,
-        "interactive_tok_s": int_tok_s, "interactive_work_share": share,
-        "batch_requests": len(batch_sched), "interactive_requests": len(int_sched),
+        "duration_s": duration, "repeats": args.priority_repeats,
+        "batch_rate": args.batch_load * capacity, "batch_requests": len(batch_sched),
         "batch_rows": [batch_sched[0][1].row, batch_sched[-1][1].row] if batch_sched else None,
-        "interactive_rows": ([int_sched[0][1].row, int_sched[-1][1].row]
-                             if int_sched else None),
-        "runs": {},
+        "batch_alone": [], "interactive": {},
     }
-    runs = [("batch-alone", "priority", False), ("mixed-fcfs", "fcfs", True),
-            ("mixed-priority", "priority", True)]
-    for rname, policy, with_int in runs:
-        kwargs = engine_kwargs(args, policy, True)
-        aeng, _ = await start_engine(kwargs, args)
-        sched = sorted(batch_sched + (int_sched if with_int else []), key=lambda x: x[0])
-        recs, info = await run_open_loop(
-            aeng, sched, admission=False, predict=False, duration=duration,
-            drain=args.drain, tag=rname, record_tokens=True, drain_only={"interactive"})
-        await stop_engine(aeng)
-        del aeng
-        t0 = info["t0"]
-        in_window = sum(sum(1 for t in r.get("token_times", []) if t <= t0 + duration)
-                        for r in recs if r["cls"] == "batch")
-        summ = summarize(recs, DEFAULT_CLASSES, duration, info["wall_s"], info["t_end"])
-        for r in recs:
-            r.pop("token_times", None)
-        res = {"engine": kwargs, "summary": summ,
-               "batch_tok_s_in_window": in_window / duration,
-               **{k: v for k, v in info.items() if k not in ("t0", "t_end")}}
-        out["runs"][rname] = res
-        i = summ["interactive"]
-        print(f"[priority] {rname}: batch {res['batch_tok_s_in_window']:.1f} tok/s in window; "
-              f"interactive TTFT p50 {_f(i['ttft_p50_s'])} p99 {_f(i['ttft_p99_s'])} s "
-              f"({i['offered']} req, {i['cut_off']} cut off), preemptions "
-              f"{info['preemptions']}, other load {_f(info['foreign_cores'])}", flush=True)
+    for load in args.interactive_loads:
+        sched, _ = wl.window(load * capacity, duration, start=args.interactive_offset_rows,
+                             cls="interactive")
+        streams[load] = sched
+        tok_s = sum(len(r.prompt_ids) + r.max_tokens for _, r in sched) / duration
+        out["interactive"][f"{load:g}"] = {
+            "load_x": load, "rate": load * capacity, "requests": len(sched),
+            "rows": [sched[0][1].row, sched[-1][1].row] if sched else None,
+            "tok_s": tok_s, "work_share": tok_s / (capacity * (p_mean + o_mean)),
+            "fcfs": None, "priority": [], "batch_frac": []}
+    for load, sched in streams.items():
+        both = sorted(batch_sched + sched, key=lambda x: x[0])
+        out["interactive"][f"{load:g}"]["fcfs"] = await _priority_run(
+            args, "fcfs", both, f"mixed-fcfs@{load:g}x")
+    # Alone and mixed runs alternate, and each ratio pairs a mixed run with the alone run
+    # of its repeat: the machine's drift between runs cancels out of the ratio.
+    for rep in range(args.priority_repeats):
+        alone = await _priority_run(args, "priority", batch_sched, f"batch-alone#{rep}")
+        out["batch_alone"].append(alone)
+        for load, sched in streams.items():
+            both = sorted(batch_sched + sched, key=lambda x: x[0])
+            mixed = await _priority_run(args, "priority", both,
+                                        f"mixed-priority@{load:g}x#{rep}")
+            s = out["interactive"][f"{load:g}"]
+            s["priority"].append(mixed)
+            if alone["batch_tok_s_in_window"]:
+                s["batch_frac"].append(mixed["batch_tok_s_in_window"]
+                                       / alone["batch_tok_s_in_window"])
+    for s in out["interactive"].values():
+        ttfts = [t for r in s["priority"] for t in r["interactive_ttft_s"] if t is not None]
+        s["ttft_p99_pooled_s"] = pct(ttfts, 99)
+        s["ttft_samples"] = len(ttfts)
+        s["censored"] = sum(r["summary"]["interactive"]["ttft_censored"] for r in s["priority"])
+        s["batch_frac_median"] = statistics.median(s["batch_frac"]) if s["batch_frac"] else None
     return out
 
 
@@ -1016,25 +1045,27 @@ def targets(report: dict) -> list[dict]:
                            if pair.get("off") else "")})
 
     pr = (report.get("experiments") or {}).get("priority")
-    if pr and "mixed-priority" in pr["runs"]:
-        mp = pr["runs"]["mixed-priority"]
-        p99 = mp["summary"]["interactive"]["ttft_p99_s"]
-        rows.append({"metric": "priority: interactive p99 TTFT under batch saturation",
-                     "measured": p99, "fmt": "s", "target": f"≤{slo_int['ttft_slo_s']} s (SLO)",
-                     "met": None if p99 is None else p99 <= slo_int["ttft_slo_s"],
-                     "note": "fcfs: " + _f(pr["runs"].get("mixed-fcfs", {}).get(
-                         "summary", {}).get("interactive", {}).get("ttft_p99_s")) + " s"})
-        alone = pr["runs"].get("batch-alone")
-        if alone and alone["batch_tok_s_in_window"]:
-            fr = mp["batch_tok_s_in_window"] / alone["batch_tok_s_in_window"]
-            rows.append({"metric": "priority: batch throughput / batch alone", "measured": fr,
-                         "fmt": "%",
-                         "target": f"≥{100 * TARGETS['priority_batch_tput_frac_of_alone']:.0f}%",
-                         "met": fr >= TARGETS["priority_batch_tput_frac_of_alone"],
-                         "note": f"{mp['batch_tok_s_in_window']:.1f} vs "
-                                 f"{alone['batch_tok_s_in_window']:.1f} tok/s; interactive "
-                                 f"traffic is {_pct(pr['interactive_work_share'])} of "
-                                 "capacity"})
+    for key, st in ((pr or {}).get("interactive") or {}).items():
+        p99 = st["ttft_p99_pooled_s"]
+        fcfs = st["fcfs"]["summary"]["interactive"] if st["fcfs"] else {}
+        rows.append({
+            "metric": f"priority @ interactive {key}x: interactive p99 TTFT under batch "
+                      "saturation", "measured": p99, "fmt": "s",
+            "target": f"≤{slo_int['ttft_slo_s']} s (SLO)",
+            "met": None if p99 is None else (p99 <= slo_int["ttft_slo_s"]
+                                             and not st["censored"]),
+            "note": f"{st['ttft_samples']} requests over {len(st['priority'])} runs; fcfs: "
+                    + ("≥" if fcfs.get("ttft_censored") else "")
+                    + _f(fcfs.get("ttft_p99_s")) + " s"})
+        fr = st["batch_frac_median"]
+        rows.append({
+            "metric": f"priority @ interactive {key}x: batch throughput / batch alone",
+            "measured": fr, "fmt": "%",
+            "target": f"≥{100 * TARGETS['priority_batch_tput_frac_of_alone']:.0f}%",
+            "met": None if fr is None else fr >= TARGETS["priority_batch_tput_frac_of_alone"],
+            "note": f"median of {len(st['batch_frac'])} paired runs "
+                    f"({', '.join(_pct(x) for x in st['batch_frac'])}); interactive traffic "
+                    f"is {_pct(st['work_share'])} of capacity in tokens"})
     return rows
 
 
@@ -1156,21 +1187,33 @@ def print_report(report: dict) -> None:
     if ex.get("priority"):
         pr = ex["priority"]
         print(f"Priority under saturating batch traffic: batch {pr['batch_rate']:.2f} req/s "
-              f"({pr['batch_requests']} req), interactive {pr['interactive_rate']:.2f} req/s "
-              f"({pr['interactive_requests']} req, {_pct(pr['interactive_work_share'])} of "
-              f"capacity in tokens), {pr['duration_s']:.0f} s:")
+              f"({pr['batch_requests']} req), {pr['duration_s']:.0f} s per run, "
+              f"{pr['repeats']} repeat(s):")
         print()
-        print("| run | batch tok/s (within duration) | int TTFT p50/p99 s | int attain "
-              "| int TPOT p99 s | batch TTFT p99 s | preemptions | other load |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
-        for rname, r in pr["runs"].items():
+        print("| run | interactive | batch tok/s (within duration) | / alone | int TTFT p50/p99 s "
+              "| int attain | int TPOT p99 s | batch TTFT p99 s | preemptions | other load |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+        def line(name, desc, r, frac=None):
             i, b = r["summary"]["interactive"], r["summary"]["batch"]
-            print(f"| {rname} | {r['batch_tok_s_in_window']:.1f} | "
+            print(f"| {name} | {desc} | {r['batch_tok_s_in_window']:.1f} | "
+                  f"{_pct(frac) if frac is not None else ''} | "
                   f"{_f(i['ttft_p50_s'])}/{'≥' if i['ttft_censored'] else ''}"
                   f"{_f(i['ttft_p99_s'])} | {_pct(i['attainment_offered'])} | "
                   f"{_f(i['tpot_p99_s'], '.3f')} | "
                   f"{'≥' if b['ttft_censored'] else ''}{_f(b['ttft_p99_s'], '.1f')} | "
                   f"{r['preemptions']} | {_f(r['foreign_cores'])} |")
+
+        for k, r in enumerate(pr["batch_alone"]):
+            line(f"batch-alone #{k}", "none", r)
+        for key, st in pr["interactive"].items():
+            desc = (f"{key}x: {st['rate']:.2f} req/s, {st['requests']} req, "
+                    f"{_pct(st['work_share'])} of capacity")
+            if st["fcfs"]:
+                line("mixed-fcfs", desc, st["fcfs"])
+            for k, r in enumerate(st["priority"]):
+                frac = st["batch_frac"][k] if k < len(st["batch_frac"]) else None
+                line(f"mixed-priority #{k}", desc, r, frac)
         print()
     rows = report["targets"]
     if rows:
@@ -1305,7 +1348,9 @@ def estimate_s(args, configs, loads, experiments) -> float:
         nv = len([v for v in args.chunk_variants.split(",") if v.strip()])
         t += nv * (engine_start + 15 + 6 * args.long_repeats)
     if "priority" in experiments:
-        t += 3 * (engine_start + args.priority_duration + 0.5 * args.drain + 2)
+        nl = len(args.interactive_loads)
+        runs = nl + args.priority_repeats * (1 + nl)
+        t += runs * (engine_start + args.priority_duration + 0.5 * args.drain + 2)
     return t
 
 
@@ -1364,10 +1409,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="'off' and/or chunk budgets for the chunk experiment")
     ap.add_argument("--batch-load", type=float, default=2.0,
                     help="priority experiment: batch traffic, x capacity")
-    ap.add_argument("--interactive-load", type=float, default=0.1,
-                    help="priority experiment: interactive traffic, x capacity (requests)")
+    ap.add_argument("--interactive-loads", default="0.05,0.1",
+                    help="priority experiment: interactive traffic, x capacity (requests), "
+                         "comma-separated")
     ap.add_argument("--priority-duration", type=float, default=None,
-                    help="priority experiment: seconds of arrivals (default 60; quick 30)")
+                    help="priority experiment: seconds of arrivals per run (default 45; "
+                         "quick 30)")
+    ap.add_argument("--priority-repeats", type=int, default=None,
+                    help="priority experiment: alone/mixed run pairs (default 3; quick 1)")
     ap.add_argument("--interactive-offset-rows", type=int, default=3000,
                     help="priority experiment: window row where the interactive stream starts")
     ap.add_argument("--no-tpot-guard", action="store_true",
@@ -1381,7 +1430,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     q = args.quick
     args.duration = args.duration or (15.0 if q else 25.0)
-    args.priority_duration = args.priority_duration or (30.0 if q else 60.0)
+    args.priority_duration = args.priority_duration or (30.0 if q else 45.0)
+    args.priority_repeats = args.priority_repeats or (1 if q else 3)
+    args.interactive_loads = [float(x) for x in args.interactive_loads.split(",") if x.strip()]
     args.drain = args.drain if args.drain is not None else (6.0 if q else 15.0)
     args.capacity_duration = args.capacity_duration or (10.0 if q else 30.0)
     args.long_repeats = args.long_repeats or (1 if q else 2)
@@ -1464,13 +1515,18 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                 problems.append(f"{where}: {s['errors']} requests failed: {sorted(errs)[:2]}")
             if s["wrong_length"]:
                 problems.append(f"{where}: {s['wrong_length']} requests got a wrong token count")
-    for ename in ("chunk", "priority"):
-        e = experiments.get(ename) or {}
-        for vname, v in (e.get("variants") or e.get("runs") or {}).items():
-            if not v.get("blocks_ok", True):
-                problems.append(f"{ename}/{vname}: KV blocks leaked")
-            if v.get("error"):
-                problems.append(f"{ename}/{vname}: {v['error']}")
+    runs = dict((experiments.get("chunk") or {}).get("variants") or {})
+    pr = experiments.get("priority") or {}
+    runs.update({f"batch-alone#{k}": r for k, r in enumerate(pr.get("batch_alone") or [])})
+    for key, st in (pr.get("interactive") or {}).items():
+        runs.update({f"mixed-priority@{key}x#{k}": r for k, r in enumerate(st["priority"])})
+        if st["fcfs"]:
+            runs[f"mixed-fcfs@{key}x"] = st["fcfs"]
+    for vname, v in runs.items():
+        if not v.get("blocks_ok", True):
+            problems.append(f"{vname}: KV blocks leaked")
+        if v.get("error") or v.get("engine_error"):
+            problems.append(f"{vname}: {v.get('error') or v.get('engine_error')}")
 
     import torch
 
