@@ -209,7 +209,9 @@ class Scheduler:
         capped so the predicted step time stays within the tightest limit kept:
         Sarathi-Serve's token budget derived from the TPOT SLO (Agrawal et al., OSDI 2024,
         section 4.3), per step instead of fixed. At least one block of prefill runs per
-        step, so prompts always progress.
+        step, so prompts always progress. Predictions are scaled by the step-time model's
+        recent measured / predicted ratio (``StepTimeModel.local_ratio``), which corrects
+        the global linear fit where the engine runs now, in both directions.
 
         Returns:
             (prefill token cap for this step, tightest step-time limit kept in seconds);
@@ -220,13 +222,14 @@ class Scheduler:
         if model is None:
             return math.inf, math.inf
         target = self.config.tpot_slo_guard_target
+        ratio = model.local_ratio()
         slo, owner, kept = math.inf, None, 0
         for req in order:
             # A request's TPOT SLO binds once it decodes; while it prefills, the prefill
             # budget should go to its TTFT instead.
             if req.tpot_slo_s * target < slo and req.num_pending_tokens == 1:
                 slo, owner = req.tpot_slo_s * target, req
-            if (owner is not req and model.predict(0, kept + 1) > slo
+            if (owner is not req and model.predict(0, kept + 1) * ratio > slo
                     and self.policy.preempts(owner, req, now)):
                 self.preempt(req)
                 out.preempted.append(req)
@@ -236,8 +239,8 @@ class Scheduler:
             return math.inf, slo
         self._guard = (owner, slo)
         _, b, _ = model.coefficients()
-        spare = slo - model.predict(0, kept)
-        cap = math.floor(spare / b) if b > 0 else math.inf
+        spare = slo - model.predict(0, kept) * ratio
+        cap = math.floor(spare / (b * ratio)) if b > 0 else math.inf
         return max(self.block_manager.block_size, cap), slo
 
     def _allowance(self, req: Request, budget: PrefillBudget, now: float) -> int:
@@ -276,7 +279,8 @@ class Scheduler:
                 continue
             if (self.step_time is not None
                     and req.tpot_slo_s * self.config.tpot_slo_guard_target >= slo
-                    and self.step_time.predict(0, len(self.running) + 1) > slo
+                    and self.step_time.predict(0, len(self.running) + 1)
+                    * self.step_time.local_ratio() > slo
                     and not policy.preempts(req, policy.pick_victim(self.running), now)):
                 # The TPOT guard would shed it again at once. A request that outranks
                 # running work is admitted: the guard sheds that work for it instead.

@@ -34,6 +34,9 @@ from policies.priority import DEFAULT_CLASSES, TrafficClass
 DEFAULT_STEP_COEFFICIENTS = (0.05, 0.002, 0.002)
 """Prior (a s, b s/prefill token, c s/decode sequence): SmolLM2-135M on a slow CPU."""
 
+LOCAL_RATIO_STEPS = 8
+"""Steps over which :meth:`StepTimeModel.local_ratio` takes its median."""
+
 
 class StepTimeModel:
     """Online least-squares fit of ``seconds ≈ a + b * prefill_tokens + c * decode_seqs``.
@@ -52,6 +55,13 @@ class StepTimeModel:
       0, and keeping the best feasible one (8 subsets of 3 coefficients).
 
     Before ``min_samples`` observations the prior is used as is.
+
+    The fit is global, and a step's time is not linear in its tokens (small GEMMs cost
+    more per row), so in the regime the scheduler currently runs in it can be off by tens
+    of percent; worse, the TPOT guard chooses the steps the fit learns from, which can
+    leave a slope poorly identified. :meth:`local_ratio` measures that error where it
+    matters: the median of measured / predicted seconds over the last few steps, each
+    predicted before it was observed.
 
     Args:
         prior: (a seconds, b seconds per prefill token, c seconds per decode sequence).
@@ -81,6 +91,7 @@ class StepTimeModel:
         self.prior_weight = float(prior_weight)
         self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._coef: tuple[float, float, float] | None = self.prior  # None: refit needed
+        self._ratios: deque[float] = deque(maxlen=LOCAL_RATIO_STEPS)
 
     @property
     def num_samples(self) -> int:
@@ -97,8 +108,20 @@ class StepTimeModel:
                 and seconds >= 0):
             raise ValueError(f"observe({prefill_tokens!r}, {decode_seqs!r}, {seconds!r}): "
                              "counts and seconds must be finite and >= 0")
+        if len(self._obs) >= self.min_samples:
+            predicted = self.predict(prefill_tokens, decode_seqs)
+            if predicted > 0:
+                self._ratios.append(seconds / predicted)
         self._obs.append((float(prefill_tokens), float(decode_seqs), float(seconds)))
         self._coef = None
+
+    def local_ratio(self) -> float:
+        """Median of measured / predicted seconds over the last ``LOCAL_RATIO_STEPS``
+        steps (1.0 before any), clamped to [0.5, 2]: the fit's error where the engine runs
+        now, for callers that need a step time to hold a limit."""
+        if not self._ratios:
+            return 1.0
+        return min(2.0, max(0.5, statistics.median(self._ratios)))
 
     def coefficients(self) -> tuple[float, float, float]:
         """(a s, b s/prefill token, c s/decode sequence), each >= 0."""

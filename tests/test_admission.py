@@ -319,3 +319,19 @@ def test_prediction_log():
     # Relative errors 0, 1, 0.25 (actual 0 is skipped): median 0.25.
     assert log.median_relative_error() == pytest.approx(0.25)
     assert log.summary()["count"] == 4
+
+
+def test_step_time_local_ratio_tracks_recent_error_of_the_fit():
+    model = StepTimeModel(prior=(0.1, 0.001, 0.01), min_samples=10**9)  # stays the prior
+    assert model.local_ratio() == 1.0
+    model = StepTimeModel(prior=(0.1, 0.001, 0.01), min_samples=1)
+    for i in range(40):  # a linear world: the fit is exact, the ratio 1
+        p, d = (i * 37) % 200, (i * 11) % 30
+        model.observe(p, d, 0.1 + 0.001 * p + 0.01 * d)
+    assert model.local_ratio() == pytest.approx(1.0, rel=1e-3)
+    for _ in range(8):  # recent steps at 100 prefill tokens run 30% slower than the fit
+        model.observe(100, 5, 1.3 * (0.1 + 0.1 + 0.05))
+    assert 1.15 < model.local_ratio() < 1.3
+    for _ in range(30):  # a wild outlier regime is clamped
+        model.observe(100, 5, 100.0)
+    assert model.local_ratio() == 2.0
