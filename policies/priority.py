@@ -204,10 +204,10 @@ class PriorityPolicy:
         2. ``waiting`` comes strictly before ``running`` in :meth:`order`. Comparing only
            with ``running``'s raw priority would let a long-waiting request preempt a
            same-class one, whose own age (arrival is kept across preemption) then lets it
-           preempt straight back: thrash. The order is a fixed total order (see the class
-           docstring), so a victim can never preempt the request that displaced it, and
-           a request that has aged ahead of fresh urgent arrivals keeps its place while it
-           runs, which is what bounds its wait.
+           preempt straight back: thrash. Once admitted, a request's key is fixed (see the
+           class docstring), so a victim can never preempt the request that displaced it,
+           and a request that has aged ahead of fresh urgent arrivals keeps its place while
+           it runs, which is what bounds its wait.
         """
         if self.effective_priority(waiting, now) > running.priority - 1:
             return False
