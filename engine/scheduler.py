@@ -106,6 +106,8 @@ class Scheduler:
         """(id of the waiting head that lacks KV room, how often it was overtaken)."""
         self._guard: tuple[Request, float] | None = None
         """This step's TPOT guard: (the request whose SLO binds, its step-time limit)."""
+        self._step_ratio = 1.0
+        """This step's ``StepTimeModel.local_ratio``, read once (guard on only)."""
         self._chunk_cap = (
             config.long_prefill_token_threshold or config.max_num_batched_tokens
             if config.enable_chunked_prefill
@@ -222,7 +224,7 @@ class Scheduler:
         if model is None:
             return math.inf, math.inf
         target = self.config.tpot_slo_guard_target
-        ratio = model.local_ratio()
+        ratio = self._step_ratio = model.local_ratio()
         slo, owner, kept = math.inf, None, 0
         for req in order:
             # A request's TPOT SLO binds once it decodes; while it prefills, the prefill
@@ -279,8 +281,8 @@ class Scheduler:
                 continue
             if (self.step_time is not None
                     and req.tpot_slo_s * self.config.tpot_slo_guard_target >= slo
-                    and self.step_time.predict(0, len(self.running) + 1)
-                    * self.step_time.local_ratio() > slo
+                    and self.step_time.predict(0, len(self.running) + 1) * self._step_ratio
+                    > slo
                     and not policy.preempts(req, policy.pick_victim(self.running), now)):
                 # The TPOT guard would shed it again at once. A request that outranks
                 # running work is admitted: the guard sheds that work for it instead.
