@@ -104,8 +104,9 @@ class Scheduler:
         """Preemptions since start (a counter for tests and metrics)."""
         self._head_skips: tuple[str | None, int] = (None, 0)
         """(id of the waiting head that lacks KV room, how often it was overtaken)."""
-        self._guard: tuple[Request, float] | None = None
-        """This step's TPOT guard: (the request whose SLO binds, its step-time limit)."""
+        self._guard: tuple[Request, float, float] | None = None
+        """This step's TPOT guard: (the decode whose limit binds, that limit in seconds,
+        prefill tokens the decodes' TPOT credit allows a stretched step)."""
         self._step_ratio = 1.0
         """This step's ``StepTimeModel.local_ratio``, read once (guard on only)."""
         self._chunk_cap = (
@@ -203,21 +204,26 @@ class Scheduler:
                     now: float) -> tuple[float, float]:
         """Keep the step time within the running requests' TPOT SLOs (guard on only).
 
-        Walks the running requests most urgent first, tracking the tightest step-time
-        limit so far among those decoding (a TPOT SLO times ``tpot_slo_guard_target``); a
-        request whose decode would push the predicted decode-only step time past that
-        limit is preempted if the policy lets the limit's owner outrank it (so batch work
-        yields to interactive work, never the reverse). Then the step's prefill tokens are
-        capped so the predicted step time stays within the tightest limit kept:
-        Sarathi-Serve's token budget derived from the TPOT SLO (Agrawal et al., OSDI 2024,
-        section 4.3), per step instead of fixed. At least one block of prefill runs per
-        step, so prompts always progress. Predictions are scaled by the step-time model's
+        Shedding: walks the running requests most urgent first, tracking the tightest
+        step-time limit so far among those decoding (a TPOT SLO times
+        ``tpot_slo_guard_target``); a request whose decode would push the predicted
+        decode-only step time past that limit is preempted if the policy lets the limit's
+        owner outrank it (so batch work yields to interactive work, never the reverse).
+
+        Capping: the step's prefill tokens are capped so the predicted step time stays
+        within every kept decode's limit: Sarathi-Serve's token budget derived from the
+        TPOT SLO (Agrawal et al., OSDI 2024, section 4.3), per step instead of fixed.
+        TPOT is a mean over a request's output, so each decode's limit is its SLO share
+        plus its TPOT credit spread over the tokens it has left (:meth:`_decode_limits`):
+        a step that ran slow is paid back by the next ones, and time banked by fast steps
+        lets later steps take longer chunks. At least one block of prefill runs per step,
+        so prompts always progress. Predictions are scaled by the step-time model's
         recent measured / predicted ratio (``StepTimeModel.local_ratio``), which corrects
         the global linear fit where the engine runs now, in both directions.
 
         Returns:
-            (prefill token cap for this step, tightest step-time limit kept in seconds);
-            both ``math.inf`` with the guard off.
+            (prefill token cap for this step, tightest shedding limit in seconds); both
+            ``math.inf`` with the guard off.
         """
         model = self.step_time
         self._guard = None
@@ -225,25 +231,62 @@ class Scheduler:
             return math.inf, math.inf
         target = self.config.tpot_slo_guard_target
         ratio = self._step_ratio = model.local_ratio()
-        slo, owner, kept = math.inf, None, 0
+        slo, owner, decoding = math.inf, None, []
         for req in order:
             # A request's TPOT SLO binds once it decodes; while it prefills, the prefill
             # budget should go to its TTFT instead.
-            if req.tpot_slo_s * target < slo and req.num_pending_tokens == 1:
+            is_decoding = req.num_pending_tokens == 1
+            if req.tpot_slo_s * target < slo and is_decoding:
                 slo, owner = req.tpot_slo_s * target, req
-            if (owner is not req and model.predict(0, kept + 1) * ratio > slo
+            if (owner is not req and model.predict(0, len(decoding) + 1) * ratio > slo
                     and self.policy.preempts(owner, req, now)):
                 self.preempt(req)
                 out.preempted.append(req)
                 continue
-            kept += 1
+            if is_decoding:
+                decoding.append(req)
         if math.isinf(slo):
             return math.inf, slo
-        self._guard = (owner, slo)
         _, b, _ = model.coefficients()
-        spare = slo - model.predict(0, kept) * ratio
-        cap = math.floor(spare / (b * ratio)) if b > 0 else math.inf
-        return max(self.block_manager.block_size, cap), slo
+        decode_s = model.predict(0, len(decoding)) * ratio
+
+        def tokens_within(limit: float) -> float:
+            return math.floor((limit - decode_s) / (b * ratio)) if b > 0 else math.inf
+
+        limit, binder, stretch = self._decode_limits(decoding, decode_s, now)
+        cap = max(self.block_manager.block_size, tokens_within(limit))
+        self._guard = (binder, limit, max(cap, tokens_within(stretch)))
+        return cap, slo
+
+    def _decode_limits(self, decoding: list[Request], decode_s: float,
+                       now: float) -> tuple[float, Request, float]:
+        """(tightest step-time limit, the request it belongs to, tightest stretch limit)
+        over ``decoding``, in seconds.
+
+        A decode's TPOT credit is ``target * tpot_slo_s * (g - 1) - (now -
+        first_token_time)`` seconds after ``g`` output tokens: what its steps so far have
+        banked (or owe) against its SLO share. Its limit spreads the credit over the ``r``
+        tokens it has left (up to ``max_tokens``): ``share + credit / r``. Debt that not
+        even decode-only steps (``decode_s``) could repay is written off: the limit falls
+        back to the share, so one late request cannot pin every step to the minimum
+        chunk. The stretch limit, ``share + credit``, is the longest next step after which
+        its mean TPOT so far still holds its share: what a prompt owed its TTFT may spend
+        (:meth:`_allowance`).
+        """
+        target = self.config.tpot_slo_guard_target
+        limit, binder, stretch = math.inf, decoding[0], math.inf
+        for req in decoding:
+            share = req.tpot_slo_s * target
+            credit = 0.0
+            if req.first_token_time is not None:
+                credit = share * (len(req.output_token_ids) - 1) - (now - req.first_token_time)
+            own = share + credit / max(1, req.max_tokens - len(req.output_token_ids))
+            if own < decode_s:
+                own = share
+            if own < limit:
+                limit, binder = own, req
+            stretch = min(stretch, share + credit)
+        return limit, binder, stretch
 
     def _allowance(self, req: Request, budget: PrefillBudget, now: float) -> int:
         """Prefill tokens ``req`` may take this step.
@@ -252,20 +295,21 @@ class Scheduler:
         not outrank (the same class, say) is owed its TTFT too: when the capped steps
         left before its TTFT deadline (``ttft_slo_s * tpot_slo_guard_target`` after
         arrival, each step up to the guard's limit) cannot hold its prompt, it takes an
-        even share of the prompt per step left, up to the whole budget. The decodes'
-        TPOT is a mean over their tokens, so a few longer steps cost it little, while a
-        long prompt in capped steps pays each step's fixed cost again and misses its TTFT.
+        even share of the prompt per step left, up to the whole budget and up to what the
+        decodes' TPOT credit allows (the stretch limit of :meth:`_decode_limits`): a long
+        prompt in capped steps pays each step's fixed cost again and misses its TTFT, but
+        a decode with no credit, a short output say, would miss its TPOT instead.
         """
         if self._guard is None or budget.capped >= budget.total or req.output_token_ids:
             return budget.capped
-        owner, limit = self._guard
+        owner, limit, stretch_tokens = self._guard
         if self.policy.preempts(owner, req, now):
             return budget.capped
         left = req.arrival_time + req.ttft_slo_s * self.config.tpot_slo_guard_target - now
         if not 0 < left < math.inf:
             return budget.capped  # no TTFT SLO, or already missed: no reason to stretch
         need = math.ceil(req.num_pending_tokens / max(1, math.floor(left / limit)))
-        return min(budget.total, max(budget.capped, need))
+        return min(budget.total, max(budget.capped, min(need, stretch_tokens)))
 
     def _admit(self, out: SchedulerOutput, waiting_order: list[Request],
                budget: PrefillBudget, now: float, slo: float = math.inf) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.kv_cache import BlockManager
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
 from policies import FCFSPolicy, PriorityPolicy, StaticBatchPolicy
 from tests.test_scheduler import FakeClock, fake_step
@@ -250,33 +250,78 @@ def test_tpot_guard_never_sheds_more_urgent_work():
     assert len(sched.running) == 25  # same class: the guard does not preempt its own peers
 
 
-@pytest.mark.parametrize("ttft_slo,first_chunk,prefill_steps",
-                         [(2.0, 400, 5), (float("inf"), 300, 6)])
-def test_tpot_guard_lets_a_same_class_prompt_past_the_cap_to_meet_its_ttft(
-        ttft_slo, first_chunk, prefill_steps):
+def model_step(sched, clock, model):
+    """One step as the engine runs it, with the step model's time as the step's time:
+    first tokens are stamped, and length-capped requests finish."""
+    out = sched.schedule()
+    clock.t += model.predict(out.num_batched_tokens - out.num_decodes, out.num_decodes)
+    for r in sched.update(out, {s.request.request_id: 7 for s in out.seqs if s.samples}):
+        if r.first_token_time is None:
+            r.first_token_time = clock()
+        if len(r.output_token_ids) >= r.max_tokens:
+            sched.finish(r, FinishReason.LENGTH, clock())
+    sched.block_manager.check()
+    return out
+
+
+def mean_tpot(r, now):
+    return (now - r.first_token_time) / max(1, len(r.output_token_ids) - 1)
+
+
+@pytest.mark.parametrize("ttft_slo,banking_steps,stretched", [
+    (2.0, 10, True),   # the decodes banked TPOT credit in fast steps: the peer spends it
+    (2.0, 0, False),   # they have just started: no credit, the peer stays under the cap
+    (float("inf"), 10, False),  # no TTFT SLO to meet: no reason to stretch
+])
+def test_tpot_guard_lets_a_same_class_prompt_spend_the_decodes_tpot_credit_for_its_ttft(
+        ttft_slo, banking_steps, stretched):
     sched, clock, model = _guarded()
-    for i in range(5):
-        sched.add(guarded_req(f"i{i}", 0.01 * i, priority=0, slo=0.5))
-    for _ in range(2):
-        fake_step(sched, clock)
+    peers = [guarded_req(f"i{i}", 0.01 * i, priority=0, slo=0.5) for i in range(5)]
+    for r in peers:
+        sched.add(r)
+    for _ in range(1 + banking_steps):  # prefill, then decode-only steps of 0.2 s < 0.5 s
+        model_step(sched, clock, model)
     peer = guarded_req("peer", clock(), priority=0, slo=0.5, prompt_len=1600, max_tokens=4)
     peer.ttft_slo_s = ttft_slo
     batch = guarded_req("batch", clock(), priority=2, slo=5.0, prompt_len=1600)
     batch.ttft_slo_s = 60.0
     sched.add(peer)
     sched.add(batch)
-    cap = 300  # (0.5 s - 0.1 s - 5 decodes x 0.02 s) / 0.001 s per token
+    # (0.5 s - 0.1 s - 5 decodes x 0.02 s) / 0.001 s per token; the decodes' credit, spread
+    # over their ~490 tokens left, adds a few tokens.
+    cap = 300 + 10
     steps, peer_chunks = 0, []
     while not peer.output_token_ids:
-        out = fake_step(sched, clock)
+        out = model_step(sched, clock, model)
         steps += 1
         chunks = {s.request.request_id: s.num_tokens for s in out.seqs if s.num_tokens > 1}
         peer_chunks.append(chunks.get("peer", 0))
         # Peer chunks beyond the cap displace the batch prompt; the two never exceed it.
         assert chunks.get("batch", 0) <= max(0, cap - chunks.get("peer", 0))
         assert out.num_batched_tokens <= 512
-    # 1600 tokens: 300 a step under the cap. With a 2 s TTFT SLO and steps of up to 0.5 s,
-    # four steps are left: 400 each. The fake clock's steps take 0.1 s, so the need
-    # falls back under the cap after two (1600 = 400 + 400 + 300 + 300 + 200).
-    assert peer_chunks[0] == first_chunk
-    assert steps == prefill_steps
+        # Stretched or not, no decode's mean TPOT so far exceeds its share of the SLO.
+        assert all(mean_tpot(r, clock()) <= 0.5 + 1e-9 for r in peers)
+    if stretched:
+        # 1600 tokens with 2 s left and steps of about 0.5 s: 3 steps of 534, so the first
+        # takes the whole budget (512 - 5 decodes); the cap alone needs 6 steps.
+        assert peer_chunks[0] == 507 and steps < 6
+    else:
+        assert max(peer_chunks) <= cap and steps == 6
+
+
+def test_tpot_guard_pays_back_a_slow_step_with_smaller_chunks():
+    sched, clock, model = _guarded()
+    short = guarded_req("short", 0.0, priority=0, slo=0.5, max_tokens=4)
+    sched.add(short)
+    model_step(sched, clock, model)  # prefill: its first token
+    model_step(sched, clock, model)  # a decode the model puts at 0.12 s ...
+    clock.t += 0.6  # ... ran 0.72 s: 0.22 s of TPOT debt, 2 tokens left to pay it back
+    sched.add(guarded_req("batch", clock(), priority=2, slo=5.0, prompt_len=2000))
+    chunks = []
+    while not short.is_finished:
+        out = model_step(sched, clock, model)
+        chunks.append(out.num_batched_tokens - out.num_decodes)
+    # Limit 0.5 - 0.22 / 2 = 0.39 s: (0.39 - 0.1 - 0.02) / 0.001 = 270 tokens a step, where
+    # the SLO alone allows 380 and would leave a mean TPOT of (0.72 + 2 x 0.5) / 3 = 0.57 s.
+    assert len(chunks) == 2 and all(abs(c - 270) <= 1 for c in chunks)  # float rounding
+    assert mean_tpot(short, short.finish_time) <= 0.5 + 1e-9
