@@ -253,24 +253,26 @@ class Scheduler:
         def tokens_within(limit: float) -> float:
             return math.floor((limit - decode_s) / (b * ratio)) if b > 0 else math.inf
 
-        limit, binder, stretch = self._decode_limits(decoding, decode_s, now)
+        limit, binder, stretch = self._decode_limits(decoding, now)
         cap = max(self.block_manager.block_size, tokens_within(limit))
         self._guard = (binder, limit, max(cap, tokens_within(stretch)))
         return cap, slo
 
-    def _decode_limits(self, decoding: list[Request], decode_s: float,
+    def _decode_limits(self, decoding: list[Request],
                        now: float) -> tuple[float, Request, float]:
         """(tightest step-time limit, the request it belongs to, tightest stretch limit)
         over ``decoding``, in seconds.
 
-        A decode's TPOT credit is ``target * tpot_slo_s * (g - 1) - (now -
-        first_token_time)`` seconds after ``g`` output tokens: what its steps so far have
-        banked (or owe) against its SLO share. Its limit spreads the credit over the ``r``
-        tokens it has left (up to ``max_tokens``): ``share + credit / r``. Debt that not
-        even decode-only steps (``decode_s``) could repay is written off: the limit falls
-        back to the share, so one late request cannot pin every step to the minimum
-        chunk. The stretch limit, ``share + credit``, is the longest next step after which
-        its mean TPOT so far still holds its share: what a prompt owed its TTFT may spend
+        A decode's TPOT credit is ``share * (g - 1) - (now - first_token_time)`` seconds
+        after ``g`` output tokens, where ``share = target * tpot_slo_s``: what its steps so
+        far have banked (or owe) against its share. Its limit spreads the credit over the
+        ``r`` tokens it has left (up to ``max_tokens``): ``share + credit / r``, but at
+        least ``share - (tpot_slo_s - share)``. Debt is repaid by at most the jitter
+        headroom per step: debt that large comes from a preemption or a shed stretch, not
+        from jitter, and repaying it faster would starve everyone's prefill (and let a
+        batch request's debt squeeze interactive prompts). The stretch limit, ``share +
+        credit`` (at least the limit), is the longest next step after which its mean TPOT
+        so far still holds its share: what a prompt owed its TTFT may spend
         (:meth:`_allowance`).
         """
         target = self.config.tpot_slo_guard_target
@@ -280,12 +282,11 @@ class Scheduler:
             credit = 0.0
             if req.first_token_time is not None:
                 credit = share * (len(req.output_token_ids) - 1) - (now - req.first_token_time)
-            own = share + credit / max(1, req.max_tokens - len(req.output_token_ids))
-            if own < decode_s:
-                own = share
+            own = max(share + credit / max(1, req.max_tokens - len(req.output_token_ids)),
+                      2 * share - req.tpot_slo_s)
             if own < limit:
                 limit, binder = own, req
-            stretch = min(stretch, share + credit)
+            stretch = min(stretch, max(own, share + credit))
         return limit, binder, stretch
 
     def _allowance(self, req: Request, budget: PrefillBudget, now: float) -> int:
