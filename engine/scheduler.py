@@ -226,8 +226,9 @@ class Scheduler:
         within every kept decode's limit: Sarathi-Serve's token budget derived from the
         TPOT SLO (Agrawal et al., OSDI 2024, section 4.3), per step instead of fixed.
         TPOT is a mean over a request's output, so each decode's limit is its SLO share
-        plus the TPOT credit it has banked in fast steps, spread over the tokens it has
-        left (:meth:`_decode_limits`). At least one block of prefill runs per step,
+        plus its TPOT credit spread over the tokens it has left (:meth:`_decode_limits`):
+        a step that ran slow is paid back by the next ones, and time banked by fast steps
+        lets later steps take longer chunks. At least one block of prefill runs per step,
         so prompts always progress. Predictions are scaled by the step-time model's
         recent measured / predicted ratio (``StepTimeModel.local_ratio``), which corrects
         the global linear fit where the engine runs now, in both directions.
@@ -311,22 +312,25 @@ class Scheduler:
         """(tightest step-time limit, the request it belongs to, tightest stretch limit)
         over ``decoding``, in seconds.
 
-        A decode's TPOT credit (:meth:`_tpot_credit`) is what its steps so far have banked
-        (or owe) against its share, ``target * tpot_slo_s`` per token. Its limit spreads
-        banked credit over the ``r`` tokens it has left (up to ``max_tokens``): ``share +
-        credit / r``. Debt is not paid back by a tighter limit: with less urgent decodes
-        kept at the share, a tighter limit only squeezes the prefill of prompts, its own
-        class's included (in a run at twice capacity, 16-token chunks pushed 70-token
-        interactive prompts past their TTFT). The stretch limit, ``share + credit`` (at
-        least the limit), is the longest next step after which its mean TPOT so far still
-        holds its share: what a prompt owed its TTFT may spend (:meth:`_allowance`).
+        A decode's TPOT credit is ``share * (g - 1) - (now - first_token_time)`` seconds
+        after ``g`` output tokens, where ``share = target * tpot_slo_s``: what its steps so
+        far have banked (or owe) against its share. Its limit spreads the credit over the
+        ``r`` tokens it has left (up to ``max_tokens``): ``share + credit / r``, but at
+        least ``share - (tpot_slo_s - share)``. Debt is repaid by at most the jitter
+        headroom per step: debt that large comes from a preemption or a shed stretch, not
+        from jitter, and repaying it faster would starve everyone's prefill (and let a
+        batch request's debt squeeze interactive prompts). The stretch limit, ``share +
+        credit`` (at least the limit), is the longest next step after which its mean TPOT
+        so far still holds its share: what a prompt owed its TTFT may spend
+        (:meth:`_allowance`).
         """
         target = self.config.tpot_slo_guard_target
         limit, binder, stretch = math.inf, decoding[0], math.inf
         for req in decoding:
             share = req.tpot_slo_s * target
             credit = self._tpot_credit(req, now)
-            own = share + max(0.0, credit) / max(1, req.max_tokens - len(req.output_token_ids))
+            own = max(share + credit / max(1, req.max_tokens - len(req.output_token_ids)),
+                      2 * share - req.tpot_slo_s)
             if own < limit:
                 limit, binder = own, req
             stretch = min(stretch, max(own, share + credit))
