@@ -138,8 +138,7 @@ class Scheduler:
         waiting_order = self.policy.order(self.waiting, now)
         self._preempt_for_urgent(out, waiting_order, now)
         order = self.policy.order(self.running, now)
-        prefill_cap, slo, deferred = self._tpot_guard(
-            out, order, self._first_prompt(order, waiting_order, now), now)
+        prefill_cap, slo = self._tpot_guard(out, order, now)
         num_urgent_preemptions = len(out.preempted)
 
         # 1. Decodes. Iterating most urgent first means any victim taken from the
@@ -147,8 +146,7 @@ class Scheduler:
         for req in order:
             if budget == 0:
                 break
-            if (req.status is not RequestStatus.RUNNING or req.num_pending_tokens != 1
-                    or req.request_id in deferred):
+            if req.status is not RequestStatus.RUNNING or req.num_pending_tokens != 1:
                 continue
             if not self._make_room(req, req.num_tokens, scheduled, out):
                 continue
@@ -202,18 +200,8 @@ class Scheduler:
             waiting_order = self.policy.order(self.waiting, now)
         self._admit(out, waiting_order, budget, now, slo)
 
-    def _first_prompt(self, order: list[Request], waiting_order: list[Request],
-                      now: float) -> Request | None:
-        """The prompt that gets this step's prefill budget first (see :meth:`_fill`)."""
-        running = next((r for r in order if r.num_pending_tokens > 1), None)
-        waiting = waiting_order[0] if waiting_order else None
-        if waiting is not None and (running is None
-                                    or self.policy.preempts(waiting, running, now)):
-            return waiting
-        return running
-
     def _tpot_guard(self, out: SchedulerOutput, order: list[Request],
-                    prompt: Request | None, now: float) -> tuple[float, float, set[str]]:
+                    now: float) -> tuple[float, float]:
         """Keep the step time within the running requests' TPOT SLOs (guard on only).
 
         Shedding: walks the running requests most urgent first, tracking the tightest
@@ -233,21 +221,14 @@ class Scheduler:
         recent measured / predicted ratio (``StepTimeModel.local_ratio``), which corrects
         the global linear fit where the engine runs now, in both directions.
 
-        Deferring: when ``prompt``, the first prompt in line, needs more tokens than the
-        cap to meet its TTFT (:meth:`_ttft_need`), decodes it outranks skip this step,
-        least urgent first, if their TPOT credit covers a step without a token: each one
-        frees a decode's time for prefill. Batch decodes thus spend the slack of their
-        loose TPOT SLO on an interactive prompt's TTFT, and keep their KV (unlike
-        shedding, nothing is recomputed).
-
         Returns:
-            (prefill token cap for this step, tightest shedding limit in seconds, ids of
-            the decodes deferred); ``math.inf, math.inf, set()`` with the guard off.
+            (prefill token cap for this step, tightest shedding limit in seconds); both
+            ``math.inf`` with the guard off.
         """
         model = self.step_time
         self._guard = None
         if model is None:
-            return math.inf, math.inf, set()
+            return math.inf, math.inf
         target = self.config.tpot_slo_guard_target
         ratio = self._step_ratio = model.local_ratio()
         slo, owner, decoding = math.inf, None, []
@@ -265,47 +246,17 @@ class Scheduler:
             if is_decoding:
                 decoding.append(req)
         if math.isinf(slo):
-            return math.inf, slo, set()
-        _, b, c = model.coefficients()
+            return math.inf, slo
+        _, b, _ = model.coefficients()
+        decode_s = model.predict(0, len(decoding)) * ratio
+
+        def tokens_within(limit: float) -> float:
+            return math.floor((limit - decode_s) / (b * ratio)) if b > 0 else math.inf
+
         limit, binder, stretch = self._decode_limits(decoding, now)
-
-        def tokens_within(limit: float, decodes: int) -> float:
-            spare = limit - model.predict(0, decodes) * ratio
-            return math.floor(spare / (b * ratio)) if b > 0 else math.inf
-
-        deferred: set[str] = set()
-        need = self._ttft_need(prompt, limit, now) if prompt is not None else 0
-        budget = self.config.max_num_batched_tokens
-        if need > 0 and need > tokens_within(limit, len(decoding)) and c > 0:
-            for req in reversed(decoding):
-                kept = len(decoding) - len(deferred)
-                if min(need, budget - kept) <= tokens_within(limit, kept):
-                    break
-                if (self.policy.preempts(prompt, req, now)
-                        and self._tpot_credit(req, now) >= limit):
-                    deferred.add(req.request_id)
-        kept = len(decoding) - len(deferred)
-        cap = max(self.block_manager.block_size, tokens_within(limit, kept))
-        self._guard = (binder, limit, max(cap, tokens_within(stretch, kept)))
-        return cap, slo, deferred
-
-    def _ttft_need(self, req: Request, limit: float, now: float) -> int:
-        """Prefill tokens a step must give ``req`` for its prompt to finish by its TTFT
-        deadline (``ttft_slo_s * tpot_slo_guard_target`` after arrival) in steps of
-        ``limit`` seconds; 0 without a deadline or once it has passed."""
-        left = req.arrival_time + req.ttft_slo_s * self.config.tpot_slo_guard_target - now
-        if req.output_token_ids or not 0 < left < math.inf:
-            return 0
-        return math.ceil(req.num_pending_tokens / max(1, math.floor(left / limit)))
-
-    def _tpot_credit(self, req: Request, now: float) -> float:
-        """Seconds a decode's steps so far have banked (> 0) or owe (< 0) against its share
-        of its TPOT SLO (``tpot_slo_guard_target * tpot_slo_s`` per token after the
-        first); 0 before its first token."""
-        if req.first_token_time is None:
-            return 0.0
-        share = req.tpot_slo_s * self.config.tpot_slo_guard_target
-        return share * (len(req.output_token_ids) - 1) - (now - req.first_token_time)
+        cap = max(self.block_manager.block_size, tokens_within(limit))
+        self._guard = (binder, limit, max(cap, tokens_within(stretch)))
+        return cap, slo
 
     def _decode_limits(self, decoding: list[Request],
                        now: float) -> tuple[float, Request, float]:
@@ -328,7 +279,9 @@ class Scheduler:
         limit, binder, stretch = math.inf, decoding[0], math.inf
         for req in decoding:
             share = req.tpot_slo_s * target
-            credit = self._tpot_credit(req, now)
+            credit = 0.0
+            if req.first_token_time is not None:
+                credit = share * (len(req.output_token_ids) - 1) - (now - req.first_token_time)
             own = max(share + credit / max(1, req.max_tokens - len(req.output_token_ids)),
                       2 * share - req.tpot_slo_s)
             if own < limit:
@@ -353,7 +306,10 @@ class Scheduler:
         owner, limit, stretch_tokens = self._guard
         if self.policy.preempts(owner, req, now):
             return budget.capped
-        need = self._ttft_need(req, limit, now)
+        left = req.arrival_time + req.ttft_slo_s * self.config.tpot_slo_guard_target - now
+        if not 0 < left < math.inf:
+            return budget.capped  # no TTFT SLO, or already missed: no reason to stretch
+        need = math.ceil(req.num_pending_tokens / max(1, math.floor(left / limit)))
         return min(budget.total, max(budget.capped, min(need, stretch_tokens)))
 
     def _admit(self, out: SchedulerOutput, waiting_order: list[Request],

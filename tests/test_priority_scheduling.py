@@ -345,35 +345,3 @@ def test_a_batch_decodes_tpot_debt_never_squeezes_interactive_prompts():
     # (0.4 - 0.1 - 2 x 0.02) / 0.001 = 260 tokens.
     chunk = {s.request.request_id: s.num_tokens for s in out.seqs}["prompt"]
     assert abs(chunk - 260) <= 1
-
-
-@pytest.mark.parametrize("batch_has_credit", [True, False])
-def test_batch_decodes_with_tpot_credit_yield_a_step_to_an_interactive_prompts_ttft(
-        batch_has_credit):
-    sched, clock, model = _guarded(target=0.8)  # interactive share 0.4 s, batch 4 s
-    batch = [guarded_req(f"b{i}", 0.01 * i, priority=2, slo=5.0) for i in range(10)]
-    for r in batch:
-        sched.add(r)
-    for _ in range(5):
-        model_step(sched, clock, model)
-    inter = guarded_req("inter", clock(), priority=0, slo=0.5)
-    sched.add(inter)
-    model_step(sched, clock, model)  # its prefill: first token now, no credit yet
-    if not batch_has_credit:
-        for r in batch:  # as if every step so far took exactly the batch share
-            r.first_token_time = clock() - 4.0 * (len(r.output_token_ids) - 1)
-    prompt = guarded_req("prompt", clock(), priority=0, slo=0.5, prompt_len=600)
-    prompt.ttft_slo_s = 2.0
-    sched.add(prompt)
-    out = model_step(sched, clock, model)
-    chunk = {s.request.request_id: s.num_tokens for s in out.seqs}["prompt"]
-    assert not out.preempted and all(r.status is RequestStatus.RUNNING for r in batch)
-    if batch_has_credit:
-        # 600 tokens in the 4 steps of 0.4 s left before 0.8 x 2 s: 150 a step. With 11
-        # decodes the share leaves (0.4 - 0.1 - 11 x 0.02) / 0.001 = 80; each batch decode
-        # that sits this step out frees 20: four of them do, leaving room for 160.
-        assert out.num_decodes == 7 and abs(chunk - 160) <= 1
-        decoded = {s.request.request_id for s in out.seqs if s.num_tokens == 1}
-        assert {"b6", "b7", "b8", "b9"}.isdisjoint(decoded)  # the latest arrivals yield
-    else:
-        assert out.num_decodes == 11 and abs(chunk - 80) <= 1
