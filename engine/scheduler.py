@@ -278,6 +278,8 @@ class Scheduler:
         target = self.config.tpot_slo_guard_target
         limit, binder, stretch = math.inf, decoding[0], math.inf
         for req in decoding:
+            if math.isinf(req.tpot_slo_s):
+                continue  # no TPOT SLO (a bare Request): it limits nothing, and inf - inf is NaN
             share = req.tpot_slo_s * target
             credit = 0.0
             if req.first_token_time is not None:

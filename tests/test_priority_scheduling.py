@@ -345,3 +345,16 @@ def test_a_batch_decodes_tpot_debt_never_squeezes_interactive_prompts():
     # (0.4 - 0.1 - 2 x 0.02) / 0.001 = 260 tokens.
     chunk = {s.request.request_id: s.num_tokens for s in out.seqs}["prompt"]
     assert abs(chunk - 260) <= 1
+
+
+def test_a_decode_without_a_tpot_slo_does_not_limit_the_guard():
+    sched, clock, model = _guarded(target=0.8)
+    sched.add(req("plain", 8, 50, 0.0, priority=2))  # tpot_slo_s left at inf
+    sched.add(guarded_req("inter", 0.01, priority=0, slo=0.5))
+    for _ in range(3):
+        model_step(sched, clock, model)
+    sched.add(guarded_req("batch", clock(), priority=1, slo=5.0, prompt_len=1000))
+    out = model_step(sched, clock, model)
+    # The interactive share binds: (0.4 + its credit / 497 tokens left - 0.1 - 2 x 0.02)
+    # / 0.001 s per token = 261 prefill tokens.
+    assert out.num_batched_tokens - out.num_decodes == 261
