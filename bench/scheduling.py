@@ -46,7 +46,10 @@ Systems (one engine per config, reused across its loads, warmed up first; fp32 o
     cont-chunk      continuous batching, FCFS, chunked prefill (budget --chunk-budget, 128)
     priority        continuous + chunked, policy="priority" (aging 10 s/level) with the TPOT
                     SLO guard at 0.85 of the SLO, as the server runs it (``--no-tpot-guard``)
-    cont-chunk+adm  cont-chunk, with admission control in front
+    cont-chunk+adm  cont-chunk with the TPOT SLO guard (which, under FCFS, caps prefill but
+                    sheds nothing), behind admission control: admission decides who enters,
+                    the guard how long each step is; FCFS alone fills every step's budget
+                    whenever prefill is queued, and a full step here takes about the TPOT SLO
     priority+adm    priority, with admission control in front
     The chunked budget follows Sarathi-Serve's rule (a full step should fit the TPOT SLO): on
     this CPU a prefill token costs ~2-5 ms and a small decode step ~0.2-0.3 s, so 128 tokens
@@ -135,17 +138,17 @@ GOODPUT_ATTAINMENT = 0.90
 WAIT_POLL_S = 0.25
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "static": {"policy": "static", "chunked": False, "admission": False,
+    "static": {"policy": "static", "chunked": False, "admission": False, "guard": False,
                "desc": "static batching (request-level), no chunked prefill"},
-    "cont-nochunk": {"policy": "fcfs", "chunked": False, "admission": False,
+    "cont-nochunk": {"policy": "fcfs", "chunked": False, "admission": False, "guard": False,
                      "desc": "continuous batching, FCFS, no chunked prefill"},
-    "cont-chunk": {"policy": "fcfs", "chunked": True, "admission": False,
+    "cont-chunk": {"policy": "fcfs", "chunked": True, "admission": False, "guard": False,
                    "desc": "continuous batching, FCFS, chunked prefill"},
-    "priority": {"policy": "priority", "chunked": True, "admission": False,
-                 "desc": "continuous + chunked, priority policy with aging"},
-    "cont-chunk+adm": {"policy": "fcfs", "chunked": True, "admission": True,
-                       "desc": "cont-chunk behind SLO-aware admission"},
-    "priority+adm": {"policy": "priority", "chunked": True, "admission": True,
+    "priority": {"policy": "priority", "chunked": True, "admission": False, "guard": True,
+                 "desc": "continuous + chunked, priority policy with aging, TPOT SLO guard"},
+    "cont-chunk+adm": {"policy": "fcfs", "chunked": True, "admission": True, "guard": True,
+                       "desc": "cont-chunk with the TPOT SLO guard, behind SLO-aware admission"},
+    "priority+adm": {"policy": "priority", "chunked": True, "admission": True, "guard": True,
                      "desc": "priority behind SLO-aware admission"},
 }
 QUICK_CONFIGS = ("static", "cont-chunk", "cont-chunk+adm")
@@ -275,10 +278,10 @@ def _r(x: float | None, nd: int = 4) -> float | None:
 
 def engine_config_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
     c = CONFIGS[name]
-    return engine_kwargs(args, policy=c["policy"], chunked=c["chunked"])
+    return engine_kwargs(args, policy=c["policy"], chunked=c["chunked"], guard=c["guard"])
 
 
-def engine_kwargs(args: argparse.Namespace, policy: str, chunked: bool,
+def engine_kwargs(args: argparse.Namespace, policy: str, chunked: bool, guard: bool,
                   budget: int | None = None) -> dict[str, Any]:
     if budget is None:
         budget = args.chunk_budget if chunked else args.nochunk_budget
@@ -290,7 +293,7 @@ def engine_kwargs(args: argparse.Namespace, policy: str, chunked: bool,
         "num_kv_blocks": args.num_kv_blocks,
         "block_size": 16,
         "seed": args.seed,
-        "tpot_slo_guard": not args.no_tpot_guard and policy == "priority",
+        "tpot_slo_guard": guard and not args.no_tpot_guard,
     }
 
 
@@ -790,7 +793,7 @@ async def exp_chunk(wl: Workload, args: argparse.Namespace) -> dict[str, Any]:
                            "decoder_max_tokens": max_tokens, "repeats": args.long_repeats,
                            "variants": {}}
     for vname, chunked, budget in variants:
-        kwargs = engine_kwargs(args, "fcfs", chunked, budget)
+        kwargs = engine_kwargs(args, "fcfs", chunked, False, budget)
         aeng, _ = await start_engine(kwargs, args)
         recs = [new_record(i, r, 0.0, f"dec-{vname}") for i, r in enumerate(decoders)]
         for rec, r in zip(recs, decoders):
@@ -894,7 +897,7 @@ async def _priority_run(args: argparse.Namespace, policy: str,
     from policies import DEFAULT_CLASSES
 
     duration = args.priority_duration
-    kwargs = engine_kwargs(args, policy, True)
+    kwargs = engine_kwargs(args, policy, True, policy == "priority")
     aeng, _ = await start_engine(kwargs, args)
     recs, info = await run_open_loop(
         aeng, sched, admission=False, predict=False, duration=duration,
@@ -1418,7 +1421,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--interactive-offset-rows", type=int, default=3000,
                     help="priority experiment: window row where the interactive stream starts")
     ap.add_argument("--no-tpot-guard", action="store_true",
-                    help="turn off the engine's TPOT SLO guard in the priority-policy runs")
+                    help="turn off the engine's TPOT SLO guard in the configs that run it "
+                         "(priority, cont-chunk+adm, priority+adm)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", type=Path, default=TRACE)

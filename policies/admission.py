@@ -348,9 +348,11 @@ class AdmissionController:
       request's output: one short prompt's chunk is one slow step among many, while a
       backlog of ``H`` or more steps makes every step a full budget for a long stretch.
       Without the guard it is at least the measured ``recent_step_s``: steps already
-      slower than the SLO stay so, whatever this request adds. With the guard, ``d``
-      counts only running requests served before this one and the SLO is its own: the
-      guard sheds less urgent decodes for it, and its decodes for more urgent ones.
+      slower than the SLO stay so, whatever this request adds. With the guard and FCFS,
+      prefill is capped but nothing is shed: ``d`` counts every running request and the
+      tightest SLO running binds. With the guard and priority scheduling, ``d`` counts
+      only running requests served before this one and the SLO is its own: the guard
+      sheds less urgent decodes for it, and its decodes for more urgent ones.
     * Seats: the running requests of classes that go before it plus the requests queued
       ahead plus this one must fit ``max_num_seqs`` (less urgent running requests can be
       preempted by the priority policy); else its TTFT hangs on decodes finishing, which
@@ -427,12 +429,9 @@ class AdmissionController:
         _, steps = self._ttft(s, tokens, d, cap=cap)
         return s.step_time(tokens / max(steps, self.tpot_horizon_steps), d + 1)
 
-    def _guarded(self, s: LoadSnapshot) -> bool:
-        return s.tpot_slo_guard and self.priority_scheduling
-
     def _guard_cap(self, s: LoadSnapshot, load: _Load, d: int) -> float:
         """Prefill tokens per step that the replica's TPOT guard allows (inf: no guard)."""
-        if not (self._guarded(s) and load.tpot_slos):
+        if not (s.tpot_slo_guard and load.tpot_slos):
             return math.inf
         a, b, c = s.step_coefficients
         limit = min(load.tpot_slos) * s.tpot_slo_guard_target
@@ -465,12 +464,17 @@ class AdmissionController:
         total = load.tokens_total - load.tokens_ahead + tokens
         ttft, steps = self._ttft(s, tokens, d, total=total, cap=cap,
                                  residual_s=s.recent_step_s)
-        if self._guarded(s):
+        if s.tpot_slo_guard and self.priority_scheduling:
             # The replica's TPOT guard sheds less urgent decodes for this request's SLO
             # and sheds this request's decodes for more urgent ones' SLOs: only the
             # requests served before it, and its own SLO, matter.
             tpot = self._tpot(s, tokens, load.running_before, cap)
             tpot_slo = cls.tpot_slo_s
+        elif s.tpot_slo_guard:
+            # FCFS never sheds: every running decode stays, and the guard holds steps to
+            # the tightest SLO running by capping prefill.
+            tpot = self._tpot(s, tokens, d, cap)
+            tpot_slo = min([cls.tpot_slo_s, *load.tpot_slos])
         else:
             # Without the guard, steps already slower than the SLO stay so whatever the
             # model says of this request's share: the measured step time is a floor.

@@ -263,6 +263,26 @@ def test_ttft_follows_the_tpot_guards_prefill_cap():
     assert ac.predict(snap(tpot_slo_guard=True), "interactive", 500).steps == 1
 
 
+def test_fcfs_behind_the_guard_is_capped_but_sheds_nothing():
+    a, b, c = COEFS
+    running = {"interactive": 10, "batch": 20}
+    guarded = snap(running=running, tpot_slo_guard=True, tpot_slo_guard_target=0.8,
+                   recent_step_s=0.6)
+    fcfs = AdmissionController(priority_scheduling=False)
+    pred = fcfs.predict(guarded, "interactive", 500)
+    # The interactive SLO caps steps with all 30 decodes kept: floor((0.4 - a - 30c) / b)
+    # = 145 tokens, so 4 steps; the TPOT counts all 31 decodes and no measured floor.
+    assert pred.steps == 4
+    assert pred.tpot_s == pytest.approx(a + b * 500 / 32 + c * 31)
+    # Priority scheduling would shed the 20 batch decodes for it.
+    prio = AdmissionController().predict(guarded, "interactive", 500)
+    assert prio.tpot_s == pytest.approx(a + b * 500 / 32 + c * 11)
+    # Unguarded FCFS waits out the measured 0.6 s steps; behind the guard it admits.
+    assert fcfs.decide(guarded, "interactive", 100, 16, 0, 0.0) == Admit()
+    plain = snap(running=running, recent_step_s=0.6)
+    assert isinstance(fcfs.decide(plain, "interactive", 100, 16, 0, 0.0), Wait)
+
+
 def test_measured_step_time_floors_tpot_unless_the_guard_holds_it():
     ac = AdmissionController()
     slow = snap(running={"interactive": 4}, recent_step_s=0.6)
