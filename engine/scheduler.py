@@ -41,20 +41,39 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True)
+class StepGuard:
+    """One step's TPOT guard (:meth:`Scheduler._tpot_guard`); the defaults: guard off."""
+
+    cap: float = math.inf
+    """Prefill tokens any prompt may take."""
+    owed: float = math.inf
+    """Prefill tokens (at least ``cap``) the prompts that ``binder`` does not outrank may
+    take, to meet their TTFT SLOs."""
+    slo: float = math.inf
+    """Tightest shedding limit, seconds."""
+    binder: Request | None = None
+    """The decode whose step-time limit binds; None when no decode has a TPOT SLO."""
+    deferred: frozenset[str] = frozenset()
+    """Ids of decodes that sit this step out, keeping their KV."""
+
+
+@dataclass(slots=True)
 class PrefillBudget:
     """A step's prefill tokens under the TPOT guard.
 
     ``total`` is what ``max_num_batched_tokens`` leaves after the decodes; ``capped`` is
-    the share any prompt may take (the guard's cap, at most ``total``). A prompt the
-    guard lets past the cap, to meet its TTFT SLO, may take up to ``total``.
+    what any prompt may take (the guard's cap), ``owed`` what prompts owed their TTFT may
+    take (:attr:`StepGuard.owed`); both at most ``total``.
     """
 
     total: int
     capped: int
+    owed: int
 
     def take(self, n: int) -> None:
         self.total -= n
         self.capped = max(0, min(self.capped - n, self.total))
+        self.owed = max(0, min(self.owed - n, self.total))
 
 
 @dataclass(slots=True)
@@ -104,11 +123,13 @@ class Scheduler:
         """Preemptions since start (a counter for tests and metrics)."""
         self._head_skips: tuple[str | None, int] = (None, 0)
         """(id of the waiting head that lacks KV room, how often it was overtaken)."""
-        self._guard: tuple[Request, float, float] | None = None
-        """This step's TPOT guard: (the decode whose limit binds, that limit in seconds,
-        prefill tokens the decodes' TPOT credit allows a stretched step)."""
+        self._guard = StepGuard()
+        """This step's TPOT guard."""
         self._step_ratio = 1.0
         """This step's ``StepTimeModel.local_ratio``, read once (guard on only)."""
+        self._deferred_before: frozenset[str] = frozenset()
+        """Decodes that sat the last step out: none sits out two steps in a row."""
+
         self._chunk_cap = (
             config.long_prefill_token_threshold or config.max_num_batched_tokens
             if config.enable_chunked_prefill
@@ -138,7 +159,7 @@ class Scheduler:
         waiting_order = self.policy.order(self.waiting, now)
         self._preempt_for_urgent(out, waiting_order, now)
         order = self.policy.order(self.running, now)
-        prefill_cap, slo = self._tpot_guard(out, order, now)
+        guard = self._guard = self._tpot_guard(out, order, waiting_order, now)
         num_urgent_preemptions = len(out.preempted)
 
         # 1. Decodes. Iterating most urgent first means any victim taken from the
@@ -146,7 +167,8 @@ class Scheduler:
         for req in order:
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING or req.num_pending_tokens != 1:
+            if (req.status is not RequestStatus.RUNNING or req.num_pending_tokens != 1
+                    or req.request_id in guard.deferred):
                 continue
             if not self._make_room(req, req.num_tokens, scheduled, out):
                 continue
@@ -154,7 +176,7 @@ class Scheduler:
             scheduled.add(req.request_id)
             budget -= 1
         out.num_decodes = len(out.seqs)
-        budget = PrefillBudget(budget, min(budget, prefill_cap))
+        budget = PrefillBudget(budget, min(budget, guard.cap), min(budget, guard.owed))
         kv_exhausted = len(out.preempted) > num_urgent_preemptions
 
         # 2a. Waiting requests that outrank the most urgent prompt already being prefilled
@@ -165,7 +187,7 @@ class Scheduler:
         if head is not None and not kv_exhausted:
             urgent = [r for r in waiting_order if self.policy.preempts(r, head, now)]
             if urgent:
-                self._admit(out, urgent, budget, now, slo)
+                self._admit(out, urgent, budget, now, guard.slo)
                 waiting_order = [r for r in waiting_order if r.status is not RequestStatus.RUNNING]
 
         # 2. Chunks of prompts already being prefilled.
@@ -198,10 +220,10 @@ class Scheduler:
             return
         if out.preempted:
             waiting_order = self.policy.order(self.waiting, now)
-        self._admit(out, waiting_order, budget, now, slo)
+        self._admit(out, waiting_order, budget, now, guard.slo)
 
     def _tpot_guard(self, out: SchedulerOutput, order: list[Request],
-                    now: float) -> tuple[float, float]:
+                    waiting_order: list[Request], now: float) -> StepGuard:
         """Keep the step time within the running requests' TPOT SLOs (guard on only).
 
         Shedding: walks the running requests most urgent first, tracking the tightest
@@ -221,14 +243,22 @@ class Scheduler:
         recent measured / predicted ratio (``StepTimeModel.local_ratio``), which corrects
         the global linear fit where the engine runs now, in both directions.
 
-        Returns:
-            (prefill token cap for this step, tightest shedding limit in seconds); both
-            ``math.inf`` with the guard off.
+        TTFT: prompts the binding decode does not outrank (its own class, say) are owed
+        their TTFT SLOs too. When the capped steps cannot serve them, in line, by their
+        deadlines (:meth:`_owed_need`), they may take more than the cap: up to the
+        tightest SLO share (debt is then repaid only by prompts the binder outranks, so
+        that repaying it cannot make a prompt of its own class miss its TTFT), and beyond
+        it as far as every decode's TPOT credit allows (the stretch limit of
+        :meth:`_decode_limits`): a decode with no credit (a short output, say) would miss
+        its TPOT instead. If that is still short, decodes that the first owed prompt
+        outranks sit the step out, least urgent first, when their TPOT credit covers a
+        step without a token and they did not sit out the step before: each frees a
+        decode's time and budget token, and keeps its KV (unlike shedding, nothing is
+        recomputed). The first prompt in line takes what the step allows first.
         """
         model = self.step_time
-        self._guard = None
         if model is None:
-            return math.inf, math.inf
+            return StepGuard()
         target = self.config.tpot_slo_guard_target
         ratio = self._step_ratio = model.local_ratio()
         slo, owner, decoding = math.inf, None, []
@@ -246,17 +276,73 @@ class Scheduler:
             if is_decoding:
                 decoding.append(req)
         if math.isinf(slo):
-            return math.inf, slo
+            self._deferred_before = frozenset()
+            return StepGuard()
         _, b, _ = model.coefficients()
-        decode_s = model.predict(0, len(decoding)) * ratio
 
-        def tokens_within(limit: float) -> float:
-            return math.floor((limit - decode_s) / (b * ratio)) if b > 0 else math.inf
+        def tokens_within(limit: float, decodes: int) -> float:
+            spare = limit - model.predict(0, decodes) * ratio
+            return math.floor(spare / (b * ratio)) if b > 0 else math.inf
 
         limit, binder, stretch = self._decode_limits(decoding, now)
-        cap = max(self.block_manager.block_size, tokens_within(limit))
-        self._guard = (binder, limit, max(cap, tokens_within(stretch)))
-        return cap, slo
+        owed = [r for r in self._prompt_line(order, waiting_order, now)
+                if not r.output_token_ids and not self.policy.preempts(binder, r, now)]
+        need = self._owed_need(owed, max(limit, slo), now)
+        owed_limit = max(stretch, slo)
+        kept, deferred = len(decoding), set()
+        for req in reversed(decoding):  # least urgent first
+            if not owed or min(need, self.config.max_num_batched_tokens - kept) <= (
+                    tokens_within(owed_limit, kept)):
+                break
+            if not self.policy.preempts(owed[0], req, now):
+                break  # the rest are at least as urgent
+            if (req.request_id not in self._deferred_before
+                    and self._tpot_credit(req, now) >= owed_limit):
+                deferred.add(req.request_id)
+                kept -= 1
+        self._deferred_before = frozenset(deferred)
+        cap = max(self.block_manager.block_size, tokens_within(limit, kept))
+        return StepGuard(cap=cap, owed=max(cap, min(need, tokens_within(owed_limit, kept))),
+                         slo=slo, binder=binder, deferred=self._deferred_before)
+
+    def _prompt_line(self, order: list[Request], waiting_order: list[Request],
+                     now: float) -> list[Request]:
+        """The prompts in the order :meth:`_fill` gives them prefill: waiting requests
+        that outrank the first prompt being prefilled, then the prompts being prefilled,
+        then the other waiting requests."""
+        running = [r for r in order
+                   if r.status is RequestStatus.RUNNING and r.num_pending_tokens > 1]
+        if not running:
+            return [*waiting_order]
+        urgent = [r for r in waiting_order if self.policy.preempts(r, running[0], now)]
+        ids = {r.request_id for r in urgent}
+        return [*urgent, *running, *(r for r in waiting_order if r.request_id not in ids)]
+
+    def _owed_need(self, line: list[Request], step_s: float, now: float) -> int:
+        """Prefill tokens per step that serve ``line`` in order, each prompt by its TTFT
+        deadline (``ttft_slo_s * tpot_slo_guard_target`` after arrival), in steps of
+        ``step_s`` seconds: the largest ``ceil(T_i / floor(left_i / step_s))`` over the
+        prompts ``i`` whose deadline is ahead, where ``T_i`` counts the pending tokens of
+        ``i`` and of every prompt before it (earliest deadline first, as the policy
+        orders them, so that serving the first prompt slowly cannot make those behind it
+        miss)."""
+        target = self.config.tpot_slo_guard_target
+        ahead, need = 0, 0
+        for req in line:
+            ahead += req.num_pending_tokens
+            left = req.arrival_time + req.ttft_slo_s * target - now
+            if 0 < left < math.inf:
+                need = max(need, math.ceil(ahead / max(1, math.floor(left / step_s))))
+        return need
+
+    def _tpot_credit(self, req: Request, now: float) -> float:
+        """Seconds a decode's steps so far have banked (> 0) or owe (< 0) against its
+        share of its TPOT SLO (``tpot_slo_guard_target * tpot_slo_s`` per token after the
+        first); 0 before its first token."""
+        if req.first_token_time is None:
+            return 0.0
+        share = req.tpot_slo_s * self.config.tpot_slo_guard_target
+        return share * (len(req.output_token_ids) - 1) - (now - req.first_token_time)
 
     def _decode_limits(self, decoding: list[Request],
                        now: float) -> tuple[float, Request, float]:
@@ -281,9 +367,7 @@ class Scheduler:
             if math.isinf(req.tpot_slo_s):
                 continue  # no TPOT SLO (a bare Request): it limits nothing, and inf - inf is NaN
             share = req.tpot_slo_s * target
-            credit = 0.0
-            if req.first_token_time is not None:
-                credit = share * (len(req.output_token_ids) - 1) - (now - req.first_token_time)
+            credit = self._tpot_credit(req, now)
             own = max(share + credit / max(1, req.max_tokens - len(req.output_token_ids)),
                       2 * share - req.tpot_slo_s)
             if own < limit:
@@ -292,27 +376,13 @@ class Scheduler:
         return limit, binder, stretch
 
     def _allowance(self, req: Request, budget: PrefillBudget, now: float) -> int:
-        """Prefill tokens ``req`` may take this step.
-
-        The guard's cap holds for prompts its binding request outranks. A prompt it does
-        not outrank (the same class, say) is owed its TTFT too: when the capped steps
-        left before its TTFT deadline (``ttft_slo_s * tpot_slo_guard_target`` after
-        arrival, each step up to the guard's limit) cannot hold its prompt, it takes an
-        even share of the prompt per step left, up to the whole budget and up to what the
-        decodes' TPOT credit allows (the stretch limit of :meth:`_decode_limits`): a long
-        prompt in capped steps pays each step's fixed cost again and misses its TTFT, but
-        a decode with no credit, a short output say, would miss its TPOT instead.
-        """
-        if self._guard is None or budget.capped >= budget.total or req.output_token_ids:
+        """Prefill tokens ``req`` may take this step: the guard's cap for prompts its
+        binding decode outranks, else what the prompts owed their TTFT may take
+        (:attr:`StepGuard.owed`); a prompt earlier in line takes it first."""
+        binder = self._guard.binder
+        if binder is None or req.output_token_ids or self.policy.preempts(binder, req, now):
             return budget.capped
-        owner, limit, stretch_tokens = self._guard
-        if self.policy.preempts(owner, req, now):
-            return budget.capped
-        left = req.arrival_time + req.ttft_slo_s * self.config.tpot_slo_guard_target - now
-        if not 0 < left < math.inf:
-            return budget.capped  # no TTFT SLO, or already missed: no reason to stretch
-        need = math.ceil(req.num_pending_tokens / max(1, math.floor(left / limit)))
-        return min(budget.total, max(budget.capped, min(need, stretch_tokens)))
+        return budget.owed
 
     def _admit(self, out: SchedulerOutput, waiting_order: list[Request],
                budget: PrefillBudget, now: float, slo: float = math.inf) -> None:

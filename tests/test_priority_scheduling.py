@@ -358,3 +358,68 @@ def test_a_decode_without_a_tpot_slo_does_not_limit_the_guard():
     # The interactive share binds: (0.4 + its credit / 497 tokens left - 0.1 - 2 x 0.02)
     # / 0.001 s per token = 261 prefill tokens.
     assert out.num_batched_tokens - out.num_decodes == 261
+
+
+def test_prompts_of_the_binders_class_meet_their_ttft_in_line_while_it_repays_debt():
+    sched, clock, model = _guarded(target=0.8)  # share 0.4 s of the 0.5 s TPOT SLO
+    inter = [guarded_req(f"i{i}", 0.0, priority=0, slo=0.5, max_tokens=12) for i in range(2)]
+    batch = [guarded_req(f"b{i}", 0.0, priority=2, slo=5.0) for i in range(5)]
+    for r in (*inter, *batch):
+        sched.add(r)
+    model_step(sched, clock, model)
+    model_step(sched, clock, model)
+    for r in inter:
+        r.first_token_time -= 2.0  # e.g. a slow stretch: 2 s of TPOT debt, 10 tokens left
+    first = guarded_req("first", clock(), priority=0, slo=0.5, prompt_len=500, max_tokens=2)
+    second = guarded_req("second", clock() + 1e-3, priority=0, slo=0.5, prompt_len=500,
+                         max_tokens=2)
+    batch_prompt = guarded_req("bp", clock(), priority=2, slo=5.0, prompt_len=2000)
+    for r in (first, second, batch_prompt):
+        r.ttft_slo_s = 3.0 if r is not batch_prompt else 60.0
+        sched.add(r)
+    while not second.output_token_ids:
+        out = model_step(sched, clock, model)
+        chunks = {s.request.request_id: s.num_tokens for s in out.seqs if s.num_tokens > 1}
+        # The debt pulls the cap to the repayment floor, 0.4 - (0.5 - 0.4) = 0.3 s: (0.3 -
+        # 0.1 - 7 x 0.02) / 0.001 = 60 tokens, which is all the batch prompt may take. The
+        # interactive prompts may take up to the share: 160 tokens, in line.
+        assert chunks.get("bp", 0) <= 60
+        assert model.predict(out.num_batched_tokens - out.num_decodes,
+                             out.num_decodes) <= 0.4 + 1e-9
+    # In steps of at most 0.4 s, 1000 tokens at 160 a step meet a 3 s TTFT; the first
+    # prompt is served first, not spread out to finish just in time beside the second.
+    assert first.first_token_time - first.arrival_time <= 1.7
+    assert second.first_token_time - second.arrival_time <= 3.0
+
+
+def test_decodes_an_interactive_prompt_outranks_sit_out_steps_for_its_ttft_never_two_in_a_row():
+    sched, clock, model = _guarded()
+    batch = [guarded_req(f"b{i}", 0.01 * i, priority=2, slo=5.0) for i in range(10)]
+    for r in batch:
+        sched.add(r)
+    for _ in range(4):  # prefill, then decode-only steps of 0.3 s: far under batch's 5 s
+        model_step(sched, clock, model)
+    inter = [guarded_req(f"i{i}", clock(), priority=0, slo=0.5) for i in range(2)]
+    for r in inter:
+        sched.add(r)
+    model_step(sched, clock, model)  # their prefill: they decode from now on, no credit
+    first = guarded_req("first", clock(), priority=0, slo=0.5, prompt_len=400, max_tokens=2)
+    second = guarded_req("second", clock() + 1e-3, priority=0, slo=0.5, prompt_len=400,
+                         max_tokens=2)
+    for r in (first, second):
+        r.ttft_slo_s = 2.2
+        sched.add(r)
+    # 12 decodes leave (0.5 - 0.1 - 12 x 0.02) / 0.001 = 160 tokens a step: 5 steps for
+    # both prompts, past the deadline. In line, they need 800 / 4 steps = 200 a step.
+    sat_out_before: set[str] = set()
+    while not second.output_token_ids:
+        out = model_step(sched, clock, model)
+        assert not out.preempted  # sitting out keeps the KV: nothing is recomputed
+        prefill = out.num_batched_tokens - out.num_decodes
+        assert model.predict(prefill, out.num_decodes) <= 0.5 + 1e-9  # the interactive TPOT
+        decoded = {s.request.request_id for s in out.seqs if s.num_tokens == 1}
+        assert {"i0", "i1"} <= decoded  # interactive decodes never sit out for a peer
+        sat_out = {r.request_id for r in batch if r.request_id not in decoded}
+        assert not sat_out & sat_out_before  # no batch decode sits out two steps in a row
+        sat_out_before = sat_out
+    assert second.first_token_time - second.arrival_time <= 2.2
