@@ -129,7 +129,6 @@ class Scheduler:
         """This step's ``StepTimeModel.local_ratio``, read once (guard on only)."""
         self._deferred_before: frozenset[str] = frozenset()
         """Decodes that sat the last step out: none sits out two steps in a row."""
-
         self._chunk_cap = (
             config.long_prefill_token_threshold or config.max_num_batched_tokens
             if config.enable_chunked_prefill
