@@ -182,18 +182,21 @@ class Scheduler:
         # (enough to preempt it) take the budget first: else a batch prompt admitted
         # earlier would hold an interactive arrival's prefill back until it is done.
         head = next((r for r in order if r.status is RequestStatus.RUNNING
-                     and r.request_id not in scheduled), None)
+                     and r.request_id not in scheduled
+                     and r.request_id not in guard.deferred), None)
         if head is not None and not kv_exhausted:
             urgent = [r for r in waiting_order if self.policy.preempts(r, head, now)]
             if urgent:
                 self._admit(out, urgent, budget, now, guard.slo)
                 waiting_order = [r for r in waiting_order if r.status is not RequestStatus.RUNNING]
 
-        # 2. Chunks of prompts already being prefilled.
+        # 2. Chunks of prompts already being prefilled (a decode sitting the step out is
+        # the only other running request left unscheduled).
         for req in order:
             if budget.total == 0:
                 break
-            if req.status is not RequestStatus.RUNNING or req.request_id in scheduled:
+            if (req.status is not RequestStatus.RUNNING or req.request_id in scheduled
+                    or req.request_id in guard.deferred):
                 continue
             n = self._chunk(req, self._allowance(req, budget, now))
             if n == 0:

@@ -412,14 +412,39 @@ def test_decodes_an_interactive_prompt_outranks_sit_out_steps_for_its_ttft_never
     # 12 decodes leave (0.5 - 0.1 - 12 x 0.02) / 0.001 = 160 tokens a step: 5 steps for
     # both prompts, past the deadline. In line, they need 800 / 4 steps = 200 a step.
     sat_out_before: set[str] = set()
+    sat_out_steps = 0
     while not second.output_token_ids:
         out = model_step(sched, clock, model)
         assert not out.preempted  # sitting out keeps the KV: nothing is recomputed
-        prefill = out.num_batched_tokens - out.num_decodes
-        assert model.predict(prefill, out.num_decodes) <= 0.5 + 1e-9  # the interactive TPOT
-        decoded = {s.request.request_id for s in out.seqs if s.num_tokens == 1}
-        assert {"i0", "i1"} <= decoded  # interactive decodes never sit out for a peer
-        sat_out = {r.request_id for r in batch if r.request_id not in decoded}
+        # Steps may pass 0.5 s only by the time faster steps banked: the mean TPOT holds.
+        assert all(mean_tpot(r, clock()) <= 0.5 + 1e-9 for r in inter)
+        ran = {s.request.request_id for s in out.seqs}
+        assert {"i0", "i1"} <= ran  # interactive decodes never sit out for a peer
+        sat_out = {r.request_id for r in batch if r.request_id not in ran}
         assert not sat_out & sat_out_before  # no batch decode sits out two steps in a row
         sat_out_before = sat_out
+        sat_out_steps += bool(sat_out)
+    assert sat_out_steps >= 2
     assert second.first_token_time - second.arrival_time <= 2.2
+
+
+def test_a_decode_sitting_out_is_not_run_as_a_prefill_chunk_with_the_cap_left_over():
+    sched, clock, model = _guarded()
+    batch = [guarded_req(f"b{i}", 0.01 * i, priority=2, slo=5.0) for i in range(10)]
+    for r in batch:
+        sched.add(r)
+    for _ in range(4):
+        model_step(sched, clock, model)
+    for i in range(2):
+        sched.add(guarded_req(f"i{i}", clock(), priority=0, slo=0.5))
+    model_step(sched, clock, model)
+    late = guarded_req("late", clock(), priority=0, slo=0.5, prompt_len=170, max_tokens=2)
+    late.ttft_slo_s = 0.4  # one step left: it needs all 170 tokens now
+    sched.add(late)
+    out = model_step(sched, clock, model)
+    # 12 decodes leave 160 tokens; one batch decode sitting out frees 20 more: 180, of
+    # which the prompt takes 170. The 10 left must not run the idle decode after all.
+    ran = {s.request.request_id for s in out.seqs}
+    assert {s.request.request_id: s.num_tokens for s in out.seqs}["late"] == 170
+    assert len([r for r in batch if r.request_id not in ran]) == 1
+    assert out.num_decodes == len(out.seqs) - 1
