@@ -392,17 +392,25 @@ def test_prompts_of_the_binders_class_meet_their_ttft_in_line_while_it_repays_de
     assert second.first_token_time - second.arrival_time <= 3.0
 
 
-def test_decodes_an_interactive_prompt_outranks_sit_out_steps_for_its_ttft_never_two_in_a_row():
+def _batch_and_two_interactive_decoding():
+    """The guard at the full 0.5 s SLO over 10 batch decodes with TPOT credit (after
+    decode-only steps of 0.3 s, far under batch's 5 s) and 2 interactive decodes without
+    credit (just past their prefill)."""
     sched, clock, model = _guarded()
     batch = [guarded_req(f"b{i}", 0.01 * i, priority=2, slo=5.0) for i in range(10)]
     for r in batch:
         sched.add(r)
-    for _ in range(4):  # prefill, then decode-only steps of 0.3 s: far under batch's 5 s
+    for _ in range(4):
         model_step(sched, clock, model)
     inter = [guarded_req(f"i{i}", clock(), priority=0, slo=0.5) for i in range(2)]
     for r in inter:
         sched.add(r)
-    model_step(sched, clock, model)  # their prefill: they decode from now on, no credit
+    model_step(sched, clock, model)
+    return sched, clock, model, batch, inter
+
+
+def test_decodes_an_interactive_prompt_outranks_sit_out_steps_for_its_ttft_never_two_in_a_row():
+    sched, clock, model, batch, inter = _batch_and_two_interactive_decoding()
     first = guarded_req("first", clock(), priority=0, slo=0.5, prompt_len=400, max_tokens=2)
     second = guarded_req("second", clock() + 1e-3, priority=0, slo=0.5, prompt_len=400,
                          max_tokens=2)
@@ -429,15 +437,7 @@ def test_decodes_an_interactive_prompt_outranks_sit_out_steps_for_its_ttft_never
 
 
 def test_a_decode_sitting_out_is_not_run_as_a_prefill_chunk_with_the_cap_left_over():
-    sched, clock, model = _guarded()
-    batch = [guarded_req(f"b{i}", 0.01 * i, priority=2, slo=5.0) for i in range(10)]
-    for r in batch:
-        sched.add(r)
-    for _ in range(4):
-        model_step(sched, clock, model)
-    for i in range(2):
-        sched.add(guarded_req(f"i{i}", clock(), priority=0, slo=0.5))
-    model_step(sched, clock, model)
+    sched, clock, model, batch, _ = _batch_and_two_interactive_decoding()
     late = guarded_req("late", clock(), priority=0, slo=0.5, prompt_len=170, max_tokens=2)
     late.ttft_slo_s = 0.4  # one step left: it needs all 170 tokens now
     sched.add(late)
