@@ -257,6 +257,10 @@ class Scheduler:
         step without a token and they did not sit out the step before: each frees a
         decode's time and budget token, and keeps its KV (unlike shedding, nothing is
         recomputed). The first prompt in line takes what the step allows first.
+
+        Returns:
+            This step's guard; :class:`StepGuard`'s defaults (no cap) with the guard off
+            or no decode under a TPOT SLO.
         """
         model = self.step_time
         if model is None:
@@ -360,8 +364,8 @@ class Scheduler:
         from jitter, and repaying it faster would starve everyone's prefill (and let a
         batch request's debt squeeze interactive prompts). The stretch limit, ``share +
         credit`` (at least the limit), is the longest next step after which its mean TPOT
-        so far still holds its share: what a prompt owed its TTFT may spend
-        (:meth:`_allowance`).
+        so far still holds its share: what prompts owed their TTFT may spend
+        (:attr:`StepGuard.owed`).
         """
         target = self.config.tpot_slo_guard_target
         limit, binder, stretch = math.inf, decoding[0], math.inf
