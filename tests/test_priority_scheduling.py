@@ -448,3 +448,50 @@ def test_a_decode_sitting_out_is_not_run_as_a_prefill_chunk_with_the_cap_left_ov
     assert {s.request.request_id: s.num_tokens for s in out.seqs}["late"] == 170
     assert len([r for r in batch if r.request_id not in ran]) == 1
     assert out.num_decodes == len(out.seqs) - 1
+
+
+@pytest.mark.parametrize("ttft_slo,batch_in_last_step", [
+    (1.2, 0),    # deadline 0.96 s: a full last step (0.707 s) would end at 1.41 s
+    (3.0, 414),  # deadline 2.4 s: the full step ends in time, so the batch prompt fills it
+])
+def test_the_step_that_ends_an_owed_prompts_prefill_keeps_to_its_ttft_deadline(
+        ttft_slo, batch_in_last_step):
+    sched, clock, model = _guarded(target=0.8)
+    batch = [guarded_req(f"b{i}", 0.0, priority=2, slo=5.0) for i in range(5)]
+    for r in batch:
+        sched.add(r)
+    model_step(sched, clock, model)
+    inter = guarded_req("inter", clock(), priority=0, slo=0.5, prompt_len=600, max_tokens=2)
+    inter.ttft_slo_s = ttft_slo
+    bp = guarded_req("bp", clock(), priority=2, slo=5.0, prompt_len=2000)
+    bp.ttft_slo_s = 60.0
+    sched.add(inter)
+    sched.add(bp)
+    # Only batch decodes run, so the budget binds, not their 4 s share: 507 tokens of
+    # the prompt (0.1 + 0.507 + 5 x 0.02 = 0.707 s), then its last 93 ...
+    out = model_step(sched, clock, model)
+    assert {s.request.request_id: s.num_tokens for s in out.seqs}["inter"] == 507
+    out = model_step(sched, clock, model)
+    chunks = {s.request.request_id: s.num_tokens for s in out.seqs}
+    assert chunks["inter"] == 93 and inter.output_token_ids
+    # ... beside what of the batch prompt still ends the step by the deadline.
+    assert chunks.get("bp", 0) == batch_in_last_step
+    assert inter.first_token_time - inter.arrival_time <= ttft_slo
+
+
+def test_an_owed_prompts_ttft_plan_counts_steps_at_the_full_tpot_slo():
+    sched, clock, model = _guarded(target=0.8)  # the guard aims steps at 0.4 s
+    peers = [guarded_req(f"i{i}", 0.0, priority=0, slo=0.5) for i in range(12)]
+    for r in peers:
+        sched.add(r)
+    for _ in range(6):  # prefill, then 5 decode-only steps of 0.34 s: 0.3 s of credit
+        model_step(sched, clock, model)
+    prompt = guarded_req("prompt", clock(), priority=0, slo=0.5, prompt_len=600, max_tokens=2)
+    prompt.ttft_slo_s = 2.1  # deadline 0.8 x 2.1 = 1.68 s
+    sched.add(prompt)
+    out = model_step(sched, clock, model)
+    # Steps may run up to the SLO (the guard's headroom is for their jitter), so the plan
+    # counts floor(1.68 / 0.5) = 3 of them: 200 tokens a step, within what the peers'
+    # credit allows ((0.4 + 0.3 - 0.1 - 12 x 0.02) / 0.001 = 360). Steps of 0.4 s would
+    # give 4 steps of 150, and finish late whenever steps run 25% over.
+    assert {s.request.request_id: s.num_tokens for s in out.seqs}["prompt"] == 200
