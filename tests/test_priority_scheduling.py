@@ -178,9 +178,11 @@ def _guarded(max_num_seqs=32, budget=512, target=1.0):
     return sched, clock, model
 
 
-def guarded_req(rid, arrival, priority, slo, prompt_len=8, max_tokens=500):
+def guarded_req(rid, arrival, priority, slo, prompt_len=8, max_tokens=500, ttft_slo=None):
     r = req(rid, prompt_len, max_tokens, arrival, priority=priority)
     r.tpot_slo_s = slo
+    if ttft_slo is not None:
+        r.ttft_slo_s = ttft_slo
     return r
 
 
@@ -281,12 +283,10 @@ def test_tpot_guard_lets_a_same_class_prompt_spend_the_decodes_tpot_credit_for_i
         sched.add(r)
     for _ in range(1 + banking_steps):  # prefill, then decode-only steps of 0.2 s < 0.5 s
         model_step(sched, clock, model)
-    peer = guarded_req("peer", clock(), priority=0, slo=0.5, prompt_len=1600, max_tokens=4)
-    peer.ttft_slo_s = ttft_slo
-    batch = guarded_req("batch", clock(), priority=2, slo=5.0, prompt_len=1600)
-    batch.ttft_slo_s = 60.0
+    peer = guarded_req("peer", clock(), priority=0, slo=0.5, prompt_len=1600, max_tokens=4,
+                       ttft_slo=ttft_slo)
     sched.add(peer)
-    sched.add(batch)
+    sched.add(guarded_req("batch", clock(), priority=2, slo=5.0, prompt_len=1600, ttft_slo=60.0))
     # (0.5 s - 0.1 s - 5 decodes x 0.02 s) / 0.001 s per token; the decodes' credit, spread
     # over their ~490 tokens left, adds a few tokens.
     cap = 300 + 10
@@ -438,8 +438,9 @@ def test_decodes_an_interactive_prompt_outranks_sit_out_steps_for_its_ttft_never
 
 def test_a_decode_sitting_out_is_not_run_as_a_prefill_chunk_with_the_cap_left_over():
     sched, clock, model, batch, _ = _batch_and_two_interactive_decoding()
-    late = guarded_req("late", clock(), priority=0, slo=0.5, prompt_len=170, max_tokens=2)
-    late.ttft_slo_s = 0.4  # one step left: it needs all 170 tokens now
+    # A TTFT SLO of 0.4 s: one step left, so it needs all 170 tokens now.
+    late = guarded_req("late", clock(), priority=0, slo=0.5, prompt_len=170, max_tokens=2,
+                       ttft_slo=0.4)
     sched.add(late)
     out = model_step(sched, clock, model)
     # 12 decodes leave 160 tokens; one batch decode sitting out frees 20 more: 180, of
@@ -461,12 +462,10 @@ def test_the_step_that_ends_an_owed_prompts_prefill_keeps_to_its_ttft_deadline(
     for r in batch:
         sched.add(r)
     model_step(sched, clock, model)
-    inter = guarded_req("inter", clock(), priority=0, slo=0.5, prompt_len=600, max_tokens=2)
-    inter.ttft_slo_s = ttft_slo
-    bp = guarded_req("bp", clock(), priority=2, slo=5.0, prompt_len=2000)
-    bp.ttft_slo_s = 60.0
+    inter = guarded_req("inter", clock(), priority=0, slo=0.5, prompt_len=600, max_tokens=2,
+                        ttft_slo=ttft_slo)
     sched.add(inter)
-    sched.add(bp)
+    sched.add(guarded_req("bp", clock(), priority=2, slo=5.0, prompt_len=2000, ttft_slo=60.0))
     # Only batch decodes run, so the budget binds, not their 4 s share: 507 tokens of
     # the prompt (0.1 + 0.507 + 5 x 0.02 = 0.707 s), then its last 93 ...
     out = model_step(sched, clock, model)
@@ -486,8 +485,8 @@ def test_an_owed_prompts_ttft_plan_counts_steps_at_the_full_tpot_slo():
         sched.add(r)
     for _ in range(6):  # prefill, then 5 decode-only steps of 0.34 s: 0.3 s of credit
         model_step(sched, clock, model)
-    prompt = guarded_req("prompt", clock(), priority=0, slo=0.5, prompt_len=600, max_tokens=2)
-    prompt.ttft_slo_s = 2.1  # deadline 0.8 x 2.1 = 1.68 s
+    prompt = guarded_req("prompt", clock(), priority=0, slo=0.5, prompt_len=600, max_tokens=2,
+                         ttft_slo=2.1)  # deadline 0.8 x 2.1 = 1.68 s
     sched.add(prompt)
     out = model_step(sched, clock, model)
     # Steps may run up to the SLO (the guard's headroom is for their jitter), so the plan
