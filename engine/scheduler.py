@@ -127,8 +127,6 @@ class Scheduler:
         """This step's TPOT guard."""
         self._step_ratio = 1.0
         """This step's ``StepTimeModel.local_ratio``, read once (guard on only)."""
-        self._deferred_before: frozenset[str] = frozenset()
-        """Decodes that sat the last step out: none sits out two steps in a row."""
         self._chunk_cap = (
             config.long_prefill_token_threshold or config.max_num_batched_tokens
             if config.enable_chunked_prefill
@@ -231,8 +229,9 @@ class Scheduler:
         Shedding: walks the running requests most urgent first, tracking the tightest
         step-time limit so far among those decoding (a TPOT SLO times
         ``tpot_slo_guard_target``); a request whose decode would push the predicted
-        decode-only step time past that limit is preempted if the policy lets the limit's
-        owner outrank it (so batch work yields to interactive work, never the reverse).
+        decode-only step time past that limit is preempted if the limit's owner outranks
+        it (``policy.outranks``: so batch work yields to interactive work, never the
+        reverse, nor a decode to an older one of its own class).
 
         Capping: the step's prefill tokens are capped so the predicted step time stays
         within every kept decode's limit: Sarathi-Serve's token budget derived from the
@@ -255,11 +254,14 @@ class Scheduler:
         :meth:`_decode_limits`): a decode with no credit (a short output, say) would miss
         its TPOT instead. If that is still short, decodes that the first owed prompt
         outranks sit the step out, least urgent first, when their TPOT credit covers a
-        step without a token and they did not sit out the step before: each frees a
-        decode's time and budget token, and keeps its KV (unlike shedding, nothing is
-        recomputed). The first prompt in line takes what the step allows first; in the
-        step that ends its prefill, the prompts behind it take only what still ends the
-        step by its TTFT deadline (its first token comes when the step ends).
+        step without a token (again in the next step, so a decode may sit out several in a
+        row): each frees a decode's time and budget token, and keeps its KV (unlike
+        shedding, nothing is recomputed). The first prompt in line takes what the step
+        allows first; when that leaves it less than a block, it takes that remainder too
+        (a few milliseconds more than the limit, against a whole further step before its
+        first token); in the step that ends its prefill, the prompts behind it take only
+        what still ends the step by its TTFT deadline (its first token comes when the step
+        ends).
 
         Returns:
             This step's guard; :class:`StepGuard`'s defaults (no cap) with the guard off
@@ -278,14 +280,13 @@ class Scheduler:
             if req.tpot_slo_s * target < slo and is_decoding:
                 slo, owner = req.tpot_slo_s * target, req
             if (owner is not req and model.predict(0, len(decoding) + 1) * ratio > slo
-                    and self.policy.preempts(owner, req, now)):
+                    and self.policy.outranks(owner, req)):
                 self.preempt(req)
                 out.preempted.append(req)
                 continue
             if is_decoding:
                 decoding.append(req)
         if math.isinf(slo):
-            self._deferred_before = frozenset()
             return StepGuard()
         _, b, _ = model.coefficients()
 
@@ -295,7 +296,7 @@ class Scheduler:
 
         limit, binder, stretch = self._decode_limits(decoding, now)
         owed = [r for r in self._prompt_line(order, waiting_order, now)
-                if not r.output_token_ids and not self.policy.preempts(binder, r, now)]
+                if not r.output_token_ids and not self.policy.outranks(binder, r)]
         # The TTFT plan counts steps at the full SLO, not at the guard's target: steps run
         # over their prediction by the jitter that headroom is for (a tenth at the median,
         # a third at the 95th percentile on this CPU), and a plan that spends the TTFT
@@ -309,13 +310,16 @@ class Scheduler:
                 break
             if not self.policy.preempts(owed[0], req, now):
                 break  # the rest are at least as urgent
-            if (req.request_id not in self._deferred_before
-                    and self._tpot_credit(req, now) >= owed_limit):
+            if self._tpot_credit(req, now) >= owed_limit:
                 deferred.add(req.request_id)
                 kept -= 1
-        self._deferred_before = frozenset(deferred)
-        cap = max(self.block_manager.block_size, tokens_within(limit, kept))
+        block_size = self.block_manager.block_size
+        cap = max(block_size, tokens_within(limit, kept))
         owed_cap = max(cap, min(need, tokens_within(owed_limit, kept)))
+        if owed and need > owed_cap and 0 < owed[0].num_pending_tokens - owed_cap < block_size:
+            # A remainder under a block would cost the first prompt a whole further step
+            # (the fixed cost dominates a step on CPU) for a few milliseconds saved now.
+            owed_cap = owed[0].num_pending_tokens
         if owed and owed[0].num_pending_tokens <= min(
                 owed_cap, self.config.max_num_batched_tokens - kept):
             # The first prompt in line samples its first token when this step ends: the
@@ -327,7 +331,7 @@ class Scheduler:
                 ends = max(first.num_pending_tokens, tokens_within(left, kept))
                 cap, owed_cap = min(cap, ends), min(owed_cap, ends)
         return StepGuard(cap=cap, owed=owed_cap, slo=slo, binder=binder,
-                         deferred=self._deferred_before)
+                         deferred=frozenset(deferred))
 
     def _prompt_line(self, order: list[Request], waiting_order: list[Request],
                      now: float) -> list[Request]:
@@ -404,7 +408,7 @@ class Scheduler:
         binding decode outranks, else what the prompts owed their TTFT may take
         (:attr:`StepGuard.owed`); a prompt earlier in line takes it first."""
         binder = self._guard.binder
-        if binder is None or req.output_token_ids or self.policy.preempts(binder, req, now):
+        if binder is None or req.output_token_ids or self.policy.outranks(binder, req):
             return budget.capped
         return budget.owed
 

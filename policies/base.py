@@ -26,7 +26,8 @@ class SchedulingPolicy(Protocol):
     most urgent first) and on the waiting ones (to admit); ``pick_victim`` when KV blocks
     run out; ``may_admit`` before admitting a waiting request and ``on_admit`` after;
     ``preempts`` when the head of the waiting order is blocked by ``max_num_seqs`` or KV
-    room; ``on_finish`` when a request leaves.
+    room; ``outranks`` in the TPOT guard, for a running decode's precedence over other
+    requests; ``on_finish`` when a request leaves.
     """
 
     max_head_of_line_skips: int
@@ -48,6 +49,13 @@ class SchedulingPolicy(Protocol):
 
     def preempts(self, waiting: R, running: R, now: float) -> bool:
         """Whether blocked ``waiting`` may preempt ``running`` to take its place."""
+        ...
+
+    def outranks(self, a: R, b: R) -> bool:
+        """Whether ``a``'s latency SLO comes before ``b``'s whatever either has waited:
+        ``b`` yields step time to ``a`` (the scheduler's TPOT guard sheds ``b``'s decode,
+        or caps ``b``'s prompt, for ``a``'s decode). Unlike :meth:`preempts` it does not
+        age, because the running request it is asked about has stopped waiting."""
         ...
 
     def may_admit(self, request: R, num_running: int, num_waiting: int, now: float) -> bool:

@@ -24,6 +24,9 @@ class FCFSPolicy:
     def preempts(self, waiting: R, running: R, now: float) -> bool:
         return False
 
+    def outranks(self, a: R, b: R) -> bool:
+        return False
+
     def may_admit(self, request: R, num_running: int, num_waiting: int, now: float) -> bool:
         return True
 

@@ -213,6 +213,12 @@ class PriorityPolicy:
             return False
         return self._key(waiting) < self._key(running)
 
+    def outranks(self, a: R, b: R) -> bool:
+        """Strictly more urgent raw priority. Aging orders waiting requests; it must not
+        let a decode that has run for ``aging_s_per_level`` seconds rank above fresh
+        prompts of its own class (which would then lose their TTFT to its TPOT)."""
+        return a.priority < b.priority
+
     def may_admit(self, request: R, num_running: int, num_waiting: int, now: float) -> bool:
         return True
 

@@ -91,6 +91,9 @@ class StaticBatchPolicy:
     def preempts(self, waiting: R, running: R, now: float) -> bool:
         return False
 
+    def outranks(self, a: R, b: R) -> bool:
+        return False
+
     def on_admit(self, request: R, now: float) -> None:
         pass
 

@@ -124,6 +124,19 @@ def test_an_admitted_request_keeps_its_deadline_after_its_level_is_served_again(
     assert policy.effective_priority(Req("aged", 0.0, 2), 27.0) == pytest.approx(2 - 0.1)
 
 
+def test_outranks_is_raw_priority_and_does_not_age():
+    policy = PriorityPolicy(aging_s_per_level=10.0)
+    old = Req("old", 0.0, priority=0)
+    policy.on_admit(old, 0.0)
+    fresh = Req("fresh", 15.0, priority=0)
+    # 15 s on, the old request has aged a level and more past a fresh one of its class ...
+    assert policy.preempts(old, fresh, now=15.0)
+    # ... but its SLO does not come before the fresh one's: only a lower class yields.
+    assert not policy.outranks(old, fresh)
+    assert policy.outranks(old, Req("b", 0.0, priority=2))
+    assert not policy.outranks(Req("b", 0.0, priority=2), fresh)
+
+
 def test_priority_orders_running_requests_with_the_same_key():
     policy = PriorityPolicy()
     running = [Req("b", 0.0, 2), Req("i", 1.0, 0), Req("s", 0.5, 1)]
@@ -342,6 +355,7 @@ def test_static_never_preempts_and_validates():
     policy = StaticBatchPolicy(max_num_seqs=2)
     assert policy.max_head_of_line_skips == 0
     assert not policy.preempts(Req("a", 0.0, 0), Req("b", 1.0, 2), 2.0)
+    assert not policy.outranks(Req("a", 0.0, 0), Req("b", 1.0, 2))
     with pytest.raises(ValueError):
         StaticBatchPolicy(max_num_seqs=0)
     with pytest.raises(ValueError):
@@ -357,6 +371,7 @@ def test_fcfs_still_works():
     assert ids(policy.order(reqs, 4.0)) == ["a", "b", "c"]
     assert policy.pick_victim(reqs).request_id == "c"
     assert not policy.preempts(reqs[0], reqs[1], 4.0)
+    assert not policy.outranks(reqs[1], reqs[0])
     assert policy.may_admit(reqs[0], 0, 1, 4.0)
     assert policy.max_head_of_line_skips == 0
 

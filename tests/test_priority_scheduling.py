@@ -409,17 +409,18 @@ def _batch_and_two_interactive_decoding():
     return sched, clock, model, batch, inter
 
 
-def test_decodes_an_interactive_prompt_outranks_sit_out_steps_for_its_ttft_never_two_in_a_row():
+def test_decodes_an_interactive_prompt_outranks_sit_out_steps_for_its_ttft_while_credit_lasts():
     sched, clock, model, batch, inter = _batch_and_two_interactive_decoding()
-    first = guarded_req("first", clock(), priority=0, slo=0.5, prompt_len=400, max_tokens=2)
+    first = guarded_req("first", clock(), priority=0, slo=0.5, prompt_len=400, max_tokens=2,
+                        ttft_slo=1.8)
     second = guarded_req("second", clock() + 1e-3, priority=0, slo=0.5, prompt_len=400,
-                         max_tokens=2)
+                         max_tokens=2, ttft_slo=1.8)
     for r in (first, second):
-        r.ttft_slo_s = 2.2
         sched.add(r)
     # 12 decodes leave (0.5 - 0.1 - 12 x 0.02) / 0.001 = 160 tokens a step: 5 steps for
-    # both prompts, past the deadline. In line, they need 800 / 4 steps = 200 a step.
-    sat_out_before: set[str] = set()
+    # both prompts. By the 1.8 s deadline, 3 steps of 0.5 s fit: 800 / 3 = 267 a step, so
+    # batch decodes must sit out step after step (each frees 20 tokens' time). On f0a923a,
+    # none sat out two steps in a row: the second prompt got its first token at 1.86 s.
     sat_out_steps = 0
     while not second.output_token_ids:
         out = model_step(sched, clock, model)
@@ -428,12 +429,54 @@ def test_decodes_an_interactive_prompt_outranks_sit_out_steps_for_its_ttft_never
         assert all(mean_tpot(r, clock()) <= 0.5 + 1e-9 for r in inter)
         ran = {s.request.request_id for s in out.seqs}
         assert {"i0", "i1"} <= ran  # interactive decodes never sit out for a peer
-        sat_out = {r.request_id for r in batch if r.request_id not in ran}
-        assert not sat_out & sat_out_before  # no batch decode sits out two steps in a row
-        sat_out_before = sat_out
-        sat_out_steps += bool(sat_out)
+        sat_out_steps += any(r.request_id not in ran for r in batch)
     assert sat_out_steps >= 2
-    assert second.first_token_time - second.arrival_time <= 2.2
+    assert all(mean_tpot(r, clock()) <= 5.0 for r in batch)  # their credit covered it
+    assert first.first_token_time - first.arrival_time <= 1.8
+    assert second.first_token_time - second.arrival_time <= 1.8
+
+
+def test_a_decode_running_past_the_aging_step_still_owes_a_fresh_peer_its_ttft():
+    sched, clock, model = _guarded()
+    sched.policy = PriorityPolicy(aging_s_per_level=10.0)
+    old = guarded_req("old", 0.0, priority=0, slo=0.5, max_tokens=1000)
+    sched.add(old)
+    while clock() < 11.0:  # decode-only steps of 0.12 s: it banks TPOT credit
+        model_step(sched, clock, model)
+    fresh = guarded_req("fresh", clock(), priority=0, slo=0.5, prompt_len=1000, max_tokens=2,
+                        ttft_slo=1.3)
+    sched.add(fresh)
+    # The old decode has aged more than a level past the fresh prompt, yet its SLO is no
+    # more urgent: the prompt is owed its TTFT and spends the decode's credit, 500 tokens
+    # a step (the budget less the decode, rounded down to its need). On f0a923a it got
+    # only the cap (418, 418, 164 tokens: its first token at 1.36 s).
+    out = model_step(sched, clock, model)
+    assert {s.request.request_id: s.num_tokens for s in out.seqs}["fresh"] == 500
+    while not fresh.output_token_ids:
+        model_step(sched, clock, model)
+    assert fresh.first_token_time - fresh.arrival_time <= 1.3
+
+
+@pytest.mark.parametrize("prompt_len,first_chunk", [
+    (302, 302),  # 2 tokens past the limit: under a block (4), taken now
+    (310, 300),  # 10 past it: a block or more waits for the next step
+])
+def test_an_owed_prompt_takes_a_remainder_under_a_block_with_its_chunk(prompt_len, first_chunk):
+    sched, clock, model = _guarded()
+    peers = [guarded_req(f"i{i}", 0.01 * i, priority=0, slo=0.5) for i in range(5)]
+    for r in peers:
+        sched.add(r)
+    model_step(sched, clock, model)  # their prefill: decoding from now on, no credit yet
+    late = guarded_req("late", clock(), priority=0, slo=0.5, prompt_len=prompt_len,
+                       max_tokens=2, ttft_slo=0.6)
+    sched.add(late)
+    # 5 decodes leave (0.5 - 0.1 - 5 x 0.02) / 0.001 = 300 tokens within the SLO. A second
+    # step for 2 tokens would take 0.2 s (its first token at 0.70 s, past 0.6 s); taking
+    # them now costs the decodes 2 ms.
+    out = model_step(sched, clock, model)
+    assert {s.request.request_id: s.num_tokens for s in out.seqs}["late"] == first_chunk
+    if prompt_len - first_chunk == 0:
+        assert late.first_token_time - late.arrival_time <= 0.6
 
 
 def test_a_decode_sitting_out_is_not_run_as_a_prefill_chunk_with_the_cap_left_over():
