@@ -176,26 +176,19 @@ class Scheduler:
         budget = PrefillBudget(budget, min(budget, guard.cap), min(budget, guard.owed))
         kv_exhausted = len(out.preempted) > num_urgent_preemptions
 
-        # 2a. Waiting requests that outrank the most urgent prompt already being prefilled
-        # (enough to preempt it) take the budget first: else a batch prompt admitted
-        # earlier would hold an interactive arrival's prefill back until it is done.
-        head = next((r for r in order if r.status is RequestStatus.RUNNING
-                     and r.request_id not in scheduled
-                     and r.request_id not in guard.deferred), None)
-        if head is not None and not kv_exhausted:
-            urgent = [r for r in waiting_order if self.policy.preempts(r, head, now)]
-            if urgent:
-                self._admit(out, urgent, budget, now, guard.slo)
-                waiting_order = [r for r in waiting_order if r.status is not RequestStatus.RUNNING]
-
-        # 2. Chunks of prompts already being prefilled (a decode sitting the step out is
-        # the only other running request left unscheduled).
-        for req in order:
-            if budget.total == 0:
+        # 2. Chunks of prompts already being prefilled, most urgent first. Before each,
+        # waiting requests that outrank it (enough to preempt it) are admitted with their
+        # first chunks: else a batch prompt admitted earlier would hold an interactive
+        # arrival's prefill back until it is done.
+        for urgent, req in self._prompt_line(order, waiting_order, now):
+            if budget.total == 0 or req is None:
                 break
-            if (req.status is not RequestStatus.RUNNING or req.request_id in scheduled
-                    or req.request_id in guard.deferred):
-                continue
+            if urgent and not kv_exhausted:
+                self._admit(out, urgent, budget, now, guard.slo)
+                if budget.total == 0:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted in this loop to make room for a more urgent prompt
             n = self._chunk(req, self._allowance(req, budget, now))
             if n == 0:
                 continue
@@ -220,6 +213,8 @@ class Scheduler:
             return
         if out.preempted:
             waiting_order = self.policy.order(self.waiting, now)
+        else:
+            waiting_order = [r for r in waiting_order if r.status is RequestStatus.WAITING]
         self._admit(out, waiting_order, budget, now, guard.slo)
 
     def _tpot_guard(self, out: SchedulerOutput, order: list[Request],
@@ -247,16 +242,17 @@ class Scheduler:
         TTFT: prompts the binding decode does not outrank (its own class, say) are owed
         their TTFT SLOs too. When the capped steps cannot serve them, in line, by their
         deadlines (:meth:`_owed_need`, counting steps at the full TPOT SLO, since steps run
-        over their predictions), they may take more than the cap: up to the
+        over their predictions, or at a full token budget's time where that is shorter),
+        they may take more than the cap: up to the
         tightest SLO share (debt is then repaid only by prompts the binder outranks, so
         that repaying it cannot make a prompt of its own class miss its TTFT), and beyond
         it as far as every decode's TPOT credit allows (the stretch limit of
         :meth:`_decode_limits`): a decode with no credit (a short output, say) would miss
-        its TPOT instead. If that is still short, decodes that the first owed prompt
-        outranks sit the step out, least urgent first, when their TPOT credit covers a
-        step without a token (again in the next step, so a decode may sit out several in a
-        row): each frees a decode's time and budget token, and keeps its KV (unlike
-        shedding, nothing is recomputed). The first prompt in line takes what the step
+        its TPOT instead. If that, or the token budget, is still short, decodes that the
+        first owed prompt outranks sit the step out, least urgent first, when their TPOT
+        credit covers a step without a token (again in the next step, so a decode may sit
+        out several in a row): each frees a decode's time and a budget token, and keeps
+        its KV (unlike shedding, nothing is recomputed). The first prompt in line takes what the step
         allows first; when that leaves it less than a block, it takes that remainder too
         (a few milliseconds more than the limit, against a whole further step before its
         first token); in the step that ends its prefill, the prompts behind it take only
@@ -295,22 +291,27 @@ class Scheduler:
             return math.floor(spare / (b * ratio)) if b > 0 else math.inf
 
         limit, binder, stretch = self._decode_limits(decoding, now)
-        owed = [r for r in self._prompt_line(order, waiting_order, now)
-                if not r.output_token_ids and not self.policy.outranks(binder, r)]
+        owed = [r for urgent, req in self._prompt_line(order, waiting_order, now)
+                for r in (*urgent, req)
+                if r is not None and not r.output_token_ids
+                and not self.policy.outranks(binder, r)]
         # The TTFT plan counts steps at the full SLO, not at the guard's target: steps run
         # over their prediction by the jitter that headroom is for (a tenth at the median,
         # a third at the 95th percentile on this CPU), and a plan that spends the TTFT
-        # headroom on it finishes late.
-        need = self._owed_need(owed, max(limit, slo) / target, now)
+        # headroom on it finishes late. A step is no longer than a full token budget's,
+        # whatever the SLO allows (a batch decode's limit is seconds).
+        max_tokens = self.config.max_num_batched_tokens
+        full_s = model.predict(max_tokens - len(decoding), len(decoding)) * ratio
+        need = self._owed_need(owed, min(max(limit, slo), full_s) / target, now)
         owed_limit = max(stretch, slo)
         kept, deferred = len(decoding), set()
         for req in reversed(decoding):  # least urgent first
-            if not owed or min(need, self.config.max_num_batched_tokens - kept) <= (
-                    tokens_within(owed_limit, kept)):
+            # Sitting out frees step time and a budget token: it helps while either binds.
+            if not owed or need <= min(max_tokens - kept, tokens_within(owed_limit, kept)):
                 break
             if not self.policy.preempts(owed[0], req, now):
                 break  # the rest are at least as urgent
-            if self._tpot_credit(req, now) >= owed_limit:
+            if self._tpot_credit(req, now) >= min(owed_limit, full_s):
                 deferred.add(req.request_id)
                 kept -= 1
         block_size = self.block_manager.block_size
@@ -320,8 +321,7 @@ class Scheduler:
             # A remainder under a block would cost the first prompt a whole further step
             # (the fixed cost dominates a step on CPU) for a few milliseconds saved now.
             owed_cap = owed[0].num_pending_tokens
-        if owed and owed[0].num_pending_tokens <= min(
-                owed_cap, self.config.max_num_batched_tokens - kept):
+        if owed and owed[0].num_pending_tokens <= min(owed_cap, max_tokens - kept):
             # The first prompt in line samples its first token when this step ends: the
             # prompts behind it (later deadlines) may add only what still ends the step
             # by its deadline.
@@ -334,17 +334,22 @@ class Scheduler:
                          deferred=frozenset(deferred))
 
     def _prompt_line(self, order: list[Request], waiting_order: list[Request],
-                     now: float) -> list[Request]:
-        """The prompts in the order :meth:`_fill` gives them prefill: waiting requests
-        that outrank the first prompt being prefilled, then the prompts being prefilled,
-        then the other waiting requests."""
-        running = [r for r in order
-                   if r.status is RequestStatus.RUNNING and r.num_pending_tokens > 1]
-        if not running:
-            return [*waiting_order]
-        urgent = [r for r in waiting_order if self.policy.preempts(r, running[0], now)]
-        ids = {r.request_id for r in urgent}
-        return [*urgent, *running, *(r for r in waiting_order if r.request_id not in ids)]
+                     now: float) -> list[tuple[list[Request], Request | None]]:
+        """The prompts in the order :meth:`_fill` gives them prefill, in groups: for each
+        prompt being prefilled (in ``order``), the waiting requests not placed yet that
+        outrank it enough to preempt it, then that prompt; last, the other waiting
+        requests, with None."""
+        groups: list[tuple[list[Request], Request | None]] = []
+        left = waiting_order
+        for req in order:
+            if req.status is not RequestStatus.RUNNING or req.num_pending_tokens <= 1:
+                continue
+            urgent = [r for r in left if self.policy.preempts(r, req, now)]
+            if urgent:
+                left = [r for r in left if not self.policy.preempts(r, req, now)]
+            groups.append((urgent, req))
+        groups.append((left, None))
+        return groups
 
     def _owed_need(self, line: list[Request], step_s: float, now: float) -> int:
         """Prefill tokens per step that serve ``line`` in order, each prompt by its TTFT

@@ -61,6 +61,22 @@ def test_urgent_prompt_takes_the_budget_before_a_batch_prompt_being_prefilled(
     assert steps == expect_first_step
 
 
+def test_an_urgent_arrival_goes_before_every_prompt_it_outranks_not_only_the_first():
+    sched, clock = make(PriorityPolicy(), max_num_batched_tokens=64,
+                        enable_chunked_prefill=True)
+    sched.add(req("batch", 1024, 4, 0.0, priority=2))
+    fake_step(sched, clock)  # the batch prompt's first 64-token chunk
+    sched.add(req("i1", 70, 4, clock(), priority=0))
+    fake_step(sched, clock)  # i1 outranks the batch prompt: its first 64 tokens
+    sched.add(req("i2", 32, 4, clock(), priority=0))
+    out = fake_step(sched, clock)
+    # i1 ends its prefill (6 tokens); i2 does not outrank i1 (same class) but does outrank
+    # the batch prompt, so it comes before the batch prompt's chunk. On 9df945c the batch
+    # prompt took the 58 tokens left and i2 waited a step.
+    assert {s.request.request_id: s.num_tokens for s in out.seqs} == {
+        "i1": 6, "i2": 32, "batch": 26}
+
+
 def test_preempted_request_is_not_overtaken_by_same_priority_newcomers():
     sched, clock = make(PriorityPolicy(), max_num_seqs=1)
     victim = req("victim", 8, 50, 0.0, priority=1)
@@ -455,6 +471,30 @@ def test_a_decode_running_past_the_aging_step_still_owes_a_fresh_peer_its_ttft()
     while not fresh.output_token_ids:
         model_step(sched, clock, model)
     assert fresh.first_token_time - fresh.arrival_time <= 1.3
+
+
+def test_batch_decodes_sit_out_to_free_budget_tokens_for_an_interactive_prompts_ttft():
+    sched, clock, model = _guarded()
+    batch = [guarded_req(f"b{i}", 0.01 * i, priority=2, slo=5.0) for i in range(10)]
+    for r in batch:
+        sched.add(r)
+    for _ in range(4):  # decode-only steps of 0.3 s bank TPOT credit against batch's 5 s
+        model_step(sched, clock, model)
+    inter = guarded_req("inter", clock(), priority=0, slo=0.5, prompt_len=1010, max_tokens=2,
+                        ttft_slo=1.5)
+    sched.add(inter)
+    # Only batch decodes run: their limit (seconds) does not bind, the 512-token budget
+    # does. 502 tokens a step beside 10 decodes need 3 steps (0.80 + 0.80 + 0.31 s, past
+    # 1.5 s); with the decodes sitting out, 512 + 498 need 2 (1.22 s). On 9df945c none
+    # sat out (their TPOT credit was held against their own 5 s limit).
+    chunks = []
+    while not inter.output_token_ids:
+        out = model_step(sched, clock, model)
+        assert not out.preempted
+        chunks.append({s.request.request_id: s.num_tokens for s in out.seqs}.get("inter"))
+    assert chunks == [512, 498]
+    assert inter.first_token_time - inter.arrival_time <= 1.5
+    assert all(mean_tpot(r, clock()) <= 5.0 for r in batch)
 
 
 @pytest.mark.parametrize("prompt_len,first_chunk", [
