@@ -252,12 +252,10 @@ class Scheduler:
         first owed prompt outranks sit the step out, least urgent first, when their TPOT
         credit covers a step without a token (again in the next step, so a decode may sit
         out several in a row): each frees a decode's time and a budget token, and keeps
-        its KV (unlike shedding, nothing is recomputed). The first prompt in line takes what the step
-        allows first; when that leaves it less than a block, it takes that remainder too
-        (a few milliseconds more than the limit, against a whole further step before its
-        first token); in the step that ends its prefill, the prompts behind it take only
-        what still ends the step by its TTFT deadline (its first token comes when the step
-        ends).
+        its KV (unlike shedding, nothing is recomputed). The first prompt in line takes
+        what the step allows first; in the step that ends its prefill, the prompts behind
+        it take only what still ends the step by its TTFT deadline (its first token comes
+        when the step ends).
 
         Returns:
             This step's guard; :class:`StepGuard`'s defaults (no cap) with the guard off
@@ -314,13 +312,8 @@ class Scheduler:
             if self._tpot_credit(req, now) >= min(owed_limit, full_s):
                 deferred.add(req.request_id)
                 kept -= 1
-        block_size = self.block_manager.block_size
-        cap = max(block_size, tokens_within(limit, kept))
+        cap = max(self.block_manager.block_size, tokens_within(limit, kept))
         owed_cap = max(cap, min(need, tokens_within(owed_limit, kept)))
-        if owed and need > owed_cap and 0 < owed[0].num_pending_tokens - owed_cap < block_size:
-            # A remainder under a block would cost the first prompt a whole further step
-            # (the fixed cost dominates a step on CPU) for a few milliseconds saved now.
-            owed_cap = owed[0].num_pending_tokens
         if owed and owed[0].num_pending_tokens <= min(owed_cap, max_tokens - kept):
             # The first prompt in line samples its first token when this step ends: the
             # prompts behind it (later deadlines) may add only what still ends the step

@@ -497,28 +497,6 @@ def test_batch_decodes_sit_out_to_free_budget_tokens_for_an_interactive_prompts_
     assert all(mean_tpot(r, clock()) <= 5.0 for r in batch)
 
 
-@pytest.mark.parametrize("prompt_len,first_chunk", [
-    (302, 302),  # 2 tokens past the limit: under a block (4), taken now
-    (310, 300),  # 10 past it: a block or more waits for the next step
-])
-def test_an_owed_prompt_takes_a_remainder_under_a_block_with_its_chunk(prompt_len, first_chunk):
-    sched, clock, model = _guarded()
-    peers = [guarded_req(f"i{i}", 0.01 * i, priority=0, slo=0.5) for i in range(5)]
-    for r in peers:
-        sched.add(r)
-    model_step(sched, clock, model)  # their prefill: decoding from now on, no credit yet
-    late = guarded_req("late", clock(), priority=0, slo=0.5, prompt_len=prompt_len,
-                       max_tokens=2, ttft_slo=0.6)
-    sched.add(late)
-    # 5 decodes leave (0.5 - 0.1 - 5 x 0.02) / 0.001 = 300 tokens within the SLO. A second
-    # step for 2 tokens would take 0.2 s (its first token at 0.70 s, past 0.6 s); taking
-    # them now costs the decodes 2 ms.
-    out = model_step(sched, clock, model)
-    assert {s.request.request_id: s.num_tokens for s in out.seqs}["late"] == first_chunk
-    if prompt_len - first_chunk == 0:
-        assert late.first_token_time - late.arrival_time <= 0.6
-
-
 def test_a_decode_sitting_out_is_not_run_as_a_prefill_chunk_with_the_cap_left_over():
     sched, clock, model, batch, _ = _batch_and_two_interactive_decoding()
     # A TTFT SLO of 0.4 s: one step left, so it needs all 170 tokens now.
