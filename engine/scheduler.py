@@ -243,19 +243,18 @@ class Scheduler:
         their TTFT SLOs too. When the capped steps cannot serve them, in line, by their
         deadlines (:meth:`_owed_need`, counting steps at the full TPOT SLO, since steps run
         over their predictions, or at a full token budget's time where that is shorter),
-        they may take more than the cap: up to the
-        tightest SLO share (debt is then repaid only by prompts the binder outranks, so
-        that repaying it cannot make a prompt of its own class miss its TTFT), and beyond
-        it as far as every decode's TPOT credit allows (the stretch limit of
-        :meth:`_decode_limits`): a decode with no credit (a short output, say) would miss
-        its TPOT instead. If that, or the token budget, is still short, decodes that the
-        first owed prompt outranks sit the step out, least urgent first, when their TPOT
-        credit covers a step without a token (again in the next step, so a decode may sit
-        out several in a row): each frees a decode's time and a budget token, and keeps
-        its KV (unlike shedding, nothing is recomputed). The first prompt in line takes
-        what the step allows first; in the step that ends its prefill, the prompts behind
-        it take only what still ends the step by its TTFT deadline (its first token comes
-        when the step ends).
+        they may take more than the cap: up to the tightest SLO share (debt is then repaid
+        only by prompts the binder outranks, so that repaying it cannot make a prompt of
+        its own class miss its TTFT), and beyond it as far as every decode's TPOT credit
+        allows (the stretch limit of :meth:`_decode_limits`): a decode with no credit (a
+        short output, say) would miss its TPOT instead. If that, or the token budget, is
+        still short, decodes that the first owed prompt outranks sit the step out, least
+        urgent first, when their TPOT credit covers a step without a token (again in the
+        next step, so a decode may sit out several in a row): each frees a decode's time
+        and a budget token, and keeps its KV (unlike shedding, nothing is recomputed). The
+        first prompt in line takes what the step allows first; in the step that ends its
+        prefill, the prompts behind it take only what still ends the step by its TTFT
+        deadline (its first token comes when the step ends).
 
         Returns:
             This step's guard; :class:`StepGuard`'s defaults (no cap) with the guard off
@@ -337,10 +336,11 @@ class Scheduler:
         for req in order:
             if req.status is not RequestStatus.RUNNING or req.num_pending_tokens <= 1:
                 continue
-            urgent = [r for r in left if self.policy.preempts(r, req, now)]
-            if urgent:
-                left = [r for r in left if not self.policy.preempts(r, req, now)]
+            urgent, rest = [], []
+            for r in left:
+                (urgent if self.policy.preempts(r, req, now) else rest).append(r)
             groups.append((urgent, req))
+            left = rest
         groups.append((left, None))
         return groups
 
