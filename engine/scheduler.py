@@ -248,13 +248,13 @@ class Scheduler:
         its own class miss its TTFT), and beyond it as far as every decode's TPOT credit
         allows (the stretch limit of :meth:`_decode_limits`): a decode with no credit (a
         short output, say) would miss its TPOT instead. If that, or the token budget, is
-        still short, decodes that the first owed prompt outranks sit the step out, least
-        urgent first, when their TPOT credit covers a step without a token (again in the
-        next step, so a decode may sit out several in a row): each frees a decode's time
-        and a budget token, and keeps its KV (unlike shedding, nothing is recomputed). The
-        first prompt in line takes what the step allows first; in the step that ends its
-        prefill, the prompts behind it take only what still ends the step by its TTFT
-        deadline (its first token comes when the step ends).
+        still short, decodes that the first owed prompt could preempt (``policy.preempts``)
+        sit the step out, least urgent first, when their TPOT credit covers a step without
+        a token (again in the next step, so a decode may sit out several in a row): each
+        frees a decode's time and a budget token, and keeps its KV (unlike shedding,
+        nothing is recomputed). The first prompt in line takes what the step allows first;
+        in the step that ends its prefill, the prompts behind it take only what still ends
+        the step by its TTFT deadline (its first token comes when the step ends).
 
         Returns:
             This step's guard; :class:`StepGuard`'s defaults (no cap) with the guard off
