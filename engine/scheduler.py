@@ -287,7 +287,8 @@ class Scheduler:
             spare = limit - model.predict(0, decodes) * ratio
             return math.floor(spare / (b * ratio)) if b > 0 else math.inf
 
-        limit, binder, stretch = self._decode_limits(decoding, now)
+        limit, binder, stretch = self._decode_limits(
+            decoding, now, ratio / model.local_ratio_max())
         owed = [r for urgent, req in self._prompt_line(order, waiting_order, now)
                 for r in (*urgent, req)
                 if r is not None and not r.output_token_ids
@@ -347,18 +348,21 @@ class Scheduler:
     def _owed_need(self, line: list[Request], step_s: float, now: float) -> int:
         """Prefill tokens per step that serve ``line`` in order, each prompt by its TTFT
         deadline (``ttft_slo_s * tpot_slo_guard_target`` after arrival), in steps of
-        ``step_s`` seconds: the largest ``ceil(T_i / floor(left_i / step_s))`` over the
-        prompts ``i`` whose deadline is ahead, where ``T_i`` counts the pending tokens of
-        ``i`` and of every prompt before it (earliest deadline first, as the policy
-        orders them, so that serving the first prompt slowly cannot make those behind it
-        miss)."""
+        ``step_s`` seconds: the largest ``ceil(T_i / max(1, floor(left_i / step_s)))``
+        over the prompts ``i`` that can still meet their TTFT SLO, where ``T_i`` counts
+        the pending tokens of ``i`` and of every prompt before it (earliest deadline
+        first, as the policy orders them, so that serving the first prompt slowly cannot
+        make those behind it miss). A prompt past its guard deadline but not its SLO
+        (steps ran over) needs all of ``T_i`` now; one past its SLO has missed it already
+        and is owed nothing more (spending others' credit on it would save no one)."""
         target = self.config.tpot_slo_guard_target
         ahead, need = 0, 0
         for req in line:
             ahead += req.num_pending_tokens
+            if not now < req.arrival_time + req.ttft_slo_s < math.inf:
+                continue
             left = req.arrival_time + req.ttft_slo_s * target - now
-            if 0 < left < math.inf:
-                need = max(need, math.ceil(ahead / max(1, math.floor(left / step_s))))
+            need = max(need, math.ceil(ahead / max(1, math.floor(left / step_s))))
         return need
 
     def _tpot_credit(self, req: Request, now: float) -> float:
@@ -370,8 +374,8 @@ class Scheduler:
         share = req.tpot_slo_s * self.config.tpot_slo_guard_target
         return share * (len(req.output_token_ids) - 1) - (now - req.first_token_time)
 
-    def _decode_limits(self, decoding: list[Request],
-                       now: float) -> tuple[float, Request, float]:
+    def _decode_limits(self, decoding: list[Request], now: float,
+                       tail: float) -> tuple[float, Request, float]:
         """(tightest step-time limit, the request it belongs to, tightest stretch limit)
         over ``decoding``, in seconds.
 
@@ -386,6 +390,12 @@ class Scheduler:
         credit`` (at least the limit), is the longest next step after which its mean TPOT
         so far still holds its share: what prompts owed their TTFT may spend
         (:attr:`StepGuard.owed`).
+
+        A decode in its last gap has no later step to average a slow one out: its limit
+        (and stretch limit) is also at most what is left of its full TPOT SLO, ``tpot_slo_s
+        * g - (now - first_token_time)``, scaled by ``tail`` (the recent median over the
+        largest measured / predicted step ratio), so that a step running as far over its
+        prediction as any recent one still ends in time.
         """
         target = self.config.tpot_slo_guard_target
         limit, binder, stretch = math.inf, decoding[0], math.inf
@@ -394,11 +404,15 @@ class Scheduler:
                 continue  # no TPOT SLO (a bare Request): it limits nothing, and inf - inf is NaN
             share = req.tpot_slo_s * target
             credit = self._tpot_credit(req, now)
-            own = max(share + credit / max(1, req.max_tokens - len(req.output_token_ids)),
-                      2 * share - req.tpot_slo_s)
+            gaps = req.max_tokens - len(req.output_token_ids)
+            own = max(share + credit / max(1, gaps), 2 * share - req.tpot_slo_s)
+            own_stretch = max(own, share + credit)
+            if gaps <= 1 and req.first_token_time is not None:
+                left = req.tpot_slo_s * len(req.output_token_ids) - (now - req.first_token_time)
+                own = own_stretch = max(min(own, left * tail), 2 * share - req.tpot_slo_s)
             if own < limit:
                 limit, binder = own, req
-            stretch = min(stretch, max(own, share + credit))
+            stretch = min(stretch, own_stretch)
         return limit, binder, stretch
 
     def _allowance(self, req: Request, budget: PrefillBudget, now: float) -> int:

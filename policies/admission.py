@@ -123,6 +123,14 @@ class StepTimeModel:
             return 1.0
         return min(2.0, max(0.5, statistics.median(self._ratios)))
 
+    def local_ratio_max(self) -> float:
+        """Largest measured / predicted seconds over the last ``LOCAL_RATIO_STEPS`` steps
+        (1.0 before any), clamped to [0.5, 2]: how far over its prediction a step may run
+        where the engine runs now, for a limit that one slow step would break."""
+        if not self._ratios:
+            return 1.0
+        return min(2.0, max(0.5, max(self._ratios)))
+
     def coefficients(self) -> tuple[float, float, float]:
         """(a s, b s/prefill token, c s/decode sequence), each >= 0."""
         if self._coef is None:

@@ -355,3 +355,19 @@ def test_step_time_local_ratio_tracks_recent_error_of_the_fit():
     for _ in range(30):  # a wild outlier regime is clamped
         model.observe(100, 5, 100.0)
     assert model.local_ratio() == 2.0
+
+
+def test_step_time_local_ratio_max_is_the_slowest_recent_step():
+    model = StepTimeModel(prior=(0.1, 0.001, 0.01), min_samples=1)
+    assert model.local_ratio_max() == 1.0
+    for i in range(40):
+        p, d = (i * 37) % 200, (i * 11) % 30
+        model.observe(p, d, 0.1 + 0.001 * p + 0.01 * d)
+    model.observe(100, 5, 1.4 * 0.25)  # one slow step among 7 exact ones
+    for i in range(7):
+        p, d = (i * 37) % 200, (i * 11) % 30
+        model.observe(p, d, 0.1 + 0.001 * p + 0.01 * d)
+    assert model.local_ratio() == pytest.approx(1.0, abs=0.05)  # the median ignores it
+    assert model.local_ratio_max() == pytest.approx(1.4, abs=0.05)
+    model.observe(100, 5, 0.25)  # 8 steps later it has left the window
+    assert model.local_ratio_max() == pytest.approx(1.0, abs=0.05)

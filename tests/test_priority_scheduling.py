@@ -512,6 +512,70 @@ def test_a_decode_sitting_out_is_not_run_as_a_prefill_chunk_with_the_cap_left_ov
     assert out.num_decodes == len(out.seqs) - 1
 
 
+@pytest.mark.parametrize("max_tokens,chunk", [
+    (2, 237),   # its last gap: (0.5 / 1.4 - 0.1 - 0.02) / 0.001 tokens
+    (50, 305),  # 48 gaps left to average a slow step out: its 0.425 s share
+])
+def test_a_decode_in_its_last_gap_keeps_its_step_within_its_slo_at_the_recent_worst_ratio(
+        max_tokens, chunk):
+    from policies import StepTimeModel
+
+    class Jittery(StepTimeModel):
+        """Recent steps ran at their prediction at the median, 1.4x at worst."""
+
+        def local_ratio(self):
+            return 1.0
+
+        def local_ratio_max(self):
+            return 1.4
+
+    sched, clock, _ = _guarded(target=0.85)
+    model = sched.step_time = Jittery(prior=(0.1, 0.001, 0.02), min_samples=10**9)
+    short = guarded_req("short", 0.0, priority=0, slo=0.5, max_tokens=max_tokens)
+    sched.add(short)
+    model_step(sched, clock, model)  # its prefill: first token
+    sched.add(guarded_req("bp", clock(), priority=2, slo=5.0, prompt_len=2000))
+    out = model_step(sched, clock, model)
+    # A 2-token output's TPOT is this one step: at 1.4x its prediction it must still end
+    # within 0.5 s. On c1659fc the batch prompt took the 0.425 s share (305 tokens):
+    # 0.595 s at 1.4x.
+    assert {s.request.request_id: s.num_tokens for s in out.seqs}["bp"] == chunk
+    predicted = model.predict(out.num_batched_tokens - out.num_decodes, out.num_decodes)
+    assert predicted * 1.4 <= 0.5 + 1e-9 or max_tokens > 2
+
+
+@pytest.mark.parametrize("ttft_slo,chunk", [
+    (2.5, 170),  # past its 2.0 s guard deadline, not its SLO: all its tokens now
+    (2.0, 60),   # past its SLO already: the plain cap, no decode sits out for it
+])
+def test_a_prompt_past_its_guard_deadline_takes_its_tokens_while_its_slo_can_be_met(
+        ttft_slo, chunk):
+    sched, clock, model = _guarded(target=0.8)  # steps aimed at 0.4 s
+    batch = [guarded_req(f"b{i}", 0.01 * i, priority=2, slo=5.0) for i in range(10)]
+    for r in batch:
+        sched.add(r)
+    for _ in range(4):  # decode-only steps of 0.3 s bank credit against batch's 4 s share
+        model_step(sched, clock, model)
+    inter = [guarded_req(f"i{i}", clock(), priority=0, slo=0.5) for i in range(2)]
+    for r in inter:
+        sched.add(r)
+    model_step(sched, clock, model)
+    # Arrived 2.05 s ago (steps ran over its plan): 0.45 s to its SLO if it is 2.5 s.
+    late = guarded_req("late", clock() - 2.05, priority=0, slo=0.5, prompt_len=170,
+                       max_tokens=2, ttft_slo=ttft_slo)
+    sched.add(late)
+    out = model_step(sched, clock, model)
+    ran = {s.request.request_id: s.num_tokens for s in out.seqs}
+    # 12 decodes at the 0.4 s share leave (0.4 - 0.1 - 12 x 0.02) / 0.001 = 60 tokens;
+    # 6 batch decodes sitting out free 120 more. On c1659fc a prompt past its guard
+    # deadline was owed nothing: 60 tokens a step, its first token at 3.25 s.
+    assert ran["late"] == chunk
+    assert len([r for r in batch if r.request_id not in ran]) == (6 if chunk == 170 else 0)
+    assert {"i0", "i1"} <= set(ran)
+    if chunk == 170:
+        assert late.first_token_time - late.arrival_time <= ttft_slo
+
+
 @pytest.mark.parametrize("ttft_slo,batch_in_last_step", [
     (1.2, 0),    # deadline 0.96 s: a full last step (0.707 s) would end at 1.41 s
     (3.0, 414),  # deadline 2.4 s: the full step ends in time, so the batch prompt fills it
