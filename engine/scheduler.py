@@ -246,8 +246,9 @@ class Scheduler:
         they may take more than the cap: up to the tightest SLO share (debt is then repaid
         only by prompts the binder outranks, so that repaying it cannot make a prompt of
         its own class miss its TTFT), and beyond it as far as every decode's TPOT credit
-        allows (the stretch limit of :meth:`_decode_limits`): a decode with no credit (a
-        short output, say) would miss its TPOT instead. If that, or the token budget, is
+        allows (the owed limit of :meth:`_decode_limits`): a decode with no credit (a
+        short output, say) would miss its TPOT instead, and a decode in its last gap
+        bounds the step even below the share. If that, or the token budget, is
         still short, decodes that the first owed prompt could preempt (``policy.preempts``)
         sit the step out, least urgent first, when their TPOT credit covers a step without
         a token (again in the next step, so a decode may sit out several in a row): each
@@ -287,7 +288,7 @@ class Scheduler:
             spare = limit - model.predict(0, decodes) * ratio
             return math.floor(spare / (b * ratio)) if b > 0 else math.inf
 
-        limit, binder, stretch = self._decode_limits(
+        limit, binder, owed_limit = self._decode_limits(
             decoding, now, ratio / model.local_ratio_max())
         owed = [r for urgent, req in self._prompt_line(order, waiting_order, now)
                 for r in (*urgent, req)
@@ -301,7 +302,6 @@ class Scheduler:
         max_tokens = self.config.max_num_batched_tokens
         full_s = model.predict(max_tokens - len(decoding), len(decoding)) * ratio
         need = self._owed_need(owed, min(max(limit, slo), full_s) / target, now)
-        owed_limit = max(stretch, slo)
         kept, deferred = len(decoding), set()
         for req in reversed(decoding):  # least urgent first
             # Sitting out frees step time and a budget token: it helps while either binds.
@@ -376,8 +376,8 @@ class Scheduler:
 
     def _decode_limits(self, decoding: list[Request], now: float,
                        tail: float) -> tuple[float, Request, float]:
-        """(tightest step-time limit, the request it belongs to, tightest stretch limit)
-        over ``decoding``, in seconds.
+        """(tightest step-time limit, the request it belongs to, owed limit) over
+        ``decoding``, in seconds.
 
         A decode's TPOT credit is ``share * (g - 1) - (now - first_token_time)`` seconds
         after ``g`` output tokens, where ``share = target * tpot_slo_s``: what its steps so
@@ -388,17 +388,19 @@ class Scheduler:
         from jitter, and repaying it faster would starve everyone's prefill (and let a
         batch request's debt squeeze interactive prompts). The stretch limit, ``share +
         credit`` (at least the limit), is the longest next step after which its mean TPOT
-        so far still holds its share: what prompts owed their TTFT may spend
-        (:attr:`StepGuard.owed`).
+        so far still holds its share. The owed limit, what prompts owed their TTFT may
+        spend (:attr:`StepGuard.owed`), is the tightest stretch limit but at least the
+        tightest share.
 
-        A decode in its last gap has no later step to average a slow one out: its limit
-        (and stretch limit) is also at most what is left of its full TPOT SLO, ``tpot_slo_s
-        * g - (now - first_token_time)``, scaled by ``tail`` (the recent median over the
-        largest measured / predicted step ratio), so that a step running as far over its
-        prediction as any recent one still ends in time.
+        A decode in its last gap has no later step to average a slow one out: its limit,
+        which also bounds the owed limit, is at most what is left of its full TPOT SLO,
+        ``tpot_slo_s * g - (now - first_token_time)``, scaled by ``tail`` (the recent
+        median over the largest measured / predicted step ratio), so that a step running
+        as far over its prediction as any recent one still ends in time.
         """
         target = self.config.tpot_slo_guard_target
         limit, binder, stretch = math.inf, decoding[0], math.inf
+        share_min, last_gap = math.inf, math.inf
         for req in decoding:
             if math.isinf(req.tpot_slo_s):
                 continue  # no TPOT SLO (a bare Request): it limits nothing, and inf - inf is NaN
@@ -406,14 +408,15 @@ class Scheduler:
             credit = self._tpot_credit(req, now)
             gaps = req.max_tokens - len(req.output_token_ids)
             own = max(share + credit / max(1, gaps), 2 * share - req.tpot_slo_s)
-            own_stretch = max(own, share + credit)
+            stretch = min(stretch, max(own, share + credit))
             if gaps <= 1 and req.first_token_time is not None:
                 left = req.tpot_slo_s * len(req.output_token_ids) - (now - req.first_token_time)
-                own = own_stretch = max(min(own, left * tail), 2 * share - req.tpot_slo_s)
+                own = max(min(own, left * tail), 2 * share - req.tpot_slo_s)
+                last_gap = min(last_gap, own)
             if own < limit:
                 limit, binder = own, req
-            stretch = min(stretch, own_stretch)
-        return limit, binder, stretch
+            share_min = min(share_min, share)
+        return limit, binder, min(max(stretch, share_min), last_gap)
 
     def _allowance(self, req: Request, budget: PrefillBudget, now: float) -> int:
         """Prefill tokens ``req`` may take this step: the guard's cap for prompts its

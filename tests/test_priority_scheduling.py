@@ -512,12 +512,13 @@ def test_a_decode_sitting_out_is_not_run_as_a_prefill_chunk_with_the_cap_left_ov
     assert out.num_decodes == len(out.seqs) - 1
 
 
-@pytest.mark.parametrize("max_tokens,chunk", [
-    (2, 237),   # its last gap: (0.5 / 1.4 - 0.1 - 0.02) / 0.001 tokens
-    (50, 305),  # 48 gaps left to average a slow step out: its 0.425 s share
+@pytest.mark.parametrize("max_tokens,prompt_priority,chunk", [
+    (2, 2, 237),   # its last gap: (0.5 / 1.4 - 0.1 - 0.02) / 0.001 tokens
+    (50, 2, 305),  # 48 gaps left to average a slow step out: its 0.425 s share
+    (2, 0, 237),   # a peer's prompt owed its TTFT may not spend the last gap either
 ])
 def test_a_decode_in_its_last_gap_keeps_its_step_within_its_slo_at_the_recent_worst_ratio(
-        max_tokens, chunk):
+        max_tokens, prompt_priority, chunk):
     from policies import StepTimeModel
 
     class Jittery(StepTimeModel):
@@ -534,11 +535,12 @@ def test_a_decode_in_its_last_gap_keeps_its_step_within_its_slo_at_the_recent_wo
     short = guarded_req("short", 0.0, priority=0, slo=0.5, max_tokens=max_tokens)
     sched.add(short)
     model_step(sched, clock, model)  # its prefill: first token
-    sched.add(guarded_req("bp", clock(), priority=2, slo=5.0, prompt_len=2000))
+    sched.add(guarded_req("bp", clock(), priority=prompt_priority, slo=5.0, prompt_len=2000,
+                          ttft_slo=1.0))
     out = model_step(sched, clock, model)
     # A 2-token output's TPOT is this one step: at 1.4x its prediction it must still end
-    # within 0.5 s. On c1659fc the batch prompt took the 0.425 s share (305 tokens):
-    # 0.595 s at 1.4x.
+    # within 0.5 s. On c1659fc the prompt took the 0.425 s share (305 tokens): 0.595 s at
+    # 1.4x. On 2ab7f48 a prompt owed its TTFT still could.
     assert {s.request.request_id: s.num_tokens for s in out.seqs}["bp"] == chunk
     predicted = model.predict(out.num_batched_tokens - out.num_decodes, out.num_decodes)
     assert predicted * 1.4 <= 0.5 + 1e-9 or max_tokens > 2
