@@ -38,7 +38,9 @@ Capacity and loads
     step time reaches the interactive TPOT SLO), printed for comparison. ``--capacity R`` skips
     the measurement. Default loads: 0.25, 0.5, 1, 1.5, 2 x capacity; a config that misses 90%
     attainment even at its lowest load gets one more point at half that load
-    (``--extra-low-points``), so that its goodput is bracketed.
+    (``--extra-low-points``), so that its goodput is bracketed. The grid is coarse where goodput
+    usually lies (0.5x to 1x), so each config's bracket (the last load that passes, the first
+    that fails) is then halved ``--goodput-refine`` times (2) by a point at its midpoint.
 
 Systems (one engine per config, reused across its loads, warmed up first; fp32 on CPU)
     static          policy="static" (Orca's request-level baseline), no chunked prefill
@@ -73,7 +75,7 @@ Metrics (per class and over all requests)
     SLO). Throughput: output tokens / point wall time. SLO goodput rate: requests meeting their
     SLOs / duration. Goodput (DistServe, Zhong et al., OSDI 2024): the highest offered rate at
     which >= 90% of requests meet both SLOs, over each config's load sweep (linear interpolation
-    between the last load that passes and the first that fails).
+    between the last load that passes and the first that fails, after the refinement above).
 
 Targeted experiments (``--experiments``)
     chunk      4 interactive decoders (prompts of trace rows 0-3) reach steady state, then a
@@ -606,7 +608,8 @@ def goodput(points: list[dict]) -> dict[str, Any]:
         a0 = last_ok["summary"]["all"]["attainment_offered"]
         r0, r1 = last_ok["rate_offered"], p["rate_offered"]
         g = r0 + (r1 - r0) * (a0 - GOODPUT_ATTAINMENT) / (a0 - att) if a0 > att else r0
-        return {"goodput_rps": g, "bound": "interpolated", "grid_rps": r0}
+        return {"goodput_rps": g, "bound": "interpolated", "grid_rps": r0,
+                "bracket_load_x": [last_ok["load_x"], p["load_x"]]}
     if last_ok is None:
         return {"goodput_rps": None, "bound": "no_points", "grid_rps": None}
     return {"goodput_rps": last_ok["rate_offered"], "bound": "at_least_highest_load",
@@ -707,7 +710,7 @@ async def run_sweep(wl: Workload, args: argparse.Namespace, capacity: float,
         classes = aeng.engine.traffic_classes or DEFAULT_CLASSES
         points = []
         todo = list(loads)
-        extra = args.extra_low_points
+        extra, refine = args.extra_low_points, args.goodput_refine
         while todo:
             x = todo.pop(0)
             rate = x * capacity
@@ -751,6 +754,14 @@ async def run_sweep(wl: Workload, args: argparse.Namespace, capacity: float,
                     todo.append(low["load_x"] / 2)
                     print(f"[{name}] attainment {_pct(att)} < 90% at the lowest load "
                           f"{low['load_x']:g}x: adding {low['load_x'] / 2:g}x", flush=True)
+            if not todo and refine > 0:
+                g = goodput(points)
+                if g["bound"] == "interpolated":
+                    refine -= 1
+                    x0, x1 = g["bracket_load_x"]
+                    todo.append((x0 + x1) / 2)
+                    print(f"[{name}] goodput between {x0:g}x and {x1:g}x: adding "
+                          f"{(x0 + x1) / 2:g}x", flush=True)
         points.sort(key=lambda p: p["load_x"])
         await stop_engine(aeng)
         del aeng
@@ -1273,7 +1284,9 @@ def plots(report: dict, stem: Path) -> list[str]:
         plt.close(fig)
         written.append(str(p))
 
-        loads = sorted({p["load_x"] for r in sweep.values() for p in r["points"]})
+        # The loads every config ran (refinement points differ between configs).
+        loads = sorted(set.intersection(*({p["load_x"] for p in r["points"]}
+                                          for r in sweep.values())))
         show = loads if len(loads) <= 3 else [loads[0], loads[len(loads) // 2], loads[-1]]
         slo = report["classes"]["interactive"]
         fig, axes = plt.subplots(2, len(show), figsize=(4.5 * len(show), 7.5), squeeze=False)
@@ -1345,6 +1358,7 @@ def estimate_s(args, configs, loads, experiments) -> float:
     # Extra low-load points: expect them for the configs without continuous batching.
     n_low = sum(1 for c in configs if CONFIGS[c]["policy"] == "static")
     t += min(args.extra_low_points, 1) * n_low * (args.duration + 2)
+    t += args.goodput_refine * len(configs) * (args.duration + 0.5 * args.drain + 2)
     if "chunk" in experiments:
         nv = len([v for v in args.chunk_variants.split(",") if v.strip()])
         t += nv * (engine_start + 15 + 6 * args.long_repeats)
@@ -1396,6 +1410,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--extra-low-points", type=int, default=None,
                     help="if a config misses 90%% attainment at its lowest load, add up to this "
                          "many points at half the lowest load (default 1; quick 0)")
+    ap.add_argument("--goodput-refine", type=int, default=None,
+                    help="points added per config by halving its goodput bracket "
+                         "(default 2; quick 0)")
     ap.add_argument("--chunk-budget", type=int, default=128,
                     help="max_num_batched_tokens of the chunked configs")
     ap.add_argument("--nochunk-budget", type=int, default=2048,
@@ -1440,6 +1457,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.long_repeats = args.long_repeats or (1 if q else 2)
     if args.extra_low_points is None:
         args.extra_low_points = 0 if q else 1
+    if args.goodput_refine is None:
+        args.goodput_refine = 0 if q else 2
     args.loads = [float(x) for x in (args.loads or ("0.5,2" if q else "0.25,0.5,1,1.5,2"))
                   .split(",") if x.strip()]
     cfgs = args.configs or ",".join(QUICK_CONFIGS if q else CONFIGS)
