@@ -570,7 +570,7 @@ def test_a_prompt_past_its_guard_deadline_takes_its_tokens_while_its_slo_can_be_
     ran = {s.request.request_id: s.num_tokens for s in out.seqs}
     # 12 decodes at the 0.4 s share leave (0.4 - 0.1 - 12 x 0.02) / 0.001 = 60 tokens;
     # 6 batch decodes sitting out free 120 more. On c1659fc a prompt past its guard
-    # deadline was owed nothing: 60 tokens a step, its first token at 3.25 s.
+    # deadline was owed nothing: it got 60 tokens in this step (3 steps for 170).
     assert ran["late"] == chunk
     assert len([r for r in batch if r.request_id not in ran]) == (6 if chunk == 170 else 0)
     assert {"i0", "i1"} <= set(ran)
