@@ -289,7 +289,7 @@ class Scheduler:
             return math.floor(spare / (b * ratio)) if b > 0 else math.inf
 
         limit, binder, owed_limit = self._decode_limits(
-            decoding, now, 1 / model.overrun_tail())
+            decoding, now, ratio / model.local_ratio_max())
         owed = [r for urgent, req in self._prompt_line(order, waiting_order, now)
                 for r in (*urgent, req)
                 if r is not None and not r.output_token_ids
@@ -394,9 +394,9 @@ class Scheduler:
 
         A decode in its last gap has no later step to average a slow one out: its limit,
         which also bounds the owed limit, is at most what is left of its full TPOT SLO,
-        ``tpot_slo_s * g - (now - first_token_time)``, scaled by ``tail`` (one over the
-        step-time model's ``overrun_tail``), so that a step running over its prediction
-        by all but the rarest recent jitter still ends in time.
+        ``tpot_slo_s * g - (now - first_token_time)``, scaled by ``tail`` (the recent
+        median over the largest measured / predicted step ratio), so that a step running
+        as far over its prediction as any recent one still ends in time.
         """
         target = self.config.tpot_slo_guard_target
         limit, binder, stretch = math.inf, decoding[0], math.inf

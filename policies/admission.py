@@ -37,10 +37,6 @@ DEFAULT_STEP_COEFFICIENTS = (0.05, 0.002, 0.002)
 LOCAL_RATIO_STEPS = 8
 """Steps over which :meth:`StepTimeModel.local_ratio` takes its median."""
 
-OVERRUN_STEPS = 64
-"""Steps over which :meth:`StepTimeModel.overrun_tail` takes its quantile (enough for a
-97th percentile to be more than the largest one)."""
-
 
 class StepTimeModel:
     """Online least-squares fit of ``seconds ≈ a + b * prefill_tokens + c * decode_seqs``.
@@ -65,8 +61,7 @@ class StepTimeModel:
     of percent; worse, the TPOT guard chooses the steps the fit learns from, which can
     leave a slope poorly identified. :meth:`local_ratio` measures that error where it
     matters: the median of measured / predicted seconds over the last few steps, each
-    predicted before it was observed. :meth:`overrun_tail` measures what is left: how far
-    a single step runs over that corrected prediction (jitter), at a high percentile.
+    predicted before it was observed.
 
     Args:
         prior: (a seconds, b seconds per prefill token, c seconds per decode sequence).
@@ -97,7 +92,6 @@ class StepTimeModel:
         self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._coef: tuple[float, float, float] | None = self.prior  # None: refit needed
         self._ratios: deque[float] = deque(maxlen=LOCAL_RATIO_STEPS)
-        self._overruns: deque[float] = deque(maxlen=OVERRUN_STEPS)
 
     @property
     def num_samples(self) -> int:
@@ -117,8 +111,6 @@ class StepTimeModel:
         if len(self._obs) >= self.min_samples:
             predicted = self.predict(prefill_tokens, decode_seqs)
             if predicted > 0:
-                if self._ratios:
-                    self._overruns.append(seconds / (predicted * self.local_ratio()))
                 self._ratios.append(seconds / predicted)
         self._obs.append((float(prefill_tokens), float(decode_seqs), float(seconds)))
         self._coef = None
@@ -131,23 +123,13 @@ class StepTimeModel:
             return 1.0
         return min(2.0, max(0.5, statistics.median(self._ratios)))
 
-    def overrun_tail(self, quantile: float = 0.97) -> float:
-        """The ``quantile`` of a step's measured seconds over its prediction times the
-        :meth:`local_ratio` of its time, over the last ``OVERRUN_STEPS`` steps (1.0 before
-        any), clamped to [1, 2]: how far over the corrected prediction one step may run,
-        for a limit that a single slow step would break (a 2-token output's TPOT is one
-        step). On the 2-core CPU of the scheduling bench the 95th percentile was 1.3-1.75.
-
-        Raises:
-            ValueError: ``quantile`` not in (0, 1].
-        """
-        if not 0 < quantile <= 1:
-            raise ValueError(f"quantile={quantile!r}: must be in (0, 1]")
-        if not self._overruns:
+    def local_ratio_max(self) -> float:
+        """Largest measured / predicted seconds over the last ``LOCAL_RATIO_STEPS`` steps
+        (1.0 before any), clamped to [0.5, 2]: how far over its prediction a step may run
+        where the engine runs now, for a limit that one slow step would break."""
+        if not self._ratios:
             return 1.0
-        ordered = sorted(self._overruns)
-        value = ordered[math.ceil(quantile * len(ordered)) - 1]
-        return min(2.0, max(1.0, value))
+        return min(2.0, max(0.5, max(self._ratios)))
 
     def coefficients(self) -> tuple[float, float, float]:
         """(a s, b s/prefill token, c s/decode sequence), each >= 0."""
