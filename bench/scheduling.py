@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/scheduling.py            # full run (about 20-30 min on 2 CPU cores)
+    .venv/bin/python bench/scheduling.py            # full run (about 35-37 min on 2 CPU cores)
     .venv/bin/python bench/scheduling.py --quick    # smoke run (2 loads x 3 configs, ~3 min)
 
 Workload
