@@ -25,6 +25,10 @@ from engine.request import FinishReason, Request, RequestStatus
 from policies.admission import StepTimeModel
 from policies.base import SchedulingPolicy
 
+OWED_BORROW = 0.5
+"""Fraction of a decode's later gaps' jitter headroom (``tpot_slo_s`` minus its share, per
+gap) that prompts owed their TTFT may spend in one step (:meth:`Scheduler._decode_limits`)."""
+
 
 @dataclass(slots=True)
 class ScheduledSeq:
@@ -245,17 +249,19 @@ class Scheduler:
         over their predictions, or at a full token budget's time where that is shorter),
         they may take more than the cap: up to the tightest SLO share (debt is then repaid
         only by prompts the binder outranks, so that repaying it cannot make a prompt of
-        its own class miss its TTFT), and beyond it as far as every decode's TPOT credit
-        allows (the owed limit of :meth:`_decode_limits`): a decode with no credit (a
-        short output, say) would miss its TPOT instead, and a decode in its last gap
-        bounds the step even below the share. If that, or the token budget, is
+        its own class miss its TTFT), and beyond it as far as every decode's TPOT credit,
+        and half the jitter headroom of its later gaps, allow (the lent limit of
+        :meth:`_decode_limits`): a decode with no credit and few gaps left (a short
+        output, say) would miss its TPOT instead, and a decode in its last gap bounds the
+        step even below the share. If that, or the token budget, is
         still short, decodes that the first owed prompt could preempt (``policy.preempts``)
         sit the step out, least urgent first, when their TPOT credit covers a step without
         a token (again in the next step, so a decode may sit out several in a row): each
         frees a decode's time and a budget token, and keeps its KV (unlike shedding,
         nothing is recomputed). The first prompt in line takes what the step allows first;
         in the step that ends its prefill, the prompts behind it take only what still ends
-        the step by its TTFT deadline (its first token comes when the step ends).
+        the step by its TTFT deadline (its first token comes when the step ends), unless
+        it has already missed its TTFT SLO.
 
         Returns:
             This step's guard; :class:`StepGuard`'s defaults (no cap) with the guard off
@@ -288,7 +294,7 @@ class Scheduler:
             spare = limit - model.predict(0, decodes) * ratio
             return math.floor(spare / (b * ratio)) if b > 0 else math.inf
 
-        limit, binder, owed_limit = self._decode_limits(
+        limit, binder, owed_limit, lent_limit = self._decode_limits(
             decoding, now, ratio / model.local_ratio_max())
         owed = [r for urgent, req in self._prompt_line(order, waiting_order, now)
                 for r in (*urgent, req)
@@ -313,14 +319,18 @@ class Scheduler:
                 deferred.add(req.request_id)
                 kept -= 1
         cap = max(self.block_manager.block_size, tokens_within(limit, kept))
-        owed_cap = max(cap, min(need, tokens_within(owed_limit, kept)))
+        # Sitting out is sized by the owed limit alone: a shorter step serves a prompt
+        # that ends its prefill in it sooner. What the step still lacks is borrowed.
+        owed_cap = max(cap, min(need, tokens_within(lent_limit, kept)))
         if owed and owed[0].num_pending_tokens <= min(owed_cap, max_tokens - kept):
             # The first prompt in line samples its first token when this step ends: the
             # prompts behind it (later deadlines) may add only what still ends the step
             # by its deadline.
             first = owed[0]
             left = first.arrival_time + first.ttft_slo_s * target - now
-            if left < math.inf:
+            # One past its SLO has missed it: holding the others back for it saves no one
+            # (in a burst, that held every step to one short prompt).
+            if left < math.inf and now < first.arrival_time + first.ttft_slo_s:
                 ends = max(first.num_pending_tokens, tokens_within(left, kept))
                 cap, owed_cap = min(cap, ends), min(owed_cap, ends)
         return StepGuard(cap=cap, owed=owed_cap, slo=slo, binder=binder,
@@ -375,9 +385,9 @@ class Scheduler:
         return share * (len(req.output_token_ids) - 1) - (now - req.first_token_time)
 
     def _decode_limits(self, decoding: list[Request], now: float,
-                       tail: float) -> tuple[float, Request, float]:
-        """(tightest step-time limit, the request it belongs to, owed limit) over
-        ``decoding``, in seconds.
+                       tail: float) -> tuple[float, Request, float, float]:
+        """(tightest step-time limit, the request it belongs to, owed limit, lent limit)
+        over ``decoding``, in seconds.
 
         A decode's TPOT credit is ``share * (g - 1) - (now - first_token_time)`` seconds
         after ``g`` output tokens, where ``share = target * tpot_slo_s``: what its steps so
@@ -389,8 +399,13 @@ class Scheduler:
         batch request's debt squeeze interactive prompts). The stretch limit, ``share +
         credit`` (at least the limit), is the longest next step after which its mean TPOT
         so far still holds its share. The owed limit, what prompts owed their TTFT may
-        spend (:attr:`StepGuard.owed`), is the tightest stretch limit but at least the
-        tightest share.
+        spend by making decodes that they outrank sit out, is the tightest stretch limit
+        but at least the tightest share. The lent limit, what they may spend beyond that
+        (:attr:`StepGuard.owed`), adds part of each decode's later gaps' jitter headroom
+        to its stretch limit: ``share + credit + OWED_BORROW * (tpot_slo_s - share) * (r -
+        1)``, up to its full ``tpot_slo_s``. If every later step then ran at the share,
+        its mean TPOT would end at most ``OWED_BORROW`` of the way from its share to its
+        SLO; the steps after a burst, with no prefill queued, run well under the share.
 
         A decode in its last gap has no later step to average a slow one out: its limit,
         which also bounds the owed limit, is at most what is left of its full TPOT SLO,
@@ -399,7 +414,7 @@ class Scheduler:
         as far over its prediction as any recent one still ends in time.
         """
         target = self.config.tpot_slo_guard_target
-        limit, binder, stretch = math.inf, decoding[0], math.inf
+        limit, binder, stretch, lent = math.inf, decoding[0], math.inf, math.inf
         share_min, last_gap = math.inf, math.inf
         for req in decoding:
             if math.isinf(req.tpot_slo_s):
@@ -408,7 +423,11 @@ class Scheduler:
             credit = self._tpot_credit(req, now)
             gaps = req.max_tokens - len(req.output_token_ids)
             own = max(share + credit / max(1, gaps), 2 * share - req.tpot_slo_s)
-            stretch = min(stretch, max(own, share + credit))
+            stretch_own = max(own, share + credit)
+            stretch = min(stretch, stretch_own)
+            lent = min(lent, max(stretch_own, min(
+                req.tpot_slo_s,
+                share + credit + OWED_BORROW * (req.tpot_slo_s - share) * (gaps - 1))))
             if gaps <= 1 and req.first_token_time is not None:
                 left = req.tpot_slo_s * len(req.output_token_ids) - (now - req.first_token_time)
                 own = max(min(own, left * tail), 2 * share - req.tpot_slo_s)
@@ -416,7 +435,8 @@ class Scheduler:
             if own < limit:
                 limit, binder = own, req
             share_min = min(share_min, share)
-        return limit, binder, min(max(stretch, share_min), last_gap)
+        return (limit, binder, min(max(stretch, share_min), last_gap),
+                min(max(lent, share_min), last_gap))
 
     def _allowance(self, req: Request, budget: PrefillBudget, now: float) -> int:
         """Prefill tokens ``req`` may take this step: the guard's cap for prompts its

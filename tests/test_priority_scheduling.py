@@ -621,3 +621,48 @@ def test_an_owed_prompts_ttft_plan_counts_steps_at_the_full_tpot_slo():
     # credit allows ((0.4 + 0.3 - 0.1 - 12 x 0.02) / 0.001 = 360). Steps of 0.4 s would
     # give 4 steps of 150, and finish late whenever steps run 25% over.
     assert {s.request.request_id: s.num_tokens for s in out.seqs}["prompt"] == 200
+
+
+@pytest.mark.parametrize("max_tokens,ttft_slo,chunk", [
+    (500, 2.0, 334),  # decodes with 499 gaps left lend up to their full 0.5 s SLO
+    (3, 2.0, 310),    # 2 gaps left: half of one later gap's 0.1 s headroom, 0.45 s
+    (500, float("inf"), 260),  # no TTFT to meet: the share's cap
+])
+def test_decodes_with_later_gaps_lend_jitter_headroom_to_a_prompt_owed_its_ttft(
+        max_tokens, ttft_slo, chunk):
+    sched, clock, model = _guarded(target=0.8)  # share 0.4 s of the 0.5 s TPOT SLO
+    decodes = [guarded_req(f"i{i}", 0.0, priority=0, slo=0.5, max_tokens=max_tokens)
+               for i in range(2)]
+    for r in decodes:
+        sched.add(r)
+    model_step(sched, clock, model)  # their prefill: first tokens, no TPOT credit yet
+    prompt = guarded_req("p", clock(), priority=0, slo=0.5, prompt_len=1000,
+                         ttft_slo=ttft_slo)
+    sched.add(prompt)
+    out = model_step(sched, clock, model)
+    # The plan counts 0.5 s steps: 3 by the 1.6 s guard deadline, ceil(1000 / 3) = 334
+    # tokens a step. The share allows (0.4 - 0.1 - 2 x 0.02) / 0.001 = 260; on a1eba16
+    # that was all the prompt could take (the same-class decodes cannot sit out).
+    assert {s.request.request_id: s.num_tokens for s in out.seqs}["p"] == chunk
+    assert len(out.seqs) == 3
+    predicted = model.predict(out.num_batched_tokens - out.num_decodes, out.num_decodes)
+    assert predicted <= 0.5 + 1e-9
+
+
+def test_prompts_behind_one_that_missed_its_ttft_join_the_step_that_ends_its_prefill():
+    sched, clock, model = _guarded(target=0.8)
+    decodes = [guarded_req(f"i{i}", 0.0, priority=0, slo=0.5) for i in range(2)]
+    for r in decodes:
+        sched.add(r)
+    model_step(sched, clock, model)
+    missed = guarded_req("missed", clock() - 2.1, priority=0, slo=0.5, prompt_len=10,
+                         ttft_slo=2.0)
+    behind = [guarded_req(f"b{i}", clock() - 1.0, priority=0, slo=0.5, prompt_len=10,
+                          ttft_slo=2.0) for i in range(3)]
+    for r in (missed, *behind):
+        sched.add(r)
+    out = model_step(sched, clock, model)
+    # Holding the step to what ends it by the first prompt's deadline saves no one once
+    # that deadline has passed; on a1eba16 each of these prompts took a step of its own.
+    assert all(r.output_token_ids for r in (missed, *behind))
+    assert out.num_batched_tokens - out.num_decodes == 40
