@@ -408,7 +408,7 @@ class Scheduler:
         SLO; the steps after a burst, with no prefill queued, run well under the share.
 
         A decode in its last gap has no later step to average a slow one out: its limit,
-        which also bounds the owed limit, is at most what is left of its full TPOT SLO,
+        which also bounds the owed and lent limits, is at most what is left of its full TPOT SLO,
         ``tpot_slo_s * g - (now - first_token_time)``, scaled by ``tail`` (the recent
         median over the largest measured / predicted step ratio), so that a step running
         as far over its prediction as any recent one still ends in time.
