@@ -299,6 +299,58 @@ def engine_kwargs(args: argparse.Namespace, policy: str, chunked: bool, guard: b
     }
 
 
+class StepLog:
+    """``--step-log PATH``: one JSON line per engine step, to read why a request missed.
+
+    Fields: ``t`` (monotonic seconds at the step's start, the clock of the records'
+    arrival and token times), ``dur_s`` (its wall time), ``pred_s`` (the step-time model's
+    prediction for its shape times the model's local ratio, as the TPOT guard sees it),
+    ``decodes``, ``prefill_tokens``, ``waiting`` and ``running`` (after scheduling),
+    ``cap`` and ``owed`` (the guard's prefill caps in tokens; None: no cap), ``deferred``
+    (decodes that sat the step out), ``preempted`` (request ids) and ``seqs`` (``[request
+    id, first token, tokens]`` per scheduled sequence; ids carry the config and load).
+    """
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a", buffering=1)
+
+    def attach(self, engine) -> None:
+        """Log every step of ``engine`` (an ``LLMEngine``) from now on."""
+        from policies.admission import predict_step
+
+        sched, model = engine.scheduler, engine.step_time_model
+        schedule, step = sched.schedule, engine.step
+        planned: list = []
+
+        def logged_schedule():
+            planned.append(schedule())
+            return planned[-1]
+
+        def logged_step():
+            ratio, coefficients = model.local_ratio(), model.coefficients()
+            t, start = time.monotonic(), time.perf_counter()
+            outputs = step()
+            dur = time.perf_counter() - start
+            out = planned.pop() if planned else None
+            if out is None or out.is_empty:
+                return outputs
+            prefill = out.num_batched_tokens - out.num_decodes
+            guard = sched.last_guard
+            self.file.write(json.dumps(_finite({
+                "t": t, "dur_s": dur,
+                "pred_s": predict_step(coefficients, prefill, out.num_decodes) * ratio,
+                "decodes": out.num_decodes, "prefill_tokens": prefill,
+                "waiting": len(sched.waiting), "running": len(sched.running),
+                "cap": guard.cap, "owed": guard.owed, "deferred": len(guard.deferred),
+                "preempted": [r.request_id for r in out.preempted],
+                "seqs": [[s.request.request_id, s.start, s.num_tokens] for s in out.seqs],
+            })) + "\n")
+            return outputs
+
+        sched.schedule, engine.step = logged_schedule, logged_step
+
+
 async def start_engine(kwargs: dict[str, Any], args: argparse.Namespace):
     from engine.async_engine import AsyncLLMEngine
     from engine.config import EngineConfig
@@ -306,6 +358,8 @@ async def start_engine(kwargs: dict[str, Any], args: argparse.Namespace):
     loop = asyncio.get_running_loop()
     t = time.perf_counter()
     aeng = await loop.run_in_executor(None, AsyncLLMEngine.from_config, EngineConfig(**kwargs))
+    if args.step_log is not None:
+        StepLog(args.step_log).attach(aeng.engine)
     # Warm-up: a few small requests (kernels, allocator, and the step-time model's first fit).
     rng = random.Random(12345)
     warm = [([rng.randrange(*TOKEN_ID_RANGE) for _ in range(n)], m)
@@ -1441,6 +1495,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="turn off the engine's TPOT SLO guard in the configs that run it "
                          "(priority, cont-chunk+adm, priority+adm)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--step-log", type=Path, default=None,
+                    help="append one JSON line per engine step to this file (see StepLog)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--out", type=Path, default=None,

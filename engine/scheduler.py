@@ -137,6 +137,11 @@ class Scheduler:
             else None
         )
 
+    @property
+    def last_guard(self) -> StepGuard:
+        """The TPOT guard of the step last scheduled (for step logs; defaults: guard off)."""
+        return self._guard
+
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
