@@ -11,13 +11,15 @@ from engine.attention import (
     ATTN_IMPLEMENTATION,
     FLASH_BLOCK_MULTIPLE,
     AttentionMetadata,
+    DecodeGroup,
     PrefillChunk,
+    decode_groups,
     flash_attn_available,
     paged_attention,
 )
 from engine.request import Request
 from engine.sampler import Sampler, SampleResult
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +87,12 @@ class ModelRunner:
         return {r.request_id: s for r, s in zip(sampling_reqs, results)}
 
     def _prepare(self, out: SchedulerOutput):
-        """Flatten the step into varlen tensors (shapes in :class:`AttentionMetadata`)."""
+        """Flatten the step into varlen tensors (shapes in :class:`AttentionMetadata`).
+
+        Decodes go longest context first, so that SDPA's decode groups are contiguous."""
         bs = self.block_size
+        nd = out.num_decodes
+        seqs = sorted(out.seqs[:nd], key=lambda s: -s.start) + out.seqs[nd:]
         ids: list[int] = []
         pos: list[int] = []
         qsl = [0]
@@ -95,7 +101,7 @@ class ModelRunner:
         sample_idx: list[int] = []
         sampling_reqs: list[Request] = []
         bm_tables = out.block_tables
-        for seq in out.seqs:
+        for seq in seqs:
             req, start, n = seq.request, seq.start, seq.num_tokens
             ids.extend(req.token_ids[start:start + n])
             pos.extend(range(start, start + n))
@@ -111,7 +117,7 @@ class ModelRunner:
         )
         positions = torch.tensor(pos, dtype=torch.int64)
         seq_of_token = torch.repeat_interleave(
-            torch.arange(len(ctx)), torch.tensor([s.num_tokens for s in out.seqs])
+            torch.arange(len(ctx)), torch.tensor([s.num_tokens for s in seqs])
         )
         slot_mapping = (
             block_tables[seq_of_token, positions // bs].to(torch.int64) * bs + positions % bs
@@ -123,13 +129,13 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=self.device),
             context_lens=context_lens.to(self.device),
             block_tables=block_tables.to(self.device),
-            max_query_len=max(s.num_tokens for s in out.seqs),
+            max_query_len=max(s.num_tokens for s in seqs),
             max_context_len=max(ctx),
-            num_decodes=out.num_decodes,
+            num_decodes=nd,
             use_flash=self.use_flash,
         )
         if not self.use_flash:
-            self._prepare_sdpa(md, out, block_tables, context_lens, qsl)
+            self._prepare_sdpa(md, seqs, nd, block_tables, ctx, qsl)
         return (
             torch.tensor(ids, dtype=torch.int64, device=self.device),
             positions.to(self.device),
@@ -138,21 +144,21 @@ class ModelRunner:
             sampling_reqs,
         )
 
-    def _prepare_sdpa(self, md: AttentionMetadata, out: SchedulerOutput,
-                      block_tables: torch.Tensor, context_lens: torch.Tensor,
-                      qsl: list[int]) -> None:
+    def _prepare_sdpa(self, md: AttentionMetadata, seqs: list[ScheduledSeq], nd: int,
+                      block_tables: torch.Tensor, ctx: list[int], qsl: list[int]) -> None:
         """Gather indices and masks for the SDPA backend, shared by every layer."""
         bs, dev = self.block_size, self.device
-        nd = out.num_decodes
-        if nd:
-            max_ctx = int(context_lens[:nd].max())
+        for start, end in decode_groups(ctx[:nd]):
+            n, max_ctx = end - start, ctx[start]
             p = torch.arange(max_ctx)
-            md.decode_slots = (
-                block_tables[:nd, p // bs].to(torch.int64) * bs + p % bs
-            ).to(dev)
-            md.decode_mask = (p[None, :] < context_lens[:nd, None]).view(nd, 1, 1, max_ctx).to(dev)
-        for i in range(nd, len(out.seqs)):
-            seq = out.seqs[i]
+            lens = torch.tensor(ctx[start:end])
+            md.decode_groups.append(DecodeGroup(
+                start, end,
+                slots=(block_tables[start:end, p // bs].to(torch.int64) * bs + p % bs).to(dev),
+                mask=(p[None, :] < lens[:, None]).view(n, 1, 1, max_ctx).to(dev),
+            ))
+        for i in range(nd, len(seqs)):
+            seq = seqs[i]
             chunk = PrefillChunk(qsl[i], qsl[i + 1], None, None)
             if seq.start > 0:
                 c = seq.start + seq.num_tokens
