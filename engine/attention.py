@@ -29,8 +29,8 @@ DECODE_SPLIT_SLOTS = 512
 
 A padded slot costs a gather and an attention read of its K and V in every layer (about
 9 us per slot and step over 30 layers on the 2-core CPU this was measured on: one decode
-at context 600 among 23 at 100 added 0.10 s to the step); one more call costs about as
-much as 400 such slots."""
+at context 600 among 23 at 100 added 0.10 s to the step); one more gather and SDPA call
+per layer was estimated, not measured, at a few ms a step: some 400 such slots."""
 
 
 def flash_attn_available() -> bool:
@@ -96,8 +96,8 @@ def decode_groups(context_lens: list[int]) -> list[tuple[int, int]]:
 class AttentionMetadata:
     """Everything attention needs for one step; built once, shared by all layers.
 
-    Shapes (``T`` tokens in the step, ``B`` sequences, decodes first, longest context
-    first):
+    Shapes (``T`` tokens in the step, ``B`` sequences; decodes first, ordered longest
+    context first):
         slot_mapping: ``[T]`` int64, flat cache slot of each token
             (``block_table[pos // block_size] * block_size + pos % block_size``).
         query_start_loc: ``[B + 1]`` int32, offsets of each sequence's tokens.
