@@ -305,10 +305,11 @@ class StepLog:
     Fields: ``t`` (monotonic seconds at the step's start, the clock of the records'
     arrival and token times), ``dur_s`` (its wall time), ``pred_s`` (the step-time model's
     prediction for its shape times the model's local ratio, as the TPOT guard sees it),
-    ``decodes``, ``prefill_tokens``, ``waiting`` and ``running`` (after scheduling),
+    ``decodes``, ``prefill_tokens``, ``waiting`` and ``running`` (after the step),
     ``cap`` and ``owed`` (the guard's prefill caps in tokens; None: no cap), ``deferred``
     (decodes that sat the step out), ``preempted`` (request ids) and ``seqs`` (``[request
-    id, first token, tokens]`` per scheduled sequence; ids carry the config and load).
+    id, position of its first token scheduled, tokens]`` per scheduled sequence; ids carry
+    the config, the load and the trace row).
     """
 
     def __init__(self, path: Path) -> None:
