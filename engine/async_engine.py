@@ -39,13 +39,16 @@ class _Pending:
 class AsyncLLMEngine:
     """Drives an :class:`LLMEngine` from an asyncio loop.
 
-    ``step()`` runs in one worker thread (torch releases the GIL, so the event loop keeps
-    serving); additions and aborts are queued and applied on the event loop between
-    steps, so the engine is only ever touched by one thread at a time. An abort thus
+    ``step()`` runs in one worker thread, the one :meth:`from_config` builds the engine on
+    (torch releases the GIL, so the event loop keeps serving); additions and aborts are
+    queued and applied on the event loop between steps, so the engine is only ever
+    touched by one thread at a time. An abort thus
     takes effect, and frees the request's KV blocks, before the next step starts.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine,
+                 executor: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
+        """Wrap ``engine``; ``executor`` (one worker) steps it, a new one if None."""
         self.engine = engine
         # The worker thread detokenizes with the engine's tokenizer; this copy encodes
         # prompts on the event loop thread.
@@ -59,14 +62,33 @@ class AsyncLLMEngine:
         self._to_add: list[_Pending] = []
         self._to_abort: list[str] = []
         self._wake = asyncio.Event()
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._executor = executor or concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="engine"
+        )
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._error: BaseException | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
-        return cls(LLMEngine(config))
+        """Build the engine on the worker thread that will step it (blocks until loaded).
+
+        Why that thread: with torch's OpenMP backend (libgomp), every thread that runs a
+        parallel op keeps its own team of worker threads alive. Once the process holds
+        more such threads than CPUs, libgomp cuts its spin-wait short, so each op wakes
+        its workers through the kernel. Loading on one thread and stepping on another
+        made steps on a 2-core CPU 1.1-1.5x slower (``bench/engine_thread.py``).
+
+        Raises:
+            Whatever :class:`LLMEngine` raises for the config.
+        """
+        executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        try:
+            engine = executor.submit(LLMEngine, config).result()
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(engine, executor)
 
     async def generate(
         self,

@@ -196,3 +196,32 @@ async def test_async_arrival_time_is_when_generate_was_called():
         assert snap.num_kv_blocks_free == 64 and not snap.running_seqs
     finally:
         await engine.shutdown()
+
+
+async def test_async_engine_is_built_and_stepped_on_one_worker_thread(monkeypatch):
+    # A second thread running torch ops makes libgomp throttle its spin-wait (see
+    # AsyncLLMEngine.from_config), so loading and stepping must share one thread.
+    import threading
+
+    import engine.async_engine as async_engine
+    from engine import EngineConfig
+
+    threads = {}
+
+    class Recording(async_engine.LLMEngine):
+        def __init__(self, config):
+            threads["init"] = threading.get_ident()
+            super().__init__(config)
+
+        def step(self):
+            threads["step"] = threading.get_ident()
+            return super().step()
+
+    monkeypatch.setattr(async_engine, "LLMEngine", Recording)
+    engine = AsyncLLMEngine.from_config(EngineConfig(num_kv_blocks=64))
+    try:
+        outs = [o async for o in engine.generate("Hi", SamplingParams(max_tokens=2))]
+        assert outs[-1].finished
+        assert threads["init"] == threads["step"] != threading.get_ident()
+    finally:
+        await engine.shutdown()
