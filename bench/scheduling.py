@@ -82,7 +82,7 @@ Targeted experiments (``--experiments``)
                long prompt (1024 tokens, max_tokens 1) arrives, twice, 10 decode tokens apart;
                inter-token gaps (ITL) of the decoders that overlap the long prompt's prefill
                (arrival to first token), with chunking off and at budgets 512 (engine
-               default), 128, 64 and 32 (``--chunk-variants``). The target's "TPOT of running
+               default), 128, 64, 32 and 16 (``--chunk-variants``). The target's "TPOT of running
                decodes while a long prompt arrives" is each decoder's mean gap over the
                prefill windows; its p99 over the decoders is compared with the steady TPOT,
                the mean gap with no prefill in flight. The p99 of single gaps (ITL) over
@@ -1478,7 +1478,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--long-prompt", type=int, default=1024)
     ap.add_argument("--long-repeats", type=int, default=None, help="default 2; quick 1")
     ap.add_argument("--decoders", type=int, default=4)
-    ap.add_argument("--chunk-variants", default="off,512,128,64,32",
+    ap.add_argument("--chunk-variants", default="off,512,128,64,32,16",
                     help="'off' and/or chunk budgets for the chunk experiment")
     ap.add_argument("--batch-load", type=float, default=2.0,
                     help="priority experiment: batch traffic, x capacity")
