@@ -42,8 +42,8 @@ class AsyncLLMEngine:
     ``step()`` runs in one worker thread, the one :meth:`from_config` builds the engine on
     (torch releases the GIL, so the event loop keeps serving); additions and aborts are
     queued and applied on the event loop between steps, so the engine is only ever
-    touched by one thread at a time. An abort thus
-    takes effect, and frees the request's KV blocks, before the next step starts.
+    touched by one thread at a time. An abort thus takes effect, and frees the request's
+    KV blocks, before the next step starts.
     """
 
     def __init__(self, engine: LLMEngine,
@@ -75,8 +75,10 @@ class AsyncLLMEngine:
 
         Why that thread: with torch's OpenMP backend (libgomp), every thread that runs a
         parallel op keeps its own team of worker threads alive. Once the process holds
-        more such threads than CPUs, libgomp cuts its spin-wait short, so each op wakes
-        its workers through the kernel. Loading on one thread and stepping on another
+        more such threads than CPUs, libgomp cuts its spin-wait short (``do_spin`` in
+        libgomp's ``config/linux/wait.h`` switches to ``gomp_throttled_spin_count_var``
+        when ``gomp_managed_threads > gomp_available_cpus``), so each op wakes its
+        workers through the kernel. Loading on one thread and stepping on another
         made steps on a 2-core CPU 1.1-1.5x slower (``bench/engine_thread.py``).
 
         Raises:
