@@ -15,7 +15,8 @@ Each (mix, variant, run) is a fresh process, because a thread's OpenMP team live
 as the thread. The mix's requests (prompts of random token ids from ``random.Random(0)``,
 greedy, ``ignore_eos``) stream through ``AsyncLLMEngine.generate`` at once; every
 ``LLMEngine.step`` is timed. Reported per variant: the median over ``--runs`` runs of each
-run's median step, separately for steps with prefill tokens and decode-only steps, and the
+run's median step, separately for steps with prefill tokens and decode-only steps (the
+first two of which are left out as warm-up), and the
 median of the per-run ratios (caller / worker; runs alternate variants). Writes
 ``bench/results/engine_thread.json``.
 """
