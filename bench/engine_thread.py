@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/engine_thread.py     # about 3 minutes on 2 CPU cores
+    .venv/bin/python bench/engine_thread.py     # about 4 minutes on 2 CPU cores
 
 torch's OpenMP backend (libgomp) keeps a team of worker threads for every thread that has
 run a parallel op, and shortens its spin-wait once the process holds more of them than
@@ -16,9 +16,8 @@ as the thread. The mix's requests (prompts of random token ids from ``random.Ran
 greedy, ``ignore_eos``) stream through ``AsyncLLMEngine.generate`` at once; every
 ``LLMEngine.step`` is timed. Reported per variant: the median over ``--runs`` runs of each
 run's median step, separately for steps with prefill tokens and decode-only steps (the
-first two of which are left out as warm-up), and the
-median of the per-run ratios (caller / worker; runs alternate variants). Writes
-``bench/results/engine_thread.json``.
+first two decode-only steps are left out as warm-up), and the median of the per-run ratios
+(caller / worker; runs alternate variants). Writes ``bench/results/engine_thread.json``.
 """
 
 from __future__ import annotations
