@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/scheduling.py            # full run (about 35-37 min on 2 CPU cores)
+    .venv/bin/python bench/scheduling.py            # full run (about 60-65 min on 2 CPU cores)
     .venv/bin/python bench/scheduling.py --quick    # smoke run (2 loads x 3 configs, ~3 min)
 
 Workload
@@ -19,8 +19,18 @@ Workload
     stretched or squeezed, and offers exactly N / D requests per second (the trace's first
     seconds are lighter than its 5.5 req/s mean, so scaling by the mean rate would under-offer).
     The rows, timestamps and each point's ``time_scale`` are printed and saved. Lengths are
-    scaled down to fit a 2-core CPU: prompt = round(ContextTokens / 16) clamped to [4, 512],
-    output = round(GeneratedTokens / 16) clamped to [2, 64] (``--prompt-scale``, ...).
+    scaled down to fit a 2-core CPU: prompt = round(ContextTokens / 8) clamped to [4, 1024],
+    output = round(GeneratedTokens / 8) clamped to [2, 128] (``--prompt-scale``, ...; no row
+    among the first 2000 is clamped). Why 8: less scaling is more faithful, and the lengths
+    decide what static batching costs, since a request that arrives mid-batch waits out the
+    batch's remaining decode steps, in seconds against the 2 s TTFT SLO. The trace's outputs
+    average 265 tokens over its first 2000 rows. Divided by 16 (first 200 rows: about 15
+    tokens of about 0.1 s each here), a static batch's decode mostly ends within the SLO;
+    divided by 8, it takes about 3 s. 8 is the smallest power of two at which a full run
+    fits about an hour on 2 cores with as many requests per point as a /16 run at 25 s:
+    halving the lengths halves capacity, so ``--duration`` (50 s) and
+    ``--priority-duration`` (90 s) are doubled. Both divisors are equal, so the
+    prompt-to-output ratio (about 4:1) is the trace's.
     Prompts are token ids drawn uniformly from [1000, 40000) by ``random.Random(seed)`` in row
     order (deterministic, identical across configs and loads); each request is forced to produce
     exactly its output length (``ignore_eos=True``, ``max_tokens`` = scaled GeneratedTokens,
@@ -90,7 +100,7 @@ Targeted experiments (``--experiments``)
                whole-request TPOT, which dilutes a stall over the output, is reported too.
     admission  from the sweep at the highest load (2x): attainment of admitted interactive
                requests and SLO goodput rate vs the peak over loads, admission on vs off.
-    priority   batch traffic alone at 2x capacity (open loop, trace arrivals, 45 s), then the
+    priority   batch traffic alone at 2x capacity (open loop, trace arrivals, 90 s), then the
                same plus interactive traffic at 0.05x and 0.1x capacity (requests; trace rows
                from 3000), under FCFS (once) and under priority (``--priority-repeats``, 3,
                each paired with its own batch-alone run): interactive p99 TTFT over the
@@ -1432,7 +1442,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "15 s per point (+6 s drain); no chunk/priority experiments unless "
                          "asked")
     ap.add_argument("--duration", type=float, default=None,
-                    help="seconds of arrivals per point (default 25; quick 15)")
+                    help="seconds of arrivals per point (default 50; quick 15)")
     ap.add_argument("--drain", type=float, default=None,
                     help="cut-off after the last arrival, seconds (default 15; quick 6)")
     ap.add_argument("--loads", default=None,
@@ -1455,12 +1465,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-window-rows", type=int, default=6000)
     ap.add_argument("--rate-rows", type=int, default=2000,
                     help="rows over which the trace's own mean rate is measured")
-    ap.add_argument("--prompt-scale", type=float, default=16.0)
-    ap.add_argument("--output-scale", type=float, default=16.0)
+    ap.add_argument("--prompt-scale", type=float, default=8.0)
+    ap.add_argument("--output-scale", type=float, default=8.0)
     ap.add_argument("--min-prompt", type=int, default=4)
-    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--min-output", type=int, default=2)
-    ap.add_argument("--max-output", type=int, default=64)
+    ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--interactive-frac", type=float, default=0.7)
     ap.add_argument("--extra-low-points", type=int, default=None,
                     help="if a config misses 90%% attainment at its lowest load, add up to this "
@@ -1486,7 +1496,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="priority experiment: interactive traffic, x capacity (requests), "
                          "comma-separated")
     ap.add_argument("--priority-duration", type=float, default=None,
-                    help="priority experiment: seconds of arrivals per run (default 45; "
+                    help="priority experiment: seconds of arrivals per run (default 90; "
                          "quick 30)")
     ap.add_argument("--priority-repeats", type=int, default=None,
                     help="priority experiment: alone/mixed run pairs (default 3; quick 1)")
@@ -1505,8 +1515,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "quick: scheduling_quick.json)")
     args = ap.parse_args(argv)
     q = args.quick
-    args.duration = args.duration or (15.0 if q else 25.0)
-    args.priority_duration = args.priority_duration or (30.0 if q else 45.0)
+    args.duration = args.duration or (15.0 if q else 50.0)
+    args.priority_duration = args.priority_duration or (30.0 if q else 90.0)
     args.priority_repeats = args.priority_repeats or (1 if q else 3)
     args.interactive_loads = [float(x) for x in args.interactive_loads.split(",") if x.strip()]
     args.drain = args.drain if args.drain is not None else (6.0 if q else 15.0)
