@@ -28,10 +28,9 @@ Workload
     tokens of about 0.1 s each here), a static batch's decode mostly ends within the SLO;
     divided by 8, it takes about 3 s. 8 is the smallest power of two at which a full run
     fits a working session (about 75 min; /4 would double it) on 2 cores with as many
-    requests per point as a /16 run at 25 s:
-    halving the lengths halves capacity, so ``--duration`` (50 s) and
-    ``--priority-duration`` (90 s) are doubled. Both divisors are equal, so the
-    prompt-to-output ratio (about 4:1) is the trace's.
+    requests per point as a /16 run at 25 s: halving the lengths halves capacity, so
+    ``--duration`` (50 s) and ``--priority-duration`` (90 s) are doubled. Both divisors are
+    equal, so the prompt-to-output ratio (about 4:1) is the trace's.
     Prompts are token ids drawn uniformly from [1000, 40000) by ``random.Random(seed)`` in row
     order (deterministic, identical across configs and loads); each request is forced to produce
     exactly its output length (``ignore_eos=True``, ``max_tokens`` = scaled GeneratedTokens,
