@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/scheduling.py            # full run (about 75 min on 2 CPU cores)
+    .venv/bin/python bench/scheduling.py            # full run (about 90 min on 2 CPU cores)
     .venv/bin/python bench/scheduling.py --quick    # smoke run (2 loads x 3 configs, ~3 min)
 
 Workload
@@ -27,7 +27,7 @@ Workload
     average 265 tokens over its first 2000 rows. Divided by 16 (first 200 rows: about 15
     tokens of about 0.1 s each here), a static batch's decode mostly ends within the SLO;
     divided by 8, it takes about 3 s. 8 is the smallest power of two at which a full run
-    fits a working session (about 75 min; /4 would double it) on 2 cores with as many
+    fits a working session (about 90 min; /4 would double it) on 2 cores with as many
     requests per point as a /16 run at 25 s: halving the lengths halves capacity, so
     ``--duration`` (50 s) and ``--priority-duration`` (90 s) are doubled. Both divisors are
     equal, so the prompt-to-output ratio (about 4:1) is the trace's.
@@ -109,7 +109,9 @@ Targeted experiments (``--experiments``)
                from 3000), under FCFS (once) and under priority (``--priority-repeats``, 3,
                each paired with its own batch-alone run): interactive p99 TTFT over the
                pooled priority runs vs its SLO, and the median over pairs of batch output
-               throughput (tokens produced within the duration) vs batch alone. The
+               throughput (tokens produced within the duration) vs batch alone. Each
+               repeat also runs each interactive stream alone: its p99 TTFT there is the
+               floor no scheduler beats beside batch traffic. The
                interactive stream's share of the replica's work (its prompt and output
                tokens per second over capacity's) is reported: batch cannot keep more than
                the rest of capacity.
@@ -1023,17 +1025,21 @@ async def exp_priority(wl: Workload, args: argparse.Namespace, capacity: float) 
             "load_x": load, "rate": load * capacity, "requests": len(sched),
             "rows": [sched[0][1].row, sched[-1][1].row] if sched else None,
             "tok_s": tok_s, "work_share": tok_s / (capacity * (p_mean + o_mean)),
-            "fcfs": None, "priority": [], "batch_frac": []}
+            "fcfs": None, "priority": [], "batch_frac": [], "alone": []}
     for load, sched in streams.items():
         both = sorted(batch_sched + sched, key=lambda x: x[0])
         out["interactive"][f"{load:g}"]["fcfs"] = await _priority_run(
             args, "fcfs", both, f"mixed-fcfs@{load:g}x")
     # Alone and mixed runs alternate, and each ratio pairs a mixed run with the alone run
-    # of its repeat: the machine's drift between runs cancels out of the ratio.
+    # of its repeat: the machine's drift between runs cancels out of the ratio. Each
+    # interactive stream also runs alone, the floor of its TTFT: no scheduler serves it
+    # faster beside batch traffic than on a replica of its own.
     for rep in range(args.priority_repeats):
         alone = await _priority_run(args, "priority", batch_sched, f"batch-alone#{rep}")
         out["batch_alone"].append(alone)
         for load, sched in streams.items():
+            out["interactive"][f"{load:g}"]["alone"].append(await _priority_run(
+                args, "priority", sched, f"interactive-alone@{load:g}x#{rep}"))
             both = sorted(batch_sched + sched, key=lambda x: x[0])
             mixed = await _priority_run(args, "priority", both,
                                         f"mixed-priority@{load:g}x#{rep}")
@@ -1045,6 +1051,8 @@ async def exp_priority(wl: Workload, args: argparse.Namespace, capacity: float) 
     for s in out["interactive"].values():
         ttfts = [t for r in s["priority"] for t in r["interactive_ttft_s"] if t is not None]
         s["ttft_p99_pooled_s"] = pct(ttfts, 99)
+        s["alone_ttft_p99_pooled_s"] = pct(
+            [t for r in s["alone"] for t in r["interactive_ttft_s"] if t is not None], 99)
         s["ttft_samples"] = len(ttfts)
         s["censored"] = sum(r["summary"]["interactive"]["ttft_censored"] for r in s["priority"])
         s["batch_frac_median"] = statistics.median(s["batch_frac"]) if s["batch_frac"] else None
@@ -1131,8 +1139,9 @@ def targets(report: dict) -> list[dict]:
             "target": f"≤{slo_int['ttft_slo_s']} s (SLO)",
             "met": None if p99 is None else (p99 <= slo_int["ttft_slo_s"]
                                              and not st["censored"]),
-            "note": f"{st['ttft_samples']} requests over {len(st['priority'])} runs; fcfs: "
-                    + ("≥" if fcfs.get("ttft_censored") else "")
+            "note": f"{st['ttft_samples']} requests over {len(st['priority'])} runs; "
+                    f"interactive alone (no batch): {_f(st.get('alone_ttft_p99_pooled_s'))} "
+                    "s; fcfs: " + ("≥" if fcfs.get("ttft_censored") else "")
                     + _f(fcfs.get("ttft_p99_s")) + " s"})
         rows.append(_at_least_row(
             f"priority @ interactive {key}x: batch throughput / batch alone",
@@ -1292,6 +1301,8 @@ def print_report(report: dict) -> None:
                     f"{_pct(st['work_share'])} of capacity")
             if st["fcfs"]:
                 line("mixed-fcfs", desc, st["fcfs"])
+            for k, r in enumerate(st.get("alone", [])):
+                line(f"interactive-alone #{k}", desc, r)
             for k, r in enumerate(st["priority"]):
                 frac = st["batch_frac"][k] if k < len(st["batch_frac"]) else None
                 line(f"mixed-priority #{k}", desc, r, frac)
@@ -1433,7 +1444,7 @@ def estimate_s(args, configs, loads, experiments) -> float:
         t += nv * (engine_start + 15 + 6 * args.long_repeats)
     if "priority" in experiments:
         nl = len(args.interactive_loads)
-        runs = nl + args.priority_repeats * (1 + nl)
+        runs = nl + args.priority_repeats * (1 + 2 * nl)
         t += runs * (engine_start + args.priority_duration + 0.5 * args.drain + 2)
     return t
 
@@ -1612,6 +1623,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     runs.update({f"batch-alone#{k}": r for k, r in enumerate(pr.get("batch_alone") or [])})
     for key, st in (pr.get("interactive") or {}).items():
         runs.update({f"mixed-priority@{key}x#{k}": r for k, r in enumerate(st["priority"])})
+        runs.update({f"interactive-alone@{key}x#{k}": r for k, r in enumerate(st["alone"])})
         if st["fcfs"]:
             runs[f"mixed-fcfs@{key}x"] = st["fcfs"]
     for vname, v in runs.items():
