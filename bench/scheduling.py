@@ -263,6 +263,15 @@ class Workload:
         self.max_row_used = max(self.max_row_used, self.requests[start + n - 1].row)
         return out, scale
 
+    def scaling(self) -> str:
+        """How the trace's lengths were scaled, for the report."""
+        a = self.args
+        return (f"prompt = round(ContextTokens / {a.prompt_scale:g}) clamped to "
+                f"[{a.min_prompt}, {a.max_prompt}], output = round(GeneratedTokens "
+                f"/ {a.output_scale:g}) clamped to [{a.min_output}, {a.max_output}]; "
+                f"prompt ids uniform in [{TOKEN_ID_RANGE[0]}, {TOKEN_ID_RANGE[1]}) "
+                f"(random.Random({a.seed})); ignore_eos, greedy")
+
     def mean_lengths(self, n: int) -> tuple[float, float]:
         rs = self.requests[:n]
         return (statistics.fmean(len(r.prompt_ids) for r in rs),
@@ -1011,6 +1020,7 @@ async def exp_priority(wl: Workload, args: argparse.Namespace, capacity: float) 
     p_mean, o_mean = wl.mean_lengths(args.capacity_rows)
     streams = {}
     out: dict[str, Any] = {
+        "scale": wl.args.prompt_scale, "scaling": wl.scaling(),
         "duration_s": duration, "repeats": args.priority_repeats,
         "batch_rate": args.batch_load * capacity, "batch_requests": len(batch_sched),
         "batch_rows": [batch_sched[0][1].row, batch_sched[-1][1].row] if batch_sched else None,
@@ -1139,7 +1149,8 @@ def targets(report: dict) -> list[dict]:
             "target": f"≤{slo_int['ttft_slo_s']} s (SLO)",
             "met": None if p99 is None else (p99 <= slo_int["ttft_slo_s"]
                                              and not st["censored"]),
-            "note": f"{st['ttft_samples']} requests over {len(st['priority'])} runs; "
+            "note": f"lengths / {pr['scale']:g}; "
+                    f"{st['ttft_samples']} requests over {len(st['priority'])} runs; "
                     f"interactive alone (no batch): {_f(st.get('alone_ttft_p99_pooled_s'))} "
                     "s; fcfs: " + ("≥" if fcfs.get("ttft_censored") else "")
                     + _f(fcfs.get("ttft_p99_s")) + " s"})
@@ -1276,8 +1287,10 @@ def print_report(report: dict) -> None:
         print()
     if ex.get("priority"):
         pr = ex["priority"]
-        print(f"Priority under saturating batch traffic: batch {pr['batch_rate']:.2f} req/s "
-              f"({pr['batch_requests']} req), {pr['duration_s']:.0f} s per run, "
+        pc = pr["capacity"]
+        print(f"Priority under saturating batch traffic: {pr['scaling']}; capacity "
+              f"{_f(pc['rps'], '.3f')} req/s ({pc['source']}); batch {pr['batch_rate']:.2f} "
+              f"req/s ({pr['batch_requests']} req), {pr['duration_s']:.0f} s per run, "
               f"{pr['repeats']} repeat(s):")
         print()
         print("| run | interactive | batch tok/s (within duration) | / alone | int TTFT p50/p99 s "
@@ -1443,6 +1456,9 @@ def estimate_s(args, configs, loads, experiments) -> float:
         nv = len([v for v in args.chunk_variants.split(",") if v.strip()])
         t += nv * (engine_start + 15 + 6 * args.long_repeats)
     if "priority" in experiments:
+        if not (args.priority_capacity or args.priority_scale == args.prompt_scale
+                == args.output_scale):
+            t += args.capacity_duration + engine_start + 3
         nl = len(args.interactive_loads)
         runs = nl + args.priority_repeats * (1 + 2 * nl)
         t += runs * (engine_start + args.priority_duration + 0.5 * args.drain + 2)
@@ -1510,8 +1526,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--interactive-loads", default="0.05,0.1",
                     help="priority experiment: interactive traffic, x capacity (requests), "
                          "comma-separated")
+    ap.add_argument("--priority-scale", type=float, default=16.0,
+                    help="priority experiment: both length divisors (default 16; the "
+                         "sweep's are --prompt-scale / --output-scale); at another scale "
+                         "than the sweep's, its capacity is measured at its own")
+    ap.add_argument("--priority-capacity", type=float, default=None,
+                    help="priority experiment's capacity in req/s; skips its measurement "
+                         "when its scale differs from the sweep's")
     ap.add_argument("--priority-duration", type=float, default=None,
-                    help="priority experiment: seconds of arrivals per run (default 90; "
+                    help="priority experiment: seconds of arrivals per run (default 45; "
                          "quick 30)")
     ap.add_argument("--priority-repeats", type=int, default=None,
                     help="priority experiment: alone/mixed run pairs (default 3; quick 1)")
@@ -1531,7 +1554,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     q = args.quick
     args.duration = args.duration or (15.0 if q else 50.0)
-    args.priority_duration = args.priority_duration or (30.0 if q else 90.0)
+    args.priority_duration = args.priority_duration or (30.0 if q else 45.0)
     args.priority_repeats = args.priority_repeats or (1 if q else 3)
     args.interactive_loads = [float(x) for x in args.interactive_loads.split(",") if x.strip()]
     args.drain = args.drain if args.drain is not None else (6.0 if q else 40.0)
@@ -1559,6 +1582,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+async def capacity_of(wl: Workload, args: argparse.Namespace, given: float | None,
+                      what: str, problems: list[str]) -> dict[str, Any]:
+    """Capacity of ``wl`` in req/s: ``given``, or measured by :func:`measure_capacity`."""
+    if given:
+        return {"rps": given, "source": "given (--capacity)" if not what
+                else "given (--priority-capacity)"}
+    print(f"# measuring capacity{what}: {args.capacity_concurrency} closed-loop clients for "
+          f"{args.capacity_duration:g} s on cont-chunk ...", flush=True)
+    m = await measure_capacity(wl, args)
+    print(f"# capacity{what} {m['measured_rps']:.3f} req/s ({m['output_tok_s']:.1f} out "
+          f"tok/s, {m['completed']} completed); step model (a, b, c) = "
+          f"({', '.join(f'{x:.4g}' for x in m['step_coefficients'])}) -> SLO capacity "
+          f"{_f(m['model_slo_rps'], '.3f')} req/s; other load "
+          f"{_f(m['foreign_cores'])} cores", flush=True)
+    if not m.get("blocks_ok", True):
+        problems.append(f"capacity run{what}: KV blocks not all free after the run")
+    return {"rps": m["measured_rps"], "source": m["method"], **m}
+
+
+async def priority_workload(wl: Workload, args: argparse.Namespace, capacity: dict[str, Any],
+                            problems: list[str]) -> tuple[Workload, dict[str, Any]]:
+    """The priority experiment's workload (lengths / ``--priority-scale``) and capacity.
+
+    At the sweep's own scale both are the sweep's; at another, the window is rebuilt
+    with that scale (same rows, prompts, classes and seeds) and its capacity measured."""
+    s = args.priority_scale
+    if s == args.prompt_scale == args.output_scale:
+        return wl, capacity
+    pargs = argparse.Namespace(**{**vars(args), "prompt_scale": s, "output_scale": s})
+    pwl = Workload(pargs)
+    return pwl, await capacity_of(pwl, pargs, args.priority_capacity,
+                                  f" (priority experiment, lengths / {s:g})", problems)
+
+
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     from policies import DEFAULT_CLASSES
 
@@ -1575,20 +1632,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
           f"of the window: {wl.trace_rate:.2f} req/s", flush=True)
 
     problems: list[str] = []
-    if args.capacity:
-        capacity = {"rps": args.capacity, "source": "given (--capacity)"}
-    else:
-        print(f"# measuring capacity: {args.capacity_concurrency} closed-loop clients for "
-              f"{args.capacity_duration:g} s on cont-chunk ...", flush=True)
-        m = await measure_capacity(wl, args)
-        capacity = {"rps": m["measured_rps"], "source": m["method"], **m}
-        print(f"# capacity {m['measured_rps']:.3f} req/s ({m['output_tok_s']:.1f} out tok/s, "
-              f"{m['completed']} completed); step model (a, b, c) = "
-              f"({', '.join(f'{x:.4g}' for x in m['step_coefficients'])}) -> SLO capacity "
-              f"{_f(m['model_slo_rps'], '.3f')} req/s; other load "
-              f"{_f(m['foreign_cores'])} cores", flush=True)
-        if not m.get("blocks_ok", True):
-            problems.append("capacity run: KV blocks not all free after the run")
+    capacity = await capacity_of(wl, args, args.capacity, "", problems)
     cap = capacity["rps"]
 
     sweep = {}
@@ -1600,7 +1644,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     if "admission" in args.experiment_list:
         experiments["admission"] = admission_experiment(sweep)
     if "priority" in args.experiment_list:
-        experiments["priority"] = await exp_priority(wl, args, cap)
+        pwl, pcap = await priority_workload(wl, args, capacity, problems)
+        experiments["priority"] = {**await exp_priority(pwl, args, pcap["rps"]),
+                                   "capacity": pcap}
 
     for name, res in sweep.items():
         for p in res["points"]:
@@ -1654,12 +1700,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                       "rows, trace times scaled so that the next row would arrive at the "
                       f"duration (trace's own mean rate over its first {args.rate_rows} rows: "
                       f"{wl.trace_rate:.2f} req/s)",
-            "scaling": f"prompt = round(ContextTokens / {args.prompt_scale:g}) clamped to "
-                       f"[{args.min_prompt}, {args.max_prompt}], output = round(GeneratedTokens "
-                       f"/ {args.output_scale:g}) clamped to [{args.min_output}, "
-                       f"{args.max_output}]; prompt ids uniform in "
-                       f"[{TOKEN_ID_RANGE[0]}, {TOKEN_ID_RANGE[1]}) "
-                       f"(random.Random({args.seed})); ignore_eos, greedy",
+            "scaling": wl.scaling(),
             "mix": f"{100 * args.interactive_frac:.0f}% interactive / "
                    f"{100 * (1 - args.interactive_frac):.0f}% batch per row "
                    f"(random.Random({args.seed + 1}))",
