@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/scheduling.py            # full run (about 90 min on 2 CPU cores)
+    .venv/bin/python bench/scheduling.py            # full run (about 70 min on 2 CPU cores)
     .venv/bin/python bench/scheduling.py --quick    # smoke run (2 loads x 3 configs, ~3 min)
 
 Workload
@@ -27,10 +27,17 @@ Workload
     average 265 tokens over its first 2000 rows. Divided by 16 (first 200 rows: about 15
     tokens of about 0.1 s each here), a static batch's decode mostly ends within the SLO;
     divided by 8, it takes about 3 s. 8 is the smallest power of two at which a full run
-    fits a working session (about 90 min; /4 would double it) on 2 cores with as many
+    fits a working session (about 70 min; /4 would double it) on 2 cores with as many
     requests per point as a /16 run at 25 s: halving the lengths halves capacity, so
-    ``--duration`` (50 s) and ``--priority-duration`` (90 s) are doubled. Both divisors are
-    equal, so the prompt-to-output ratio (about 4:1) is the trace's.
+    ``--duration`` (50 s) is doubled. Both divisors are equal, so the prompt-to-output ratio
+    (about 4:1) is the trace's. The priority experiment divides both by
+    ``--priority-scale`` (16) instead, with its own capacity measured at that scale: its
+    target is the TTFT that scheduling adds beside batch traffic, and at /8 the window's
+    longest interactive prompts (trace rows 3006, 3007, 3009, 3015: 2468-4106 tokens, so
+    308-513 at /8) miss the 2 s SLO on an idle replica here (its interactive-alone runs'
+    p99 TTFT was 2.27 s at 0.05x and 2.69 s at 0.1x in a full run at /8): that floor is
+    the CPU's prefill speed (about 1.9 ms a token), not a scheduler's choice. At /16 they
+    are 154-257 tokens.
     Prompts are token ids drawn uniformly from [1000, 40000) by ``random.Random(seed)`` in row
     order (deterministic, identical across configs and loads); each request is forced to produce
     exactly its output length (``ignore_eos=True``, ``max_tokens`` = scaled GeneratedTokens,
@@ -104,7 +111,8 @@ Targeted experiments (``--experiments``)
                whole-request TPOT, which dilutes a stall over the output, is reported too.
     admission  from the sweep at the highest load (2x): attainment of admitted interactive
                requests and SLO goodput rate vs the peak over loads, admission on vs off.
-    priority   batch traffic alone at 2x capacity (open loop, trace arrivals, 90 s), then the
+    priority   lengths / ``--priority-scale`` (16; capacity measured at that scale):
+               batch traffic alone at 2x capacity (open loop, trace arrivals, 45 s), then the
                same plus interactive traffic at 0.05x and 0.1x capacity (requests; trace rows
                from 3000), under FCFS (once) and under priority (``--priority-repeats``, 3,
                each paired with its own batch-alone run): interactive p99 TTFT over the
