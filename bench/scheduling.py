@@ -329,6 +329,8 @@ def engine_kwargs(args: argparse.Namespace, policy: str, chunked: bool, guard: b
         "block_size": 16,
         "seed": args.seed,
         "tpot_slo_guard": guard and not args.no_tpot_guard,
+        **({"tpot_slo_guard_target": args.tpot_guard_target}
+           if guard and args.tpot_guard_target is not None else {}),
     }
 
 
@@ -1551,6 +1553,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-tpot-guard", action="store_true",
                     help="turn off the engine's TPOT SLO guard in the configs that run it "
                          "(priority, cont-chunk+adm, priority+adm)")
+    ap.add_argument("--tpot-guard-target", type=float, default=None,
+                    help="EngineConfig.tpot_slo_guard_target of the configs that run the "
+                         "guard (default: the engine's, 0.85)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--step-log", type=Path, default=None,
                     help="append one JSON line per engine step to this file (see StepLog)")
