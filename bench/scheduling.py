@@ -35,9 +35,10 @@ Workload
     target is the TTFT that scheduling adds beside batch traffic, and at /8 the window's
     longest interactive prompts (trace rows 3006, 3007, 3009, 3015: 2468-4106 tokens, so
     308-513 at /8) miss the 2 s SLO on an idle replica here (its interactive-alone runs'
-    p99 TTFT was 2.27 s at 0.05x and 2.69 s at 0.1x in a full run at /8): that floor is
-    the CPU's prefill speed (about 1.9 ms a token), not a scheduler's choice. At /16 they
-    are 154-257 tokens.
+    p99 TTFT was 2.27 s at 0.05x and 2.69 s at 0.1x in the full run at /8 of commit
+    75f2d65): that floor is the CPU's prefill speed (1.9-2.6 ms a token in the step-model
+    fits of that run and 4c876ce's), not a scheduler's choice. At /16 they are 154-257
+    tokens.
     Prompts are token ids drawn uniformly from [1000, 40000) by ``random.Random(seed)`` in row
     order (deterministic, identical across configs and loads); each request is forced to produce
     exactly its output length (``ignore_eos=True``, ``max_tokens`` = scaled GeneratedTokens,
@@ -1596,11 +1597,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def capacity_of(wl: Workload, args: argparse.Namespace, given: float | None,
-                      what: str, problems: list[str]) -> dict[str, Any]:
-    """Capacity of ``wl`` in req/s: ``given``, or measured by :func:`measure_capacity`."""
+                      flag: str, what: str, problems: list[str]) -> dict[str, Any]:
+    """Capacity of ``wl`` in req/s: ``given`` (from command-line ``flag``), or measured by
+    :func:`measure_capacity`; ``what`` labels the progress lines and ``problems``."""
     if given:
-        return {"rps": given, "source": "given (--capacity)" if not what
-                else "given (--priority-capacity)"}
+        return {"rps": given, "source": f"given ({flag})"}
     print(f"# measuring capacity{what}: {args.capacity_concurrency} closed-loop clients for "
           f"{args.capacity_duration:g} s on cont-chunk ...", flush=True)
     m = await measure_capacity(wl, args)
@@ -1625,7 +1626,7 @@ async def priority_workload(wl: Workload, args: argparse.Namespace, capacity: di
         return wl, capacity
     pargs = argparse.Namespace(**{**vars(args), "prompt_scale": s, "output_scale": s})
     pwl = Workload(pargs)
-    return pwl, await capacity_of(pwl, pargs, args.priority_capacity,
+    return pwl, await capacity_of(pwl, pargs, args.priority_capacity, "--priority-capacity",
                                   f" (priority experiment, lengths / {s:g})", problems)
 
 
@@ -1645,7 +1646,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
           f"of the window: {wl.trace_rate:.2f} req/s", flush=True)
 
     problems: list[str] = []
-    capacity = await capacity_of(wl, args, args.capacity, "", problems)
+    capacity = await capacity_of(wl, args, args.capacity, "--capacity", "", problems)
     cap = capacity["rps"]
 
     sweep = {}
