@@ -346,12 +346,16 @@ def test_interactive_first_token_while_batch_saturates(server):
         t.start()
     try:
         deadline = time.monotonic() + 60
-        while True:  # every batch request at a replica, and one replica's seats full
-            replicas = _health(server).get("replicas", [])
-            if (sum(r["running"] + r["waiting"] for r in replicas) == num_batch
+        # Every batch request at a replica or held by admission (no seat for it), and one
+        # replica's seats full.
+        while True:
+            h = _health(server)
+            replicas = h.get("replicas", [])
+            if (sum(r["running"] + r["waiting"] for r in replicas)
+                    + h.get("held", {}).get("batch", 0) == num_batch
                     and max(r["running"] for r in replicas) == MAX_NUM_SEQS):
                 break
-            assert time.monotonic() < deadline, replicas
+            assert time.monotonic() < deadline, h
             time.sleep(0.2)
 
         # A class that cannot meet its SLO behind this load is refused with a Retry-After.
