@@ -1467,8 +1467,7 @@ def estimate_s(args, configs, loads, experiments) -> float:
         nv = len([v for v in args.chunk_variants.split(",") if v.strip()])
         t += nv * (engine_start + 15 + 6 * args.long_repeats)
     if "priority" in experiments:
-        if not (args.priority_capacity or args.priority_scale == args.prompt_scale
-                == args.output_scale):
+        if not (args.priority_capacity or _priority_at_sweep_scale(args)):
             t += args.capacity_duration + engine_start + 3
         nl = len(args.interactive_loads)
         runs = nl + args.priority_repeats * (1 + 2 * nl)
@@ -1615,6 +1614,10 @@ async def capacity_of(wl: Workload, args: argparse.Namespace, given: float | Non
     return {"rps": m["measured_rps"], "source": m["method"], **m}
 
 
+def _priority_at_sweep_scale(args: argparse.Namespace) -> bool:
+    return args.priority_scale == args.prompt_scale == args.output_scale
+
+
 async def priority_workload(wl: Workload, args: argparse.Namespace, capacity: dict[str, Any],
                             problems: list[str]) -> tuple[Workload, dict[str, Any]]:
     """The priority experiment's workload (lengths / ``--priority-scale``) and capacity.
@@ -1622,7 +1625,7 @@ async def priority_workload(wl: Workload, args: argparse.Namespace, capacity: di
     At the sweep's own scale both are the sweep's; at another, the window is rebuilt
     with that scale (same rows, prompts, classes and seeds) and its capacity measured."""
     s = args.priority_scale
-    if s == args.prompt_scale == args.output_scale:
+    if _priority_at_sweep_scale(args):
         return wl, capacity
     pargs = argparse.Namespace(**{**vars(args), "prompt_scale": s, "output_scale": s})
     pwl = Workload(pargs)
