@@ -25,7 +25,10 @@ Workload
 Systems (same requests, same process layout, fp32 on CPU, the embedded SmolLM2-135M-Instruct)
     iterserve          ``LLM.generate`` on all requests at once (continuous batching, chunked
                        prefill, paged KV: max_num_seqs 64, max_num_batched_tokens 512, block 16,
-                       1024 KV blocks = 16384 tokens).
+                       1024 KV blocks = 16384 tokens); linear layers on weights
+                       prepacked for oneDNN (``cpu_weight_prepack``, the default).
+    iterserve_noprepack  the same with ``cpu_weight_prepack=False``: torch's ``nn.Linear``
+                       (MKL sgemm), to measure what prepacking gives in the same run.
     hf_generate        transformers' ``model.generate`` with static batches of ``--hf-batch-size``
                        (8) taken in trace order, left-padded (pad = EOS), max_new_tokens = the
                        largest output length of the batch. Only each request's own L tokens count
@@ -53,7 +56,8 @@ Decode sweep
     the LM head is the one matmul they take part in). Per step, time in ``scheduler.schedule``,
     ``runner._prepare``, the model forward and the sampler is measured with perf_counter wrappers
     installed on the instances (no engine code is changed); scheduling + input preparation as a
-    fraction of the step is reported, with a target at 64 sequences.
+    fraction of the step is reported, with a target at 64 sequences. The sweep runs twice,
+    with and without weight prepacking (``decode_sweep_noprepack``).
 
 Noise
     This machine is shared. Each timed section also records the cores this worker kept busy and
@@ -96,7 +100,7 @@ ATTRIBUTION = (
     "Azure LLM inference trace 2023 (conversation), CC-BY 4.0, from Splitwise: Patel, Choukse, "
     "Zhang, Shah, Goiri, Maleki, Bianchini, ISCA 2024 (Azure/AzurePublicDataset)"
 )
-SYSTEMS = ("iterserve", "hf_generate", "hf_generate_batch")
+SYSTEMS = ("iterserve", "iterserve_noprepack", "hf_generate", "hf_generate_batch")
 TOKEN_ID_RANGE = (1000, 40000)
 CONTENTION_CORES = 0.25  # other processes' average load above which a measurement is flagged
 TARGETS = {
@@ -175,7 +179,7 @@ def workload_stats(wl: dict) -> dict:
 
 def system_configs(args: argparse.Namespace) -> dict:
     kv_tokens = args.num_kv_blocks * args.block_size
-    return {
+    configs = {
         "iterserve": {
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -183,6 +187,7 @@ def system_configs(args: argparse.Namespace) -> dict:
             "num_kv_blocks": args.num_kv_blocks,
             "kv_tokens": kv_tokens,
             "dtype": "float32",
+            "cpu_weight_prepack": True,
         },
         "hf_generate": {
             "batch_size": args.hf_batch_size,
@@ -218,6 +223,8 @@ def system_configs(args: argparse.Namespace) -> dict:
             "dtype": "float32",
         },
     }
+    configs["iterserve_noprepack"] = {**configs["iterserve"], "cpu_weight_prepack": False}
+    return configs
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,6 +303,7 @@ def _make_llm(cfg: dict):
         block_size=cfg["block_size"],
         num_kv_blocks=cfg["num_kv_blocks"],
         dtype="float32",
+        cpu_weight_prepack=cfg["cpu_weight_prepack"],
     )
 
 
@@ -530,7 +538,13 @@ def worker_sweep(wl: dict, cfg: dict) -> dict:
     llm = _make_llm(cfg)
     engine = llm.llm_engine
     runner = engine.runner
-    n_params = sum(p.numel() for p in runner.model.parameters())
+    from engine.cpu_linear import PackedLinear
+
+    # Prepacked layers hold their weights as buffers; a tied LM head's plain weight is the
+    # embedding's, already a parameter.
+    n_params = sum(p.numel() for p in runner.model.parameters()) + sum(
+        m.packed_weight.numel() for m in runner.model.modules()
+        if isinstance(m, PackedLinear) and not m.tied)
     roofline = gemm_flops / (2 * n_params)
 
     acc = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0}
@@ -620,6 +634,7 @@ def worker_sweep(wl: dict, cfg: dict) -> dict:
 
 WORKERS = {
     "iterserve": worker_iterserve,
+    "iterserve_noprepack": worker_iterserve,
     "hf_generate": worker_hf_generate,
     "hf_generate_batch": worker_hf_generate_batch,
     "sweep": worker_sweep,
@@ -735,7 +750,7 @@ def aggregate(runs: dict[str, list[dict]]) -> dict:
 def ratios(systems: dict, runs: int) -> dict:
     res = {}
     base = systems.get("iterserve")
-    for other in ("hf_generate_batch", "hf_generate"):
+    for other in ("hf_generate_batch", "hf_generate", "iterserve_noprepack"):
         if base is None or other not in systems:
             continue
         per_run = []
@@ -746,9 +761,10 @@ def ratios(systems: dict, runs: int) -> dict:
         key = f"iterserve_over_{other}"
         med = _median(per_run)
         a, b = base["output_tok_s_median"], systems[other]["output_tok_s_median"]
+        target = TARGETS.get(key)
         res[key] = {"per_run": per_run, "median": med,
-                    "ratio_of_medians": a / b if a and b else None,
-                    "target": TARGETS[key], "met": None if med is None else med >= TARGETS[key]}
+                    "ratio_of_medians": a / b if a and b else None, "target": target,
+                    "met": None if med is None or target is None else med >= target}
     return res
 
 
@@ -806,8 +822,9 @@ def print_report(report: dict) -> None:
         print("|---|---:|---|---:|---|")
     for key, r in report["ratios"].items():
         per = ", ".join(fmt(x, ".2f") for x in r["per_run"])
+        target = "—" if r["target"] is None else f"≥{r['target']}x"
         print(f"| {key.replace('_', ' ')} | {fmt(r['median'], '.2f')}x | {per} | "
-              f"≥{r['target']}x | {r['met']} |")
+              f"{target} | {fmt(r['met'], '')} |")
     if at64:
         pct, sp = at64["pct_roofline"], at64["sched_prep_pct"]
         print(f"| decode % of roofline at 64 seqs | {pct:.1f}% | | "
@@ -826,17 +843,21 @@ def print_report(report: dict) -> None:
               f"median of {g['reps']}) / (2 x {sw['num_params'] / 1e6:.1f} M params) = "
               f"{sw['roofline_tok_s']:.0f} tok/s.")
         print()
+        plain = {p["num_seqs"]: p for p in
+                 (report.get("decode_sweep_noprepack") or {}).get("points", [])}
         print("| seqs | decode tok/s | % roofline | step ms (mean) | schedule ms | prepare ms "
               "| forward ms | sample ms | other ms | sched+prep % | outside forward % "
-              "| other load (cores) |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| other load (cores) | tok/s without prepack (ratio) |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for p in sw["points"]:
             b = p["breakdown_ms"]
+            q = plain.get(p["num_seqs"])
+            vs = "—" if q is None else f"{q['tok_s']:.1f} ({p['tok_s'] / q['tok_s']:.2f}x)"
             print(f"| {p['num_seqs']} | {p['tok_s']:.1f} | {p['pct_roofline']:.1f} | "
                   f"{p['step_ms_mean']:.1f} | {b['schedule']:.2f} | {b['prepare']:.2f} | "
                   f"{b['forward']:.1f} | {b['sample']:.2f} | {b['other']:.2f} | "
                   f"{p['sched_prep_pct']:.1f} | {p['outside_forward_pct']:.1f} | "
-                  f"{fmt(p['foreign_cores'], '.2f')} |")
+                  f"{fmt(p['foreign_cores'], '.2f')} | {vs} |")
         print()
     ag = report.get("greedy_agreement") or {}
     if ag:
@@ -943,7 +964,7 @@ def main(argv=None) -> int:
             print(f"[run {i + 1}/{args.runs}] {name}: {what} "
                   f"({time.perf_counter() - t:.0f} s with start-up)", flush=True)
 
-    sweep = None
+    sweep = sweep_plain = None
     if not args.no_sweep:
         t = time.perf_counter()
         sweep_cfg = {
@@ -960,6 +981,12 @@ def main(argv=None) -> int:
         sweep = spawn("sweep", {}, sweep_cfg, args.worker_timeout)
         what = f"ERROR {sweep['error']}" if "error" in sweep else "done"
         print(f"decode sweep: {what} ({time.perf_counter() - t:.0f} s)", flush=True)
+        t = time.perf_counter()
+        sweep_plain = spawn("sweep", {}, {**sweep_cfg, "cpu_weight_prepack": False},
+                            args.worker_timeout)
+        what = f"ERROR {sweep_plain['error']}" if "error" in sweep_plain else "done"
+        print(f"decode sweep without weight prepacking: {what} "
+              f"({time.perf_counter() - t:.0f} s)", flush=True)
 
     agg = aggregate(runs)
     greedy = {}
@@ -1002,6 +1029,7 @@ def main(argv=None) -> int:
         "systems": agg,
         "ratios": ratios(agg, args.runs),
         "decode_sweep": sweep,
+        "decode_sweep_noprepack": sweep_plain,
         "targets": TARGETS,
         "greedy_agreement": greedy,
         "elapsed_s": time.perf_counter() - t_start,

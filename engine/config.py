@@ -54,6 +54,10 @@ class EngineConfig(BaseModel):
     traffic_classes: dict[str, dict[str, Any]] | None = Field(
         None, description="overrides of policies.DEFAULT_CLASSES fields, by class name"
     )
+    cpu_weight_prepack: bool = Field(
+        True, description="fp32 on CPU: run linear layers through oneDNN on weights "
+                          "prepacked once at load (engine.cpu_linear)",
+    )
     seed: int = 0
 
     @model_validator(mode="after")

