@@ -8,7 +8,8 @@ and 0.32-0.48 ms through oneDNN on a prepacked weight, and the tied 49152x576 LM
 its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, which torch.compile's
 CPU weight freezing also emits where the row count varies, as it does here from step to
 step), so the layout work is done once, not in every call.
-The results equal ``F.linear``'s up to float summation order (about 1e-6 relative).
+The results equal ``F.linear``'s up to float summation order: on random 576-wide
+inputs and weights, the largest difference was about 6e-6 of the outputs' scale (std).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features, self.tied = (
             linear.in_features, linear.out_features, tied)
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight, None)
         self.register_buffer("packed_weight", packed, persistent=False)
         bias = None if linear.bias is None else linear.bias.detach()
         self.register_buffer("bias", bias, persistent=False)
