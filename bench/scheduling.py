@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/scheduling.py            # full run (about 70 min on 2 CPU cores)
+    .venv/bin/python bench/scheduling.py            # full run (about 80 min on 2 CPU cores)
     .venv/bin/python bench/scheduling.py --quick    # smoke run (2 loads x 3 configs, ~3 min)
 
 Workload
@@ -27,7 +27,7 @@ Workload
     average 265 tokens over its first 2000 rows. Divided by 16 (first 200 rows: about 15
     tokens of about 0.1 s each here), a static batch's decode mostly ends within the SLO;
     divided by 8, it takes about 3 s. 8 is the smallest power of two at which a full run
-    fits a working session (about 70 min; /4 would double it) on 2 cores with as many
+    fits a working session (about 80 min; /4 would double it) on 2 cores with as many
     requests per point as a /16 run at 25 s: halving the lengths halves capacity, so
     ``--duration`` (50 s) is doubled. Both divisors are equal, so the prompt-to-output ratio
     (about 4:1) is the trace's. The priority experiment divides both by
@@ -49,8 +49,9 @@ Workload
 Capacity and loads
     Loads are multiples of a capacity estimated first: a closed loop of ``--capacity-concurrency``
     (12) clients replaying the same window's requests back to back for ``--capacity-duration``
-    seconds on the continuous + chunked engine; capacity = (completed requests + the completed
-    fraction of the in-flight ones) / duration, in requests per second. The admission
+    seconds on the cont-chunk-fixed engine (raw throughput: the guard trades some for latency);
+    capacity = (completed requests + the completed fraction of the in-flight ones) / duration,
+    in requests per second. The admission
     controller's fitted step-time model gives a second, SLO-based estimate
     (``(1 - a / TPOT_slo) / (b * mean_prompt + c * mean_output)``: the rate at which the steady
     step time reaches the interactive TPOT SLO), printed for comparison. ``--capacity R`` skips
@@ -64,12 +65,17 @@ Systems (one engine per config, reused across its loads, warmed up first; fp32 o
     static          policy="static" (Orca's request-level baseline), no chunked prefill
     cont-nochunk    continuous batching, FCFS, enable_chunked_prefill=False
     cont-chunk      continuous batching, FCFS, chunked prefill (budget --chunk-budget, 128)
+                    with the TPOT SLO guard at 0.85 of the SLO, as the server runs it
+                    (``--no-tpot-guard``): under FCFS it sheds nothing and only sizes each
+                    step's prefill, from the running decodes' TPOT SLOs and the banked
+                    TPOT credit (Sarathi-Serve's SLO-derived token budget, per step), and
+                    lets a prompt owed its TTFT borrow beyond that
+    cont-chunk-fixed  the same without the guard: every step with prefill queued fills the
+                    fixed budget, and a full step here takes about the TPOT SLO
     priority        continuous + chunked, policy="priority" (aging 10 s/level) with the TPOT
-                    SLO guard at 0.85 of the SLO, as the server runs it (``--no-tpot-guard``)
-    cont-chunk+adm  cont-chunk with the TPOT SLO guard (which, under FCFS, caps prefill but
-                    sheds nothing), behind admission control: admission decides who enters,
-                    the guard how long each step is; FCFS alone fills every step's budget
-                    whenever prefill is queued, and a full step here takes about the TPOT SLO
+                    SLO guard, which here also sheds less urgent decodes
+    cont-chunk+adm  cont-chunk behind admission control: admission decides who enters,
+                    the guard how long each step is
     priority+adm    priority, with admission control in front
     The chunked budget follows Sarathi-Serve's rule (a full step should fit the TPOT SLO): on
     this CPU a prefill token costs ~2-5 ms and a small decode step ~0.2-0.3 s, so 128 tokens
@@ -169,12 +175,17 @@ CONFIGS: dict[str, dict[str, Any]] = {
                "desc": "static batching (request-level), no chunked prefill"},
     "cont-nochunk": {"policy": "fcfs", "chunked": False, "admission": False, "guard": False,
                      "desc": "continuous batching, FCFS, no chunked prefill"},
-    "cont-chunk": {"policy": "fcfs", "chunked": True, "admission": False, "guard": False,
-                   "desc": "continuous batching, FCFS, chunked prefill"},
+    "cont-chunk": {"policy": "fcfs", "chunked": True, "admission": False, "guard": True,
+                   "desc": "continuous batching, FCFS, chunked prefill, each step's prefill "
+                           "sized by the TPOT SLO guard"},
+    "cont-chunk-fixed": {"policy": "fcfs", "chunked": True, "admission": False,
+                         "guard": False,
+                         "desc": "continuous batching, FCFS, chunked prefill at the fixed "
+                                 "token budget"},
     "priority": {"policy": "priority", "chunked": True, "admission": False, "guard": True,
                  "desc": "continuous + chunked, priority policy with aging, TPOT SLO guard"},
     "cont-chunk+adm": {"policy": "fcfs", "chunked": True, "admission": True, "guard": True,
-                       "desc": "cont-chunk with the TPOT SLO guard, behind SLO-aware admission"},
+                       "desc": "cont-chunk behind SLO-aware admission"},
     "priority+adm": {"policy": "priority", "chunked": True, "admission": True, "guard": True,
                      "desc": "priority behind SLO-aware admission"},
 }
@@ -713,11 +724,12 @@ def goodput(points: list[dict]) -> dict[str, Any]:
 
 
 async def measure_capacity(wl: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    """Closed loop of C clients on cont-chunk; returns req/s and the step-model estimate."""
+    """Closed loop of C clients on cont-chunk-fixed (raw throughput: the guard trades it for
+    latency); returns req/s and the step-model estimate."""
     from engine.request import SamplingParams
     from policies import DEFAULT_CLASSES
 
-    aeng, load_s = await start_engine(engine_config_kwargs("cont-chunk", args), args)
+    aeng, load_s = await start_engine(engine_config_kwargs("cont-chunk-fixed", args), args)
     nxt = iter(range(10**9))
     done_reqs, tokens, partial = 0, 0, 0.0
     t_end = time.monotonic() + args.capacity_duration
@@ -763,7 +775,7 @@ async def measure_capacity(wl: Workload, args: argparse.Namespace) -> dict[str, 
     denom = b * p_mean + c * o_mean
     model_rps = (1 - a / slo) / denom if denom > 0 and a < slo else None
     return {
-        "method": f"closed loop, {args.capacity_concurrency} clients, cont-chunk engine, "
+        "method": f"closed loop, {args.capacity_concurrency} clients, cont-chunk-fixed engine, "
                   f"{args.capacity_duration:.0f} s, requests = first {args.capacity_rows} "
                   "window rows cycled",
         "measured_rps": (done_reqs + partial) / wall,
@@ -1552,7 +1564,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="priority experiment: window row where the interactive stream starts")
     ap.add_argument("--no-tpot-guard", action="store_true",
                     help="turn off the engine's TPOT SLO guard in the configs that run it "
-                         "(priority, cont-chunk+adm, priority+adm)")
+                         "(cont-chunk, priority, cont-chunk+adm, priority+adm)")
     ap.add_argument("--tpot-guard-target", type=float, default=None,
                     help="EngineConfig.tpot_slo_guard_target of the configs that run the "
                          "guard (default: the engine's, 0.85)")
