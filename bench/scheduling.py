@@ -1614,7 +1614,7 @@ async def capacity_of(wl: Workload, args: argparse.Namespace, given: float | Non
     if given:
         return {"rps": given, "source": f"given ({flag})"}
     print(f"# measuring capacity{what}: {args.capacity_concurrency} closed-loop clients for "
-          f"{args.capacity_duration:g} s on cont-chunk ...", flush=True)
+          f"{args.capacity_duration:g} s on cont-chunk-fixed ...", flush=True)
     m = await measure_capacity(wl, args)
     print(f"# capacity{what} {m['measured_rps']:.3f} req/s ({m['output_tok_s']:.1f} out "
           f"tok/s, {m['completed']} completed); step model (a, b, c) = "
