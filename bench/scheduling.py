@@ -1779,7 +1779,7 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - plots are a convenience
         report["plots_error"] = repr(e)
         print(f"plotting failed: {e!r}")
-    args.out.write_text(json.dumps(_finite(report), indent=1, default=str) + "\n")
+    args.out.write_text(json.dumps(_finite(report), separators=(",", ":"), default=str) + "\n")
     print(f"wrote {args.out} and {len(report.get('plots', []))} plots "
           f"({report['elapsed_s']:.0f} s in all; estimated {report['estimated_s']:.0f} s)")
     return 0
