@@ -49,7 +49,7 @@ Workload
 Capacity and loads
     Loads are multiples of a capacity estimated first: a closed loop of ``--capacity-concurrency``
     (12) clients replaying the same window's requests back to back for ``--capacity-duration``
-    seconds on the cont-chunk-fixed engine (raw throughput: the guard trades some for latency);
+    seconds on the cont-chunk-fixed engine (raw throughput, without the guard's TPOT caps);
     capacity = (completed requests + the completed fraction of the in-flight ones) / duration,
     in requests per second. The admission
     controller's fitted step-time model gives a second, SLO-based estimate
@@ -724,8 +724,8 @@ def goodput(points: list[dict]) -> dict[str, Any]:
 
 
 async def measure_capacity(wl: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    """Closed loop of C clients on cont-chunk-fixed (raw throughput: the guard trades it for
-    latency); returns req/s and the step-model estimate."""
+    """Closed loop of C clients on cont-chunk-fixed (raw throughput, without the TPOT guard's
+    prefill caps); returns req/s and the step-model estimate."""
     from engine.request import SamplingParams
     from policies import DEFAULT_CLASSES
 
