@@ -121,15 +121,17 @@ Targeted experiments (``--experiments``)
     priority   lengths / ``--priority-scale`` (16; capacity measured at that scale):
                batch traffic alone at 2x capacity (open loop, trace arrivals, 45 s), then the
                same plus interactive traffic at 0.05x and 0.1x capacity (requests; trace rows
-               from 3000), under FCFS (once) and under priority (``--priority-repeats``, 3,
-               each paired with its own batch-alone run): interactive p99 TTFT over the
-               pooled priority runs vs its SLO, and the median over pairs of batch output
-               throughput (tokens produced within the duration) vs batch alone. Each
-               repeat also runs each interactive stream alone: its p99 TTFT there is the
-               floor no scheduler beats beside batch traffic. The
-               interactive stream's share of the replica's work (its prompt and output
-               tokens per second over capacity's) is reported: batch cannot keep more than
-               the rest of capacity.
+               from 3000), under FCFS (once) and under priority (``--priority-repeats``, 3):
+               interactive p99 TTFT over the pooled priority runs vs its SLO, and batch
+               output throughput (tokens produced within the duration) vs batch alone:
+               batch-alone runs bracket each repeat's mixed runs, each mixed run is divided
+               by the mean of the two around it (so that the host's drift cancels), and the
+               median over repeats is reported. Each interactive stream also runs alone,
+               once: its p99 TTFT there is the floor no scheduler beats beside batch
+               traffic. The interactive stream's share of the replica's work (its prompt and
+               output tokens per second over capacity's) is reported: batch cannot keep
+               more than the rest of capacity, so the batch target is judged only at loads
+               whose share is at most 10% (``PRIORITY_BATCH_MAX_WORK_SHARE``).
 
 Output
     A markdown report on stdout, ``bench/results/scheduling.json`` (``scheduling_quick.json``
@@ -200,6 +202,12 @@ TARGETS = {
     "priority_interactive_p99_ttft_within_slo": 1.0,
     "priority_batch_tput_frac_of_alone": 0.80,
 }
+PRIORITY_BATCH_MAX_WORK_SHARE = 0.10
+"""The batch-throughput target is judged at interactive loads whose work share (see
+``exp_priority``) is at most this: there an ideal scheduler leaves batch at least 90% of
+what it gets alone, so the 80% bar measures what scheduling costs. At a larger share the
+bar measures the share itself (at 18%, batch could keep 82% at most); those loads are
+reported, with their ceiling, but not judged."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -1063,24 +1071,33 @@ async def exp_priority(wl: Workload, args: argparse.Namespace, capacity: float) 
         both = sorted(batch_sched + sched, key=lambda x: x[0])
         out["interactive"][f"{load:g}"]["fcfs"] = await _priority_run(
             args, "fcfs", both, f"mixed-fcfs@{load:g}x")
-    # Alone and mixed runs alternate, and each ratio pairs a mixed run with the alone run
-    # of its repeat: the machine's drift between runs cancels out of the ratio. Each
-    # interactive stream also runs alone, the floor of its TTFT: no scheduler serves it
-    # faster beside batch traffic than on a replica of its own.
+        # Each interactive stream alone: the floor of its TTFT, since no scheduler serves
+        # it faster beside batch traffic than on a replica of its own.
+        out["interactive"][f"{load:g}"]["alone"].append(await _priority_run(
+            args, "priority", sched, f"interactive-alone@{load:g}x"))
+    # Batch-alone runs bracket each repeat's mixed runs (alone, mixed..., alone, ...), and
+    # each mixed run's ratio is over the mean of the two alone runs around it: the
+    # machine's speed drifts by tens of percent over minutes here, and a linear drift
+    # cancels out of a bracketed ratio (one alone run before was off by up to a third).
+    mixed_runs: list[tuple[int, float, dict[str, Any]]] = []
     for rep in range(args.priority_repeats):
-        alone = await _priority_run(args, "priority", batch_sched, f"batch-alone#{rep}")
-        out["batch_alone"].append(alone)
+        out["batch_alone"].append(
+            await _priority_run(args, "priority", batch_sched, f"batch-alone#{rep}"))
         for load, sched in streams.items():
-            out["interactive"][f"{load:g}"]["alone"].append(await _priority_run(
-                args, "priority", sched, f"interactive-alone@{load:g}x#{rep}"))
             both = sorted(batch_sched + sched, key=lambda x: x[0])
             mixed = await _priority_run(args, "priority", both,
                                         f"mixed-priority@{load:g}x#{rep}")
-            s = out["interactive"][f"{load:g}"]
-            s["priority"].append(mixed)
-            if alone["batch_tok_s_in_window"]:
-                s["batch_frac"].append(mixed["batch_tok_s_in_window"]
-                                       / alone["batch_tok_s_in_window"])
+            out["interactive"][f"{load:g}"]["priority"].append(mixed)
+            mixed_runs.append((rep, load, mixed))
+    if args.priority_repeats:
+        rep = args.priority_repeats
+        out["batch_alone"].append(
+            await _priority_run(args, "priority", batch_sched, f"batch-alone#{rep}"))
+    for rep, load, mixed in mixed_runs:
+        before, after = (out["batch_alone"][rep + k]["batch_tok_s_in_window"] for k in (0, 1))
+        if before and after:
+            out["interactive"][f"{load:g}"]["batch_frac"].append(
+                mixed["batch_tok_s_in_window"] / ((before + after) / 2))
     for s in out["interactive"].values():
         ttfts = [t for r in s["priority"] for t in r["interactive_ttft_s"] if t is not None]
         s["ttft_p99_pooled_s"] = pct(ttfts, 99)
@@ -1177,12 +1194,16 @@ def targets(report: dict) -> list[dict]:
                     f"interactive alone (no batch): {_f(st.get('alone_ttft_p99_pooled_s'))} "
                     "s; fcfs: " + ("≥" if fcfs.get("ttft_censored") else "")
                     + _f(fcfs.get("ttft_p99_s")) + " s"})
-        rows.append(_at_least_row(
+        row = _at_least_row(
             f"priority @ interactive {key}x: batch throughput / batch alone",
             st["batch_frac_median"], "priority_batch_tput_frac_of_alone",
-            f"median of {len(st['batch_frac'])} paired runs "
-            f"({', '.join(_pct(x) for x in st['batch_frac'])}); interactive traffic "
-            f"is {_pct(st['work_share'])} of capacity in tokens"))
+            f"median of {len(st['batch_frac'])} runs, each over the mean of the batch-alone "
+            f"runs before and after it ({', '.join(_pct(x) for x in st['batch_frac'])}); "
+            f"interactive traffic is {_pct(st['work_share'])} of capacity in tokens")
+        if st["work_share"] > PRIORITY_BATCH_MAX_WORK_SHARE:
+            row["target"] = f"not judged (ceiling {_pct(1 - st['work_share'])})"
+            row["met"] = None
+        rows.append(row)
     return rows
 
 
@@ -1337,8 +1358,8 @@ def print_report(report: dict) -> None:
                     f"{_pct(st['work_share'])} of capacity")
             if st["fcfs"]:
                 line("mixed-fcfs", desc, st["fcfs"])
-            for k, r in enumerate(st.get("alone", [])):
-                line(f"interactive-alone #{k}", desc, r)
+            for r in st.get("alone", []):
+                line("interactive-alone", desc, r)
             for k, r in enumerate(st["priority"]):
                 frac = st["batch_frac"][k] if k < len(st["batch_frac"]) else None
                 line(f"mixed-priority #{k}", desc, r, frac)
@@ -1482,7 +1503,7 @@ def estimate_s(args, configs, loads, experiments) -> float:
         if not (args.priority_capacity or _priority_at_sweep_scale(args)):
             t += args.capacity_duration + engine_start + 3
         nl = len(args.interactive_loads)
-        runs = nl + args.priority_repeats * (1 + 2 * nl)
+        runs = 2 * nl + args.priority_repeats * (1 + nl) + 1
         t += runs * (engine_start + args.priority_duration + 0.5 * args.drain + 2)
     return t
 
@@ -1698,7 +1719,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     runs.update({f"batch-alone#{k}": r for k, r in enumerate(pr.get("batch_alone") or [])})
     for key, st in (pr.get("interactive") or {}).items():
         runs.update({f"mixed-priority@{key}x#{k}": r for k, r in enumerate(st["priority"])})
-        runs.update({f"interactive-alone@{key}x#{k}": r for k, r in enumerate(st["alone"])})
+        runs.update({f"interactive-alone@{key}x": r for r in st["alone"]})
         if st["fcfs"]:
             runs[f"mixed-fcfs@{key}x"] = st["fcfs"]
     for vname, v in runs.items():

@@ -300,7 +300,7 @@ class Scheduler:
             return math.floor(spare / (b * ratio)) if b > 0 else math.inf
 
         limit, binder, owed_limit, lent_limit = self._decode_limits(
-            decoding, now, ratio / model.local_ratio_max())
+            decoding, now, ratio / model.worst_ratio())
         owed = [r for urgent, req in self._prompt_line(order, waiting_order, now)
                 for r in (*urgent, req)
                 if r is not None and not r.output_token_ids
@@ -412,11 +412,13 @@ class Scheduler:
         its mean TPOT would end at most ``OWED_BORROW`` of the way from its share to its
         SLO; the steps after a burst, with no prefill queued, run well under the share.
 
-        A decode in its last gap has no later step to average a slow one out: its limit,
-        which also bounds the owed and lent limits, is at most what is left of its full TPOT SLO,
-        ``tpot_slo_s * g - (now - first_token_time)``, scaled by ``tail`` (the recent
-        median over the largest measured / predicted step ratio), so that a step running
-        as far over its prediction as any recent one still ends in time.
+        A decode in its last gap has no later step to average a slow one out (a 2-token
+        output's TPOT is that one gap): its limit, which also bounds the owed and lent
+        limits, is what is left of its full TPOT SLO, ``tpot_slo_s * g - (now -
+        first_token_time)``, scaled by ``tail`` (the recent median over the worst
+        measured / predicted step ratio, :meth:`StepTimeModel.worst_ratio`), with no
+        floor, so that a step running as far over its prediction as 1% of steps do still
+        ends in time. One that has already missed its SLO limits nothing more.
         """
         target = self.config.tpot_slo_guard_target
         limit, binder, stretch, lent = math.inf, decoding[0], math.inf, math.inf
@@ -435,8 +437,11 @@ class Scheduler:
                 share + credit + OWED_BORROW * (req.tpot_slo_s - share) * (gaps - 1))))
             if gaps <= 1 and req.first_token_time is not None:
                 left = req.tpot_slo_s * len(req.output_token_ids) - (now - req.first_token_time)
-                own = max(min(own, left * tail), 2 * share - req.tpot_slo_s)
-                last_gap = min(last_gap, own)
+                if left > 0:  # else it has missed its SLO already: no step saves it
+                    # No floor: a step held short for one gap costs one step's prefill,
+                    # and at least a block of prefill still runs (the cap's floor).
+                    own = min(own, left * tail)
+                    last_gap = min(last_gap, own)
             if own < limit:
                 limit, binder = own, req
             share_min = min(share_min, share)

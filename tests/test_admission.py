@@ -357,17 +357,28 @@ def test_step_time_local_ratio_tracks_recent_error_of_the_fit():
     assert model.local_ratio() == 2.0
 
 
-def test_step_time_local_ratio_max_is_the_slowest_recent_step():
+def _exact_steps(model, n, start=0):
+    for i in range(start, start + n):
+        p, d = (i * 37) % 200, (i * 11) % 30
+        model.observe(p, d, 0.1 + 0.001 * p + 0.01 * d)
+
+
+def test_step_time_worst_ratio_is_the_slowest_recent_step_or_the_window_p99():
     model = StepTimeModel(prior=(0.1, 0.001, 0.01), min_samples=1)
-    assert model.local_ratio_max() == 1.0
-    for i in range(40):
-        p, d = (i * 37) % 200, (i * 11) % 30
-        model.observe(p, d, 0.1 + 0.001 * p + 0.01 * d)
+    assert model.worst_ratio() == 1.0
+    _exact_steps(model, 240)
     model.observe(100, 5, 1.4 * 0.25)  # one slow step among 7 exact ones
-    for i in range(7):
-        p, d = (i * 37) % 200, (i * 11) % 30
-        model.observe(p, d, 0.1 + 0.001 * p + 0.01 * d)
+    _exact_steps(model, 7)
     assert model.local_ratio() == pytest.approx(1.0, abs=0.05)  # the median ignores it
-    assert model.local_ratio_max() == pytest.approx(1.4, abs=0.05)
-    model.observe(100, 5, 0.25)  # 8 steps later it has left the window
-    assert model.local_ratio_max() == pytest.approx(1.0, abs=0.05)
+    assert model.worst_ratio() == pytest.approx(1.4, abs=0.05)
+    model.observe(100, 5, 0.25)  # 8 steps later it has left the recent steps, and one
+    assert model.worst_ratio() == pytest.approx(1.0, abs=0.05)  # in 255 is under the p99
+    # Spikes in 4 of the window's 256 steps (the 1.4x one too: 5): they reach its 99th
+    # percentile (the 4th largest of 256), so they count after leaving the recent steps.
+    for _ in range(4):
+        model.observe(100, 5, 2.0 * 0.25)
+        _exact_steps(model, 10)
+    assert model.local_ratio() == pytest.approx(1.0, abs=0.05)
+    assert model.worst_ratio() == pytest.approx(2.0, abs=0.1)  # the fit moves a little
+    model.observe(100, 5, 10 * 0.25)  # clamped
+    assert model.worst_ratio() == 3.0
