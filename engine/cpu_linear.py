@@ -34,9 +34,16 @@ class PackedLinear(nn.Module):
     Input ``[..., in_features]``, output ``[..., out_features]``, fp32 on CPU.
     ``tied`` says the source weight is shared with another module (a tied LM head's
     embedding), which keeps its own plain copy: the packed one is then extra memory.
+
+    Raises:
+        ValueError: the weight is not fp32 on a CPU with oneDNN (``prepack_supported``).
     """
 
     def __init__(self, linear: nn.Linear, tied: bool = False) -> None:
+        w = linear.weight
+        if not prepack_supported(w.device, w.dtype):
+            raise ValueError(f"PackedLinear needs an fp32 CPU weight with oneDNN; got "
+                             f"{w.dtype} on {w.device}")
         super().__init__()
         self.in_features, self.out_features, self.tied = (
             linear.in_features, linear.out_features, tied)

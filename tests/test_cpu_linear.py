@@ -27,6 +27,12 @@ def test_packed_linear_equals_f_linear(shape, bias):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_packed_linear_refuses_a_weight_it_cannot_pack(dtype):
+    with pytest.raises(ValueError, match="fp32 CPU weight"):
+        PackedLinear(nn.Linear(8, 8).to(dtype))
+
+
 class TinyLM(nn.Module):
     def __init__(self):
         super().__init__()
