@@ -96,8 +96,9 @@ class StepTimeModel:
         self.prior_weight = float(prior_weight)
         self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._coef: tuple[float, float, float] | None = self.prior  # None: refit needed
-        self._ratios: deque[float] = deque(maxlen=LOCAL_RATIO_STEPS)
-        self._window_ratios: deque[float] = deque(maxlen=window)
+        self._ratios: deque[float] = deque(maxlen=window)
+        """Measured / predicted seconds of the window's steps, each predicted before it
+        was observed; the last ``LOCAL_RATIO_STEPS`` are the recent ones."""
 
     @property
     def num_samples(self) -> int:
@@ -118,7 +119,6 @@ class StepTimeModel:
             predicted = self.predict(prefill_tokens, decode_seqs)
             if predicted > 0:
                 self._ratios.append(seconds / predicted)
-                self._window_ratios.append(seconds / predicted)
         self._obs.append((float(prefill_tokens), float(decode_seqs), float(seconds)))
         self._coef = None
 
@@ -128,7 +128,7 @@ class StepTimeModel:
         now, for callers that need a step time to hold a limit."""
         if not self._ratios:
             return 1.0
-        return min(2.0, max(0.5, statistics.median(self._ratios)))
+        return min(2.0, max(0.5, statistics.median(self._recent_ratios())))
 
     def worst_ratio(self) -> float:
         """How far over its prediction a step may run, for a limit that one slow step
@@ -138,9 +138,12 @@ class StepTimeModel:
         steps need not show: 2x on a shared CPU), clamped to [0.5, 3]; 1.0 before any."""
         if not self._ratios:
             return 1.0
-        ranked = sorted(self._window_ratios)
+        ranked = sorted(self._ratios)
         tail = ranked[int(TAIL_RATIO_QUANTILE * (len(ranked) - 1))]
-        return min(3.0, max(0.5, max(self._ratios), tail))
+        return min(3.0, max(0.5, max(self._recent_ratios()), tail))
+
+    def _recent_ratios(self) -> list[float]:
+        return list(self._ratios)[-LOCAL_RATIO_STEPS:]
 
     def coefficients(self) -> tuple[float, float, float]:
         """(a s, b s/prefill token, c s/decode sequence), each >= 0."""

@@ -357,8 +357,8 @@ def test_step_time_local_ratio_tracks_recent_error_of_the_fit():
     assert model.local_ratio() == 2.0
 
 
-def _exact_steps(model, n, start=0):
-    for i in range(start, start + n):
+def _exact_steps(model, n):
+    for i in range(n):
         p, d = (i * 37) % 200, (i * 11) % 30
         model.observe(p, d, 0.1 + 0.001 * p + 0.01 * d)
 
