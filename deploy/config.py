@@ -7,6 +7,7 @@ command line. Engine settings nest under ``engine`` (:class:`engine.EngineConfig
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,14 @@ from policies import make_classes
 from router.tenants import ApiKeyConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+SERVER_ENGINE_DEFAULTS: dict[str, Any] = {"policy": "priority", "tpot_slo_guard": True}
+"""The server's engine settings where they differ from :class:`engine.EngineConfig`'s; an
+``engine:`` section in the YAML changes only the keys it names."""
+
+
+def host_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which containers narrow)."""
+    return len(os.sched_getaffinity(0))
 
 
 class ServiceConfig(BaseModel):
@@ -33,16 +42,18 @@ class ServiceConfig(BaseModel):
         None, description="the name clients send as `model`; default: the model's name"
     )
     num_replicas: int = Field(1, ge=1)
-    replica_num_cpus: float = Field(
-        1.0, gt=0, description="CPUs Ray reserves per replica; torch uses as many threads"
+    replica_num_cpus: float | None = Field(
+        None, gt=0, description="CPUs Ray reserves per replica; torch uses as many threads. "
+                                "None: this host's CPUs divided among the replicas",
     )
     replica_num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (0: CPU)")
     max_ongoing_requests: int = Field(
         512, ge=1, description="requests in flight per replica (Ray Serve's cap)"
     )
     engine: dict[str, Any] = Field(
-        default_factory=lambda: {"policy": "priority", "tpot_slo_guard": True},
-        description="engine.EngineConfig fields except `model`",
+        default_factory=lambda: dict(SERVER_ENGINE_DEFAULTS),
+        description="engine.EngineConfig fields except `model`; merged over "
+                    "SERVER_ENGINE_DEFAULTS",
     )
     api_keys: dict[str, ApiKeyConfig] = Field(
         default_factory=dict, description="key -> tenant, class, priority ceiling; "
@@ -50,12 +61,19 @@ class ServiceConfig(BaseModel):
     )
     admission: bool = Field(True, description="SLO-aware admission at the ingress")
     routing_stats_period_s: float = Field(
-        0.1, gt=0, description="how often each replica publishes its load snapshot"
+        0.25, gt=0, description="how often each replica publishes its load snapshot"
     )
     max_n: int = Field(8, ge=1, description="cap on a request's `n`")
     max_request_body_bytes: int = Field(1 << 20, ge=1024, description="larger bodies get 413")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_merged(cls, v: Any) -> Any:
+        # A partial section (one class's SLOs, say) must not drop the server's policy
+        # and TPOT guard.
+        return {**SERVER_ENGINE_DEFAULTS, **v} if isinstance(v, dict) else v
 
     @field_validator("engine")
     @classmethod
@@ -66,6 +84,14 @@ class ServiceConfig(BaseModel):
             raise ValueError("set `model` at the top level, not under `engine`")
         EngineConfig(**v)
         return v
+
+    @model_validator(mode="after")
+    def _cpus_resolved(self) -> ServiceConfig:
+        # Measured in bench/results/peers.md: one replica using every core serves more
+        # than several smaller ones, whose Ray processes and OpenMP teams contend.
+        if self.replica_num_cpus is None:
+            self.replica_num_cpus = float(max(1, host_cpus() // self.num_replicas))
+        return self
 
     @model_validator(mode="after")
     def _keys_valid(self) -> ServiceConfig:

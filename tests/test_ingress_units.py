@@ -132,6 +132,8 @@ def test_service_config_yaml_and_flags(tmp_path):
     c = ServiceConfig.load(f, num_replicas=2, port=None)
     assert c.num_replicas == 2 and c.port == 8000  # a flag wins; an unset flag does not
     assert c.engine_config().max_num_seqs == 8 and c.model_name() == "SmolLM2-135M-Instruct"
+    # A partial engine section keeps the server's policy and TPOT guard.
+    assert c.engine_config().policy == "priority" and c.engine_config().tpot_slo_guard
     with pytest.raises(ValueError, match="unknown traffic_class"):
         ServiceConfig(api_keys={"k": {"tenant": "t", "traffic_class": "vip"}})
     with pytest.raises(ValueError, match="max_num_seqs"):
@@ -146,3 +148,17 @@ def test_serve_config_yaml_builds_a_valid_service_config():
     assert app["import_path"] == "deploy.app:app_builder"
     config = ServiceConfig(**app["args"])
     assert config.num_replicas == 2 and config.engine_config().policy == "priority"
+
+
+def test_service_config_declared_slos_keep_server_defaults_and_cpus_are_split(monkeypatch):
+    import deploy.config
+
+    monkeypatch.setattr(deploy.config, "host_cpus", lambda: 4)
+    c = ServiceConfig(engine={"traffic_classes": {"standard": {"tpot_slo_s": 0.25}}})
+    e = c.engine_config()
+    assert e.policy == "priority" and e.tpot_slo_guard
+    assert c.traffic_classes()["standard"].tpot_slo_s == 0.25
+    assert c.replica_num_cpus == 4.0  # one replica takes every core
+    assert ServiceConfig(num_replicas=3).replica_num_cpus == 1.0
+    assert ServiceConfig(num_replicas=2, replica_num_cpus=1.5).replica_num_cpus == 1.5
+    assert ServiceConfig(engine={"policy": "fcfs"}).engine_config().tpot_slo_guard

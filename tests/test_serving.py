@@ -48,6 +48,7 @@ def _free_port() -> int:
 def server():
     config = ServiceConfig(
         num_replicas=2,
+        replica_num_cpus=1,  # the Ray cluster below has 2 CPUs, whatever the host has
         port=_free_port(),
         api_keys=KEYS,
         engine={

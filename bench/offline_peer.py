@@ -1,0 +1,130 @@
+"""Offline engine speed of iterserve or vLLM's CPU build, the same four measurements for both.
+
+Run in the venv of the engine it measures (``bench/peers.py`` does both, one after the other)::
+
+    .venv/bin/python bench/offline_peer.py --engine iterserve --model DIR --out a.json
+    .venv-vllm/bin/python bench/offline_peer.py --engine vllm --model DIR --out b.json
+
+Measurements (greedy, ``ignore_eos``, prompt token ids drawn uniformly from [1000, 40000) by
+``random.Random(0)``, fp32, the threads the environment gives: ``OMP_NUM_THREADS``):
+
+- ``trace32``: the first 32 rows of the Azure conversation trace from ``--window-start``
+  (Patel et al., "Splitwise", ISCA 2024; CC-BY 4.0), lengths divided by 8 (prompt clamped to
+  [4, 1024], output to [1, 512]), all submitted at once: output tokens/s.
+- ``stream1`` / ``stream8``: decode cost in ms per step with 1 and 8 running sequences:
+  (wall(T output tokens) - wall(1 output token)) / (T - 1), so prefill and call overheads
+  cancel out.
+- ``prefill``: prompt tokens/s for 16 x 128, 8 x 512 and 32 x 64 prompts, one output token each.
+
+Each measurement is the median of ``--repeats`` (3) after one warm-up call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+TRACE = Path(__file__).resolve().parents[1].parent / "shared/traces/azure_llm_2023_conv.csv"
+PREFILL_SHAPES = ((16, 128), (8, 512), (32, 64))
+
+
+def trace_requests(path: Path, start: int, n: int, scale: float) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) of ``n`` trace rows from ``start``, lengths / ``scale``."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))[start:start + n]
+    return [(min(max(4, round(int(r["ContextTokens"]) / scale)), 1024),
+             min(max(1, round(int(r["GeneratedTokens"]) / scale)), 512)) for r in rows]
+
+
+class Engine:
+    """Runs a list of (prompt ids, max_tokens) requests to completion; returns seconds."""
+
+    def __init__(self, name: str, model: str) -> None:
+        self.name = name
+        if name == "vllm":
+            from vllm import LLM, SamplingParams
+
+            # No prefix caching: the repeats send the same prompts, and iterserve has
+            # none yet, so it would measure cache hits rather than the engine.
+            self.llm = LLM(model=model, dtype="float32", max_model_len=2048,
+                           max_num_seqs=64, seed=0, enable_prefix_caching=False)
+            self.params = lambda n: SamplingParams(max_tokens=n, temperature=0,
+                                                   ignore_eos=True)
+            self.prompt = lambda ids: {"prompt_token_ids": ids}
+        else:
+            from engine import LLM, SamplingParams
+
+            self.llm = LLM(model=model)
+            self.params = lambda n: SamplingParams(max_tokens=n, temperature=0,
+                                                   ignore_eos=True)
+            self.prompt = lambda ids: {"prompt_token_ids": ids}
+
+    def run(self, reqs: list[tuple[list[int], int]]) -> float:
+        prompts = [self.prompt(ids) for ids, _ in reqs]
+        params = [self.params(n) for _, n in reqs]
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        got = [len(o.outputs[0].token_ids) for o in outs]
+        if got != [n for _, n in reqs]:
+            raise RuntimeError(f"{self.name}: output lengths {got[:8]}... differ from asked")
+        return wall
+
+
+def ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+def median_of(fn, repeats: int) -> float:
+    fn()  # warm-up
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def measure(eng: Engine, args: argparse.Namespace) -> dict:
+    rng = random.Random(0)
+    out: dict = {}
+    shapes = trace_requests(Path(args.trace), args.window_start, 32, 8)
+    reqs = [(ids(rng, p), o) for p, o in shapes]
+    wall = median_of(lambda: eng.run(reqs), args.repeats)
+    out["trace32_output_tok_s"] = sum(o for _, o in shapes) / wall
+    t = args.decode_tokens
+    for n in (1, 8):
+        prompts = [ids(rng, 16) for _ in range(n)]
+        long = median_of(functools.partial(eng.run, [(p, t) for p in prompts]), args.repeats)
+        short = median_of(functools.partial(eng.run, [(p, 1) for p in prompts]), args.repeats)
+        out[f"stream{n}_ms_per_step"] = 1000 * (long - short) / (t - 1)
+    for n, length in PREFILL_SHAPES:
+        prompts = [(ids(rng, length), 1) for _ in range(n)]
+        wall = median_of(functools.partial(eng.run, prompts), args.repeats)
+        out[f"prefill_{n}x{length}_tok_s"] = n * length / wall
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=["iterserve", "vllm"], required=True)
+    p.add_argument("--model", required=True, help="a transformers directory")
+    p.add_argument("--trace", default=str(TRACE))
+    p.add_argument("--window-start", type=int, default=0)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    eng = Engine(args.engine, args.model)
+    result = {"engine": args.engine, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+              **measure(eng, args)}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":  # vLLM's engine core starts a process by spawn
+    sys.exit(main())

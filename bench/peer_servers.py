@@ -1,0 +1,223 @@
+"""Start and stop the servers ``bench/peers.py`` compares; probe them; count CPU per process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PORT = 8123
+MODEL_NAME = "SmolLM2-135M-Instruct"
+START_TIMEOUT_S = 420.0
+STOP_TIMEOUT_S = 40.0
+MIX_API_KEY = "peers-bench"
+"""With the class mix, iterserve gets a key whose ceiling is the interactive class: without
+keys every request is `standard`, and a header asking for a more urgent class gets 403."""
+PROBE_PROMPT = "The history of the city of Paris began in the third century BC, when"
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """One served system: ``kind`` is "iterserve" or "vllm"; ``engine`` overrides
+    iterserve's ``engine:`` section and ``service`` its top-level settings, ``env`` its
+    environment; ``priority`` starts vLLM with its priority scheduler."""
+
+    label: str
+    kind: str
+    engine: dict | None = None
+    service: dict | None = None
+    env: dict | None = None
+    priority: bool = False
+
+
+SYSTEMS = {
+    "iterserve": SystemSpec("iterserve", "iterserve"),
+    "iterserve-static": SystemSpec("iterserve-static", "iterserve",
+                                   {"policy": "static", "tpot_slo_guard": False}),
+    "vllm": SystemSpec("vllm", "vllm"),
+    # What `iterserve serve --config` gave before this benchmark's levers (commit d18065a):
+    # one replica of one CPU, stats every 0.1 s, Serve's 0.1 s control loop, and an
+    # engine section that replaced the server's policy and TPOT guard.
+    "iterserve-before": SystemSpec(
+        "iterserve-before", "iterserve", {"policy": "fcfs", "tpot_slo_guard": False},
+        {"replica_num_cpus": 1, "routing_stats_period_s": 0.1},
+        {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}),
+}
+
+
+def model_dir() -> str:
+    """The embedded default model's converted transformers directory (converts once)."""
+    from engine.model_loader import resolve_model_dir
+
+    return str(resolve_model_dir(None))
+
+
+def engine_env() -> dict[str, str]:
+    """Environment for vLLM (and offline runs): as many OpenMP threads as cores."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(os.cpu_count() or 1), VLLM_CPU_KVCACHE_SPACE="2",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    return env
+
+
+def iterserve_config(spec: SystemSpec, slo: tuple[float, float], mix: bool) -> dict:
+    """``iterserve serve --config`` content: defaults plus the benchmark's SLOs declared."""
+    ttft, tpot = slo
+    classes = {"standard": {"ttft_slo_s": ttft, "tpot_slo_s": tpot}}
+    keys = {}
+    if mix:
+        classes["interactive"] = {"ttft_slo_s": ttft, "tpot_slo_s": tpot}
+        keys = {MIX_API_KEY: {"tenant": "bench", "traffic_class": "interactive"}}
+    return {"port": PORT, **(spec.service or {}), "api_keys": keys,
+            "engine": {**(spec.engine or {}), "traffic_classes": classes}}
+
+
+class Server:
+    """A server process for the duration of a ``with`` block (``url``, ``label``, ...)."""
+
+    def __init__(self, spec: SystemSpec, model_dir: str, *, mix: bool,
+                 slo: tuple[float, float]) -> None:
+        self.spec, self.model_dir, self.kind = spec, model_dir, spec.kind
+        self.label = spec.label + ("+priority" if spec.priority and spec.kind == "vllm" else "")
+        self.url = f"http://127.0.0.1:{PORT}"
+        self.model_name = MODEL_NAME
+        self._tmp = tempfile.TemporaryDirectory(prefix="peers-")
+        env = dict(os.environ)
+        if spec.kind == "vllm":
+            py = Path(os.environ.get("VLLM_VENV", REPO / ".venv-vllm")) / "bin/python"
+            self.command = [str(py), "-m", "vllm.entrypoints.openai.api_server",
+                            "--model", model_dir, "--served-model-name", MODEL_NAME,
+                            "--dtype", "float32", "--port", str(PORT)]
+            if spec.priority:
+                self.command += ["--scheduling-policy", "priority"]
+            env = engine_env()
+        else:
+            cfg = Path(self._tmp.name) / "service.yaml"
+            cfg.write_text(yaml.safe_dump(iterserve_config(spec, slo, mix)))
+            self.command = [str(REPO / ".venv/bin/iterserve"), "serve", "--config", str(cfg)]
+            env.update(spec.env or {})
+        self._env = env
+        self.log = Path(self._tmp.name) / "server.log"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Server:
+        print(f"[peers] starting {self.label}", flush=True)
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                         env=self._env, start_new_session=True, cwd=REPO)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.label} exited at start:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"{self.label} not ready after {START_TIMEOUT_S:.0f} s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+            try:  # whatever is left of its process group (Ray's or vLLM's workers)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self._tmp.cleanup()
+        time.sleep(2.0)  # let the port and the cores settle before the next system
+
+
+async def token_cost(server: Server, streams: int, tokens: int) -> dict:
+    """Steady-state ms between streamed tokens with ``streams`` concurrent streams.
+
+    Each stream decodes ``tokens`` tokens (``ignore_eos``, greedy) from a short prompt; the
+    gap is measured between its 20th and 80th percentile chunks, so prefill and the
+    stream's start and end do not count. Returns the mean over streams (ms per token).
+    """
+    body = {"model": server.model_name, "prompt": PROBE_PROMPT, "max_tokens": tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def one(client: httpx.AsyncClient) -> float:
+        times = []
+        async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+                    if choice.get("text"):
+                        times.append(time.perf_counter())
+        a, b = len(times) // 5, (len(times) * 4) // 5
+        return 1000 * (times[b] - times[a]) / max(1, b - a)
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        await one(client)  # warm-up
+        gaps = await asyncio.gather(*[one(client) for _ in range(streams)])
+    return {"streams": streams, "tokens": tokens, "ms_per_token": sum(gaps) / len(gaps)}
+
+
+PROCESS_GROUPS = (
+    ("ModelReplica", "iterserve replica"), ("OpenAIIngress", "iterserve ingress"),
+    ("ProxyActor", "Ray Serve HTTP proxy"), ("ServeController", "Ray Serve controller"),
+    ("EngineCore", "vLLM engine core"), ("VLLM::", "vLLM engine core"),
+    ("vllm.entrypoints", "vLLM API server"),
+    ("bench/peers.py", "load generator"), ("raylet", "Ray system"),
+    ("gcs_server", "Ray system"), ("ray", "Ray system"), ("iterserve serve", "iterserve driver"),
+)
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """pid -> (process group name, CPU seconds used so far), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        group = next((g for key, g in PROCESS_GROUPS if key in cmd), "other")
+        out[int(pid)] = (group, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_share(before: dict, after: dict, wall_s: float) -> dict[str, float]:
+    """Cores each process group kept busy between two :func:`cpu_seconds` readings."""
+    share: dict[str, float] = {}
+    for pid, (group, secs) in after.items():
+        used = secs - before.get(pid, (group, 0.0))[1]
+        if used > 0:
+            share[group] = share.get(group, 0.0) + used / wall_s
+    return dict(sorted(share.items(), key=lambda kv: -kv[1]))
+
+
+def machine_info() -> dict:
+    """Cores, CPU model, commit and the two systems' versions, for the report."""
+    from importlib.metadata import version
+
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    vllm = sorted((REPO / ".venv-vllm/lib").glob("python*/site-packages/vllm_cpu-*.dist-info"))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=REPO).stdout.strip()
+    return {"cores": os.cpu_count(), "cpu": cpu, "commit": commit,
+            "torch": version("torch"), "ray": version("ray"),
+            "vllm_cpu": vllm[-1].name.removesuffix(".dist-info").split("-")[1] if vllm else None}

@@ -1,0 +1,174 @@
+"""iterserve against vLLM's CPU build, side by side in one run, over HTTP (``make bench-peers``).
+
+Run from the repository root after ``make bench-peers`` created ``.venv-vllm``::
+
+    .venv/bin/python bench/peers.py            # full run (prints its expected duration)
+    .venv/bin/python bench/peers.py --quick    # a smoke run of every phase
+
+Same machine, same weights (the embedded SmolLM2-135M-Instruct converted once into
+``$ITERSERVE_CACHE``; vLLM serves that directory), fp32, 2 OpenMP threads for vLLM
+(``OMP_NUM_THREADS``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, ``VLLM_CPU_KVCACHE_SPACE=2``).
+Phases, one after another, each server alone on the machine:
+
+1. Offline engines (``bench/offline_peer.py`` in each venv): output tok/s on 32 trace
+   requests at once, decode ms per step at 1 and 8 sequences, prefill tok/s.
+2. Served, one system at a time: the per-token cost of 1 and 8 streams (steady-state
+   gap between streamed tokens), then an open-loop replay (``bench/serve_bench.py``) of a
+   conversation-trace window at each ``--rates`` value: SLO attainment, goodput, TTFT,
+   TPOT. Systems: ``iterserve`` (``iterserve serve`` with its defaults plus the
+   benchmark's SLOs declared as its classes' SLOs), ``iterserve-static`` (the same with
+   the static-batching policy) and ``vllm`` (its defaults).
+3. Class mix: 70% interactive / 30% batch by header (``x-iterserve-class``) and by vLLM's
+   ``priority`` field (vLLM started with ``--scheduling-policy priority``), at
+   ``--mix-rates``: interactive attainment and batch output tok/s per system.
+
+While each served phase runs, the CPU seconds of every process are counted
+(``/proc``), to show where the machine's time goes. Output: ``bench/results/peers.md``,
+``peers.json`` and ``peers.png``. The trace is the Azure LLM inference trace 2023 (Patel
+et al., "Splitwise", ISCA 2024; CC-BY 4.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import peer_servers as ps  # noqa: E402
+import peers_report  # noqa: E402
+import serve_bench as sb  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny smoke run of every phase")
+    p.add_argument("--trace", default=str(sb.DEFAULT_TRACE))
+    p.add_argument("--window-start", type=int, default=1000,
+                   help="first trace row of the replay window (tune on one, check on another)")
+    p.add_argument("--num-requests", type=int, default=60, help="requests per rate")
+    p.add_argument("--rates", default="1.5,3,5,8", help="offered rates (req/s), single class")
+    p.add_argument("--mix-rates", default="2,3,4.5", help="offered rates of the class mix")
+    p.add_argument("--length-scale", type=float, default=8.0)
+    p.add_argument("--slo-ttft-s", type=float, default=2.0)
+    p.add_argument("--slo-tpot-s", type=float, default=0.25)
+    p.add_argument("--max-rate-s", type=float, default=60.0,
+                   help="cap on one rate's replay; requests still running then are misses")
+    p.add_argument("--systems", default="vllm,iterserve,iterserve-before,iterserve-static")
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--vllm-venv", default=str(REPO / ".venv-vllm"))
+    p.add_argument("--out", default=str(RESULTS / "peers"), help="stem of .md/.json/.png")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_requests, args.rates, args.mix_rates = 8, "2", "2"
+        args.out = str(RESULTS / "peers_quick")
+    args.rates = [float(x) for x in args.rates.split(",")]
+    args.mix_rates = [float(x) for x in args.mix_rates.split(",")]
+    args.systems = args.systems.split(",")
+    return args
+
+
+def expected_s(args: argparse.Namespace) -> float:
+    """Rough wall time: server starts, probes, replays (each rate at most its cap)."""
+    per_rate = [min(args.num_requests / r + 10, args.max_rate_s + 10) for r in args.rates]
+    per_mix = [min(args.num_requests / r + 10, args.max_rate_s + 10) for r in args.mix_rates]
+    offline = 0 if args.skip_offline else (240 if args.quick else 420)
+    starts = 90 * (len(args.systems) + 1)
+    served = len(args.systems) * (sum(per_rate) + 40)
+    mixed = 2 * sum(per_mix)
+    return offline + starts + served + mixed
+
+
+def run_offline(args: argparse.Namespace, model_dir: str) -> dict:
+    """``offline_peer.py`` for each engine in its own venv; {engine: result}."""
+    out = {}
+    for name, py in (("vllm", Path(args.vllm_venv) / "bin/python"),
+                     ("iterserve", REPO / ".venv/bin/python")):
+        path = RESULTS / f".offline_{name}.json"
+        cmd = [str(py), str(REPO / "bench/offline_peer.py"), "--engine", name,
+               "--model", model_dir, "--out", str(path), "--trace", args.trace]
+        # One warm-up and one timed call each: vLLM's offline phase took 9 of 33 minutes
+        # with three.
+        cmd += ["--repeats", "1", "--decode-tokens", "16" if args.quick else "48"]
+        print(f"[peers] offline {name}", flush=True)
+        subprocess.run(cmd, check=True, env=ps.engine_env(), stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        out[name] = json.loads(path.read_text())
+        path.unlink()
+    return out
+
+
+def bench_config(args: argparse.Namespace, server: ps.Server, rates: list[float],
+                 mix: bool) -> sb.BenchConfig:
+    return sb.BenchConfig(
+        base_url=server.url, model=server.model_name, tokenizer=server.model_dir,
+        trace=args.trace, window_start=args.window_start, num_requests=args.num_requests,
+        rates=rates, length_scale=args.length_scale, slo_ttft_s=args.slo_ttft_s,
+        slo_tpot_s=args.slo_tpot_s, max_duration_s=args.max_rate_s, label=server.label,
+        class_mix={"interactive": 0.7, "batch": 0.3} if mix else None,
+        priority_field=mix and server.kind == "vllm", warmup=2,
+        extra_headers={"Authorization": f"Bearer {ps.MIX_API_KEY}"} if mix else {},
+    )
+
+
+async def served_phase(args: argparse.Namespace, server: ps.Server, mix: bool) -> dict:
+    """Token-cost probes (single-class runs only) and the replay, with CPU accounting."""
+    out: dict = {"label": server.label, "command": server.command, "env": server.spec.env}
+    if not mix:
+        out["token_cost"] = {str(n): await ps.token_cost(server, n, 8 if args.quick else 96)
+                             for n in (1, 8)}
+    rates = args.mix_rates if mix else args.rates
+    before = ps.cpu_seconds()
+    t0 = time.monotonic()
+    report = await sb.run(bench_config(args, server, rates, mix))
+    out["cpu_share"] = ps.cpu_share(before, ps.cpu_seconds(), time.monotonic() - t0)
+    out["replay"] = report
+    return out
+
+
+def run_system(args: argparse.Namespace, spec: ps.SystemSpec, model_dir: str,
+               mix: bool) -> dict:
+    with ps.Server(spec, model_dir, mix=mix, slo=(args.slo_ttft_s, args.slo_tpot_s)) as server:
+        return asyncio.run(served_phase(args, server, mix))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(f"[peers] expected duration ~{expected_s(args) / 60:.0f} min", flush=True)
+    t0 = time.monotonic()
+    model_dir = ps.model_dir()
+    report: dict = {"args": {k: v for k, v in vars(args).items()},
+                    "machine": ps.machine_info(), "model_dir": model_dir,
+                    "trace_attribution": sb.TRACE_ATTRIBUTION}
+    if not args.skip_offline:
+        report["offline"] = run_offline(args, model_dir)
+    report["served"] = {name: run_system(args, ps.SYSTEMS[name], model_dir, mix=False)
+                        for name in args.systems}
+    mix_systems = [n for n in ("vllm", "iterserve") if n in args.systems]
+    report["mixed"] = {name: run_system(args, replace(ps.SYSTEMS[name], priority=True),
+                                        model_dir, mix=True) for name in mix_systems}
+    report["wall_s"] = time.monotonic() - t0
+    stem = Path(args.out)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(report, separators=(",", ":")))
+    md = peers_report.markdown(report)
+    stem.with_suffix(".md").write_text(md)
+    peers_report.plot(report, stem.with_suffix(".png"))
+    print(md)
+    print(f"[peers] done in {report['wall_s'] / 60:.1f} min: {stem}.md/.json/.png")
+    return 0
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    sys.exit(main())
