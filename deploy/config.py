@@ -87,8 +87,9 @@ class ServiceConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cpus_resolved(self) -> ServiceConfig:
-        # Measured in bench/results/peers.md: one replica using every core serves more
-        # than several smaller ones, whose Ray processes and OpenMP teams contend.
+        # One replica of 1 CPU served at 11% / 0% SLO attainment where 2 CPUs gave 78% / 3%
+        # (issue #26's table), and peers.md's iterserve-before (1 CPU) costs 1.4x per token.
+        # Several replicas sharing a few cores were not measured side by side.
         if self.replica_num_cpus is None:
             self.replica_num_cpus = float(max(1, host_cpus() // self.num_replicas))
         return self

@@ -21,8 +21,8 @@ QUIET_RAY_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
 """Set (unless already set) for the embedded cluster, whose processes inherit them. Serve's
 controller wakes every 0.1 s by default; on a few cores each wake-up preempts one of
 torch's OpenMP threads, and the whole step waits for it. Measured idle (2 cores, 1 replica):
-Ray's processes took about 20% of a core with the defaults and 9% with this and
-``routing_stats_period_s`` 1 s; see ``bench/results/peers.md``."""
+Ray's processes took about 20% of a core with Serve's defaults, about 15% with this and
+``routing_stats_period_s`` 0.25 s (see ``docs/served-overhead.md``)."""
 
 
 class ServeError(RuntimeError):
