@@ -56,20 +56,15 @@ class Engine:
             # none yet, so it would measure cache hits rather than the engine.
             self.llm = LLM(model=model, dtype="float32", max_model_len=2048,
                            max_num_seqs=64, seed=0, enable_prefix_caching=False)
-            self.params = lambda n: SamplingParams(max_tokens=n, temperature=0,
-                                                   ignore_eos=True)
-            self.prompt = lambda ids: {"prompt_token_ids": ids}
         else:
             from engine import LLM, SamplingParams
 
             self.llm = LLM(model=model)
-            self.params = lambda n: SamplingParams(max_tokens=n, temperature=0,
-                                                   ignore_eos=True)
-            self.prompt = lambda ids: {"prompt_token_ids": ids}
+        self.sampling = SamplingParams
 
     def run(self, reqs: list[tuple[list[int], int]]) -> float:
-        prompts = [self.prompt(ids) for ids, _ in reqs]
-        params = [self.params(n) for _, n in reqs]
+        prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+        params = [self.sampling(max_tokens=n, temperature=0, ignore_eos=True) for _, n in reqs]
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
