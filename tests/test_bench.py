@@ -1,0 +1,40 @@
+"""The serving benchmark's workload: what makes its comparisons fair."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import peers  # noqa: E402
+import serve_bench as sb  # noqa: E402
+
+
+def test_each_replay_sends_new_prompts_of_the_same_lengths(model_dir):
+    # A server's prefix cache would serve a later rate's prompts from an earlier rate's
+    # KV if the text repeated (vLLM's did: 31% hits, and its attainment rose with load).
+    cfg = sb.BenchConfig(base_url="http://unused", model="m", tokenizer=str(model_dir),
+                         window_start=1000, num_requests=12, rates=[1.0, 2.0])
+    first, second = sb.build_workload(cfg, replay=0), sb.build_workload(cfg, replay=1)
+    assert [r.prompt_tokens for r in first] == [r.prompt_tokens for r in second]
+    assert [r.output_tokens for r in first] == [r.output_tokens for r in second]
+    assert [r.trace_offset_s for r in first] == [r.trace_offset_s for r in second]
+    assert not {r.prompt for r in first} & {r.prompt for r in second}
+    assert [r.prompt for r in sb.build_workload(cfg, replay=0)] == [r.prompt for r in first]
+
+
+def test_host_factor_scales_slos_up_and_rates_down():
+    args = peers.parse_args([])
+    slow = {"vllm": {"stream1_ms_per_step": 2 * peers.REFERENCE_STREAM1_MS}}
+    factor = peers.host_factor(args, slow)
+    assert factor["k"] == 2.0
+    s = peers.scaled(args, factor["k"])
+    assert (s.slo_ttft_s, s.slo_tpot_s) == (2 * args.slo_ttft_s, 2 * args.slo_tpot_s)
+    assert s.rates == [r / 2 for r in args.rates]
+    assert s.max_rate_s == 2 * args.max_rate_s
+    # A faster host than the reference keeps the issue's SLOs and rates.
+    fast = {"vllm": {"stream1_ms_per_step": peers.REFERENCE_STREAM1_MS / 2}}
+    assert peers.host_factor(args, fast)["k"] == 1.0
+    assert peers.host_factor(peers.parse_args(["--host-factor", "1.5"]), None)["k"] == 1.5
+    assert peers.host_factor(args, None)["k"] == 1.0
