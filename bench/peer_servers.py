@@ -47,12 +47,13 @@ SYSTEMS = {
                                    {"policy": "static", "tpot_slo_guard": False}),
     "vllm": SystemSpec("vllm", "vllm"),
     # What `iterserve serve --config` gave before this benchmark's levers (commit d18065a):
-    # one replica of one CPU, stats every 0.1 s, Serve's 0.1 s control loop, and an
-    # engine section that replaced the server's policy and TPOT guard.
+    # one replica of one CPU, stats every 0.1 s, Serve's 0.1 s control loop and default
+    # (not throughput-optimized) mode, and an engine section that replaced the server's
+    # policy and TPOT guard.
     "iterserve-before": SystemSpec(
         "iterserve-before", "iterserve", {"policy": "fcfs", "tpot_slo_guard": False},
         {"replica_num_cpus": 1, "routing_stats_period_s": 0.1},
-        {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}),
+        {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}),
 }
 
 
