@@ -11,11 +11,14 @@ import peers  # noqa: E402
 import serve_bench as sb  # noqa: E402
 
 
-def test_each_replay_sends_new_prompts_of_the_same_lengths(model_dir):
+def test_each_replay_sends_new_prompts_of_the_same_lengths(model_dir, tmp_path):
     # A server's prefix cache would serve a later rate's prompts from an earlier rate's
     # KV if the text repeated (vLLM's did: 31% hits, and its attainment rose with load).
+    trace = tmp_path / "trace.csv"  # the trace's format; the real one lives outside the repo
+    rows = [f"2023-11-16 18:15:{i:02d}.5,{200 + 40 * i},{10 + i}" for i in range(13)]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
     cfg = sb.BenchConfig(base_url="http://unused", model="m", tokenizer=str(model_dir),
-                         window_start=1000, num_requests=12, rates=[1.0, 2.0])
+                         trace=str(trace), window_start=0, num_requests=12, rates=[1.0, 2.0])
     first, second = sb.build_workload(cfg, replay=0), sb.build_workload(cfg, replay=1)
     assert [r.prompt_tokens for r in first] == [r.prompt_tokens for r in second]
     assert [r.output_tokens for r in first] == [r.output_tokens for r in second]
