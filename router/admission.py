@@ -73,6 +73,7 @@ class IngressAdmission:
             return 0.0
         token = next(self._tokens)
         self._held[token] = (traffic_class, arrival_s, prompt_tokens)
+        held_for: str | None = None  # why it was first held, for the 429 message
         try:
             while True:
                 snaps = loads()
@@ -88,7 +89,14 @@ class IngressAdmission:
                     break
                 if all(isinstance(d, Reject) for d in decisions):
                     best = min(decisions, key=lambda d: d.retry_after_s)
-                    raise AdmissionRejected(best.retry_after_s, best.reason)
+                    reason = best.reason
+                    if held_for is not None:
+                        # After a long hold the last failure is often only that the
+                        # budget ran out; the first says what held it.
+                        reason += f" (held {waited:.1f} s; first held because {held_for})"
+                    raise AdmissionRejected(best.retry_after_s, reason)
+                if held_for is None:
+                    held_for = decisions[0].reason
                 await asyncio.sleep(POLL_S)
         finally:
             del self._held[token]

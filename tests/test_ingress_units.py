@@ -119,6 +119,23 @@ async def test_rejected_after_max_queue_wait_with_retry_after_but_batch_waits():
     assert adm.held == {}  # a client that left is no longer counted
 
 
+async def test_rejection_after_a_hold_says_what_held_it():
+    # The last failure after a hold is often only a spent TTFT budget ("> -0.89 s"); the
+    # 429 must also say why the request was held in the first place.
+    clock = FakeClock()
+    adm = IngressAdmission(DEFAULT_CLASSES, priority_scheduling=True, clock=clock)
+    busy = [_snap(waiting_tokens=100_000)]
+    task = asyncio.create_task(adm.admit(lambda: busy, "standard", 10, 16, 1, 0.0))
+    await asyncio.sleep(0.1)
+    assert not task.done()
+    clock.t = DEFAULT_CLASSES["standard"].max_queue_wait_s + 0.1
+    with pytest.raises(AdmissionRejected) as e:
+        await asyncio.wait_for(task, 2)
+    held = f"held {clock.t:.1f} s; first held because standard: predicted TTFT"
+    assert held in e.value.reason and "of the budget" in e.value.reason
+    assert adm.held == {}
+
+
 async def test_admission_off_admits_everything():
     adm = IngressAdmission(DEFAULT_CLASSES, priority_scheduling=True, enabled=False)
     assert await adm.admit(lambda: [_snap(waiting_tokens=10**7)], "standard", 10, 16, 1,
