@@ -78,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-venv", default=str(REPO / ".venv-vllm"))
     p.add_argument("--out", default=str(RESULTS / "peers"), help="stem of .md/.json/.png")
     args = p.parse_args(argv)
+    if args.host_factor != "auto":
+        try:
+            if float(args.host_factor) <= 0:
+                raise ValueError
+        except ValueError:
+            p.error(f"--host-factor {args.host_factor!r}: 'auto' or a number > 0")
     if args.quick:
         args.num_requests, args.rates, args.mix_rates = 8, "2", "2"
         args.out = str(RESULTS / "peers_quick")

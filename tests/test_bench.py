@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import peers  # noqa: E402
@@ -41,3 +43,6 @@ def test_host_factor_scales_slos_up_and_rates_down():
     assert peers.host_factor(args, fast)["k"] == 1.0
     assert peers.host_factor(peers.parse_args(["--host-factor", "1.5"]), None)["k"] == 1.5
     assert peers.host_factor(args, None)["k"] == 1.0
+    for bad in ("fast", "0", "-2"):
+        with pytest.raises(SystemExit):
+            peers.parse_args(["--host-factor", bad])
