@@ -1,7 +1,8 @@
 """Paged attention registered with transformers' ``AttentionInterface``.
 
-transformers' own model classes compute q/k/v and RoPE; they call :func:`paged_attention`
-once per layer with a flattened varlen batch (batch dimension 1, ``T`` tokens). The
+The decoder layers (:class:`engine.fused_layers.FusedAttention`) compute q/k/v and RoPE and
+call :func:`paged_attention` once per layer with a flattened varlen batch (batch dimension 1,
+``T`` tokens); it keeps transformers' attention-interface signature. The
 function writes the new K/V into the paged cache through the slot mapping, then attends
 each query to its sequence's cached context. The step's metadata arrives as the keyword
 argument ``attn_metadata``, passed to the model's forward: no global state.

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.cpu_linear import prepack_linears, prepack_supported
+from engine.fused_layers import fuse_layers
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ def load_model(
         model_dir, dtype=dtype, attn_implementation=attn_implementation
     )
     hf_model.to(device).eval()
+    fuse_layers(hf_model)
     if prepack and prepack_supported(device, dtype):
         prepack_linears(hf_model)
     return hf_model, tokenizer, model_dir
