@@ -373,7 +373,7 @@ class StepLog:
 
     def attach(self, engine) -> None:
         """Log every step of ``engine`` (an ``LLMEngine``) from now on."""
-        from policies.admission import predict_step
+        from policies.step_time import predict_step
 
         sched, model = engine.scheduler, engine.step_time_model
         schedule, step = sched.schedule, engine.step

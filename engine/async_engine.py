@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.request import RequestOutput, SamplingParams
-from policies import AdmissionController, Decision, LoadSnapshot
+from policies import DEFAULT_CLASS, AdmissionController, Decision, LoadSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -180,19 +180,16 @@ class AsyncLLMEngine:
         for the next step count as waiting, so back-to-back admissions see each other.
         ``timestamp`` is the time of this call.
         """
-        snap = copy.deepcopy(self._snapshot)
         # Every request is counted exactly once: _snapshot was taken after the last
         # additions were applied (or after the last step), and _to_add holds the rest.
+        snap = copy.deepcopy(self._snapshot).with_queued(
+            (p.traffic_class or DEFAULT_CLASS, len(p.prompt["prompt_token_ids"]))
+            for p in self._to_add)
         snap.timestamp = time.time()
-        for p in self._to_add:
-            cls = p.traffic_class or "standard"
-            n = len(p.prompt["prompt_token_ids"])
-            snap.waiting_prefill_tokens[cls] = snap.waiting_prefill_tokens.get(cls, 0) + n
-            snap.waiting_requests[cls] = snap.waiting_requests.get(cls, 0) + 1
         return snap
 
     def admission_decision(self, prompt_tokens: int, max_tokens: int | None,
-                           traffic_class: str = "standard", priority: int | None = None,
+                           traffic_class: str = DEFAULT_CLASS, priority: int | None = None,
                            waited_s: float = 0.0) -> Decision:
         """Admit, wait (bounded) or reject a request of this shape, from the current load.
 

@@ -176,8 +176,16 @@ def paged_attention(
         return out.unsqueeze(0), None
 
     out = torch.empty_like(q)
+    _attend_decodes(md, q, k_flat, v_flat, scaling, out)
+    _attend_prefills(md, q, k_new, v_new, k_flat, v_flat, scaling, out)
+    return out.unsqueeze(0), None
+
+
+def _attend_decodes(md: AttentionMetadata, q: torch.Tensor, k_flat: torch.Tensor,
+                    v_flat: torch.Tensor, scaling: float | None, out: torch.Tensor) -> None:
+    """Decode rows of ``out`` (``[T, H, D]``): one padded SDPA call per decode group, each
+    ``[n, H, 1, D]`` against its gathered ``[n, KVH, L, D]`` context."""
     for g in md.decode_groups:
-        # One padded SDPA call per group: [n, H, 1, D] against [n, KVH, L, D].
         # index_select on flat slots is ~10x faster than advanced indexing on CPU here.
         shape = (*g.slots.shape, *k_flat.shape[1:])
         flat_slots = g.slots.view(-1)
@@ -188,6 +196,13 @@ def paged_attention(
             enable_gqa=True,
         )
         out[g.start:g.end] = o.squeeze(2)
+
+
+def _attend_prefills(md: AttentionMetadata, q: torch.Tensor, k_new: torch.Tensor,
+                     v_new: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                     scaling: float | None, out: torch.Tensor) -> None:
+    """Prefill rows of ``out``: one SDPA call per chunk, against the chunk's own K/V for a
+    first chunk (plain causal), else its whole cached context with the offset mask."""
     for p in md.prefills:
         qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
         if p.context_slots is None:
@@ -200,7 +215,6 @@ def paged_attention(
             attn_mask=p.mask, is_causal=p.mask is None, scale=scaling, enable_gqa=True,
         )
         out[p.start:p.end] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None
 
 
 def _cumsum0(x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from engine.request import (
 )
 from engine.runner import ModelRunner, kv_bytes_per_token
 from engine.scheduler import Scheduler
-from policies import LoadSnapshot, StepTimeModel, make_classes, make_policy
+from policies import DEFAULT_CLASS, LoadSnapshot, StepTimeModel, make_classes, make_policy
 
 RECENT_STEPS = 8
 """Steps averaged into ``LoadSnapshot.recent_step_s`` (a few, so it follows bursts)."""
@@ -166,7 +166,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
-        traffic_class = traffic_class or "standard"
+        traffic_class = traffic_class or DEFAULT_CLASS
         if traffic_class not in self.traffic_classes:
             raise ValueError(
                 f"unknown traffic_class {traffic_class!r}; known: {sorted(self.traffic_classes)}"

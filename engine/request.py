@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from policies.priority import DEFAULT_CLASS
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -91,7 +93,7 @@ class Request:
     max_tokens: int
     """Output tokens at most, after clamping max_tokens=None to the context."""
     priority: int = 0
-    traffic_class: str = "standard"
+    traffic_class: str = DEFAULT_CLASS
     ttft_slo_s: float = math.inf
     """The traffic class's TTFT SLO in seconds (read by the scheduler's TPOT guard)."""
     tpot_slo_s: float = math.inf

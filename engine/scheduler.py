@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.kv_cache import BlockManager
 from engine.request import FinishReason, Request, RequestStatus
-from policies.admission import StepTimeModel
 from policies.base import SchedulingPolicy
+from policies.step_time import StepTimeModel
 
 OWED_BORROW = 0.5
 """Fraction of a decode's later gaps' jitter headroom (``tpot_slo_s`` minus its share, per

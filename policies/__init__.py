@@ -2,27 +2,28 @@
 
 A policy orders the waiting requests and picks preemption victims; the engine's
 scheduler calls it and never branches on a policy's name. ``policies.admission`` decides,
-at the router, whether a replica should take a request at all.
+at the router, whether a replica should take a request at all, from the replica's
+``policies.load.LoadSnapshot`` and the step-time model of ``policies.step_time``;
+``policies.prediction_log`` scores its predictions.
 """
 
 from collections.abc import Callable
 from typing import Any
 
-from policies.admission import (
-    AdmissionController,
-    Admit,
-    Decision,
-    LoadSnapshot,
-    Prediction,
-    PredictionLog,
-    Reject,
-    StepTimeModel,
-    Wait,
-)
+from policies.admission import AdmissionController, Admit, Decision, Prediction, Reject, Wait
 from policies.base import SchedulingPolicy
 from policies.fcfs import FCFSPolicy
-from policies.priority import DEFAULT_CLASSES, PriorityPolicy, TrafficClass, make_classes
+from policies.load import LoadSnapshot
+from policies.prediction_log import PredictionLog
+from policies.priority import (
+    DEFAULT_CLASS,
+    DEFAULT_CLASSES,
+    PriorityPolicy,
+    TrafficClass,
+    make_classes,
+)
 from policies.static import StaticBatchPolicy
+from policies.step_time import StepTimeModel
 
 POLICIES: dict[str, Callable[..., SchedulingPolicy]] = {
     "fcfs": FCFSPolicy,
@@ -48,6 +49,7 @@ def make_policy(name: str, **options: Any) -> SchedulingPolicy:
 
 
 __all__ = [
+    "DEFAULT_CLASS",
     "DEFAULT_CLASSES",
     "POLICIES",
     "AdmissionController",

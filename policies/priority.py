@@ -61,12 +61,15 @@ def _positive(x: float) -> bool:
     return isinstance(x, int | float) and math.isfinite(x) and x > 0
 
 
+DEFAULT_CLASS = "standard"
+"""The class of a request that names none (and of every request of a one-class service)."""
+
 DEFAULT_CLASSES: dict[str, TrafficClass] = {
     # SLOs sized for SmolLM2-135M on a slow CPU, where one step takes ~100-300 ms;
     # override them (make_classes) for faster hardware.
     "interactive": TrafficClass("interactive", ttft_slo_s=2.0, tpot_slo_s=0.5,
                                 default_priority=0, max_queue_wait_s=1.0),
-    "standard": TrafficClass("standard", ttft_slo_s=5.0, tpot_slo_s=1.0,
+    DEFAULT_CLASS: TrafficClass(DEFAULT_CLASS, ttft_slo_s=5.0, tpot_slo_s=1.0,
                              default_priority=1, max_queue_wait_s=3.0),
     "batch": TrafficClass("batch", ttft_slo_s=60.0, tpot_slo_s=5.0, default_priority=2,
                           max_queue_wait_s=30.0, hard_queue_cap=1000, rejectable=False),

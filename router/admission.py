@@ -10,7 +10,6 @@ class keeps waiting (it is refused only at its hard queue cap).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import time
 from collections import Counter
@@ -109,12 +108,4 @@ class IngressAdmission:
         block each other for ever. Conservative across replicas: each replica counts
         all of them (requests and prompt tokens), as any may go there.
         """
-        earlier = [(cls, n) for cls, t, n in self._held.values() if t < arrival_s]
-        if not earlier:
-            return snap
-        waiting, tokens = dict(snap.waiting_requests), dict(snap.waiting_prefill_tokens)
-        for k, n in earlier:
-            waiting[k] = waiting.get(k, 0) + 1
-            tokens[k] = tokens.get(k, 0) + n
-        return dataclasses.replace(snap, waiting_requests=waiting,
-                                   waiting_prefill_tokens=tokens)
+        return snap.with_queued((cls, n) for cls, t, n in self._held.values() if t < arrival_s)

@@ -61,11 +61,7 @@ class LoadAwareRouter(RequestRouter):
                                                     time.time() - ROUTED_MEMORY_S):
                 routed.popleft()
             since = [r.shape for r in routed if r.time_s >= snap.timestamp]
-        for s in since:
-            c = s.traffic_class
-            snap.waiting_prefill_tokens[c] = snap.waiting_prefill_tokens.get(c, 0) + s.prompt_tokens
-            snap.waiting_requests[c] = snap.waiting_requests.get(c, 0) + 1
-        return snap
+        return snap.with_queued((s.traffic_class, s.prompt_tokens) for s in since)
 
     def snapshots(self) -> dict[ReplicaID, LoadSnapshot]:
         """Adjusted snapshots of every running replica that has published one."""

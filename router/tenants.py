@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies import TrafficClass
+from policies import DEFAULT_CLASS, TrafficClass
 from router.errors import ApiError
 
 CLASS_HEADER = "x-iterserve-class"
@@ -25,7 +25,7 @@ class ApiKeyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tenant: str
-    traffic_class: str = "standard"
+    traffic_class: str = DEFAULT_CLASS
     max_priority: int | None = Field(
         None, description="the most urgent priority (lowest number) its requests may carry; "
                           "None: its class's default priority",
@@ -66,7 +66,7 @@ def resolve_caller(api_keys: Mapping[str, ApiKeyConfig], classes: Mapping[str, T
         tenant, base = entry.tenant, entry.traffic_class
         ceiling = entry.max_priority
     else:
-        tenant, base, ceiling = None, "standard", None
+        tenant, base, ceiling = None, DEFAULT_CLASS, None
     if ceiling is None:
         ceiling = classes[base].default_priority
     name = base

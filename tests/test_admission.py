@@ -329,6 +329,18 @@ def test_load_snapshot_round_trips_through_json():
         LoadSnapshot.from_dict({"max_num_seqs": 8})
 
 
+def test_load_snapshot_with_queued_counts_each_request_once_and_leaves_the_original():
+    s = LoadSnapshot(max_num_batched_tokens=512, max_num_seqs=64, num_kv_blocks_free=10,
+                     waiting_prefill_tokens={"batch": 100}, waiting_requests={"batch": 1},
+                     running_seqs={"batch": 3})
+    more = s.with_queued([("batch", 40), ("interactive", 7), ("interactive", 5)])
+    assert more.waiting_requests == {"batch": 2, "interactive": 2}
+    assert more.waiting_prefill_tokens == {"batch": 140, "interactive": 12}
+    assert more.running_seqs == {"batch": 3} and more.num_kv_blocks_free == 10
+    assert s.waiting_requests == {"batch": 1} and s.waiting_prefill_tokens == {"batch": 100}
+    assert s.with_queued([]) == s
+
+
 def test_prediction_log():
     log = PredictionLog()
     assert math.isnan(log.mean_absolute_error()) and math.isnan(log.median_relative_error())

@@ -15,7 +15,7 @@ BLOCK = 4
 
 
 def tiny_model(arch: str):
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=64, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)

@@ -1,0 +1,94 @@
+"""One replica's load as the router sees it: the wire format between replica and router.
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies.step_time import DEFAULT_STEP_COEFFICIENTS, predict_step
+
+
+@dataclass(kw_only=True)
+class LoadSnapshot:
+    """One replica's load, as the router sees it. Plain JSON types via :meth:`to_dict`.
+
+    Per-class dicts map a traffic class name to a count; a missing class counts 0.
+    """
+
+    max_num_batched_tokens: int
+    """The token budget of one step."""
+    max_num_seqs: int
+    """Running requests at most."""
+    num_kv_blocks_free: int
+    block_size: int = 16
+    """Tokens per KV block."""
+    waiting_prefill_tokens: dict[str, int] = field(default_factory=dict)
+    """Prompt tokens not yet prefilled: all of each waiting request's (preempted ones: prompt
+    and output so far) plus the remaining chunks of running requests still prefilling."""
+    running_seqs: dict[str, int] = field(default_factory=dict)
+    waiting_requests: dict[str, int] = field(default_factory=dict)
+    """Requests queued for the replica (its waiting queue, plus any the router holds)."""
+    kv_blocks_used: dict[str, int] = field(default_factory=dict)
+    """KV blocks held by each class's running requests (optional: lets admission count
+    blocks that the priority policy can reclaim from less urgent classes)."""
+    kv_usage: float = 0.0
+    """Fraction of the KV cache in use, 0..1."""
+    step_coefficients: tuple[float, float, float] = DEFAULT_STEP_COEFFICIENTS
+    """The replica's :meth:`StepTimeModel.coefficients`."""
+    tpot_slo_guard: bool = False
+    """The replica sheds less urgent decodes to hold the tightest TPOT SLO running."""
+    tpot_slo_guard_target: float = 1.0
+    """The guard holds the predicted step time at this fraction of that SLO."""
+    recent_step_s: float = 0.0
+    """Mean wall time of the replica's last few steps, seconds; 0 when it is idle."""
+    timestamp: float = 0.0
+    """When the snapshot was taken, seconds since the epoch (``time.time()``: it crosses
+    processes, so not a monotonic clock)."""
+
+    def step_time(self, prefill_tokens: float, decode_seqs: float) -> float:
+        """Predicted seconds of one step on this replica."""
+        return predict_step(self.step_coefficients, prefill_tokens, decode_seqs)
+
+    def with_queued(self, queued: Iterable[tuple[str, int]]) -> LoadSnapshot:
+        """A copy with more requests waiting: one per ``(traffic class, prompt tokens)``.
+
+        Requests that reached (or are on their way to) the replica after the snapshot was
+        taken; the snapshot itself is left unchanged."""
+        waiting, tokens = dict(self.waiting_requests), dict(self.waiting_prefill_tokens)
+        for cls, n in queued:
+            waiting[cls] = waiting.get(cls, 0) + 1
+            tokens[cls] = tokens.get(cls, 0) + n
+        return dataclasses.replace(self, waiting_requests=waiting, waiting_prefill_tokens=tokens)
+
+    @property
+    def total_running(self) -> int:
+        return sum(self.running_seqs.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable copy (lists for tuples, fresh dicts)."""
+        d = dataclasses.asdict(self)
+        d["step_coefficients"] = list(self.step_coefficients)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LoadSnapshot:
+        """Inverse of :meth:`to_dict`; unknown keys are ignored (a newer replica's extras).
+
+        Raises:
+            TypeError: a required key is missing.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        for k in ("waiting_prefill_tokens", "running_seqs", "waiting_requests",
+                  "kv_blocks_used"):
+            if k in kwargs:
+                kwargs[k] = {str(name): int(n) for name, n in kwargs[k].items()}
+        if "step_coefficients" in kwargs:
+            a, b, c = kwargs["step_coefficients"]
+            kwargs["step_coefficients"] = (float(a), float(b), float(c))
+        return cls(**kwargs)

@@ -1,0 +1,195 @@
+"""Step-time model: ``seconds = a + b * prefill_tokens + c * decode_seqs``, fitted online.
+
+A step is the budgeted mixed step of Sarathi-Serve (Agrawal et al., OSDI 2024, section 4):
+every running request decodes one token and prefill chunks fill the rest of the token
+budget. The replica fits this model to its measured steps; the TPOT guard and admission
+predict with it. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from itertools import combinations
+
+DEFAULT_STEP_COEFFICIENTS = (0.05, 0.002, 0.002)
+"""Prior (a s, b s/prefill token, c s/decode sequence): SmolLM2-135M on a slow CPU."""
+
+LOCAL_RATIO_STEPS = 8
+"""Steps over which :meth:`StepTimeModel.local_ratio` takes its median."""
+
+TAIL_RATIO_QUANTILE = 0.99
+"""Quantile of measured / predicted step seconds, over the fit window, that
+:meth:`StepTimeModel.worst_ratio` allows for (on the 2-core CPU in ``bench/scheduling.py``
+step logs: median 1.00, p90 1.22, p99 2.08 over 1749 steps)."""
+
+
+class StepTimeModel:
+    """Online least-squares fit of ``seconds ≈ a + b * prefill_tokens + c * decode_seqs``.
+
+    Fitted over a sliding window of the last ``window`` steps by the normal equations
+    (3x3, solved in pure Python), with two safeguards:
+
+    * a ridge penalty toward the prior, worth ``prior_weight`` observations per
+      coefficient at the window's spread of that feature. With varied data it is
+      negligible (it biases a slope by about ``prior_weight / window`` of its distance
+      from the prior); a coefficient the data cannot identify (no prefill in the window,
+      say, or a constant decode count confounded with ``a``) stays near its prior
+      instead of becoming arbitrary;
+    * non-negativity: the constrained optimum is found exactly by solving the
+      (penalised) least squares on each subset of free coefficients, the others held at
+      0, and keeping the best feasible one (8 subsets of 3 coefficients).
+
+    Before ``min_samples`` observations the prior is used as is.
+
+    The fit is global, and a step's time is not linear in its tokens (small GEMMs cost
+    more per row), so in the regime the scheduler currently runs in it can be off by tens
+    of percent; worse, the TPOT guard chooses the steps the fit learns from, which can
+    leave a slope poorly identified. :meth:`local_ratio` measures that error where it
+    matters: the median of measured / predicted seconds over the last few steps, each
+    predicted before it was observed.
+
+    Args:
+        prior: (a seconds, b seconds per prefill token, c seconds per decode sequence).
+        window: steps kept for the fit (recent ones, so the fit follows drift).
+        min_samples: observations needed before the fit replaces the prior.
+        prior_weight: strength of the ridge penalty, in observations.
+
+    Raises:
+        ValueError: a prior coefficient is negative, or a size is out of range.
+    """
+
+    def __init__(
+        self,
+        prior: tuple[float, float, float] = DEFAULT_STEP_COEFFICIENTS,
+        window: int = 256,
+        min_samples: int = 8,
+        prior_weight: float = 0.1,
+    ) -> None:
+        if len(prior) != 3 or not all(math.isfinite(p) and p >= 0 for p in prior):
+            raise ValueError(f"prior={prior!r}: must be three finite numbers >= 0")
+        if window < 3 or min_samples < 1 or not prior_weight > 0:
+            raise ValueError(f"window={window}, min_samples={min_samples}, "
+                             f"prior_weight={prior_weight}: need window >= 3, "
+                             "min_samples >= 1, prior_weight > 0")
+        self.prior = tuple(float(p) for p in prior)
+        self.min_samples = min_samples
+        self.prior_weight = float(prior_weight)
+        self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._coef: tuple[float, float, float] | None = self.prior  # None: refit needed
+        self._ratios: deque[float] = deque(maxlen=window)
+        """Measured / predicted seconds of the window's steps, each predicted before it
+        was observed; the last ``LOCAL_RATIO_STEPS`` are the recent ones."""
+
+    @property
+    def num_samples(self) -> int:
+        """Observations in the window."""
+        return len(self._obs)
+
+    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
+        """Record one executed step: its prefill tokens, decode sequences and wall time.
+
+        Raises:
+            ValueError: a negative or non-finite value.
+        """
+        if not (prefill_tokens >= 0 and decode_seqs >= 0 and math.isfinite(seconds)
+                and seconds >= 0):
+            raise ValueError(f"observe({prefill_tokens!r}, {decode_seqs!r}, {seconds!r}): "
+                             "counts and seconds must be finite and >= 0")
+        if len(self._obs) >= self.min_samples:
+            predicted = self.predict(prefill_tokens, decode_seqs)
+            if predicted > 0:
+                self._ratios.append(seconds / predicted)
+        self._obs.append((float(prefill_tokens), float(decode_seqs), float(seconds)))
+        self._coef = None
+
+    def local_ratio(self) -> float:
+        """Median of measured / predicted seconds over the last ``LOCAL_RATIO_STEPS``
+        steps (1.0 before any), clamped to [0.5, 2]: the fit's error where the engine runs
+        now, for callers that need a step time to hold a limit."""
+        if not self._ratios:
+            return 1.0
+        return min(2.0, max(0.5, statistics.median(self._recent_ratios())))
+
+    def worst_ratio(self) -> float:
+        """How far over its prediction a step may run, for a limit that one slow step
+        would break: the larger of the largest measured / predicted seconds over the last
+        ``LOCAL_RATIO_STEPS`` steps (where the engine runs now) and their
+        ``TAIL_RATIO_QUANTILE`` quantile over the fit window (spikes that the last few
+        steps need not show: 2x on a shared CPU), clamped to [0.5, 3]; 1.0 before any."""
+        if not self._ratios:
+            return 1.0
+        ranked = sorted(self._ratios)
+        tail = ranked[int(TAIL_RATIO_QUANTILE * (len(ranked) - 1))]
+        return min(3.0, max(0.5, max(self._recent_ratios()), tail))
+
+    def _recent_ratios(self) -> list[float]:
+        return list(self._ratios)[-LOCAL_RATIO_STEPS:]
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a s, b s/prefill token, c s/decode sequence), each >= 0."""
+        if self._coef is None:
+            self._coef = self._fit() if len(self._obs) >= self.min_samples else self.prior
+        return self._coef
+
+    def predict(self, prefill_tokens: float, decode_seqs: float) -> float:
+        """Predicted seconds of a step with these prefill tokens and decode sequences."""
+        return predict_step(self.coefficients(), prefill_tokens, decode_seqs)
+
+    def _fit(self) -> tuple[float, float, float]:
+        n = len(self._obs)
+        rows = [(1.0, p, d) for p, d, _ in self._obs]
+        ys = [y for _, _, y in self._obs]
+        xtx = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+        xty = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(3)]
+        # Ridge weight per coefficient: prior_weight observations' worth of the feature's
+        # variance (the information the data carry about a slope), at least 1 so that a
+        # constant feature, which the data cannot separate from ``a``, stays at its prior.
+        lam = [self.prior_weight * max(xtx[i][i] / n - (xtx[0][i] / n) ** 2, 1.0)
+               for i in range(3)]
+        h = [[xtx[i][j] + (lam[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
+        g = [xty[i] + lam[i] * self.prior[i] for i in range(3)]
+
+        # Minimise 0.5 x'Hx - g'x subject to x >= 0 by enumerating the free sets: the
+        # constrained optimum is the unconstrained optimum on its own free set.
+        best, best_obj = (0.0, 0.0, 0.0), 0.0  # x = 0 is feasible with objective 0
+        for k in (1, 2, 3):
+            for free in combinations(range(3), k):
+                sol = _solve([[h[i][j] for j in free] for i in free], [g[i] for i in free])
+                if sol is None or min(sol) < 0:
+                    continue
+                x = [0.0, 0.0, 0.0]
+                for i, v in zip(free, sol):
+                    x[i] = v
+                obj = 0.5 * sum(x[i] * h[i][j] * x[j] for i in range(3) for j in range(3))
+                obj -= sum(g[i] * x[i] for i in range(3))
+                if obj < best_obj:
+                    best, best_obj = (x[0], x[1], x[2]), obj
+        return best
+
+
+def predict_step(coefficients: tuple[float, float, float], prefill_tokens: float,
+                 decode_seqs: float) -> float:
+    """Seconds of a step under the linear model with these (a, b, c)."""
+    a, b, c = coefficients
+    return a + b * prefill_tokens + c * decode_seqs
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Solve ``m x = v`` (n <= 3) by Gaussian elimination with partial pivoting."""
+    n = len(v)
+    aug = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(aug[r][col]))
+        if abs(aug[piv][col]) < 1e-300:
+            return None
+        aug[col], aug[piv] = aug[piv], aug[col]
+        for r in range(col + 1, n):
+            f = aug[r][col] / aug[col][col]
+            for c in range(col, n + 1):
+                aug[r][c] -= f * aug[col][c]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (aug[i][n] - sum(aug[i][j] * x[j] for j in range(i + 1, n))) / aug[i][i]
+    return x
