@@ -113,7 +113,7 @@ def fuse_layers(model: nn.Module) -> int:
         The number of layers swapped.
 
     Raises:
-        ValueError: a layer lacks the expected projections.
+        ValueError: a layer lacks the expected projections or norms.
     """
     import importlib
 
@@ -132,4 +132,14 @@ def fuse_layers(model: nn.Module) -> int:
 
 
 def _rms_norm(norm: nn.Module) -> RMSNorm:
-    return RMSNorm(norm.weight, getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    """The fused equivalent of a transformers RMSNorm (its epsilon is ``variance_epsilon``).
+
+    Raises:
+        ValueError: ``norm`` has no ``weight`` or no ``variance_epsilon`` (guessing an
+            epsilon would change the outputs silently).
+    """
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None or not isinstance(getattr(norm, "weight", None), torch.Tensor):
+        raise ValueError(f"{type(norm).__name__} is not an RMSNorm with weight and "
+                         "variance_epsilon")
+    return RMSNorm(norm.weight, eps)

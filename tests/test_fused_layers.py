@@ -67,3 +67,10 @@ def test_fusing_refuses_a_layer_without_linear_projections():
     model.model.layers[1].self_attn.k_proj = torch.nn.Identity()
     with pytest.raises(ValueError, match="k_proj"):
         fuse_layers(model)
+
+
+def test_fusing_refuses_a_norm_without_an_epsilon():
+    model = tiny_model("llama")
+    model.model.norm = torch.nn.LayerNorm(48)
+    with pytest.raises(ValueError, match="variance_epsilon"):
+        fuse_layers(model)
