@@ -182,7 +182,9 @@ class AsyncLLMEngine:
         """
         # Every request is counted exactly once: _snapshot was taken after the last
         # additions were applied (or after the last step), and _to_add holds the rest.
-        snap = copy.deepcopy(self._snapshot).with_queued(
+        # with_queued returns a new snapshot, and the worker replaces _snapshot whole
+        # rather than mutating it, so no deep copy is needed.
+        snap = self._snapshot.with_queued(
             (p.traffic_class or DEFAULT_CLASS, len(p.prompt["prompt_token_ids"]))
             for p in self._to_add)
         snap.timestamp = time.time()
