@@ -4,12 +4,12 @@ One request's path: the body is read (413 past the size limit) and validated (40
 the field), the model checked (404), the caller resolved from its API key
 (:mod:`router.tenants`), the prompt tokenized (chat template for chat), admission asked
 (:mod:`router.admission`; 429 with Retry-After), and the request sent to a replica chosen
-by :class:`router.routing.LoadAwareRouter`. The replica answers first "accepted" or a
-length error (400 before any stream starts), then one item per step; they become OpenAI
-chunks (SSE ending with ``data: [DONE]``) or one response.
+by :class:`router.routing.LoadAwareRouter` (:mod:`router.dispatch`). The replica's step
+items become OpenAI chunks (SSE ending with ``data: [DONE]``) or one response
+(:mod:`router.openai_format`).
 
-If a replica dies before the request produced a token, the request is sent to another
-replica; once tokens were streamed, the stream ends with an error event. A client that
+If a replica dies after the request streamed tokens, the stream ends with an error
+event. A client that
 disconnects cancels the replica call, which aborts the engine request before its next
 step and frees its KV blocks.
 """
@@ -25,25 +25,21 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from policies import make_classes
+from router import openai_format as fmt
 from router.admission import AdmissionRejected, IngressAdmission
+from router.dispatch import REPLICA_LOST, Dispatch, ReplicaLost
 from router.errors import ApiError
 from router.routing import RequestShape, load_view
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.tenants import CLASS_HEADER, ApiKeyConfig, resolve_caller
 
 logger = logging.getLogger(__name__)
-
-MAX_DISPATCH_ATTEMPTS = 3
-"""Replicas tried for one request when they die before it produced a token."""
-
-REPLICA_LOST = (RayActorError, ActorUnavailableError)
 
 
 class IngressSettings(BaseModel):
@@ -81,82 +77,6 @@ class _Choice:
     stop_reason: str | int | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
-
-
-class ReplicaLost(Exception):
-    """The replica serving a stream died after it had produced tokens."""
-
-
-class _Dispatch:
-    """One request's call to a replica, re-sent elsewhere if its replica dies early."""
-
-    def __init__(self, handle: DeploymentHandle, args: tuple, shape: RequestShape) -> None:
-        self.handle = handle
-        self.args = args
-        self.shape = shape
-        self.gen: DeploymentResponseGenerator | None = None
-        self.produced = False
-        self.done = False
-        self.prompt_tokens = 0
-        self.replica = ""
-        """The serving replica's id (Ray Serve's unique id), once accepted."""
-        self.attempts = 0
-
-    async def start(self) -> None:
-        """Send the request; return once a replica accepted it.
-
-        Raises:
-            ApiError: 400 if the replica refuses it (context or KV capacity), 503 if no
-                replica could take it.
-        """
-        while True:
-            self.attempts += 1
-            self.gen = self.handle.generate.remote(*self.args, shape=self.shape)
-            try:
-                first = await self.gen.__anext__()
-            except REPLICA_LOST as e:
-                if self.attempts >= MAX_DISPATCH_ATTEMPTS:
-                    raise ApiError(503, f"no replica could take the request: {e}",
-                                   code="replica_unavailable") from e
-                logger.warning("replica lost before accepting a request; re-sending: %s", e)
-                continue
-            if "error" in first:
-                err = first["error"]
-                self.done = True
-                raise ApiError(err["status"], err["message"], param=err.get("param"),
-                               code=err.get("code"))
-            self.prompt_tokens = first["prompt_tokens"]
-            self.replica = first["replica"]
-            return
-
-    async def items(self) -> AsyncIterator[dict]:
-        """The replica's step items; re-sends the request if its replica dies first.
-
-        Raises:
-            ReplicaLost: the replica died after the request had produced tokens.
-            ApiError: a re-sent request was refused (see :meth:`start`).
-        """
-        while True:
-            try:
-                async for item in self.gen:
-                    if item["outputs"]:
-                        self.produced = True
-                    yield item
-                    if item["finished"]:
-                        self.done = True
-                        return
-                raise ReplicaLost("the replica ended the stream early")
-            except REPLICA_LOST as e:
-                if self.produced or self.attempts >= MAX_DISPATCH_ATTEMPTS:
-                    raise ReplicaLost(f"the replica serving this request died: {e}") from e
-                logger.warning("replica lost before the first token; re-sending: %s", e)
-                await self.start()
-
-    def cancel(self) -> None:
-        """Abort the replica call (the engine frees the request's blocks next step)."""
-        if self.gen is not None and not self.done:
-            self.gen.cancel()
-            self.done = True
 
 
 app = FastAPI(title="iterserve", summary="OpenAI-compatible LLM serving")
@@ -241,7 +161,7 @@ class OpenAIIngress:
         arrival = time.monotonic()
         try:
             body = await self._read_json(request)
-            req = self._validate(body, ChatCompletionRequest if chat else CompletionRequest)
+            req = fmt.validate(body, ChatCompletionRequest if chat else CompletionRequest)
             if req.model != self.settings.model_name:
                 raise ApiError(404, f"model {req.model!r} does not exist; this server "
                                     f"serves {self.settings.model_name!r}", param="model",
@@ -253,8 +173,8 @@ class OpenAIIngress:
                                     request.headers.get("authorization"),
                                     request.headers.get(CLASS_HEADER), req.priority)
             info = await self._model_info()
-            ids = self._prompt_ids(req, chat, info.tokenizer)
-            params = self._sampling_params(req, chat)
+            ids = fmt.prompt_ids(req, chat, info.tokenizer)
+            params = fmt.sampling_params(req, chat)
             shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
             # A request that can never fit skips admission: the replica answers it with
             # a 400 that has the numbers, not a 429.
@@ -262,7 +182,7 @@ class OpenAIIngress:
                 await self._admit(caller, len(ids), params["max_tokens"], arrival)
             prefix = "chatcmpl" if chat else "cmpl"
             rid = f"{prefix}-{uuid.uuid4().hex}"
-            dispatch = _Dispatch(self.replicas, (rid, ids, params), shape)
+            dispatch = Dispatch(self.replicas, (rid, ids, params), shape)
             try:
                 await dispatch.start()
             except BaseException:  # refused, or the client left while it was sent
@@ -288,7 +208,7 @@ class OpenAIIngress:
         finally:
             dispatch.cancel()
 
-    async def _collect(self, dispatch: _Dispatch, req: Any, chat: bool, rid: str,
+    async def _collect(self, dispatch: Dispatch, req: Any, chat: bool, rid: str,
                        info: _ModelInfo) -> dict:
         choices = [_Choice() for _ in range(req.n)]
         async for item in dispatch.items():
@@ -300,11 +220,11 @@ class OpenAIIngress:
                     c.logprobs.extend(o["logprobs"])
                 if o["finish_reason"]:
                     c.finish_reason, c.stop_reason = o["finish_reason"], o["stop_reason"]
-        want_logprobs = self._wants_logprobs(req, chat)
+        want_logprobs = fmt.wants_logprobs(req, chat)
         out = []
         for i, c in enumerate(choices):
             text = "".join(c.text)
-            lp = (self._logprobs(info.tokenizer, c.token_ids, c.logprobs, req, chat)
+            lp = (fmt.logprobs_object(info.tokenizer, c.token_ids, c.logprobs, req, chat)
                   if want_logprobs else None)
             choice: dict[str, Any] = {"index": i, "logprobs": lp,
                                       "finish_reason": c.finish_reason,
@@ -318,15 +238,15 @@ class OpenAIIngress:
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.settings.model_name, "choices": out,
-            "usage": self._usage(dispatch.prompt_tokens, completion),
+            "usage": fmt.usage(dispatch.prompt_tokens, completion),
         }
 
-    async def _stream(self, dispatch: _Dispatch, req: Any, chat: bool, rid: str,
+    async def _stream(self, dispatch: Dispatch, req: Any, chat: bool, rid: str,
                       info: _ModelInfo) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        want_logprobs = self._wants_logprobs(req, chat)
+        want_logprobs = fmt.wants_logprobs(req, chat)
         completion = 0
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
@@ -344,7 +264,7 @@ class OpenAIIngress:
             async for item in dispatch.items():
                 for o in item["outputs"]:
                     completion += len(o["token_ids"])
-                    lp = (self._logprobs(info.tokenizer, o["token_ids"], o["logprobs"] or [],
+                    lp = (fmt.logprobs_object(info.tokenizer, o["token_ids"], o["logprobs"] or [],
                                          req, chat) if want_logprobs else None)
                     choice: dict[str, Any] = {"index": o["index"], "logprobs": lp,
                                               "finish_reason": o["finish_reason"]}
@@ -356,7 +276,7 @@ class OpenAIIngress:
                         choice["text"] = o["text"]
                     yield chunk([choice])
             if include_usage:
-                yield chunk([], self._usage(dispatch.prompt_tokens, completion))
+                yield chunk([], fmt.usage(dispatch.prompt_tokens, completion))
         except (ReplicaLost, ApiError) as e:
             err = e if isinstance(e, ApiError) else ApiError(503, str(e), code="replica_lost")
             yield f"data: {json.dumps(err.body())}\n\n"
@@ -418,94 +338,6 @@ class OpenAIIngress:
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object", code="invalid_json")
         return data
-
-    @staticmethod
-    def _validate(body: dict, schema: type[BaseModel]) -> Any:
-        try:
-            return schema.model_validate(body)
-        except ValidationError as e:
-            err = e.errors()[0]
-            param = ".".join(str(p) for p in err["loc"]) or None
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "missing":
-                message = f"{param}: field required"
-            else:
-                message = f"{param}: {msg} (got {err.get('input')!r})"
-            raise ApiError(400, message, param=param, code="invalid_value") from None
-
-    @staticmethod
-    def _prompt_ids(req: Any, chat: bool, tokenizer: Any) -> list[int]:
-        if not chat:
-            prompt = req.prompt
-            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            if not ids:
-                raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
-            return ids
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=True)
-        except Exception as e:  # jinja errors from a model's template: bad messages
-            raise ApiError(400, f"messages: cannot apply the chat template: {e}",
-                           param="messages", code="invalid_value") from None
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    @staticmethod
-    def _sampling_params(req: Any, chat: bool) -> dict[str, Any]:
-        if chat:
-            max_tokens = req.max_completion_tokens or req.max_tokens
-            logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        else:
-            max_tokens, logprobs = req.max_tokens, req.logprobs
-        return {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                "n": req.n, "stop": req.stop or [], "seed": req.seed, "ignore_eos": req.ignore_eos,
-                "logprobs": logprobs}
-
-    @staticmethod
-    def _wants_logprobs(req: Any, chat: bool) -> bool:
-        return bool(req.logprobs) if chat else req.logprobs is not None
-
-    @staticmethod
-    def _logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]],
-                  req: Any, chat: bool) -> dict:
-        """OpenAI's logprobs object for these tokens (chat and legacy completion forms).
-
-        ``entries[i]`` maps token id to log-probability and always holds ``token_ids[i]``
-        (the sampler adds the sampled token to the top ones).
-        """
-        def tok(t: int) -> str:
-            return tokenizer.decode([t])
-
-        if chat:
-            k = req.top_logprobs or 0
-            content = []
-            for t, e in zip(token_ids, entries):
-                s = tok(t)
-                top = sorted(e.items(), key=lambda kv: -kv[1])[:k]
-                content.append({
-                    "token": s, "logprob": e[t], "bytes": list(s.encode()),
-                    "top_logprobs": [{"token": tok(i), "logprob": lp,
-                                      "bytes": list(tok(i).encode())} for i, lp in top],
-                })
-            return {"content": content}
-        tokens, offsets, offset = [], [], 0
-        for t in token_ids:
-            s = tok(t)
-            tokens.append(s)
-            offsets.append(offset)
-            offset += len(s)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-            "top_logprobs": [{tok(i): lp for i, lp in sorted(e.items(), key=lambda kv: -kv[1])}
-                             for e in entries],
-            "text_offset": offsets,
-        }
-
-    @staticmethod
-    def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
 
     @staticmethod
     def _error(e: ApiError) -> JSONResponse:

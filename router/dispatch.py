@@ -1,0 +1,101 @@
+"""One request's call to a model replica, re-sent elsewhere if its replica dies early.
+
+The replica answers first "accepted" (or a length error, which becomes a 400 before any
+stream starts), then one item per step that produced tokens. If the replica dies before
+the request produced a token the request is sent again, to the replica the router picks;
+once tokens were streamed, :class:`ReplicaLost` ends the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from router.errors import ApiError
+from router.routing import RequestShape
+
+logger = logging.getLogger(__name__)
+
+MAX_DISPATCH_ATTEMPTS = 3
+"""Replicas tried for one request when they die before it produced a token."""
+
+REPLICA_LOST = (RayActorError, ActorUnavailableError)
+
+
+class ReplicaLost(Exception):
+    """The replica serving a stream died after it had produced tokens."""
+
+
+class Dispatch:
+    """One request's call to a replica, re-sent elsewhere if its replica dies early."""
+
+    def __init__(self, handle: DeploymentHandle, args: tuple, shape: RequestShape) -> None:
+        self.handle = handle
+        self.args = args
+        self.shape = shape
+        self.gen: DeploymentResponseGenerator | None = None
+        self.produced = False
+        self.done = False
+        self.prompt_tokens = 0
+        self.replica = ""
+        """The serving replica's id (Ray Serve's unique id), once accepted."""
+        self.attempts = 0
+
+    async def start(self) -> None:
+        """Send the request; return once a replica accepted it.
+
+        Raises:
+            ApiError: 400 if the replica refuses it (context or KV capacity), 503 if no
+                replica could take it.
+        """
+        while True:
+            self.attempts += 1
+            self.gen = self.handle.generate.remote(*self.args, shape=self.shape)
+            try:
+                first = await self.gen.__anext__()
+            except REPLICA_LOST as e:
+                if self.attempts >= MAX_DISPATCH_ATTEMPTS:
+                    raise ApiError(503, f"no replica could take the request: {e}",
+                                   code="replica_unavailable") from e
+                logger.warning("replica lost before accepting a request; re-sending: %s", e)
+                continue
+            if "error" in first:
+                err = first["error"]
+                self.done = True
+                raise ApiError(err["status"], err["message"], param=err.get("param"),
+                               code=err.get("code"))
+            self.prompt_tokens = first["prompt_tokens"]
+            self.replica = first["replica"]
+            return
+
+    async def items(self) -> AsyncIterator[dict]:
+        """The replica's step items; re-sends the request if its replica dies first.
+
+        Raises:
+            ReplicaLost: the replica died after the request had produced tokens.
+            ApiError: a re-sent request was refused (see :meth:`start`).
+        """
+        while True:
+            try:
+                async for item in self.gen:
+                    if item["outputs"]:
+                        self.produced = True
+                    yield item
+                    if item["finished"]:
+                        self.done = True
+                        return
+                raise ReplicaLost("the replica ended the stream early")
+            except REPLICA_LOST as e:
+                if self.produced or self.attempts >= MAX_DISPATCH_ATTEMPTS:
+                    raise ReplicaLost(f"the replica serving this request died: {e}") from e
+                logger.warning("replica lost before the first token; re-sending: %s", e)
+                await self.start()
+
+    def cancel(self) -> None:
+        """Abort the replica call (the engine frees the request's blocks next step)."""
+        if self.gen is not None and not self.done:
+            self.gen.cancel()
+            self.done = True

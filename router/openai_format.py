@@ -1,0 +1,110 @@
+"""Between OpenAI's request and response bodies and the replica's token ids and dicts.
+
+Pure functions of a validated request (:mod:`router.schemas`) and the served tokenizer;
+every error is an :class:`router.errors.ApiError` naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from router.errors import ApiError
+
+
+def validate(body: dict, schema: type[BaseModel]) -> Any:
+    """``body`` parsed as ``schema``. Raises ApiError 400 naming the first bad field."""
+    try:
+        return schema.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            message = f"{param}: field required"
+        else:
+            message = f"{param}: {msg} (got {err.get('input')!r})"
+        raise ApiError(400, message, param=param, code="invalid_value") from None
+
+
+def prompt_ids(req: Any, chat: bool, tokenizer: Any) -> list[int]:
+    """The prompt's token ids (chat: through the model's chat template).
+
+    Raises:
+        ApiError: 400 for an empty prompt or messages the template refuses.
+    """
+    if not chat:
+        prompt = req.prompt
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
+        return ids
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as e:  # jinja errors from a model's template: bad messages
+        raise ApiError(400, f"messages: cannot apply the chat template: {e}",
+                       param="messages", code="invalid_value") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def sampling_params(req: Any, chat: bool) -> dict[str, Any]:
+    """:class:`engine.SamplingParams` fields from the request's OpenAI fields."""
+    if chat:
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        max_tokens, logprobs = req.max_tokens, req.logprobs
+    return {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+            "n": req.n, "stop": req.stop or [], "seed": req.seed, "ignore_eos": req.ignore_eos,
+            "logprobs": logprobs}
+
+
+def wants_logprobs(req: Any, chat: bool) -> bool:
+    """Whether the response carries a logprobs object."""
+    return bool(req.logprobs) if chat else req.logprobs is not None
+
+
+def logprobs_object(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]],
+                    req: Any, chat: bool) -> dict:
+    """OpenAI's logprobs object for these tokens (chat and legacy completion forms).
+
+    ``entries[i]`` maps token id to log-probability and always holds ``token_ids[i]``
+    (the sampler adds the sampled token to the top ones).
+    """
+    def tok(t: int) -> str:
+        return tokenizer.decode([t])
+
+    if chat:
+        k = req.top_logprobs or 0
+        content = []
+        for t, e in zip(token_ids, entries):
+            s = tok(t)
+            top = sorted(e.items(), key=lambda kv: -kv[1])[:k]
+            content.append({
+                "token": s, "logprob": e[t], "bytes": list(s.encode()),
+                "top_logprobs": [{"token": tok(i), "logprob": lp,
+                                  "bytes": list(tok(i).encode())} for i, lp in top],
+            })
+        return {"content": content}
+    tokens, offsets, offset = [], [], 0
+    for t in token_ids:
+        s = tok(t)
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
+        "top_logprobs": [{tok(i): lp for i, lp in sorted(e.items(), key=lambda kv: -kv[1])}
+                         for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's usage object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
