@@ -534,7 +534,7 @@ def test_a_decode_in_its_last_gap_keeps_its_step_within_its_slo_at_the_worst_rat
             return worst
 
     sched, clock, _ = _guarded(target=0.85)
-    model = sched.step_time = Jittery(prior=(0.1, 0.001, 0.02), min_samples=10**9)
+    model = sched.guard.model = Jittery(prior=(0.1, 0.001, 0.02), min_samples=10**9)
     short = guarded_req("short", 0.0, priority=0, slo=0.5, max_tokens=max_tokens)
     sched.add(short)
     model_step(sched, clock, model)  # its prefill: first token
