@@ -10,8 +10,9 @@ at the router, whether a replica should take a request at all, from the replica'
 from collections.abc import Callable
 from typing import Any
 
-from policies.admission import AdmissionController, Admit, Decision, Prediction, Reject, Wait
+from policies.admission import AdmissionController
 from policies.base import SchedulingPolicy
+from policies.decision import Admit, Decision, Prediction, Reject, Wait
 from policies.fcfs import FCFSPolicy
 from policies.load import LoadSnapshot
 from policies.prediction_log import PredictionLog

@@ -25,55 +25,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from policies.decision import Admit, Decision, Prediction, Reject, Wait
 from policies.load import LoadSnapshot
 from policies.priority import DEFAULT_CLASSES, TrafficClass
-
-
-@dataclass(frozen=True, slots=True)
-class Admit:
-    """Send the request to the replica now."""
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    """Hold the request; decide again within ``max_wait_s`` seconds (or on new load)."""
-
-    max_wait_s: float
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Reject:
-    """Refuse the request; the client may retry after ``retry_after_s`` (whole seconds)."""
-
-    retry_after_s: float
-    reason: str
-
-
-Decision = Admit | Wait | Reject
-
-
-@dataclass(frozen=True, slots=True)
-class Prediction:
-    """What :meth:`AdmissionController.predict` expects for a request on a replica."""
-
-    ttft_s: float
-    """Seconds from admission to the first token (time already waited not included)."""
-    tpot_s: float
-    """Mean seconds per output token that running requests would see."""
-    tpot_slo_s: float
-    """The TPOT SLO the prediction must meet: the tightest among the classes running and
-    the new request's; under a replica's TPOT guard, the new request's own."""
-    tokens_ahead: int
-    """Queued prefill tokens that the request waits for."""
-    requests_ahead: int
-    """Queued requests of classes that go before it."""
-    steps: int
-    """Steps until its prompt is prefilled."""
-    seats_free: bool
-    """``max_num_seqs`` leaves room for it after the requests that go before it."""
-    kv_fits: bool
-    """Free (or reclaimable) KV blocks hold the prefill ahead and its prompt."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +44,7 @@ class _Load:
     tpot_slos: tuple[float, ...]
     """TPOT SLOs of the classes with running requests (known classes only)."""
     outranked: bool
-    """A class with running requests is more urgent than it (priority scheduling only):
-    the replica's TPOT guard caps its prompt for their decodes instead of lending it
-    their TPOT slack for its TTFT."""
+    """A more urgent class is running (priority only): the guard caps its prompt."""
 
 
 class AdmissionController:
@@ -204,11 +156,8 @@ class AdmissionController:
         return s.step_time(tokens / max(steps, self.tpot_horizon_steps), d + 1)
 
     def _guard_cap(self, s: LoadSnapshot, load: _Load, d: int, *, lent: bool = False) -> float:
-        """Prefill tokens per step that the replica's TPOT guard allows (inf: no guard).
-
-        Steps are held to the tightest running TPOT SLO times ``tpot_slo_guard_target``;
-        ``lent``: to the full SLO, what the guard lends a prompt owed its TTFT.
-        """
+        """Prefill tokens per step the replica's guard allows (inf: none): steps within
+        the tightest running TPOT SLO times its target; ``lent``: the full SLO."""
         if not (s.tpot_slo_guard and load.tpot_slos):
             return math.inf
         a, b, c = s.step_coefficients
@@ -242,9 +191,8 @@ class AdmissionController:
         d = s.total_running
         tokens = tokens_ahead + prompt_tokens
         cap = self._guard_cap(s, load, d)
-        # A prompt that no running decode outranks is owed its TTFT: the replica's guard
-        # lets its steps run up to the decodes' full TPOT SLO (their later steps repay
-        # it), not just the target share; only a more urgent class's decodes cap it.
+        # A prompt no running decode outranks is owed its TTFT: the guard lets its steps
+        # run up to the decodes' full TPOT SLO (their later steps repay it).
         ttft_cap = cap if load.outranked else self._guard_cap(s, load, d, lent=True)
         total = load.tokens_total - load.tokens_ahead + tokens
         ttft, steps = self._ttft(s, tokens, d, total=total, cap=ttft_cap,
@@ -305,7 +253,8 @@ class AdmissionController:
         ``waited_s``, the predicted TPOT fits ``slo_margin`` of the tightest TPOT SLO
         involved, and seats and KV suffice.
         Otherwise, at the class's ``hard_queue_cap``: Reject. Else, before
-        ``max_queue_wait_s``: Wait for the rest of it. Else Reject a rejectable class,
+        ``max_queue_wait_s`` and while its TTFT SLO is still within reach
+        (:meth:`_lost`): Wait for the rest of it. Else Reject a rejectable class,
         with a Retry-After of the predicted time until the queue ahead has drained enough
         to admit a fresh request (at least 1 s, whole seconds; assumes nothing more urgent
         arrives meanwhile); a non-rejectable class Waits again, for at most that long.
@@ -335,12 +284,21 @@ class AdmissionController:
         if cap is not None and s.waiting_requests.get(cls.name, 0) >= cap:
             return Reject(self._retry_after(s, cls, load, prompt_tokens),
                           f"{cls.name}: queue at its cap of {cap} requests")
-        if waited_s < cls.max_queue_wait_s:
+        if waited_s < cls.max_queue_wait_s and not self._lost(s, cls, prompt_tokens, waited_s):
             return Wait(cls.max_queue_wait_s - waited_s, reason)
         retry = self._retry_after(s, cls, load, prompt_tokens)
         if cls.rejectable:
             return Reject(retry, reason)
         return Wait(min(cls.max_queue_wait_s, retry), reason)
+
+    def _lost(self, s: LoadSnapshot, cls: TrafficClass, prompt_tokens: int,
+              waited_s: float) -> bool:
+        """A held request past its TTFT SLO's point of no return (even an idle replica
+        would miss the margin of what is left): holding it longer only delays the later
+        arrivals that count it as queued ahead. One out of reach on arrival keeps its hold."""
+        idle_ttft, _ = self._ttft(s, prompt_tokens, 0)
+        return (idle_ttft <= self.slo_margin * cls.ttft_slo_s
+                and idle_ttft > self.slo_margin * (cls.ttft_slo_s - waited_s))
 
     def _failures(self, s: LoadSnapshot, pred: Prediction, prompt_tokens: int,
                   ttft_budget_s: float) -> list[str]:

@@ -17,6 +17,7 @@ from policies import (
     Reject,
     StepTimeModel,
     Wait,
+    make_classes,
 )
 
 # -- StepTimeModel -------------------------------------------------------------------------
@@ -162,6 +163,25 @@ def test_waited_time_counts_against_the_ttft_slo():
     s = queue("interactive", 500)  # TTFT ~1.45 s: fits 2 s fresh, not after 0.9 s
     assert ac.decide(s, "interactive", 200, 128, 0, 0.0) == Admit()
     assert isinstance(ac.decide(s, "interactive", 200, 128, 0, 0.9), Wait)
+
+
+def test_a_held_request_is_refused_once_its_ttft_slo_is_out_of_reach():
+    # The SLOs the peers benchmark declares: a 2 s TTFT, shorter than the 3 s hold.
+    classes = make_classes({"standard": {"ttft_slo_s": 2.0, "tpot_slo_s": 5.0}})
+    ac = AdmissionController(classes)
+    a, b, _ = COEFS
+    s = queue("standard", 20_000)  # far too much ahead: held
+    idle = a + 200 * b  # what an idle replica would take for its 200 tokens
+    # Held while an idle replica could still serve it within the margin of what is left...
+    assert isinstance(ac.decide(s, "standard", 200, 16, 1, 2.0 - idle / 0.85 - 0.05), Wait)
+    # ...refused at once past that point, not at the end of its 3 s max_queue_wait_s.
+    lost = 2.0 - idle / 0.85 + 0.05
+    assert lost < classes["standard"].max_queue_wait_s
+    assert isinstance(ac.decide(s, "standard", 200, 16, 1, lost), Reject)
+    # A prompt out of reach even on arrival is not lost by waiting: it keeps its hold.
+    assert isinstance(ac.decide(s, "standard", 2_000, 16, 1, lost), Wait)
+    # The batch class is never refused for its SLO.
+    assert isinstance(ac.decide(s, "batch", 200, 16, 2, 100.0), Wait)
 
 
 def test_predictions_must_fit_the_slo_margin():
