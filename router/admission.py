@@ -3,8 +3,9 @@
 A request is admitted as soon as one replica would take it within its class's SLOs
 (the router then picks between two replicas by predicted TTFT). While no replica would,
 it is held and re-decided as new snapshots arrive, for at most its class's
-``max_queue_wait_s``; then a rejectable class gets 429 with a Retry-After, and the batch
-class keeps waiting (it is refused only at its hard queue cap).
+``max_queue_wait_s`` or until its TTFT SLO is out of reach (``AdmissionController.decide``);
+then a rejectable class gets 429 with a Retry-After, and the batch class keeps waiting (it
+is refused only at its hard queue cap).
 """
 
 from __future__ import annotations
