@@ -9,9 +9,8 @@ items become OpenAI chunks (SSE ending with ``data: [DONE]``) or one response
 (:mod:`router.openai_format`).
 
 If a replica dies after the request streamed tokens, the stream ends with an error
-event. A client that
-disconnects cancels the replica call, which aborts the engine request before its next
-step and frees its KV blocks.
+event. A client that disconnects cancels the replica call, which aborts the engine
+request before its next step and frees its KV blocks.
 """
 
 import asyncio
