@@ -43,8 +43,6 @@ class _Load:
     """KV blocks of running requests of classes served after it (preemptible)."""
     tpot_slos: tuple[float, ...]
     """TPOT SLOs of the classes with running requests (known classes only)."""
-    outranked: bool
-    """A more urgent class is running (priority only): the guard caps its prompt."""
 
 
 class AdmissionController:
@@ -60,9 +58,7 @@ class AdmissionController:
       ``m = min(budget - d, cap)`` tokens (at least 1), where ``cap`` is what the
       replica's TPOT guard allows (``LoadSnapshot.tpot_slo_guard``, priority scheduling:
       the prefill that keeps ``a + c * d + b * m`` within the tightest running TPOT SLO
-      times ``tpot_slo_guard_target``; for the TTFT of a prompt that no running class
-      outranks, within the full SLO, which the guard lends prompts owed their TTFT), else
-      unbounded. Prefilling ``x`` tokens ahead
+      times ``tpot_slo_guard_target``), else unbounded. Prefilling ``x`` tokens ahead
       plus the prompt ``P`` takes ``n = ceil((x + P) / m)`` steps, and
       ``TTFT = r + n * (a + c * d) + b * min(n * m, max(x + P, X))``: ``r`` is the step
       in flight (``LoadSnapshot.recent_step_s``; a request joins the next step), and
@@ -155,13 +151,12 @@ class AdmissionController:
         _, steps = self._ttft(s, tokens, d, cap=cap)
         return s.step_time(tokens / max(steps, self.tpot_horizon_steps), d + 1)
 
-    def _guard_cap(self, s: LoadSnapshot, load: _Load, d: int, *, lent: bool = False) -> float:
-        """Prefill tokens per step the replica's guard allows (inf: none): steps within
-        the tightest running TPOT SLO times its target; ``lent``: the full SLO."""
+    def _guard_cap(self, s: LoadSnapshot, load: _Load, d: int) -> float:
+        """Prefill tokens per step that the replica's TPOT guard allows (inf: no guard)."""
         if not (s.tpot_slo_guard and load.tpot_slos):
             return math.inf
         a, b, c = s.step_coefficients
-        limit = min(load.tpot_slos) * (1.0 if lent else s.tpot_slo_guard_target)
+        limit = min(load.tpot_slos) * s.tpot_slo_guard_target
         spare = limit - (a + c * d)
         return max(s.block_size, math.floor(spare / b)) if b > 0 else math.inf
 
@@ -180,9 +175,6 @@ class AdmissionController:
             reclaimable_blocks=sum(n for k, n in s.kv_blocks_used.items() if k not in before),
             tpot_slos=tuple(self.classes[k].tpot_slo_s for k, n in s.running_seqs.items()
                             if n > 0 and k in self.classes),
-            outranked=self.priority_scheduling and any(
-                n > 0 and k in self.classes and self.classes[k].default_priority < priority
-                for k, n in s.running_seqs.items()),
         )
 
     def _predict_at(self, s: LoadSnapshot, cls: TrafficClass, load: _Load, tokens_ahead: int,
@@ -191,11 +183,8 @@ class AdmissionController:
         d = s.total_running
         tokens = tokens_ahead + prompt_tokens
         cap = self._guard_cap(s, load, d)
-        # A prompt no running decode outranks is owed its TTFT: the guard lets its steps
-        # run up to the decodes' full TPOT SLO (their later steps repay it).
-        ttft_cap = cap if load.outranked else self._guard_cap(s, load, d, lent=True)
         total = load.tokens_total - load.tokens_ahead + tokens
-        ttft, steps = self._ttft(s, tokens, d, total=total, cap=ttft_cap,
+        ttft, steps = self._ttft(s, tokens, d, total=total, cap=cap,
                                  residual_s=s.recent_step_s)
         if s.tpot_slo_guard and self.priority_scheduling:
             # The replica's TPOT guard sheds less urgent decodes for this request's SLO

@@ -274,16 +274,11 @@ def test_ttft_follows_the_tpot_guards_prefill_cap():
     guarded = snap(running=running, tpot_slo_guard=True, tpot_slo_guard_target=0.8)
     # Unguarded: 500 tokens fit one step of the 502-token budget.
     assert ac.predict(plain, "interactive", 500).steps == 1
-    # A batch prompt behind interactive decodes is capped: steps stay within 0.8 x 0.5 s
-    # with 10 decodes, so they prefill floor((0.4 - a - 10c) / b) = 165 tokens each.
-    pred = ac.predict(guarded, "batch", 500)
+    # Guarded: steps stay within 0.8 x 0.5 s with 10 decodes, so they prefill
+    # floor((0.4 - a - 10c) / b) = 165 tokens each: 4 steps.
+    pred = ac.predict(guarded, "interactive", 500)
     assert pred.steps == 4
     assert pred.ttft_s == pytest.approx(4 * (a + 10 * c) + 500 * b)
-    # A prompt of their own class is owed its TTFT: the guard lends it steps up to the
-    # full 0.5 s SLO, floor((0.5 - a - 10c) / b) = 215 tokens each.
-    pred = ac.predict(guarded, "interactive", 500)
-    assert pred.steps == 3
-    assert pred.ttft_s == pytest.approx(3 * (a + 10 * c) + 500 * b)
     # Nothing decoding under a TPOT SLO: no cap.
     assert ac.predict(snap(tpot_slo_guard=True), "interactive", 500).steps == 1
 
@@ -295,10 +290,9 @@ def test_fcfs_behind_the_guard_is_capped_but_sheds_nothing():
                    recent_step_s=0.6)
     fcfs = AdmissionController(priority_scheduling=False)
     pred = fcfs.predict(guarded, "interactive", 500)
-    # FCFS outranks no one, so the prompt is owed its TTFT: steps run up to the full
-    # interactive SLO with all 30 decodes kept, floor((0.5 - a - 30c) / b) = 195 tokens,
-    # so 3 steps; the TPOT counts all 31 decodes and no measured floor.
-    assert pred.steps == 3
+    # The interactive SLO caps steps with all 30 decodes kept: floor((0.4 - a - 30c) / b)
+    # = 145 tokens, so 4 steps; the TPOT counts all 31 decodes and no measured floor.
+    assert pred.steps == 4
     assert pred.tpot_s == pytest.approx(a + b * 500 / 32 + c * 31)
     # Priority scheduling would shed the 20 batch decodes for it.
     prio = AdmissionController().predict(guarded, "interactive", 500)
