@@ -9,7 +9,7 @@ run a parallel op, and shortens its spin-wait once the process holds more of the
 there are CPUs, so every op then wakes its workers through the kernel.
 ``AsyncLLMEngine.from_config`` therefore builds the engine on the worker thread that steps
 it (``worker``). ``caller`` is the layout before that change: the engine built on the
-event-loop thread (``AsyncLLMEngine(LLMEngine(config))``), stepped on the worker.
+event-loop thread (``AsyncLLMEngine(LLMEngine.from_config(config))``), stepped on the worker.
 
 Each (mix, variant, run) is a fresh process, because a thread's OpenMP team lives as long
 as the thread. The mix's requests (prompts of random token ids from ``random.Random(0)``,
@@ -56,7 +56,7 @@ def child(variant: str, n: int, prompt_len: int) -> dict[str, float]:
         if variant == "worker":
             aeng = AsyncLLMEngine.from_config(config)
         else:
-            aeng = AsyncLLMEngine(LLMEngine(config))
+            aeng = AsyncLLMEngine(LLMEngine.from_config(config))
         real_step, real_schedule = aeng.engine.step, aeng.engine.scheduler.schedule
         last = []
 

@@ -373,38 +373,17 @@ class StepLog:
 
     def attach(self, engine) -> None:
         """Log every step of ``engine`` (an ``LLMEngine``) from now on."""
-        from policies.step_time import predict_step
+        engine.on_step = self.write
 
-        sched, model = engine.scheduler, engine.step_time_model
-        schedule, step = sched.schedule, engine.step
-        planned: list = []
-
-        def logged_schedule():
-            planned.append(schedule())
-            return planned[-1]
-
-        def logged_step():
-            ratio, coefficients = model.local_ratio(), model.coefficients()
-            t, start = time.monotonic(), time.perf_counter()
-            outputs = step()
-            dur = time.perf_counter() - start
-            out = planned.pop() if planned else None
-            if out is None or out.is_empty:
-                return outputs
-            prefill = out.num_batched_tokens - out.num_decodes
-            guard = sched.last_guard
-            self.file.write(json.dumps(_finite({
-                "t": t, "dur_s": dur,
-                "pred_s": predict_step(coefficients, prefill, out.num_decodes) * ratio,
-                "decodes": out.num_decodes, "prefill_tokens": prefill,
-                "waiting": len(sched.waiting), "running": len(sched.running),
-                "cap": guard.cap, "owed": guard.owed, "deferred": len(guard.deferred),
-                "preempted": [r.request_id for r in out.preempted],
-                "seqs": [[s.request.request_id, s.start, s.num_tokens] for s in out.seqs],
-            })) + "\n")
-            return outputs
-
-        sched.schedule, engine.step = logged_schedule, logged_step
+    def write(self, r) -> None:
+        """Append one ``engine.StepRecord`` as a JSON line."""
+        self.file.write(json.dumps(_finite({
+            "t": r.start, "dur_s": r.seconds, "pred_s": r.predicted_s,
+            "decodes": r.num_decodes, "prefill_tokens": r.num_prefill_tokens,
+            "waiting": r.num_waiting, "running": r.num_running,
+            "cap": r.prefill_cap, "owed": r.owed_cap, "deferred": len(r.sat_out),
+            "preempted": list(r.preempted), "seqs": [list(s) for s in r.seqs],
+        })) + "\n")
 
 
 async def start_engine(kwargs: dict[str, Any], args: argparse.Namespace):
@@ -427,9 +406,10 @@ async def start_engine(kwargs: dict[str, Any], args: argparse.Namespace):
 
 async def _drain_one(aeng, ids: list[int], max_tokens: int, rid: str,
                      cls: str = "interactive") -> None:
-    from engine.request import SamplingParams
+    from engine.request import RequestOutputKind, SamplingParams
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
     async for _ in aeng.generate({"prompt_token_ids": ids}, sp, request_id=rid,
                                  traffic_class=cls):
         pass
@@ -486,7 +466,7 @@ async def client(aeng, req: TraceRequest, arrival: float, rec: dict[str, Any], *
 
 async def _client(aeng, req: TraceRequest, arrival: float, rec: dict[str, Any], *,
                   admission: bool, predict: bool, record_tokens: bool) -> None:
-    from engine.request import SamplingParams
+    from engine.request import RequestOutputKind, SamplingParams
     from policies import Admit, Reject
 
     now = time.monotonic()
@@ -519,7 +499,8 @@ async def _client(aeng, req: TraceRequest, arrival: float, rec: dict[str, Any], 
             rec["pred_tpot_s"] = p.tpot_s
         except Exception as e:  # noqa: BLE001 - the benchmark reports it, keeps going
             rec["pred_error"] = repr(e)
-    sp = SamplingParams(max_tokens=mt, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=mt, temperature=0, ignore_eos=True,
+                        output_kind=RequestOutputKind.DELTA)
     rec["status"] = "running"
     times: list[float] = []
     rec["n_tokens"] = 0
@@ -530,7 +511,7 @@ async def _client(aeng, req: TraceRequest, arrival: float, rec: dict[str, Any], 
         async for out in aeng.generate({"prompt_token_ids": req.prompt_ids}, sp,
                                        request_id=rec["id"], traffic_class=cls):
             t = time.monotonic()
-            k = len(out.outputs[0].delta_token_ids)
+            k = len(out.outputs[0].token_ids)
             times.extend([t] * k)
             rec["n_tokens"] += k
             if rec.get("first_seen") is None and k:
@@ -551,7 +532,7 @@ async def _client(aeng, req: TraceRequest, arrival: float, rec: dict[str, Any], 
     m = last.metrics
     rec.update(status="finished", first_token_time=m.first_token_time,
                finish_time=m.finish_time, engine_arrival=m.arrival_time,
-               n_tokens=len(last.outputs[0].token_ids),
+               n_tokens=rec["n_tokens"],
                finish_reason=last.outputs[0].finish_reason)
 
 
@@ -734,7 +715,7 @@ def goodput(points: list[dict]) -> dict[str, Any]:
 async def measure_capacity(wl: Workload, args: argparse.Namespace) -> dict[str, Any]:
     """Closed loop of C clients on cont-chunk-fixed (raw throughput, without the TPOT guard's
     prefill caps); returns req/s and the step-model estimate."""
-    from engine.request import SamplingParams
+    from engine.request import RequestOutputKind, SamplingParams
     from policies import DEFAULT_CLASSES
 
     aeng, load_s = await start_engine(engine_config_kwargs("cont-chunk-fixed", args), args)
@@ -748,14 +729,15 @@ async def measure_capacity(wl: Workload, args: argparse.Namespace) -> dict[str, 
         while time.monotonic() < t_end:
             i = next(nxt)
             r = wl.requests[i % args.capacity_rows]
-            sp = SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
+            sp = SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
             n = 0
             start = time.monotonic()
             try:
                 async for out in aeng.generate({"prompt_token_ids": r.prompt_ids}, sp,
                                                request_id=f"cap-{i}",
                                                traffic_class="interactive"):
-                    k = len(out.outputs[0].delta_token_ids)
+                    k = len(out.outputs[0].token_ids)
                     if n == 0 and k:
                         ttfts.append(time.monotonic() - start)
                     n += k

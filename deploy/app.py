@@ -28,7 +28,7 @@ def build_app(config: ServiceConfig) -> serve.Application:
     """
     engine = config.engine_config()
     classes = config.engine.get("traffic_classes")
-    priority_scheduling = engine.policy == "priority"
+    priority_scheduling = engine.make_policy().by_priority
     actor_options: dict[str, Any] = {"num_cpus": config.replica_num_cpus}
     if config.replica_num_gpus:
         actor_options["num_gpus"] = config.replica_num_gpus

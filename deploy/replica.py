@@ -15,7 +15,13 @@ from typing import Any
 import torch
 from ray import serve
 
-from engine import AsyncLLMEngine, EngineConfig, RequestRejectedError, SamplingParams
+from engine import (
+    AsyncLLMEngine,
+    EngineConfig,
+    RequestOutputKind,
+    RequestRejectedError,
+    SamplingParams,
+)
 from router.routing import RequestShape
 
 logger = logging.getLogger(__name__)
@@ -60,7 +66,7 @@ class ModelReplica:
         Cancelling the call (client gone) aborts the engine request before its next step.
         """
         try:
-            sampling = SamplingParams(**params)
+            sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
             ids = self.engine.validate(prompt_token_ids, sampling, shape.traffic_class)
         except RequestRejectedError as e:
             yield {"error": {"message": str(e), "status": 400, "param": "prompt",
@@ -74,19 +80,10 @@ class ModelReplica:
         async for out in self.engine.generate(ids, sampling, request_id=request_id,
                                               priority=shape.priority,
                                               traffic_class=shape.traffic_class):
-            items = []
-            for c in out.outputs:
-                new = len(c.delta_token_ids)
-                if not (c.delta_text or new or c.finish_reason):
-                    continue
-                items.append({
-                    "index": c.index,
-                    "text": c.delta_text,
-                    "token_ids": list(c.delta_token_ids),
-                    "logprobs": c.logprobs[len(c.logprobs) - new:] if c.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                })
+            items = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                      "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}
+                     for c in out.outputs if c.text or c.token_ids or c.finish_reason]
             yield {"outputs": items, "finished": out.finished}
 
     def record_routing_stats(self) -> dict[str, Any]:

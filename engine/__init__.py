@@ -5,10 +5,11 @@ No Ray import here: the engine runs the same in a script, a test or a Serve repl
 
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
+from engine.interfaces import ModelRunner, StepRecord
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, RequestRejectedError
 from engine.model_loader import ModelLoadError
-from engine.request import CompletionOutput, RequestOutput, SamplingParams
+from engine.request import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
@@ -17,7 +18,10 @@ __all__ = [
     "EngineConfig",
     "LLMEngine",
     "ModelLoadError",
+    "ModelRunner",
     "RequestOutput",
+    "RequestOutputKind",
     "RequestRejectedError",
     "SamplingParams",
+    "StepRecord",
 ]

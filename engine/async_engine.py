@@ -56,7 +56,7 @@ class AsyncLLMEngine:
         self._snapshot = engine.load_snapshot()
         """The load as of the end of the last step; read by the event loop."""
         self.admission = AdmissionController(
-            engine.traffic_classes, priority_scheduling=engine.config.policy == "priority"
+            engine.traffic_classes, priority_scheduling=engine.scheduler.policy.by_priority
         )
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._to_add: list[_Pending] = []
@@ -86,7 +86,7 @@ class AsyncLLMEngine:
         """
         executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         try:
-            engine = executor.submit(LLMEngine, config).result()
+            engine = executor.submit(LLMEngine.from_config, config).result()
         except BaseException:
             executor.shutdown(wait=False)
             raise
@@ -102,8 +102,9 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens arrive; the last has ``finished=True``.
 
-        Each output carries the cumulative text and this step's delta. Leaving the
-        iterator early (or cancelling the task that iterates) aborts the request.
+        Each output is shaped by ``sampling_params.output_kind`` (all so far, by
+        default; a streaming caller asks for ``DELTA``). Leaving the iterator early (or
+        cancelling the task that iterates) aborts the request.
 
         ``priority`` None means the traffic class's default (see
         :meth:`LLMEngine.add_request`).

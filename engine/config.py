@@ -7,6 +7,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from policies import SchedulingPolicy, make_policy
+
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
 
@@ -66,8 +68,12 @@ class EngineConfig(BaseModel):
             raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
         return self
 
-    def policy_options(self) -> dict[str, Any]:
-        """Constructor keywords of the chosen policy (``policies.make_policy``)."""
+    def make_policy(self) -> SchedulingPolicy:
+        """The scheduling policy this config names, with its options: the one place a
+        policy is built from config (the scheduler and the ingress both use it)."""
+        return make_policy(self.policy, **self._policy_options())
+
+    def _policy_options(self) -> dict[str, Any]:
         return {
             "fcfs": {},
             "priority": {"aging_s_per_level": self.aging_s_per_level,

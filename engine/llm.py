@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
-from engine.request import RequestOutput, SamplingParams
+from engine.request import RequestOutput, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -21,7 +22,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **config) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **config))
+        self.llm_engine = LLMEngine.from_config(EngineConfig(model=model, **config))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -66,8 +67,9 @@ class LLM:
         ids = [str(next(self._ids)) for _ in range(n)]
         try:
             for rid, prompt, p, prio, cls in zip(ids, prompts, params, prios, classes):
-                engine.add_request(rid, prompt, p or SamplingParams(), priority=prio,
-                                   traffic_class=cls)
+                # Only the last output is kept: nothing is copied on the way.
+                final = replace(p or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
+                engine.add_request(rid, prompt, final, priority=prio, traffic_class=cls)
         except Exception:
             engine.abort(ids)
             raise

@@ -7,25 +7,16 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from engine.attention import ATTN_IMPLEMENTATION
-from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.interfaces import ModelRunner, StepRecord
 from engine.kv_cache import BlockManager
-from engine.model_loader import load_model
-from engine.request import (
-    CompletionOutput,
-    FinishReason,
-    Request,
-    RequestMetrics,
-    RequestOutput,
-    RequestStatus,
-    SamplingParams,
-)
-from engine.runner import ModelRunner, kv_bytes_per_token
-from engine.scheduler import Scheduler
-from policies import DEFAULT_CLASS, LoadSnapshot, StepTimeModel, make_classes, make_policy
+from engine.outputs import RequestGroup, make_output
+from engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from policies import DEFAULT_CLASS, LoadSnapshot, make_classes
 
 RECENT_STEPS = 8
 """Steps averaged into ``LoadSnapshot.recent_step_s`` (a few, so it follows bursts)."""
@@ -48,16 +39,6 @@ class RequestRejectedError(ValueError):
         self.limit = limit
 
 
-@dataclass(slots=True)
-class _Group:
-    """The ``n`` sequences of one caller request."""
-
-    request_id: str
-    prompt: str | None
-    seqs: list[Request]
-    arrival_time: float
-
-
 class LLMEngine:
     """One replica's engine: scheduler, KV block manager, model runner, detokenizer.
 
@@ -65,48 +46,64 @@ class LLMEngine:
     (``AsyncLLMEngine`` serialises them onto its loop).
     """
 
-    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: EngineConfig, *, runner: ModelRunner, tokenizer,
+                 scheduler: Scheduler | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 model_dir: str | None = None) -> None:
+        """Assemble an engine from its parts (:meth:`from_config` loads the model).
+
+        Args:
+            runner: executes steps (:class:`engine.interfaces.ModelRunner`); its KV cache
+                size, context length, vocabulary and EOS ids are the engine's.
+            tokenizer: a transformers tokenizer of the runner's model.
+            scheduler: None: ``Scheduler.from_config`` over ``runner.num_kv_blocks``
+                blocks, on ``clock``.
+            clock: seconds; every time the engine records (arrivals, tokens, step
+                durations for the step-time model) is read from it, so a fake clock
+                and a fake runner replay a run exactly.
+            model_dir: where the model came from, for logs.
+        """
         self.config = config
         self.clock = clock
-        device, dtype = config.torch_device(), config.torch_dtype()
-        model, self.tokenizer, self.model_dir = load_model(
-            config.model, dtype, device, ATTN_IMPLEMENTATION, config.cpu_weight_prepack
-        )
-        hf_config = model.config
-        context = hf_config.max_position_embeddings
-        window = getattr(hf_config, "sliding_window", None)
-        if window and getattr(hf_config, "use_sliding_window", True):
-            # The paged attention attends to the whole context; capping the context at the
-            # window keeps it exact for sliding-window models (Mistral).
-            context = min(context, window)
-        self.max_model_len = min(config.max_model_len or context, context)
-        self.vocab_size = hf_config.vocab_size
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
-            budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-            num_blocks = budget // (config.block_size * kv_bytes_per_token(hf_config, dtype))
-            if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block")
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
+        self.max_model_len = runner.max_model_len
+        self.vocab_size = runner.vocab_size
+        self.eos_token_ids = set(runner.eos_token_ids)
+        self.scheduler = scheduler or Scheduler.from_config(
+            config, BlockManager(runner.num_kv_blocks, config.block_size), clock)
+        self.block_manager = self.scheduler.block_manager
+        self.step_time_model = self.scheduler.step_time
         self.traffic_classes = make_classes(config.traffic_classes)
-        policy = make_policy(config.policy, **config.policy_options())
-        self.step_time_model = StepTimeModel()
+        self.on_step: Callable[[StepRecord], None] | None = None
+        """Called after every step that ran, with its :class:`StepRecord` (step logs,
+        metrics); on the thread that steps the engine."""
         self._recent_step_s: deque[float] = deque(maxlen=RECENT_STEPS)
-        self.scheduler = Scheduler(config, self.block_manager, policy, clock,
-                                   self.step_time_model if config.tpot_slo_guard else None)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, config.seed)
-        eos = model.generation_config.eos_token_id
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, RequestGroup] = {}
+        self._num_steps = 0
         self.last_step_num_tokens = 0
         """Tokens the last ``step()`` ran (0: it had nothing to schedule)."""
-        logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s",
-            self.model_dir, num_blocks, config.block_size, self.max_model_len, device,
-        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig,
+                    clock: Callable[[], float] = time.monotonic) -> LLMEngine:
+        """Load ``config.model`` onto a :class:`engine.runner.TorchModelRunner` and
+        build the engine around it.
+
+        Raises:
+            ModelLoadError: missing model or unsupported architecture.
+            ValueError: the KV cache budget holds no block.
+        """
+        from engine.runner import TorchModelRunner
+
+        runner, tokenizer, model_dir = TorchModelRunner.load(config)
+        engine = cls(config, runner=runner, tokenizer=tokenizer, clock=clock,
+                     model_dir=str(model_dir))
+        logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s",
+                    model_dir, runner.num_kv_blocks, config.block_size,
+                    engine.max_model_len, runner.device)
+        return engine
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -187,7 +184,8 @@ class LLMEngine:
                 req.params = replace(params, seed=params.seed + i)
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
             seqs.append(req)
-        self._groups[request_id] = _Group(request_id, text, seqs, now)
+        self._groups[request_id] = RequestGroup(request_id, text, seqs, now,
+                                                params.output_kind)
         for req in seqs:
             self.scheduler.add(req)
 
@@ -234,7 +232,8 @@ class LLMEngine:
     def abort(self, request_id: str | Sequence[str]) -> list[RequestOutput]:
         """Finish requests with reason ``abort`` and free their KV blocks at once.
 
-        Unknown or finished ids are ignored. Returns the aborted requests' final outputs.
+        Unknown or finished ids are ignored. Returns the aborted requests' final outputs
+        (for every output kind).
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         now = self.clock()
@@ -246,7 +245,7 @@ class LLMEngine:
             for req in group.seqs:
                 if not req.is_finished:
                     self.scheduler.finish(req, FinishReason.ABORT, now)
-            outs.append(self._output(group, {}))
+            outs.append(make_output(group, {}))
         return outs
 
     def has_unfinished_requests(self) -> bool:
@@ -256,43 +255,68 @@ class LLMEngine:
         """Schedule and run one iteration.
 
         Returns:
-            One output for each request that got a token (cumulative text and tokens, plus
-            this step's delta); finished requests appear once with ``finished=True``.
+            An output for each request that got a token, shaped by its
+            ``SamplingParams.output_kind``; a finished request's last output has
+            ``finished=True``.
         """
-        start = time.perf_counter()
+        start = self.clock()
         out = self.scheduler.schedule()
         self.last_step_num_tokens = out.num_batched_tokens
         if out.is_empty:
             return []
+        predicted = self._predict(out) if self.on_step is not None else 0.0
         samples = self.runner.execute(out)
         got = self.scheduler.update(out, {rid: s.token_id for rid, s in samples.items()})
         now = self.clock()
-        deltas: dict[str, tuple[str, list[int]]] = {}
+        deltas: dict[str, tuple[str, int]] = {}
         for req in got:
             sample = samples[req.request_id]
-            token = sample.token_id
             if req.first_token_time is None:
                 req.first_token_time = now
             if sample.logprobs is not None:
                 req.logprobs.append(sample.logprobs)
-            text, stop_str = req.detokenizer.update([token])
-            reason = self._stop_reason(req, token, stop_str)
+            text, stop_str = req.detokenizer.update([sample.token_id])
+            reason = self._stop_reason(req, sample.token_id, stop_str)
             if reason is not None:
                 if stop_str is None:
                     text += req.detokenizer.flush()
                 self.scheduler.finish(req, reason, now)
-            deltas[req.request_id] = (text, [token])
+            deltas[req.request_id] = (text, 1)
         outputs = []
         for parent in dict.fromkeys(r.parent_id for r in got):
             group = self._groups[parent]
-            outputs.append(self._output(group, deltas))
-            if all(r.is_finished for r in group.seqs):
+            output = make_output(group, deltas)
+            if output is not None:
+                outputs.append(output)
+            if group.finished:
                 del self._groups[parent]
-        seconds = time.perf_counter() - start
-        self.step_time_model.observe(out.num_batched_tokens - out.num_decodes,
-                                     out.num_decodes, seconds)
+        seconds = self.clock() - start
+        prefill = out.num_batched_tokens - out.num_decodes
+        self.step_time_model.observe(prefill, out.num_decodes, seconds)
         self._recent_step_s.append(seconds)
+        self._num_steps += 1
+        if self.on_step is not None:
+            self.on_step(self._record(out, start, seconds, predicted))
         return outputs
+
+    def _predict(self, out: SchedulerOutput) -> float:
+        model = self.step_time_model
+        prefill = out.num_batched_tokens - out.num_decodes
+        return model.predict(prefill, out.num_decodes) * model.local_ratio()
+
+    def _record(self, out: SchedulerOutput, start: float, seconds: float,
+                predicted: float) -> StepRecord:
+        sched, plan = self.scheduler, self.scheduler.last_guard
+        return StepRecord(
+            index=self._num_steps - 1, start=start, seconds=seconds, predicted_s=predicted,
+            num_decodes=out.num_decodes,
+            num_prefill_tokens=out.num_batched_tokens - out.num_decodes,
+            num_waiting=len(sched.waiting), num_running=len(sched.running),
+            seqs=tuple((s.request.request_id, s.start, s.num_tokens) for s in out.seqs),
+            preempted=tuple(r.request_id for r in out.preempted),
+            prefill_cap=plan.cap, owed_cap=plan.owed, sat_out=tuple(sorted(plan.deferred)),
+            shed=tuple(r.request_id for r in plan.shed),
+        )
 
     def load_snapshot(self) -> LoadSnapshot:
         """This replica's load, per traffic class, for admission control and routing."""
@@ -342,32 +366,3 @@ class LLMEngine:
         if len(req.output_token_ids) >= req.max_tokens:
             return FinishReason.LENGTH
         return None
-
-    def _output(self, group: _Group, deltas: dict[str, tuple[str, list[int]]]) -> RequestOutput:
-        completions = []
-        for req in group.seqs:
-            delta_text, delta_ids = deltas.get(req.request_id, ("", []))
-            completions.append(CompletionOutput(
-                index=req.index,
-                text=req.detokenizer.text,
-                token_ids=list(req.output_token_ids),
-                finish_reason=req.finish_reason.value if req.finish_reason else None,
-                stop_reason=req.stop_reason,
-                delta_text=delta_text,
-                delta_token_ids=delta_ids,
-                logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            ))
-        firsts = [r.first_token_time for r in group.seqs if r.first_token_time is not None]
-        finished = all(r.status is RequestStatus.FINISHED for r in group.seqs)
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.seqs[0].prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            metrics=RequestMetrics(
-                arrival_time=group.arrival_time,
-                first_token_time=min(firsts) if firsts else None,
-                finish_time=max(r.finish_time for r in group.seqs) if finished else None,
-            ),
-        )

@@ -10,6 +10,19 @@ from typing import Any
 from policies.priority import DEFAULT_CLASS
 
 
+class RequestOutputKind(enum.Enum):
+    """What each :class:`RequestOutput` of a request carries (vLLM's ``RequestOutputKind``).
+
+    ``CUMULATIVE``: an output every step with the text, token ids and logprobs so far.
+    ``DELTA``: an output every step with only what that step added (streaming: nothing
+    is copied twice). ``FINAL_ONLY``: one output, when the request finishes, with all of it.
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples and when it stops.
@@ -32,6 +45,8 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     """Top-k log-probabilities to return per output token (the sampled one always too)."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """What each output carries; :class:`engine.LLM` always asks for ``FINAL_ONLY``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -141,8 +156,9 @@ class Request:
 class CompletionOutput:
     """One of the ``n`` sequences of a request.
 
-    ``text`` and ``token_ids`` are cumulative; ``delta_text`` and ``delta_token_ids``
-    hold what this step added, for streaming.
+    ``text``, ``token_ids`` and ``logprobs`` (one ``{token id: log-probability}`` per
+    token, None when not asked for) are what the request's
+    :attr:`SamplingParams.output_kind` says: all so far, or only this step's.
     """
 
     index: int
@@ -150,8 +166,6 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -17,6 +18,8 @@ from engine.attention import (
     flash_attn_available,
     paged_attention,
 )
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.model_loader import load_model
 from engine.request import Request
 from engine.sampler import Sampler, SampleResult
 from engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -24,6 +27,19 @@ from engine.scheduler import ScheduledSeq, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+
+
+def model_context(hf_config, max_model_len: int | None = None) -> int:
+    """Tokens of context the engine serves: the model's, capped by ``max_model_len``.
+
+    The paged attention attends to the whole context; capping the context at a
+    sliding-window model's window (Mistral) keeps it exact.
+    """
+    context = hf_config.max_position_embeddings
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        context = min(context, window)
+    return min(max_model_len or context, context)
 
 
 def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
@@ -35,18 +51,24 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
     return hf_config.num_hidden_layers * per_layer * torch.tensor([], dtype=dtype).element_size()
 
 
-class ModelRunner:
-    """Owns the model, the KV cache tensors and the sampler.
+class TorchModelRunner:
+    """Owns the model, the KV cache tensors and the sampler (the engine's
+    :class:`engine.interfaces.ModelRunner`).
 
     The KV cache is one ``(k, v)`` pair per layer, each ``[num_blocks, block_size, KVH, D]``.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, seed: int) -> None:
+                 dtype: torch.dtype, seed: int, max_model_len: int | None = None) -> None:
         cfg = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.num_kv_blocks = num_blocks
+        self.max_model_len = model_context(cfg, max_model_len)
+        self.vocab_size = cfg.vocab_size
+        eos = model.generation_config.eos_token_id
+        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos]) - {None}
         self.use_flash = (
             device.type == "cuda" and flash_attn_available()
             and block_size % FLASH_BLOCK_MULTIPLE == 0
@@ -64,6 +86,34 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(device, seed)
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> tuple[TorchModelRunner, Any, str]:
+        """Load ``config.model`` and size its KV cache: ``(runner, tokenizer, model dir)``.
+
+        The cache holds ``config.num_kv_blocks`` blocks, else as many as
+        ``config.kv_cache_memory_bytes`` (default 1 GiB) holds.
+
+        Raises:
+            ModelLoadError: missing model or unsupported architecture.
+            ValueError: the memory budget holds no KV block.
+        """
+        device, dtype = config.torch_device(), config.torch_dtype()
+        model, tokenizer, model_dir = load_model(
+            config.model, dtype, device, ATTN_IMPLEMENTATION, config.cpu_weight_prepack
+        )
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+            num_blocks = budget // (config.block_size * kv_bytes_per_token(model.config, dtype))
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block")
+        runner = cls(model, num_blocks, config.block_size, device, dtype, config.seed,
+                     config.max_model_len)
+        if not runner.eos_token_ids and tokenizer.eos_token_id is not None:
+            runner.eos_token_ids = frozenset([tokenizer.eos_token_id])
+        return runner, tokenizer, model_dir
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:

@@ -95,12 +95,17 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         step_time: StepTimeModel | None = None,
     ) -> None:
+        """``step_time``: the step-time model the engine feeds and the TPOT guard
+        predicts with (a new one if None). The guard runs when
+        ``config.tpot_slo_guard`` says so."""
         self.config = config
-        self.guard = None if step_time is None else TpotGuard(
-            policy, step_time, target=config.tpot_slo_guard_target,
+        self.step_time = step_time or StepTimeModel()
+        self.guard = TpotGuard(
+            policy, self.step_time, target=config.tpot_slo_guard_target,
             block_size=block_manager.block_size,
-            max_num_batched_tokens=config.max_num_batched_tokens)
-        """With a step-time model, the TPOT SLO guard (:mod:`policies.slo_guard`)."""
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        ) if config.tpot_slo_guard else None
+        """The TPOT SLO guard (:mod:`policies.slo_guard`), or None when it is off."""
         self.block_manager = block_manager
         self.policy = policy
         self.clock = clock
@@ -117,6 +122,13 @@ class Scheduler:
             if config.enable_chunked_prefill
             else None
         )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, block_manager: BlockManager,
+                    clock: Callable[[], float] = time.monotonic) -> Scheduler:
+        """The scheduler ``config`` describes: its policy (``config.policy`` and its
+        options) and, when ``config.tpot_slo_guard``, the TPOT guard."""
+        return cls(config, block_manager, config.make_policy(), clock)
 
     @property
     def last_guard(self) -> GuardPlan:

@@ -30,6 +30,11 @@ class SchedulingPolicy(Protocol):
     requests; ``on_finish`` when a request leaves.
     """
 
+    by_priority: bool
+    """Whether it serves requests in priority order (less urgent work neither delays a
+    request nor keeps it from preempting): what admission's latency model assumes
+    (``AdmissionController(priority_scheduling=...)``)."""
+
     max_head_of_line_skips: int
     """How many later requests may be admitted past a head that lacks KV room before the
     scheduler stops admitting, so that blocks free up for the head (0: strict order)."""

@@ -13,6 +13,7 @@ class FCFSPolicy:
     Strict head of line: a later request never overtakes a head that lacks KV room.
     """
 
+    by_priority = False
     max_head_of_line_skips = 0
 
     def order(self, requests: Sequence[R], now: float) -> list[R]:

@@ -141,6 +141,8 @@ class PriorityPolicy:
         ValueError: ``aging_s_per_level`` is not > 0, or ``max_head_of_line_skips`` < 0.
     """
 
+    by_priority = True
+
     def __init__(
         self, aging_s_per_level: float | None = 10.0, max_head_of_line_skips: int = 8
     ) -> None:

@@ -36,6 +36,7 @@ class StaticBatchPolicy:
         ValueError: ``max_num_seqs`` < 1 or ``batch_wait_timeout_s`` < 0.
     """
 
+    by_priority = False
     max_head_of_line_skips = 0
 
     def __init__(self, max_num_seqs: int, batch_wait_timeout_s: float = 0.5) -> None:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine import LLM, AsyncLLMEngine, RequestRejectedError, SamplingParams
+from engine import LLM, AsyncLLMEngine, RequestOutputKind, RequestRejectedError, SamplingParams
 from engine.model_loader import ModelLoadError, load_model
 
 
@@ -135,12 +135,18 @@ def test_model_errors_name_the_path_or_architecture(tmp_path):
 async def test_async_stream_and_cancel_frees_blocks_within_one_step():
     engine = AsyncLLMEngine.from_config(__import__("engine").EngineConfig(num_kv_blocks=64))
     try:
-        deltas = []
-        async for out in engine.generate("The capital of France is",
-                                         SamplingParams(max_tokens=10, temperature=0)):
-            deltas.append(out.outputs[0].delta_text)
-        assert out.finished and "".join(deltas) == out.outputs[0].text
-        assert out.outputs[0].text.startswith(" Paris")
+        prompt = "The capital of France is"
+        deltas, ids = [], []
+        params = SamplingParams(max_tokens=10, temperature=0, output_kind=RequestOutputKind.DELTA)
+        async for out in engine.generate(prompt, params):
+            assert len(out.outputs[0].token_ids) <= 1  # only what this step added
+            deltas.append(out.outputs[0].text)
+            ids += out.outputs[0].token_ids
+        assert out.finished and len(ids) == 10
+        whole = [o async for o in engine.generate(prompt, SamplingParams(max_tokens=10,
+                                                                         temperature=0))][-1]
+        assert "".join(deltas) == whole.outputs[0].text and ids == whole.outputs[0].token_ids
+        assert whole.outputs[0].text.startswith(" Paris")
 
         steps = []
         real_step = engine.engine.step
@@ -209,9 +215,9 @@ async def test_async_engine_is_built_and_stepped_on_one_worker_thread(monkeypatc
     threads = {}
 
     class Recording(async_engine.LLMEngine):
-        def __init__(self, config):
+        def __init__(self, *args, **kwargs):
             threads["init"] = threading.get_ident()
-            super().__init__(config)
+            super().__init__(*args, **kwargs)
 
         def step(self):
             threads["step"] = threading.get_ident()

@@ -187,7 +187,8 @@ def _guarded(max_num_seqs=32, budget=512, target=1.0):
 
     model = StepTimeModel(prior=(0.1, 0.001, 0.02), min_samples=10**9)  # fixed: the prior
     config = EngineConfig(block_size=4, num_kv_blocks=4000, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=budget, tpot_slo_guard_target=target)
+                          max_num_batched_tokens=budget, tpot_slo_guard_target=target,
+                          tpot_slo_guard=True)
     clock = FakeClock()
     sched = Scheduler(config, BlockManager(4000, 4), PriorityPolicy(aging_s_per_level=None),
                       clock, step_time=model)

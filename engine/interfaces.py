@@ -1,0 +1,59 @@
+"""The engine's seams: what a model runner provides, and what each step reports.
+
+:class:`engine.LLMEngine` takes a runner, a tokenizer, a scheduler and a clock; a fake
+runner that advances a fake clock by a cost model runs the whole scheduling path with no
+model and no wall clock (``tests/test_engine_seams.py``), as the simulator will.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from engine.sampler import SampleResult
+    from engine.scheduler import SchedulerOutput
+
+
+class ModelRunner(Protocol):
+    """Runs scheduled steps and samples them (:class:`engine.runner.TorchModelRunner`)."""
+
+    num_kv_blocks: int
+    """KV blocks its cache holds (of the config's ``block_size`` tokens)."""
+    max_model_len: int
+    """Tokens of context a sequence may use (prompt plus output)."""
+    vocab_size: int
+    eos_token_ids: Collection[int]
+
+    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
+        """Run one step; the sampled token (and logprobs) of each request, by id, whose
+        scheduled chunk reached its last token (``ScheduledSeq.samples``)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One executed step, as :attr:`engine.LLMEngine.on_step` receives it.
+
+    Times are seconds on the engine's clock. ``predicted_s`` is the step-time model's
+    prediction for the step's shape, made before it ran and scaled by the model's recent
+    measured / predicted ratio (as the TPOT guard sees it). Queue sizes are after the
+    step. ``seqs`` holds ``(request id, first position scheduled, tokens)`` per scheduled
+    sequence, decodes first; ``guard`` is the TPOT guard's plan (defaults when it is off).
+    """
+
+    index: int
+    start: float
+    seconds: float
+    predicted_s: float
+    num_decodes: int
+    num_prefill_tokens: int
+    num_waiting: int
+    num_running: int
+    seqs: tuple[tuple[str, int, int], ...]
+    preempted: tuple[str, ...]
+    prefill_cap: float
+    owed_cap: float
+    sat_out: tuple[str, ...]
+    shed: tuple[str, ...]
