@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 
 import ray
@@ -32,12 +33,36 @@ SERVE_ENV_DEFAULTS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 """
 
 
+def embedded_serve_env(config: ServiceConfig) -> dict[str, str]:
+    """Environment for an embedded cluster's processes (set before ``ray.init``).
+
+    Besides :data:`SERVE_ENV_DEFAULTS`: the ingress replica itself listens on
+    ``config.port`` (Serve's direct ingress, whose port range is pinned to that one
+    port), so a request takes one process hop less than through Serve's HTTP proxy, which
+    then listens on a spare port (:func:`deploy`'s ``proxy_port``). Alternating a
+    streamed probe between the two ports on one server, three pairs each: 70.0 / 71.3 /
+    71.3 ms per step at 8 streams against 72.7 / 77.1 / 74.8 through the proxy, and
+    44.5 / 43.7 / 43.5 ms at 1 stream against 45.5 / 46.0 / 43.3.
+    """
+    return {**{k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()},
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(config.port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(config.port + 1)}
+
+
+def spare_port(host: str) -> int:
+    """A TCP port free on ``host`` now (for Serve's proxy when the ingress serves directly)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class ServeError(RuntimeError):
     """The server cannot start; the message says why and what to do."""
 
 
-def start_ray(address: str | None) -> None:
-    """Join ``address``, or start an embedded single-machine Ray with the dashboard off.
+def start_ray(address: str | None, config: ServiceConfig) -> None:
+    """Join ``address``, or start an embedded single-machine Ray with the dashboard off
+    and :func:`embedded_serve_env` set.
 
     Ray 2.60 turns on token authentication for new local clusters: ``ray.init`` writes
     a token to ``~/.ray/auth_token`` and this process uses it. Other clients of that
@@ -51,8 +76,7 @@ def start_ray(address: str | None) -> None:
         if address:
             ray.init(address=address, logging_level=logging.WARNING)
         else:
-            for key, value in SERVE_ENV_DEFAULTS.items():
-                os.environ.setdefault(key, value)
+            os.environ.update(embedded_serve_env(config))
             ray.init(include_dashboard=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError) as e:
         hint = ""
@@ -79,13 +103,17 @@ def check_resources(config: ServiceConfig) -> None:
         )
 
 
-def deploy(config: ServiceConfig) -> str:
-    """Start Serve's HTTP proxy on ``config.host:port`` and deploy; return the base URL.
+def deploy(config: ServiceConfig, proxy_port: int | None = None) -> str:
+    """Start Serve's HTTP proxy and deploy; return the base URL, ``config.host:port``.
 
+    ``proxy_port``: None puts the proxy on ``config.port`` (a cluster we joined);
+    otherwise the proxy listens there and the ingress replica serves ``config.port``
+    itself (an embedded cluster started with :func:`embedded_serve_env`).
     Blocks until every replica has loaded the model.
     """
     check_resources(config)
-    serve.start(http_options={"host": config.host, "port": config.port})
+    port = config.port if proxy_port is None else proxy_port
+    serve.start(http_options={"host": config.host, "port": port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     return f"http://{config.host}:{config.port}"
 
@@ -94,11 +122,11 @@ def run_server(config: ServiceConfig, address: str | None = None) -> int:
     """Serve until SIGINT or SIGTERM, then shut Serve and Ray down cleanly."""
     stop = threading.Event()
     try:
-        start_ray(address)
+        start_ray(address, config)
         # After ray.init, which installs its own SIGTERM handler (exit without cleanup).
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        url = deploy(config)
+        url = deploy(config, proxy_port=None if address else spare_port(config.host))
     except ServeError as e:
         print(f"iterserve: error: {e}", flush=True)
         _shutdown(own_cluster=address is None)

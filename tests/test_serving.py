@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -19,7 +20,7 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from deploy.config import ServiceConfig  # noqa: E402
-from deploy.server import deploy  # noqa: E402
+from deploy.server import deploy, embedded_serve_env, spare_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -63,10 +64,15 @@ def server():
                                 "interactive": {"ttft_slo_s": INTERACTIVE_TTFT_SLO_S}},
         },
     )
+    # As `iterserve serve` runs it: the ingress replica serves the port itself.
+    saved = dict(os.environ)
+    os.environ.update(embedded_serve_env(config))
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
              log_to_driver=False)
+    os.environ.clear()
+    os.environ.update(saved)
     try:
-        url = deploy(config)
+        url = deploy(config, proxy_port=spare_port(config.host))
         _wait_health(url, replicas=2, timeout_s=60)
         yield url
     finally:
