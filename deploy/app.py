@@ -27,15 +27,15 @@ def build_app(config: ServiceConfig) -> serve.Application:
     on it and the ingress admits on it. The ingress reserves no CPU: it only waits on I/O.
     """
     engine = config.engine_config()
-    classes = config.engine.get("traffic_classes")
-    priority_scheduling = engine.make_policy().by_priority
+    classes = config.traffic_classes()  # built once; the ingress and the router get them
+    policy = engine.make_policy()  # admission at the ingress and the router ask it
     actor_options: dict[str, Any] = {"num_cpus": config.replica_num_cpus}
     if config.replica_num_gpus:
         actor_options["num_gpus"] = config.replica_num_gpus
     router_config = RequestRouterConfig(
         request_router_class=LoadAwareRouter,
         request_router_kwargs={"traffic_classes": classes,
-                               "priority_scheduling": priority_scheduling},
+                               "policy": policy},
         request_routing_stats_period_s=config.routing_stats_period_s,
         request_routing_stats_timeout_s=max(5.0, 10 * config.routing_stats_period_s),
     )
@@ -57,7 +57,7 @@ def build_app(config: ServiceConfig) -> serve.Application:
         "model_name": config.model_name(),
         "api_keys": {k: v.model_dump() for k, v in config.api_keys.items()},
         "traffic_classes": classes,
-        "priority_scheduling": priority_scheduling,
+        "policy": policy,
         "admission": config.admission,
         "max_n": config.max_n,
         "max_request_body_bytes": config.max_request_body_bytes,

@@ -56,7 +56,7 @@ class AsyncLLMEngine:
         self._snapshot = engine.load_snapshot()
         """The load as of the end of the last step; read by the event loop."""
         self.admission = AdmissionController(
-            engine.traffic_classes, priority_scheduling=engine.scheduler.policy.by_priority
+            engine.traffic_classes, policy=engine.scheduler.policy
         )
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._to_add: list[_Pending] = []

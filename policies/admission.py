@@ -25,9 +25,18 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from policies.base import SchedulingPolicy
 from policies.decision import Admit, Decision, Prediction, Reject, Wait
 from policies.load import LoadSnapshot
-from policies.priority import DEFAULT_CLASSES, TrafficClass
+from policies.priority import DEFAULT_CLASSES, PriorityPolicy, TrafficClass
+from policies.slo_guard import prefill_within
+
+
+@dataclass(frozen=True, slots=True)
+class _Rank:
+    """A stand-in request of one priority, for asking the policy about precedence."""
+
+    priority: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +59,10 @@ class AdmissionController:
 
     The model of one replica under a request of class ``k`` with priority ``p``:
 
-    * Ahead of it: the queued prefill tokens and requests of classes whose
-      ``default_priority <= p`` (under the priority policy less urgent queued work does not
-      delay it; with ``priority_scheduling=False``, FCFS, all queued work is ahead).
+    * Ahead of it: the queued prefill tokens and requests of classes it does not outrank
+      (``policy.outranks``: under the priority policy, classes whose
+      ``default_priority <= p``, since less urgent queued work does not delay it; under
+      FCFS nothing outranks anything, so all queued work is ahead).
       Classes unknown to the controller count as ahead (conservative).
     * Each step decodes every running request (``d``) and prefills up to
       ``m = min(budget - d, cap)`` tokens (at least 1), where ``cap`` is what the
@@ -72,15 +82,16 @@ class AdmissionController:
       Without the guard it is at least the measured ``recent_step_s``: steps already
       slower than the SLO stay so, whatever this request adds. With the guard and FCFS,
       prefill is capped but nothing is shed: ``d`` counts every running request and the
-      tightest SLO running binds. With the guard and priority scheduling, ``d`` counts
-      only running requests served before this one and the SLO is its own: the guard
-      sheds less urgent decodes for it, and its decodes for more urgent ones.
+      tightest SLO running binds. With the guard and a policy that orders by priority
+      (``policy.by_priority``), ``d`` counts only running requests served before this one
+      and the SLO is its own: the guard sheds less urgent decodes for it, and its decodes
+      for more urgent ones.
     * Seats: the running requests of classes that go before it plus the requests queued
       ahead plus this one must fit ``max_num_seqs`` (less urgent running requests can be
       preempted by the priority policy); else its TTFT hangs on decodes finishing, which
       the model cannot predict.
     * KV: ``ceil((x + P) / block_size) + 1`` blocks (one block of decode headroom) must be
-      free, counting blocks of less urgent classes as free under priority scheduling.
+      free, counting blocks of classes it outranks as free (the policy can preempt them).
 
     The TTFT budget is the SLO minus ``waited_s`` (the SLO counts from arrival). A
     prediction must fit ``slo_margin`` times its budget or SLO: the rest absorbs
@@ -91,7 +102,8 @@ class AdmissionController:
 
     Args:
         classes: traffic classes by name.
-        priority_scheduling: whether the replicas run the priority policy.
+        policy: the replicas' scheduling policy (``EngineConfig.make_policy``); asked
+            which classes go first. None: the priority policy, the server's default.
         tpot_horizon_steps: ``H`` above, in steps.
         slo_margin: fraction (0, 1] of the TTFT budget and the TPOT SLO that predictions
             must fit.
@@ -104,7 +116,7 @@ class AdmissionController:
         self,
         classes: Mapping[str, TrafficClass] = DEFAULT_CLASSES,
         *,
-        priority_scheduling: bool = True,
+        policy: SchedulingPolicy | None = None,
         tpot_horizon_steps: int = 32,
         slo_margin: float = 0.85,
     ) -> None:
@@ -113,7 +125,7 @@ class AdmissionController:
         if not 0 < slo_margin <= 1:
             raise ValueError(f"slo_margin={slo_margin!r}: must be in (0, 1]")
         self.classes = dict(classes)
-        self.priority_scheduling = priority_scheduling
+        self.policy = policy if policy is not None else PriorityPolicy()
         self.tpot_horizon_steps = tpot_horizon_steps
         self.slo_margin = slo_margin
 
@@ -125,10 +137,12 @@ class AdmissionController:
                              f"{sorted(self.classes)}") from None
 
     def _goes_before(self, name: str, priority: int) -> bool:
-        """Whether class ``name``'s work is served before a request of ``priority``."""
-        if not self.priority_scheduling or name not in self.classes:
+        """Whether class ``name``'s work is served before a request of ``priority``: the
+        policy does not rank the request above the class (unknown classes: ahead)."""
+        if name not in self.classes:
             return True
-        return self.classes[name].default_priority <= priority
+        return not self.policy.outranks(_Rank(priority),
+                                        _Rank(self.classes[name].default_priority))
 
     # -- the model ---------------------------------------------------------------------
 
@@ -155,10 +169,8 @@ class AdmissionController:
         """Prefill tokens per step that the replica's TPOT guard allows (inf: no guard)."""
         if not (s.tpot_slo_guard and load.tpot_slos):
             return math.inf
-        a, b, c = s.step_coefficients
         limit = min(load.tpot_slos) * s.tpot_slo_guard_target
-        spare = limit - (a + c * d)
-        return max(s.block_size, math.floor(spare / b)) if b > 0 else math.inf
+        return max(s.block_size, prefill_within(s.step_coefficients, limit, d))
 
     def _kv_fits(self, s: LoadSnapshot, tokens: int, reclaimable: int) -> bool:
         return math.ceil(tokens / s.block_size) + 1 <= s.num_kv_blocks_free + reclaimable
@@ -186,7 +198,7 @@ class AdmissionController:
         total = load.tokens_total - load.tokens_ahead + tokens
         ttft, steps = self._ttft(s, tokens, d, total=total, cap=cap,
                                  residual_s=s.recent_step_s)
-        if s.tpot_slo_guard and self.priority_scheduling:
+        if s.tpot_slo_guard and self.policy.by_priority:
             # The replica's TPOT guard sheds less urgent decodes for this request's SLO
             # and sheds this request's decodes for more urgent ones' SLOs: only the
             # requests served before it, and its own SLO, matter.

@@ -33,7 +33,7 @@ class SchedulingPolicy(Protocol):
     by_priority: bool
     """Whether it serves requests in priority order (less urgent work neither delays a
     request nor keeps it from preempting): what admission's latency model assumes
-    (``AdmissionController(priority_scheduling=...)``)."""
+    (:class:`policies.admission.AdmissionController`)."""
 
     max_head_of_line_skips: int
     """How many later requests may be admitted past a head that lacks KV room before the

@@ -79,6 +79,18 @@ class _Limits:
     lent: float
 
 
+def prefill_within(coefficients: tuple[float, float, float], limit_s: float, decodes: int,
+                   ratio: float = 1.0) -> float:
+    """Prefill tokens that keep a step with ``decodes`` decodes within ``limit_s`` seconds
+    under the step-time model ``(a, b, c)`` (:mod:`policies.step_time`) scaled by ``ratio``
+    (the measured / predicted correction); inf when a prefill token costs nothing, negative
+    when the decodes alone break the limit. The guard's caps and admission's model of them
+    both come from here."""
+    a, b, c = coefficients
+    spare = limit_s - (a + c * decodes) * ratio
+    return math.floor(spare / (b * ratio)) if b > 0 else math.inf
+
+
 def prompt_line(order: Sequence[Req], waiting_order: Sequence[Req], now: float,
                 policy: SchedulingPolicy,
                 prefilling: Callable[[Req], bool]) -> list[tuple[list[Req], Req | None]]:
@@ -190,9 +202,7 @@ class TpotGuard:
 
     def _tokens_within(self, limit: float, decodes: int) -> float:
         """Prefill tokens that keep a step with ``decodes`` decodes within ``limit`` s."""
-        _, b, _ = self.model.coefficients()
-        spare = limit - self.model.predict(0, decodes) * self.ratio
-        return math.floor(spare / (b * self.ratio)) if b > 0 else math.inf
+        return prefill_within(self.model.coefficients(), limit, decodes, self.ratio)
 
     def _caps(self, decoding: list[Req], owed: list[Req], limits: _Limits, slo: float,
               now: float) -> tuple[float, float, set[str]]:

@@ -16,7 +16,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 
-from policies import AdmissionController, Admit, LoadSnapshot, Reject, TrafficClass
+from policies import (
+    AdmissionController,
+    Admit,
+    LoadSnapshot,
+    Reject,
+    SchedulingPolicy,
+    TrafficClass,
+)
 
 POLL_S = 0.05
 """Seconds between re-decisions of a held request (snapshots refresh about every 0.1 s)."""
@@ -36,14 +43,15 @@ class IngressAdmission:
 
     Args:
         classes: traffic classes by name.
-        priority_scheduling: whether the replicas run the priority policy.
+        policy: the replicas' scheduling policy (None: the priority policy).
         enabled: False admits everything at once (admission off).
         clock: monotonic seconds, injectable for tests.
     """
 
-    def __init__(self, classes: Mapping[str, TrafficClass], *, priority_scheduling: bool,
+    def __init__(self, classes: Mapping[str, TrafficClass], *,
+                 policy: SchedulingPolicy | None = None,
                  enabled: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
-        self.controller = AdmissionController(classes, priority_scheduling=priority_scheduling)
+        self.controller = AdmissionController(classes, policy=policy)
         self.enabled = enabled
         self.clock = clock
         self._held: dict[int, tuple[str, float, int]] = {}

@@ -29,7 +29,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from policies import make_classes
+from policies import DEFAULT_CLASSES
 from router import openai_format as fmt
 from router.admission import AdmissionRejected, IngressAdmission
 from router.dispatch import REPLICA_LOST, Dispatch, ReplicaLost
@@ -48,8 +48,12 @@ class IngressSettings(BaseModel):
 
     model_name: str
     api_keys: dict[str, ApiKeyConfig] = {}
-    traffic_classes: dict[str, dict[str, Any]] | None = None
-    priority_scheduling: bool = True
+    traffic_classes: dict[str, Any] | None = None
+    """:class:`policies.TrafficClass` by name, built once by ``ServiceConfig``; None: the
+    defaults."""
+    policy: Any = None
+    """The replicas' scheduling policy object (``EngineConfig.make_policy``); None: the
+    priority policy."""
     admission: bool = True
     max_n: int = 8
     max_request_body_bytes: int = 1 << 20
@@ -100,9 +104,9 @@ class OpenAIIngress:
         self.settings = IngressSettings(**settings)
         self.replicas = replicas.options(stream=True)
         self._info_handle = replicas
-        self.classes = make_classes(self.settings.traffic_classes)
+        self.classes = dict(self.settings.traffic_classes or DEFAULT_CLASSES)
         self.admission = IngressAdmission(
-            self.classes, priority_scheduling=self.settings.priority_scheduling,
+            self.classes, policy=self.settings.policy,
             enabled=self.settings.admission,
         )
         self._info: _ModelInfo | None = None

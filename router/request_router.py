@@ -13,10 +13,17 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from policies import AdmissionController, LoadSnapshot, make_classes
+from policies import (
+    DEFAULT_CLASSES,
+    AdmissionController,
+    LoadSnapshot,
+    SchedulingPolicy,
+    TrafficClass,
+)
 from router.routing import ROUTED_MEMORY_S, Routed, register, shape_of
 
 logger = logging.getLogger(__name__)
@@ -31,14 +38,15 @@ class LoadAwareRouter(RequestRouter):
     Falls back to Ray Serve's queue-length choice between the two when either has not
     published a snapshot yet, or when the call carries no :class:`RequestShape`.
 
-    ``request_router_kwargs``: ``traffic_classes`` (overrides of the default classes)
-    and ``priority_scheduling`` (whether the replicas run the priority policy).
+    ``request_router_kwargs``: ``traffic_classes`` (:class:`TrafficClass` by name, as
+    ``ServiceConfig.traffic_classes`` built them; None: the defaults)
+    and ``policy`` (the replicas' scheduling policy; None: the priority policy).
     """
 
-    def initialize_state(self, traffic_classes: dict | None = None,
-                         priority_scheduling: bool = True, **_: object) -> None:
-        self.admission = AdmissionController(make_classes(traffic_classes),
-                                             priority_scheduling=priority_scheduling)
+    def initialize_state(self, traffic_classes: Mapping[str, TrafficClass] | None = None,
+                         policy: SchedulingPolicy | None = None, **_: object) -> None:
+        self.admission = AdmissionController(traffic_classes or DEFAULT_CLASSES,
+                                             policy=policy)
         self._routed: dict[ReplicaID, deque[Routed]] = {}
         self._lock = threading.Lock()  # the router runs on its own loop thread
         register(self)

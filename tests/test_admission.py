@@ -12,6 +12,7 @@ from policies import (
     DEFAULT_CLASSES,
     AdmissionController,
     Admit,
+    FCFSPolicy,
     LoadSnapshot,
     PredictionLog,
     Reject,
@@ -218,7 +219,7 @@ def test_lower_priority_queue_does_not_block_interactive():
     assert ac.predict(s, "interactive", 200).tokens_ahead == 0
     # ...but it blocks standard (standard queue ahead) and, under FCFS, interactive too.
     assert isinstance(ac.decide(s, "standard", 200, 128, 1, 0.0), Wait)
-    fcfs = AdmissionController(priority_scheduling=False)
+    fcfs = AdmissionController(policy=FCFSPolicy())
     assert isinstance(fcfs.decide(s, "interactive", 200, 128, 0, 0.0), Wait)
 
 
@@ -288,7 +289,7 @@ def test_fcfs_behind_the_guard_is_capped_but_sheds_nothing():
     running = {"interactive": 10, "batch": 20}
     guarded = snap(running=running, tpot_slo_guard=True, tpot_slo_guard_target=0.8,
                    recent_step_s=0.6)
-    fcfs = AdmissionController(priority_scheduling=False)
+    fcfs = AdmissionController(policy=FCFSPolicy())
     pred = fcfs.predict(guarded, "interactive", 500)
     # The interactive SLO caps steps with all 30 decodes kept: floor((0.4 - a - 30c) / b)
     # = 145 tokens, so 4 steps; the TPOT counts all 31 decodes and no measured floor.
@@ -308,7 +309,7 @@ def test_measured_step_time_floors_tpot_unless_the_guard_holds_it():
     slow = snap(running={"interactive": 4}, recent_step_s=0.6)
     d = ac.decide(slow, "interactive", 20, 16, 0, 0.0)
     assert isinstance(d, Wait) and "TPOT 0.600" in d.reason
-    fcfs = AdmissionController(priority_scheduling=False)
+    fcfs = AdmissionController(policy=FCFSPolicy())
     assert isinstance(fcfs.decide(slow, "batch", 20, 16, 2, 0.0), Wait)  # 0.5 s binds it
     # With the guard, the replica sheds less urgent work to hold the SLO: the model rules.
     guarded = snap(running={"interactive": 4}, recent_step_s=0.6, tpot_slo_guard=True)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from deploy.config import ServiceConfig
-from policies import DEFAULT_CLASSES, LoadSnapshot
+from policies import DEFAULT_CLASSES, LoadSnapshot, PriorityPolicy
 from router.admission import AdmissionRejected, IngressAdmission
 from router.errors import ApiError
 from router.tenants import ApiKeyConfig, resolve_caller
@@ -68,14 +68,14 @@ class FakeClock:
 
 
 async def test_admit_at_once_on_an_idle_replica_and_without_stats():
-    adm = IngressAdmission(DEFAULT_CLASSES, priority_scheduling=True)
+    adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy())
     assert await adm.admit(lambda: [_snap()], "standard", 10, 16, 1, adm.clock()) < 0.1
     assert await adm.admit(lambda: [], "standard", 10, 16, 1, adm.clock()) < 0.1
     assert adm.held == {}
 
 
 async def test_held_until_load_drops_then_admitted():
-    adm = IngressAdmission(DEFAULT_CLASSES, priority_scheduling=True)
+    adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy())
     loads = [_snap(waiting_tokens=100_000)]  # ~200 s of prefill ahead: over the TTFT SLO
     task = asyncio.create_task(adm.admit(lambda: loads, "standard", 10, 16, 1, adm.clock()))
     await asyncio.sleep(0.2)
@@ -86,7 +86,7 @@ async def test_held_until_load_drops_then_admitted():
 
 
 async def test_earlier_held_requests_count_ahead_with_their_prompts():
-    adm = IngressAdmission(DEFAULT_CLASSES, priority_scheduling=True)
+    adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy())
     # 600 tokens queued: a fresh request is admitted (TTFT about 1.3 s of the 5 s SLO).
     loads = [_snap(waiting_tokens=600)]
     assert await adm.admit(lambda: loads, "standard", 10, 16, 1, adm.clock()) < 0.1
@@ -103,7 +103,7 @@ async def test_earlier_held_requests_count_ahead_with_their_prompts():
 
 async def test_rejected_after_max_queue_wait_with_retry_after_but_batch_waits():
     clock = FakeClock()
-    adm = IngressAdmission(DEFAULT_CLASSES, priority_scheduling=True, clock=clock)
+    adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy(), clock=clock)
     busy = [_snap(waiting_tokens=100_000)]
     clock.t = DEFAULT_CLASSES["standard"].max_queue_wait_s + 0.1  # arrived at 0
     with pytest.raises(AdmissionRejected) as e:
@@ -123,7 +123,7 @@ async def test_rejection_after_a_hold_says_what_held_it():
     # The last failure after a hold is often only a spent TTFT budget ("> -0.89 s"); the
     # 429 must also say why the request was held in the first place.
     clock = FakeClock()
-    adm = IngressAdmission(DEFAULT_CLASSES, priority_scheduling=True, clock=clock)
+    adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy(), clock=clock)
     busy = [_snap(waiting_tokens=100_000)]
     task = asyncio.create_task(adm.admit(lambda: busy, "standard", 10, 16, 1, 0.0))
     await asyncio.sleep(0.1)
@@ -137,7 +137,7 @@ async def test_rejection_after_a_hold_says_what_held_it():
 
 
 async def test_admission_off_admits_everything():
-    adm = IngressAdmission(DEFAULT_CLASSES, priority_scheduling=True, enabled=False)
+    adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy(), enabled=False)
     assert await adm.admit(lambda: [_snap(waiting_tokens=10**7)], "standard", 10, 16, 1,
                            0.0) == 0.0
 
