@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any
 
 from ray import serve
@@ -27,8 +28,10 @@ def build_app(config: ServiceConfig) -> serve.Application:
     on it and the ingress admits on it. The ingress reserves no CPU: it only waits on I/O.
     """
     engine = config.engine_config()
-    classes = config.traffic_classes()  # built once; the ingress and the router get them
-    policy = engine.make_policy()  # admission at the ingress and the router ask it
+    # Serve's router arguments must be JSON: the classes travel as their fields and the
+    # policy as name and options, rebuilt by policies.classes_from_fields/policy_from_spec.
+    classes = {name: asdict(c) for name, c in config.traffic_classes().items()}
+    policy = engine.policy_spec()
     actor_options: dict[str, Any] = {"num_cpus": config.replica_num_cpus}
     if config.replica_num_gpus:
         actor_options["num_gpus"] = config.replica_num_gpus

@@ -7,7 +7,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from policies import SchedulingPolicy, make_policy
+from policies import SchedulingPolicy, policy_from_spec
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
@@ -68,10 +68,14 @@ class EngineConfig(BaseModel):
             raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
         return self
 
+    def policy_spec(self) -> dict[str, Any]:
+        """``{"name", "options"}`` of the scheduling policy (JSON: it travels to Serve's
+        router and the ingress, which build it with ``policies.policy_from_spec``)."""
+        return {"name": self.policy, "options": self._policy_options()}
+
     def make_policy(self) -> SchedulingPolicy:
-        """The scheduling policy this config names, with its options: the one place a
-        policy is built from config (the scheduler and the ingress both use it)."""
-        return make_policy(self.policy, **self._policy_options())
+        """The scheduling policy this config names, with its options."""
+        return policy_from_spec(self.policy_spec())
 
     def _policy_options(self) -> dict[str, Any]:
         return {

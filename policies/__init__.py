@@ -7,7 +7,7 @@ at the router, whether a replica should take a request at all, from the replica'
 ``policies.prediction_log`` scores its predictions.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from policies.admission import AdmissionController
@@ -49,6 +49,28 @@ def make_policy(name: str, **options: Any) -> SchedulingPolicy:
     return factory(**options)
 
 
+def policy_from_spec(spec: Mapping[str, Any] | None) -> SchedulingPolicy | None:
+    """The policy a ``{"name": ..., "options": {...}}`` spec names
+    (``EngineConfig.policy_spec``: JSON, as Serve's router arguments must be); None: None.
+
+    Raises:
+        ValueError: no policy has that name.
+    """
+    return None if spec is None else make_policy(spec["name"], **spec.get("options", {}))
+
+
+def classes_from_fields(fields: Mapping[str, Mapping[str, Any]] | None) -> dict[str, TrafficClass]:
+    """Traffic classes from their complete fields, as ``dataclasses.asdict`` wrote them
+    (JSON, for Serve's router arguments); None: the defaults.
+
+    Raises:
+        ValueError: a field is out of range.
+    """
+    if fields is None:
+        return dict(DEFAULT_CLASSES)
+    return {name: TrafficClass(**f) for name, f in fields.items()}
+
+
 __all__ = [
     "DEFAULT_CLASS",
     "DEFAULT_CLASSES",
@@ -67,6 +89,8 @@ __all__ = [
     "StepTimeModel",
     "TrafficClass",
     "Wait",
+    "classes_from_fields",
     "make_classes",
     "make_policy",
+    "policy_from_spec",
 ]

@@ -29,7 +29,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from policies import DEFAULT_CLASSES
+from policies import classes_from_fields, policy_from_spec
 from router import openai_format as fmt
 from router.admission import AdmissionRejected, IngressAdmission
 from router.dispatch import REPLICA_LOST, Dispatch, ReplicaLost
@@ -48,12 +48,11 @@ class IngressSettings(BaseModel):
 
     model_name: str
     api_keys: dict[str, ApiKeyConfig] = {}
-    traffic_classes: dict[str, Any] | None = None
-    """:class:`policies.TrafficClass` by name, built once by ``ServiceConfig``; None: the
-    defaults."""
-    policy: Any = None
-    """The replicas' scheduling policy object (``EngineConfig.make_policy``); None: the
-    priority policy."""
+    traffic_classes: dict[str, dict[str, Any]] | None = None
+    """Every class's fields, as ``ServiceConfig.traffic_classes`` resolved them; None:
+    the defaults."""
+    policy: dict[str, Any] | None = None
+    """The replicas' ``EngineConfig.policy_spec``; None: the priority policy."""
     admission: bool = True
     max_n: int = 8
     max_request_body_bytes: int = 1 << 20
@@ -104,9 +103,9 @@ class OpenAIIngress:
         self.settings = IngressSettings(**settings)
         self.replicas = replicas.options(stream=True)
         self._info_handle = replicas
-        self.classes = dict(self.settings.traffic_classes or DEFAULT_CLASSES)
+        self.classes = classes_from_fields(self.settings.traffic_classes)
         self.admission = IngressAdmission(
-            self.classes, policy=self.settings.policy,
+            self.classes, policy=policy_from_spec(self.settings.policy),
             enabled=self.settings.admission,
         )
         self._info: _ModelInfo | None = None

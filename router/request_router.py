@@ -17,13 +17,7 @@ from collections.abc import Mapping
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from policies import (
-    DEFAULT_CLASSES,
-    AdmissionController,
-    LoadSnapshot,
-    SchedulingPolicy,
-    TrafficClass,
-)
+from policies import AdmissionController, LoadSnapshot, classes_from_fields, policy_from_spec
 from router.routing import ROUTED_MEMORY_S, Routed, register, shape_of
 
 logger = logging.getLogger(__name__)
@@ -38,15 +32,15 @@ class LoadAwareRouter(RequestRouter):
     Falls back to Ray Serve's queue-length choice between the two when either has not
     published a snapshot yet, or when the call carries no :class:`RequestShape`.
 
-    ``request_router_kwargs``: ``traffic_classes`` (:class:`TrafficClass` by name, as
-    ``ServiceConfig.traffic_classes`` built them; None: the defaults)
-    and ``policy`` (the replicas' scheduling policy; None: the priority policy).
+    ``request_router_kwargs`` (JSON): ``traffic_classes`` (every class's fields, as
+    ``ServiceConfig.traffic_classes`` resolved them; None: the defaults) and ``policy``
+    (the replicas' ``EngineConfig.policy_spec``; None: the priority policy).
     """
 
-    def initialize_state(self, traffic_classes: Mapping[str, TrafficClass] | None = None,
-                         policy: SchedulingPolicy | None = None, **_: object) -> None:
-        self.admission = AdmissionController(traffic_classes or DEFAULT_CLASSES,
-                                             policy=policy)
+    def initialize_state(self, traffic_classes: Mapping[str, Mapping] | None = None,
+                         policy: Mapping | None = None, **_: object) -> None:
+        self.admission = AdmissionController(classes_from_fields(traffic_classes),
+                                             policy=policy_from_spec(policy))
         self._routed: dict[ReplicaID, deque[Routed]] = {}
         self._lock = threading.Lock()  # the router runs on its own loop thread
         register(self)

@@ -179,3 +179,25 @@ def test_service_config_declared_slos_keep_server_defaults_and_cpus_are_split(mo
     assert ServiceConfig(num_replicas=3).replica_num_cpus == 1.0
     assert ServiceConfig(num_replicas=2, replica_num_cpus=1.5).replica_num_cpus == 1.5
     assert ServiceConfig(engine={"policy": "fcfs"}).engine_config().tpot_slo_guard
+
+
+def test_classes_and_policy_travel_as_json_and_come_back_the_same():
+    # Serve's router arguments must be JSON; what build_app sends must rebuild exactly.
+    import dataclasses
+    import json
+
+    from engine.config import EngineConfig
+    from policies import classes_from_fields, policy_from_spec
+
+    c = ServiceConfig(engine={"traffic_classes": {"standard": {"tpot_slo_s": 0.25},
+                                                  "gold": {"ttft_slo_s": 0.5, "tpot_slo_s": 0.05,
+                                                           "default_priority": -1,
+                                                           "max_queue_wait_s": 0.2}}})
+    sent = json.loads(json.dumps({n: dataclasses.asdict(t)
+                                  for n, t in c.traffic_classes().items()}))
+    assert classes_from_fields(sent) == c.traffic_classes()
+    spec = json.loads(json.dumps(EngineConfig(policy="priority", aging_s_per_level=5.0)
+                                 .policy_spec()))
+    policy = policy_from_spec(spec)
+    assert policy.by_priority and policy.aging_s_per_level == 5.0
+    assert not policy_from_spec({"name": "fcfs", "options": {}}).by_priority

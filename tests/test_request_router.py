@@ -12,7 +12,7 @@ pytest.importorskip("ray")
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
-from policies import LoadSnapshot, PriorityPolicy  # noqa: E402
+from policies import LoadSnapshot  # noqa: E402
 from router.request_router import LoadAwareRouter  # noqa: E402
 from router.routing import RequestShape, load_view  # noqa: E402
 
@@ -42,7 +42,7 @@ def _pending(prompt_tokens: int) -> PendingRequest:
 def router():
     r = LoadAwareRouter(DeploymentID(name="ModelReplica", app_name="app-test"),
                         DeploymentHandleSource.UNKNOWN)
-    r.initialize_state(traffic_classes=None, policy=PriorityPolicy())
+    r.initialize_state(traffic_classes=None, policy={"name": "priority", "options": {}})
     return r
 
 
