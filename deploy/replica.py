@@ -48,8 +48,7 @@ class ModelReplica:
         engine = self.engine.engine
         return {
             "tokenizer": engine.tokenizer,
-            "max_model_len": engine.max_model_len,
-            "kv_capacity_tokens": engine.kv_capacity_tokens,
+            "limits": engine.limits,
         }
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],

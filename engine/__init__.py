@@ -7,9 +7,10 @@ from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.interfaces import ModelRunner, StepRecord
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine, RequestRejectedError
+from engine.llm_engine import LLMEngine
 from engine.model_loader import ModelLoadError
 from engine.request import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
+from policies.limits import RequestRejectedError
 
 __all__ = [
     "LLM",

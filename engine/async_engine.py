@@ -157,10 +157,8 @@ class AsyncLLMEngine:
             ValueError: empty prompt, token id outside the vocabulary, unknown class.
             RequestRejectedError: prompt plus max_tokens exceeds the context or KV cache.
         """
-        if traffic_class is not None and traffic_class not in self.engine.traffic_classes:
-            raise ValueError(f"unknown traffic_class {traffic_class!r}")
-        _, ids = self.engine.tokenize(prompt, self._tokenizer)
-        self.engine.check_length(len(ids), sampling_params.max_tokens)
+        _, ids, _ = self.engine.validate(prompt, sampling_params, traffic_class,
+                                         self._tokenizer)
         return ids
 
     @property

@@ -17,6 +17,7 @@ from engine.outputs import RequestGroup, make_output
 from engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from policies import DEFAULT_CLASS, LoadSnapshot, make_classes
+from policies.limits import RequestLimits
 
 RECENT_STEPS = 8
 """Steps averaged into ``LoadSnapshot.recent_step_s`` (a few, so it follows bursts)."""
@@ -24,19 +25,6 @@ RECENT_STEPS = 8
 logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int] | dict
-
-
-class RequestRejectedError(ValueError):
-    """A request can never run here: too long for the context or for the whole KV cache.
-
-    ``num_tokens`` is what the request needs (prompt plus max_tokens) and ``limit`` the
-    most it may use, both in tokens.
-    """
-
-    def __init__(self, message: str, num_tokens: int, limit: int) -> None:
-        super().__init__(message)
-        self.num_tokens = num_tokens
-        self.limit = limit
 
 
 class LLMEngine:
@@ -109,6 +97,13 @@ class LLMEngine:
     def kv_capacity_tokens(self) -> int:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
+    @property
+    def limits(self) -> RequestLimits:
+        """What this engine can ever run; the replica hands it to the ingress."""
+        return RequestLimits(self.max_model_len, self.kv_capacity_tokens,
+                             self.config.max_num_batched_tokens,
+                             self.config.enable_chunked_prefill)
+
     def tokenize(self, prompt: PromptType, tokenizer=None) -> tuple[str | None, list[int]]:
         """Return ``(prompt text or None, prompt token ids)``.
 
@@ -164,14 +159,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
         traffic_class = traffic_class or DEFAULT_CLASS
-        if traffic_class not in self.traffic_classes:
-            raise ValueError(
-                f"unknown traffic_class {traffic_class!r}; known: {sorted(self.traffic_classes)}"
-            )
+        text, ids, max_tokens = self.validate(prompt, params, traffic_class)
         if priority is None:
             priority = self.traffic_classes[traffic_class].default_priority
-        text, ids = self.tokenize(prompt)
-        max_tokens = self.check_length(len(ids), params.max_tokens)
         now = self.clock() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
@@ -190,44 +180,31 @@ class LLMEngine:
             self.scheduler.add(req)
 
     def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
-        """Return the effective max_tokens (None: up to the context or KV capacity).
+        """The effective max_tokens under :attr:`limits` (see ``RequestLimits.check``).
 
         Raises:
-            RequestRejectedError: prompt plus max_tokens exceeds the context or the KV cache.
+            RequestRejectedError: the request could never run here.
         """
-        limit = min(self.max_model_len, self.kv_capacity_tokens)
-        if max_tokens is None:
-            max_tokens = limit - prompt_len
-            if max_tokens < 1:
-                raise RequestRejectedError(
-                    f"prompt has {prompt_len} tokens; the limit is {limit - 1} "
-                    f"(max_model_len {self.max_model_len}, "
-                    f"KV cache {self.kv_capacity_tokens} tokens)",
-                    prompt_len + 1, limit,
-                )
-        need = prompt_len + max_tokens
-        if need > self.max_model_len:
-            raise RequestRejectedError(
-                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) = {need} tokens "
-                f"exceeds the model's context of {self.max_model_len} tokens",
-                need, self.max_model_len,
+        return self.limits.check(prompt_len, max_tokens)
+
+    def validate(self, prompt: PromptType, params: SamplingParams,
+                 traffic_class: str | None = None,
+                 tokenizer=None) -> tuple[str | None, list[int], int]:
+        """Check a request as :meth:`add_request` will: ``(prompt text or None, prompt
+        token ids, effective max_tokens)``. The one request check of the engine, the
+        replica and the offline API (``tokenizer``: see :meth:`tokenize`).
+
+        Raises:
+            ValueError: unknown traffic class, empty prompt or a token id outside the
+                vocabulary.
+            RequestRejectedError: the request could never run here.
+        """
+        if traffic_class is not None and traffic_class not in self.traffic_classes:
+            raise ValueError(
+                f"unknown traffic_class {traffic_class!r}; known: {sorted(self.traffic_classes)}"
             )
-        budget = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and need > budget:
-            # Without chunking a prompt (and, after preemption, its recompute) must fit
-            # one step's budget whole, or it would wait forever.
-            raise RequestRejectedError(
-                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) = {need} tokens "
-                f"exceeds max_num_batched_tokens ({budget}) with chunked prefill disabled",
-                need, budget,
-            )
-        if need > self.kv_capacity_tokens:
-            raise RequestRejectedError(
-                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) = {need} tokens "
-                f"exceeds the KV cache capacity of {self.kv_capacity_tokens} tokens",
-                need, self.kv_capacity_tokens,
-            )
-        return max_tokens
+        text, ids = self.tokenize(prompt, tokenizer)
+        return text, ids, self.check_length(len(ids), params.max_tokens)
 
     def abort(self, request_id: str | Sequence[str]) -> list[RequestOutput]:
         """Finish requests with reason ``abort`` and free their KV blocks at once.

@@ -30,6 +30,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from policies import classes_from_fields, policy_from_spec
+from policies.limits import RequestLimits
 from router import openai_format as fmt
 from router.admission import AdmissionRejected, IngressAdmission
 from router.dispatch import REPLICA_LOST, Dispatch, ReplicaLost
@@ -61,13 +62,8 @@ class IngressSettings(BaseModel):
 @dataclass(slots=True)
 class _ModelInfo:
     tokenizer: Any
-    max_model_len: int
-    kv_capacity_tokens: int
-
-    def fits(self, prompt_tokens: int, max_tokens: int | None) -> bool:
-        """Whether the replicas could ever run this request (else they refuse it)."""
-        need = prompt_tokens + (max_tokens or 1)
-        return need <= min(self.max_model_len, self.kv_capacity_tokens)
+    limits: RequestLimits
+    """The replicas' limits, the engine's own (the replica re-checks with them)."""
 
 
 @dataclass(slots=True)
@@ -146,7 +142,7 @@ class OpenAIIngress:
             return self._error(e)
         return JSONResponse({"object": "list", "data": [{
             "id": self.settings.model_name, "object": "model", "created": self._created,
-            "owned_by": "iterserve", "max_model_len": info.max_model_len,
+            "owned_by": "iterserve", "max_model_len": info.limits.max_model_len,
         }]})
 
     @app.post("/v1/completions")
@@ -180,7 +176,7 @@ class OpenAIIngress:
             shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
             # A request that can never fit skips admission: the replica answers it with
             # a 400 that has the numbers, not a 429.
-            if info.fits(len(ids), params["max_tokens"]):
+            if info.limits.fits(len(ids), params["max_tokens"]):
                 await self._admit(caller, len(ids), params["max_tokens"], arrival)
             prefix = "chatcmpl" if chat else "cmpl"
             rid = f"{prefix}-{uuid.uuid4().hex}"

@@ -201,3 +201,17 @@ def test_classes_and_policy_travel_as_json_and_come_back_the_same():
     policy = policy_from_spec(spec)
     assert policy.by_priority and policy.aging_s_per_level == 5.0
     assert not policy_from_spec({"name": "fcfs", "options": {}}).by_priority
+
+
+def test_request_limits_are_one_rule_for_ingress_and_engine():
+    from policies.limits import RequestLimits, RequestRejectedError
+
+    lim = RequestLimits(max_model_len=100, kv_capacity_tokens=80, max_num_batched_tokens=32)
+    assert lim.check(30, 50) == 50 and lim.fits(30, 50)  # exactly the KV cache
+    with pytest.raises(RequestRejectedError, match="KV cache capacity of 80") as e:
+        lim.check(30, 51)
+    assert (e.value.num_tokens, e.value.limit) == (81, 80)
+    assert lim.check(30, None) == 50  # None: up to the tighter of context and cache
+    assert not lim.fits(80, None)
+    unchunked = RequestLimits(100, 80, 32, chunked_prefill=False)
+    assert unchunked.fits(16, 16) and not unchunked.fits(16, 17)
