@@ -14,7 +14,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from policies import make_classes
+from engine.config import EngineConfig
+from policies import TrafficClass, make_classes
 from router.tenants import ApiKeyConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -50,10 +51,10 @@ class ServiceConfig(BaseModel):
     max_ongoing_requests: int = Field(
         512, ge=1, description="requests in flight per replica (Ray Serve's cap)"
     )
-    engine: dict[str, Any] = Field(
-        default_factory=lambda: dict(SERVER_ENGINE_DEFAULTS),
-        description="engine.EngineConfig fields except `model`; merged over "
-                    "SERVER_ENGINE_DEFAULTS",
+    engine: EngineConfig = Field(
+        default_factory=lambda: EngineConfig(**SERVER_ENGINE_DEFAULTS),
+        description="engine.EngineConfig fields except `model` (set at the top level); "
+                    "a partial section is merged over SERVER_ENGINE_DEFAULTS",
     )
     api_keys: dict[str, ApiKeyConfig] = Field(
         default_factory=dict, description="key -> tenant, class, priority ceiling; "
@@ -73,17 +74,11 @@ class ServiceConfig(BaseModel):
     def _engine_merged(cls, v: Any) -> Any:
         # A partial section (one class's SLOs, say) must not drop the server's policy
         # and TPOT guard.
-        return {**SERVER_ENGINE_DEFAULTS, **v} if isinstance(v, dict) else v
-
-    @field_validator("engine")
-    @classmethod
-    def _engine_valid(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from engine.config import EngineConfig  # torch import: only when validating
-
+        if not isinstance(v, dict):
+            return v
         if "model" in v:
             raise ValueError("set `model` at the top level, not under `engine`")
-        EngineConfig(**v)
-        return v
+        return {**SERVER_ENGINE_DEFAULTS, **v}
 
     @model_validator(mode="after")
     def _cpus_resolved(self) -> ServiceConfig:
@@ -103,15 +98,13 @@ class ServiceConfig(BaseModel):
                                  f"{k.traffic_class!r}; known: {sorted(classes)}")
         return self
 
-    def engine_config(self):
-        """The replicas' :class:`engine.EngineConfig`."""
-        from engine.config import EngineConfig
+    def engine_config(self) -> EngineConfig:
+        """The replicas' :class:`engine.EngineConfig`: ``engine`` with the top-level model."""
+        return self.engine.model_copy(update={"model": self.model})
 
-        return EngineConfig(model=self.model, **self.engine)
-
-    def traffic_classes(self):
+    def traffic_classes(self) -> dict[str, TrafficClass]:
         """Traffic classes by name: the defaults with ``engine.traffic_classes`` applied."""
-        return make_classes(self.engine.get("traffic_classes"))
+        return make_classes(self.engine.traffic_classes)
 
     def model_name(self) -> str:
         """The name the API serves the model under."""
