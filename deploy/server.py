@@ -46,7 +46,11 @@ def embedded_serve_env(config: ServiceConfig) -> dict[str, str]:
     """
     return {**{k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()},
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(config.port),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(config.port + 1)}
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(config.port + 1),
+            # Serve holds a stopping direct-ingress replica for 30 s so that an external
+            # load balancer can deregister it; a single embedded node has none, and
+            # Ctrl-C would otherwise wait out SHUTDOWN_TIMEOUT_S.
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 
 
 def spare_port(host: str) -> int:
