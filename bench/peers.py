@@ -56,7 +56,7 @@ the SLOs and rates (2026-11, 2 cores): the host speed they were chosen for."""
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny smoke run of every phase")
-    p.add_argument("--trace", default=str(sb.DEFAULT_TRACE))
+    p.add_argument("--trace", default=str(sb.TRACE))
     p.add_argument("--window-start", type=int, default=1000,
                    help="first trace row of the replay window (tune on one, check on another)")
     # 50 requests and no rate 8: the run with 60 and 1.5,3,5,8 took 33 min, over the
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ps.model_dir()
     report: dict = {"args": {k: v for k, v in vars(args).items()},
                     "machine": ps.machine_info(), "model_dir": model_dir,
-                    "trace_attribution": sb.TRACE_ATTRIBUTION}
+                    "trace_attribution": sb.ATTRIBUTION}
     if not args.skip_offline:
         report["offline"] = run_offline(args, model_dir)
     report["host_factor"] = factor = host_factor(args, report.get("offline"))

@@ -17,7 +17,14 @@ if TYPE_CHECKING:
 
 
 class ModelRunner(Protocol):
-    """Runs scheduled steps and samples them (:class:`engine.runner.TorchModelRunner`)."""
+    """Runs scheduled steps and samples them (:class:`engine.runner.TorchModelRunner`).
+
+    Optional, outside the protocol: ``last_phases``, the runner's own breakdown of its
+    last :meth:`execute` as ``((phase name, seconds), ...)`` (``TorchModelRunner``:
+    prepare, forward, sample, on ``time.perf_counter``). The engine copies it into
+    :attr:`StepRecord.phases` when the runner has it (``getattr(runner, "last_phases",
+    ())``), so a fake runner need not.
+    """
 
     num_kv_blocks: int
     """KV blocks its cache holds (of the config's ``block_size`` tokens)."""
@@ -36,16 +43,25 @@ class ModelRunner(Protocol):
 class StepRecord:
     """One executed step, as :attr:`engine.LLMEngine.on_step` receives it.
 
-    Times are seconds on the engine's clock. ``predicted_s`` is the step-time model's
-    prediction for the step's shape, made before it ran and scaled by the model's recent
-    measured / predicted ratio (as the TPOT guard sees it). Queue sizes are after the
-    step. ``seqs`` holds ``(request id, first position scheduled, tokens)`` per scheduled
-    sequence, decodes first; ``guard`` is the TPOT guard's plan (defaults when it is off).
+    Times are seconds. ``start``, ``seconds`` (the whole step: schedule, execute,
+    detokenize, outputs) and ``schedule_s`` (the part in ``scheduler.schedule()``) are on
+    the engine's clock. ``phases`` is the runner's own breakdown of its ``execute`` call,
+    ``((name, seconds), ...)`` in the order run, on the runner's timer
+    (``TorchModelRunner``: ``prepare``, ``forward``, ``sample`` on ``time.perf_counter``;
+    on CUDA the forward's time is its launches' and the wait for the logits falls in
+    ``sample``); empty when the runner gives none (see :class:`ModelRunner`).
+    ``predicted_s`` is the step-time model's prediction for the step's shape, made before
+    it ran and scaled by the model's recent measured / predicted ratio (as the TPOT guard
+    sees it). Queue sizes are after the step. ``seqs`` holds ``(request id, first position
+    scheduled, tokens)`` per scheduled sequence, decodes first; ``guard`` is the TPOT
+    guard's plan (defaults when it is off).
     """
 
     index: int
     start: float
     seconds: float
+    schedule_s: float
+    phases: tuple[tuple[str, float], ...]
     predicted_s: float
     num_decodes: int
     num_prefill_tokens: int

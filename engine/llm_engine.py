@@ -238,6 +238,7 @@ class LLMEngine:
         """
         start = self.clock()
         out = self.scheduler.schedule()
+        schedule_s = self.clock() - start
         self.last_step_num_tokens = out.num_batched_tokens
         if out.is_empty:
             return []
@@ -273,7 +274,7 @@ class LLMEngine:
         self._recent_step_s.append(seconds)
         self._num_steps += 1
         if self.on_step is not None:
-            self.on_step(self._record(out, start, seconds, predicted))
+            self.on_step(self._record(out, start, seconds, schedule_s, predicted))
         return outputs
 
     def _predict(self, out: SchedulerOutput) -> float:
@@ -281,11 +282,12 @@ class LLMEngine:
         prefill = out.num_batched_tokens - out.num_decodes
         return model.predict(prefill, out.num_decodes) * model.local_ratio()
 
-    def _record(self, out: SchedulerOutput, start: float, seconds: float,
+    def _record(self, out: SchedulerOutput, start: float, seconds: float, schedule_s: float,
                 predicted: float) -> StepRecord:
         sched, plan = self.scheduler, self.scheduler.last_guard
         return StepRecord(
-            index=self._num_steps - 1, start=start, seconds=seconds, predicted_s=predicted,
+            index=self._num_steps - 1, start=start, seconds=seconds, schedule_s=schedule_s,
+            phases=tuple(getattr(self.runner, "last_phases", ())), predicted_s=predicted,
             num_decodes=out.num_decodes,
             num_prefill_tokens=out.num_batched_tokens - out.num_decodes,
             num_waiting=len(sched.waiting), num_running=len(sched.running),

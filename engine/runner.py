@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -86,6 +87,11 @@ class TorchModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(device, seed)
+        self.last_phases: tuple[tuple[str, float], ...] = ()
+        """Seconds (``time.perf_counter``) the last :meth:`execute` spent in each part:
+        ``(("prepare", s), ("forward", s), ("sample", s))``; the engine's ``StepRecord.phases``.
+        On CUDA the forward is asynchronous: its time is the launches', and the sampler's
+        includes waiting for the logits."""
 
     @classmethod
     def load(cls, config: EngineConfig) -> tuple[TorchModelRunner, Any, str]:
@@ -123,7 +129,9 @@ class TorchModelRunner:
             The sampled token (and log-probabilities) of each request whose chunk
             reached its last token.
         """
+        t0 = time.perf_counter()
         input_ids, positions, md, sample_idx, sampling_reqs = self._prepare(out)
+        t1 = time.perf_counter()
         logits = self.model(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
@@ -131,9 +139,10 @@ class TorchModelRunner:
             logits_to_keep=sample_idx,
             attn_metadata=md,
         ).logits[0]
-        if not sampling_reqs:
-            return {}
-        results = self.sampler.sample(logits, sampling_reqs)
+        t2 = time.perf_counter()
+        results = self.sampler.sample(logits, sampling_reqs) if sampling_reqs else []
+        t3 = time.perf_counter()
+        self.last_phases = (("prepare", t1 - t0), ("forward", t2 - t1), ("sample", t3 - t2))
         return {r.request_id: s for r, s in zip(sampling_reqs, results)}
 
     def _prepare(self, out: SchedulerOutput):

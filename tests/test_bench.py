@@ -21,12 +21,16 @@ def test_each_replay_sends_new_prompts_of_the_same_lengths(model_dir, tmp_path):
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
     cfg = sb.BenchConfig(base_url="http://unused", model="m", tokenizer=str(model_dir),
                          trace=str(trace), window_start=0, num_requests=12, rates=[1.0, 2.0])
-    first, second = sb.build_workload(cfg, replay=0), sb.build_workload(cfg, replay=1)
+    first, second = sb.build_workload(cfg, 1.0, replay=0), sb.build_workload(cfg, 1.0, replay=1)
     assert [r.prompt_tokens for r in first] == [r.prompt_tokens for r in second]
-    assert [r.output_tokens for r in first] == [r.output_tokens for r in second]
-    assert [r.trace_offset_s for r in first] == [r.trace_offset_s for r in second]
+    assert [r.max_tokens for r in first] == [r.max_tokens for r in second]
+    assert [r.arrival_s for r in first] == [r.arrival_s for r in second]
     assert not {r.prompt for r in first} & {r.prompt for r in second}
-    assert [r.prompt for r in sb.build_workload(cfg, replay=0)] == [r.prompt for r in first]
+    assert [r.prompt for r in sb.build_workload(cfg, 1.0, replay=0)] == [r.prompt for r in first]
+    # Twice the rate: the same pattern, twice as fast; the 13th row ends the 12-request span.
+    assert [2 * r.arrival_s for r in sb.build_workload(cfg, 2.0)] == pytest.approx(
+        [r.arrival_s for r in first])
+    assert first[-1].arrival_s == pytest.approx(11 / 12 * 12 / 1.0)
 
 
 def test_host_factor_scales_slos_up_and_rates_down():

@@ -92,6 +92,26 @@ def test_a_fake_clock_and_runner_reproduce_the_schedule_step_for_step():
             cost = 0.03 + 0.002 * r.num_prefill_tokens + 0.004 * r.num_decodes
             assert r.seconds == pytest.approx(cost)
         assert end == pytest.approx(records[-1].start + records[-1].seconds)
+        # Scheduling takes no fake time, and a runner without last_phases gives no phases.
+        assert all(r.schedule_s == 0.0 and r.phases == () for r in records)
+
+
+def test_the_runners_own_phases_reach_the_step_record():
+    class PhasedRunner(CostModelRunner):
+        def execute(self, out):
+            self.last_phases = (("forward", 0.5 + self.steps),)
+            return super().execute(out)
+
+    clock = FakeClock()
+    engine = LLMEngine(EngineConfig(block_size=4), runner=PhasedRunner(clock),
+                       tokenizer=FakeTokenizer(), clock=clock)
+    records: list[StepRecord] = []
+    engine.on_step = records.append
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [r.phases for r in records] == [(("forward", 0.5),), (("forward", 1.5),),
+                                           (("forward", 2.5),)]
 
 
 def test_the_guard_is_switched_on_by_config_and_shapes_the_steps():

@@ -1,0 +1,158 @@
+"""The load generator's targets: iterserve's engine in this process, or any OpenAI endpoint.
+
+Both implement :class:`loadgen.Target`; the simulator will be a third.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from loadgen import LoadRequest, Refused
+
+ADMISSION_POLL_S = 0.25
+"""How often a held request asks admission again (as the ingress does, bounded by the
+decision's own ``max_wait_s``)."""
+
+
+class EngineTarget:
+    """An in-process ``AsyncLLMEngine``, optionally behind the ingress's admission loop.
+
+    With ``admission``, each request asks ``admission_decision`` first, as the router does:
+    Admit goes, Wait sleeps and asks again (``holds``, ``held_s`` land in the record),
+    Reject raises :class:`Refused`. With ``predict``, the admission model's TTFT prediction
+    at the moment of sending lands in the record as ``pred_ttft_s``.
+    """
+
+    def __init__(self, aeng, *, admission: bool = False, predict: bool = False) -> None:
+        self.aeng = aeng
+        self.admission = admission
+        self.predict = predict
+
+    @property
+    def engine(self):
+        """The ``LLMEngine`` inside (step-time model, scheduler counters, block manager)."""
+        return self.aeng.engine
+
+    async def stream(self, req: LoadRequest, rec: dict[str, Any]) -> AsyncIterator[int]:
+        from engine.request import RequestOutputKind, SamplingParams
+
+        cls = req.cls or "interactive"
+        start = time.perf_counter()
+        if self.admission:
+            await self._admit(req, cls, rec, start)
+        rec["held_s"] = time.perf_counter() - start
+        if self.predict:
+            p = self.aeng.admission.predict(self.aeng.load_snapshot(), cls, req.prompt_tokens)
+            rec["pred_ttft_s"], rec["pred_tpot_s"] = p.ttft_s, p.tpot_s
+        prompt = ({"prompt_token_ids": req.prompt} if isinstance(req.prompt, list)
+                  else req.prompt)
+        sp = SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+        async for out in self.aeng.generate(prompt, sp, request_id=req.id, traffic_class=cls):
+            yield len(out.outputs[0].token_ids)
+
+    async def _admit(self, req: LoadRequest, cls: str, rec: dict[str, Any],
+                     start: float) -> None:
+        from policies import Admit, Reject
+
+        rec["holds"] = 0
+        while True:
+            d = self.aeng.admission_decision(req.prompt_tokens, req.max_tokens, cls,
+                                             waited_s=time.perf_counter() - start)
+            if isinstance(d, Admit):
+                return
+            if isinstance(d, Reject):
+                rec["held_s"] = time.perf_counter() - start
+                raise Refused(d.reason, d.retry_after_s)
+            rec["holds"] += 1
+            await asyncio.sleep(max(0.0, min(d.max_wait_s, ADMISSION_POLL_S)))
+
+
+def completions_url(base_url: str) -> str:
+    """The completions endpoint for a server root, a ``/v1`` root or the endpoint itself."""
+    base = base_url.rstrip("/")
+    if base.endswith("/v1/completions"):
+        return base
+    return base + ("/completions" if base.endswith("/v1") else "/v1/completions")
+
+
+def http_client(timeout_s: float = 600.0) -> httpx.AsyncClient:
+    """A client with no connection limit; ``trust_env=False`` keeps environment proxies out."""
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        timeout=httpx.Timeout(timeout_s), trust_env=False)
+
+
+class HttpTarget:
+    """A streaming ``/v1/completions`` endpoint (iterserve, vLLM or any OpenAI server).
+
+    Each request is ``ignore_eos`` and greedy with ``max_tokens`` forced. A class goes in
+    ``class_header`` and, with ``priority_field``, as vLLM's ``priority`` from
+    ``class_priority``. Counted tokens: one per text chunk, topped up at the end to the
+    usage's ``completion_tokens`` when a chunk carried several.
+    """
+
+    def __init__(self, client: httpx.AsyncClient, base_url: str, model: str, *,
+                 class_header: str | None = "x-iterserve-class", priority_field: bool = False,
+                 class_priority: dict[str, int] | None = None,
+                 extra_headers: dict[str, str] | None = None) -> None:
+        self.client = client
+        self.url = completions_url(base_url)
+        self.model = model
+        self.class_header = class_header
+        self.priority_field = priority_field
+        self.class_priority = class_priority or {}
+        self.extra_headers = extra_headers or {}
+
+    def request_parts(self, req: LoadRequest) -> tuple[dict, dict[str, str]]:
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": req.prompt, "max_tokens": req.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        headers = dict(self.extra_headers)
+        if req.cls is not None:
+            if self.class_header:
+                headers[self.class_header] = req.cls
+            if self.priority_field:
+                body["priority"] = self.class_priority[req.cls]
+        return body, headers
+
+    async def stream(self, req: LoadRequest, rec: dict[str, Any]) -> AsyncIterator[int]:
+        body, headers = self.request_parts(req)
+        async with self.client.stream("POST", self.url, json=body, headers=headers) as resp:
+            rec["http_status"] = resp.status_code
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                if resp.status_code == 429:
+                    raise Refused(text)
+                raise RuntimeError(f"HTTP {resp.status_code}: {text}")
+            chunks, usage_tokens, done = 0, None, False
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                obj = json.loads(data)
+                if obj.get("error") is not None:
+                    raise RuntimeError(json.dumps(obj["error"]))
+                usage = obj.get("usage") or {}
+                if usage.get("prompt_tokens") is not None:
+                    rec["server_prompt_tokens"] = usage["prompt_tokens"]
+                if usage.get("completion_tokens") is not None:
+                    usage_tokens = usage["completion_tokens"]
+                choices = obj.get("choices") or []
+                if choices and choices[0].get("text"):
+                    chunks += 1
+                    yield 1
+            if not done:
+                raise RuntimeError("stream ended without [DONE]")
+            if usage_tokens is not None and usage_tokens > chunks:
+                yield usage_tokens - chunks
