@@ -13,9 +13,9 @@ event-loop thread (``AsyncLLMEngine(LLMEngine.from_config(config))``), stepped o
 
 Each (mix, variant, run) is a fresh process, because a thread's OpenMP team lives as long
 as the thread. The mix's requests (prompts of random token ids from ``random.Random(0)``,
-greedy, ``ignore_eos``) stream through ``AsyncLLMEngine.generate`` at once; every
-``LLMEngine.step`` is timed. Reported per variant: the median over ``--runs`` runs of each
-run's median step, separately for steps with prefill tokens and decode-only steps (the
+greedy, ``ignore_eos``) stream through ``AsyncLLMEngine.generate`` at once; every step's
+duration comes from ``LLMEngine.on_step``. Reported per variant: the median over ``--runs``
+runs of each run's median step, separately for steps with prefill tokens and decode-only steps (the
 first two decode-only steps are left out as warm-up), and the median of the per-run ratios
 (caller / worker; runs alternate variants). Writes ``bench/results/engine_thread.json``.
 """
@@ -57,21 +57,11 @@ def child(variant: str, n: int, prompt_len: int) -> dict[str, float]:
             aeng = AsyncLLMEngine.from_config(config)
         else:
             aeng = AsyncLLMEngine(LLMEngine.from_config(config))
-        real_step, real_schedule = aeng.engine.step, aeng.engine.scheduler.schedule
-        last = []
 
-        def schedule():
-            last[:] = [real_schedule()]
-            return last[0]
+        def on_step(rec) -> None:
+            (prefill if rec.num_prefill_tokens else decode).append(rec.seconds)
 
-        def timed_step():
-            t = time.perf_counter()
-            outs = real_step()
-            has_prefill = last[0].num_batched_tokens > last[0].num_decodes
-            (prefill if has_prefill else decode).append(time.perf_counter() - t)
-            return outs
-
-        aeng.engine.step, aeng.engine.scheduler.schedule = timed_step, schedule
+        aeng.engine.on_step = on_step
 
         async def one(i: int) -> None:
             async for _ in aeng.generate({"prompt_token_ids": prompts[i]}, params,

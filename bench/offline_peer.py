@@ -22,7 +22,6 @@ Each measurement is the median of ``--repeats`` (3) after one warm-up call.
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import json
 import os
@@ -32,16 +31,16 @@ import sys
 import time
 from pathlib import Path
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared/traces/azure_llm_2023_conv.csv"
+from workload import TRACE, Lengths, read_trace
+
 PREFILL_SHAPES = ((16, 128), (8, 512), (32, 64))
 
 
 def trace_requests(path: Path, start: int, n: int, scale: float) -> list[tuple[int, int]]:
     """(prompt tokens, output tokens) of ``n`` trace rows from ``start``, lengths / ``scale``."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))[start:start + n]
-    return [(min(max(4, round(int(r["ContextTokens"]) / scale)), 1024),
-             min(max(1, round(int(r["GeneratedTokens"]) / scale)), 512)) for r in rows]
+    lengths = Lengths(scale, scale, 4, 1024, 1, 512)
+    return [(lengths.prompt(r.context_tokens), lengths.output(r.generated_tokens))
+            for r in read_trace(path, start, n)[:n]]
 
 
 class Engine:

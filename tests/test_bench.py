@@ -50,3 +50,86 @@ def test_host_factor_scales_slos_up_and_rates_down():
     for bad in ("fast", "0", "-2"):
         with pytest.raises(SystemExit):
             peers.parse_args(["--host-factor", bad])
+
+
+class _FakeTarget:
+    """Refuses 'refuse', fails 'fail', else yields one token every ``gap_s`` after
+    ``first_s``; ``slow`` requests never finish."""
+
+    def __init__(self, first_s: float = 0.05, gap_s: float = 0.01) -> None:
+        self.first_s, self.gap_s = first_s, gap_s
+
+    async def stream(self, req, rec):
+        import asyncio
+
+        from loadgen import Refused
+
+        if req.cls == "refuse":
+            raise Refused("queue full", retry_after_s=1.0)
+        if req.cls == "fail":
+            raise RuntimeError("boom")
+        await asyncio.sleep(self.first_s)
+        for i in range(req.max_tokens):
+            if i:
+                await asyncio.sleep(self.gap_s if req.cls != "slow" else 10)
+            yield 1
+
+
+def test_open_loop_judges_each_request_as_vllm_does():
+    import asyncio
+
+    import loadgen
+    import report as rp
+
+    reqs = [loadgen.LoadRequest(f"r{i}", i, cls, [1, 2, 3], 3, 5, 0.02 * i)
+            for i, cls in enumerate(["ok", "refuse", "fail", "slow", "ok"])]
+    run = asyncio.run(loadgen.open_loop(_FakeTarget(), reqs, cutoff_s=0.5))
+    summary = rp.summarize(run.records, 10.0, lambda _: (0.2, 0.05), run.wall_s)
+    by_id = {r["id"]: r for r in run.records}
+    ok = by_id["r0"]
+    assert ok["status"] == "finished" and ok["output_tokens"] == 5 and ok["slo_met"]
+    assert ok["ttft_s"] == pytest.approx(0.05, abs=0.03)
+    assert ok["tpot_s"] == pytest.approx(0.01, abs=0.01)
+    assert by_id["r1"]["status"] == "refused" and not by_id["r1"]["slo_met"]
+    assert by_id["r2"]["status"] == "error" and "boom" in by_id["r2"]["error"]
+    slow = by_id["r3"]
+    assert slow["status"] == "cut_off" and slow["output_tokens"] == 1
+    assert not slow["could_meet"]  # 4 tokens left, 0.45 s gone: past a 0.05 s TPOT
+    assert (summary["requests"], summary["slo_met"], summary["refused"], summary["failed"],
+            summary["cut_off"]) == (5, 2, 1, 1, 1)
+    assert summary["attainment"] == pytest.approx(0.4)
+    assert summary["attainment_admitted"] == pytest.approx(0.5)
+    assert run.cut_off == 1
+
+
+def test_goodput_is_the_highest_rate_that_meets_the_target():
+    import report as rp
+
+    pts = [{"rate": r, "attainment": a} for r, a in ((1, 1.0), (2, 0.95), (3, 0.8), (4, 0.95))]
+    g = rp.goodput(pts)
+    assert g["rps"] == 4 and g["bound"] == "at_least_highest"
+    g = rp.goodput(pts[:3])
+    assert g["rps"] == 2 and g["bracket"] == [2, 3]
+    assert g["interpolated"] == pytest.approx(2 + (0.95 - 0.9) / (0.95 - 0.8))
+    assert rp.goodput([{"rate": 1, "attainment": 0.5}])["rps"] is None
+
+
+def test_window_rescales_the_trace_to_the_offered_rate(tmp_path):
+    import workload
+
+    trace = tmp_path / "trace.csv"
+    gaps = [0, 1, 3, 4, 8, 9, 10]  # bursts and a lull, in trace seconds
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:15:{g:02d}.0,{80 * (i + 1)},{16 * (i + 1)}\n"
+        for i, g in enumerate(gaps)))
+    wl = workload.Window(trace, 0, 6, workload.Lengths(8, 8, 4, 1024, 2, 128),
+                         {"interactive": 0.7, "batch": 0.3})
+    # 6 requests over 6 s: the 7th row, 10 trace seconds in, would arrive at 6 s.
+    reqs, scale = wl.at_rate(1.0, 6, "t")
+    assert scale == pytest.approx(6 / 10)
+    assert [r.arrival_s for r in reqs] == pytest.approx([g * 6 / 10 for g in gaps[:6]])
+    assert [r.prompt_tokens for r in reqs] == [10 * (i + 1) for i in range(6)]
+    assert [r.max_tokens for r in reqs] == [2 * (i + 1) for i in range(6)]
+    again, _ = wl.at_rate(2.0, 3, "u")  # the same rows twice as fast keep their prompts
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]
+    assert [r.cls for r in again] == [r.cls for r in reqs]
