@@ -37,9 +37,9 @@ cont-chunk (FCFS, chunked prefill, the TPOT SLO guard as the server runs it), co
 router runs it). Budget 128 tokens with chunking (a full step near the interactive TPOT SLO
 here), 2048 without; max_num_seqs 64, 1024 KV blocks of 16 tokens.
 
-Output: a markdown report on stdout (``bench/sched_report.py``),
-``bench/results/scheduling.json`` (``scheduling_quick.json`` with --quick) and
-``<stem>_goodput.png``. Targets are printed beside the measurements, never asserted;
+Output: a markdown report on stdout and in ``bench/results/scheduling.md``
+(``bench/sched_report.py``), ``scheduling.json`` (``scheduling_quick.*`` with --quick) and
+``scheduling_goodput.png``. Targets are printed beside the measurements, never asserted;
 ``other load`` is the cores other processes kept busy during each point.
 """
 
@@ -284,8 +284,11 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(args.threads)
     report = asyncio.run(amain(args))
+    md = sched_report.markdown(report)
     print()
-    print(sched_report.markdown(report))
+    print(md)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(md + "\n")
     try:
         report["plots"] = sched_report.plots(report, args.out.with_suffix(""))
     except Exception as e:  # noqa: BLE001 - plots are a convenience
