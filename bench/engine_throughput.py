@@ -64,9 +64,13 @@ Decode sweep
     ``num_preemptions`` over the timed run.
 
 Code
-    This file holds the workload, the spawning of workers, the aggregation, the report and the
-    command line; the per-system workers, each run in its own subprocess (this script with
-    ``--worker NAME``), are in ``bench/offline_workers.py``.
+    This file holds the command line and the run itself: spawning the workers, interleaving
+    the systems' runs, the sweeps. Its parts, by job: ``bench/throughput_workload.py`` (the
+    workload and each system's config), ``bench/throughput_aggregate.py`` (aggregation, ratios,
+    greedy agreement, the JSON report), ``bench/throughput_report.py`` (the markdown report).
+    The per-system workers, each run in its own subprocess (this script with ``--worker NAME``),
+    are in ``bench/offline_workers.py`` (iterserve, the decode sweep, the dispatch) and
+    ``bench/offline_hf.py`` (transformers), measuring with ``bench/offline_measure.py``.
 
 Noise
     This machine is shared. Each timed section also records the cores this worker kept busy and
@@ -84,160 +88,24 @@ Output
 from __future__ import annotations
 
 import argparse
-import csv
-import importlib.metadata
 import json
 import os
-import platform
-import random
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 from offline_workers import WORKERS, worker_main
+from report import fmt
+from throughput_aggregate import assemble, contention, greedy_agreement
+from throughput_report import print_report
+from throughput_workload import build_workload, sweep_config, system_configs, workload_stats
+from workload import REPO, TRACE
 
-REPO = Path(__file__).resolve().parents[1]
-TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 DEFAULT_OUT = REPO / "bench" / "results" / "engine_throughput.json"
 QUICK_OUT = REPO / "bench" / "results" / "engine_throughput_quick.json"
-ATTRIBUTION = (
-    "Azure LLM inference trace 2023 (conversation), CC-BY 4.0, from Splitwise: Patel, Choukse, "
-    "Zhang, Shah, Goiri, Maleki, Bianchini, ISCA 2024 (Azure/AzurePublicDataset)"
-)
 SYSTEMS = ("iterserve", "iterserve_noprepack", "hf_generate", "hf_generate_batch")
-TOKEN_ID_RANGE = (1000, 40000)
-CONTENTION_CORES = 0.25  # other processes' average load above which a measurement is flagged
-TARGETS = {
-    "iterserve_over_hf_generate_batch": 2.0,
-    "iterserve_over_hf_generate": 1.5,
-    "decode_pct_roofline_at_64": 50.0,
-    "sched_prep_pct_at_64": 5.0,
-}
-
-
-# --------------------------------------------------------------------------------------------
-# Workload
-# --------------------------------------------------------------------------------------------
-
-
-def build_workload(args: argparse.Namespace) -> dict:
-    """Read the trace window, scale the lengths and make deterministic prompt token ids."""
-    if not Path(args.trace).is_file():
-        raise SystemExit(f"trace not found: {args.trace} (expected ../shared/traces/ beside "
-                         "the repository)")
-    with open(args.trace, newline="") as f:
-        rows = list(csv.DictReader(f))
-    window = rows[args.window_start:args.window_start + args.num_requests]
-    if len(window) < args.num_requests:
-        raise SystemExit(f"trace has only {len(rows)} rows; window does not fit")
-    rng = random.Random(args.seed)
-    prompts, out_lens, raw = [], [], []
-    for r in window:
-        ctx, gen = int(r["ContextTokens"]), int(r["GeneratedTokens"])
-        p = min(max(1, round(ctx / args.prompt_scale)), args.max_prompt)
-        o = min(max(1, round(gen / args.output_scale)), args.max_output)
-        prompts.append([rng.randrange(*TOKEN_ID_RANGE) for _ in range(p)])
-        out_lens.append(o)
-        raw.append((ctx, gen))
-    first, last = window[0]["TIMESTAMP"], window[-1]["TIMESTAMP"]
-    return {
-        "prompts": prompts,
-        "output_lens": out_lens,
-        "trace": {
-            "file": os.path.relpath(args.trace, REPO),
-            "attribution": ATTRIBUTION,
-            "window": (
-                f"rows {args.window_start}-{args.window_start + args.num_requests - 1} "
-                f"({args.num_requests} requests, TIMESTAMP {first} .. {last}); arrival times "
-                "ignored, all submitted at once"
-            ),
-            "prompt_len": f"round(ContextTokens / {args.prompt_scale:g}) "
-                          f"clamped to [1, {args.max_prompt}]",
-            "output_len": f"round(GeneratedTokens / {args.output_scale:g}) "
-                          f"clamped to [1, {args.max_output}]",
-            "prompt_scale": args.prompt_scale,
-            "output_scale": args.output_scale,
-            "max_prompt": args.max_prompt,
-            "max_output": args.max_output,
-            "prompt_token_ids": f"uniform in [{TOKEN_ID_RANGE[0]}, {TOKEN_ID_RANGE[1]}), "
-                                f"random.Random({args.seed})",
-            "raw_context_tokens_total": sum(c for c, _ in raw),
-            "raw_generated_tokens_total": sum(g for _, g in raw),
-        },
-    }
-
-
-def workload_stats(wl: dict) -> dict:
-    p = [len(x) for x in wl["prompts"]]
-    o = wl["output_lens"]
-    return {
-        "num_requests": len(p),
-        "prompt_tokens_total": sum(p),
-        "output_tokens_total": sum(o),
-        "prompt_len_p50": statistics.median(p),
-        "prompt_len_max": max(p),
-        "output_len_p50": statistics.median(o),
-        "output_len_max": max(o),
-    }
-
-
-def system_configs(args: argparse.Namespace) -> dict:
-    kv_tokens = args.num_kv_blocks * args.block_size
-    configs = {
-        "iterserve": {
-            "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "block_size": args.block_size,
-            "num_kv_blocks": args.num_kv_blocks,
-            "kv_tokens": kv_tokens,
-            "dtype": "float32",
-            "cpu_weight_prepack": True,
-        },
-        "hf_generate": {
-            "batch_size": args.hf_batch_size,
-            "batching": "static, trace order, left-padded with pad=eos, "
-                        "max_new_tokens = max L of the batch",
-            "attn_implementation": "sdpa",
-            "eos": "disabled (model.generation_config.eos_token_id=None), "
-                   "min_new_tokens = max_new_tokens",
-            "dtype": "float32",
-        },
-        "hf_generate_batch": {
-            "api": args.hf_cb_api,
-            "api_note": (
-                "continuous_batching_context_manager + add_request(max_new_tokens=L_i, "
-                "eos_token_id=-1): the manager generate_batch builds, with per-request lengths"
-                if args.hf_cb_api == "manager" else
-                "model.generate_batch(max_new_tokens = max L for all requests); "
-                "only each request's own L tokens are counted"
-            ),
-            "attn_implementation": "sdpa (CB accepts sdpa, paged|eager or flash; "
-                                   "no flash on CPU; paged|sdpa is deprecated in 5.2x)",
-            "page_size": args.block_size,
-            "num_blocks": args.num_kv_blocks,
-            "kv_tokens": kv_tokens,
-            "max_batch_tokens": args.max_num_batched_tokens,
-            "max_requests_per_batch": args.max_num_seqs,
-            "allow_block_sharing": False,
-            "auto_switch_to_flash": False,
-            "scheduler_type": "fifo",
-            "default_compile_level": 0,
-            "max_memory_percent": "default (0.6 on CPU): only a cap here, since num_blocks and "
-                                  "max_batch_tokens are fixed",
-            "dtype": "float32",
-        },
-    }
-    configs["iterserve_noprepack"] = {**configs["iterserve"], "cpu_weight_prepack": False}
-    return configs
-
-
-# --------------------------------------------------------------------------------------------
-# Parent: orchestration, aggregation, report
-# --------------------------------------------------------------------------------------------
 
 
 def spawn(name: str, workload: dict, config: dict, timeout: float) -> dict:
@@ -259,195 +127,6 @@ def spawn(name: str, workload: dict, config: dict, timeout: float) -> dict:
         if "error" in res:
             res["stderr_tail"] = proc.stderr[-3000:]
         return res
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    """How many requests got identical greedy tokens, and where the others first diverge."""
-    firsts = []
-    for x, y in zip(a, b):
-        if x != y:
-            firsts.append(next((i for i, (u, v) in enumerate(zip(x, y)) if u != v),
-                               min(len(x), len(y))))
-    return {
-        "requests": len(a),
-        "identical": len(a) - len(firsts),
-        "first_divergence_positions": sorted(firsts),
-    }
-
-
-def aggregate(runs: dict[str, list[dict]]) -> dict:
-    out = {}
-    for name, rs in runs.items():
-        ok = [r for r in rs if "error" not in r]
-        errors = [r["error"] for r in rs if "error" in r]
-        entry = {
-            "runs_ok": len(ok),
-            "errors": errors,
-            "output_tok_s_runs": [r.get("output_tok_s") for r in rs],
-            "total_tok_s_runs": [r.get("total_tok_s") for r in rs],
-            "wall_s_runs": [r.get("wall_s") for r in rs],
-            "peak_rss_mib_runs": [r.get("peak_rss_mib") for r in rs],
-            "output_tok_s_median": _median(r["output_tok_s"] for r in ok),
-            "total_tok_s_median": _median(r["total_tok_s"] for r in ok),
-            "wall_s_median": _median(r["wall_s"] for r in ok),
-            "peak_rss_mib_max": max((r["peak_rss_mib"] for r in rs if "peak_rss_mib" in r),
-                                    default=None),
-            "rss_after_load_mib": _median(r.get("rss_after_load_mib") for r in ok),
-            "setup_s_median": _median(r.get("setup_s") for r in ok),
-            "foreign_cores_runs": [r.get("foreign_cores") for r in rs],
-            "own_cores_runs": [r.get("own_cores") for r in rs],
-            "torch_threads": next((r["torch_threads"] for r in rs if "torch_threads" in r), None),
-        }
-        for key in ("output_tokens_computed", "preemptions", "ttft_s_p50", "e2e_s_p50",
-                    "manager_setup_s", "note", "resolved_config"):
-            vals = [r[key] for r in ok if key in r]
-            if vals:
-                entry[key] = vals[0] if key in ("note", "resolved_config") else vals
-        if ok:
-            entry["output_tokens"] = ok[0]["output_tokens"]
-            entry["prompt_tokens"] = ok[0]["prompt_tokens"]
-        if errors:
-            entry["stderr_tail"] = next(r.get("stderr_tail", "") for r in rs if "error" in r)
-            entry["traceback"] = next(r.get("traceback", "") for r in rs if "error" in r)
-        out[name] = entry
-    return out
-
-
-def ratios(systems: dict, runs: int) -> dict:
-    res = {}
-    base = systems.get("iterserve")
-    for other in ("hf_generate_batch", "hf_generate", "iterserve_noprepack"):
-        if base is None or other not in systems:
-            continue
-        per_run = []
-        for i in range(runs):
-            a = base["output_tok_s_runs"][i]
-            b = systems[other]["output_tok_s_runs"][i]
-            per_run.append(a / b if a and b else None)
-        key = f"iterserve_over_{other}"
-        med = _median(per_run)
-        a, b = base["output_tok_s_median"], systems[other]["output_tok_s_median"]
-        target = TARGETS.get(key)
-        res[key] = {"per_run": per_run, "median": med,
-                    "ratio_of_medians": a / b if a and b else None, "target": target,
-                    "met": None if med is None or target is None else med >= target}
-    return res
-
-
-def fmt(x, spec=".1f", missing="—") -> str:
-    return missing if x is None else format(x, spec)
-
-
-def print_report(report: dict) -> None:
-    tr, wl = report["trace"], report["workload"]
-    print()
-    print(f"## iterserve engine throughput ({'quick' if report['quick'] else 'full'} run, "
-          f"{report['runs']} run(s), SmolLM2-135M-Instruct fp32, "
-          f"{report['machine']['cpu_count']} CPUs)")
-    print()
-    print(f"Workload: {tr['attribution']}.")
-    print(f"Window: {tr['window']}. Prompt len = {tr['prompt_len']}; output len = "
-          f"{tr['output_len']}; prompt ids {tr['prompt_token_ids']}.")
-    print(f"{wl['num_requests']} requests, {wl['prompt_tokens_total']} prompt tokens "
-          f"(p50 {wl['prompt_len_p50']}, max {wl['prompt_len_max']}), "
-          f"{wl['output_tokens_total']} output tokens (p50 {wl['output_len_p50']}, "
-          f"max {wl['output_len_max']}).")
-    print()
-    print("| system | output tok/s (median) | output tok/s per run | total tok/s | wall s "
-          "| peak RSS MiB | own cores used | other load (cores) per run | notes |")
-    print("|---|---:|---|---:|---:|---:|---|---|---|")
-    for name, s in report["systems"].items():
-        per = ", ".join(fmt(x) for x in s["output_tok_s_runs"])
-        notes = []
-        if s["errors"]:
-            notes.append(f"ERROR: {s['errors'][0][:160]}")
-        if "output_tokens_computed" in s:
-            notes.append(f"computed {s['output_tokens_computed'][0]} output tokens for "
-                         f"{s.get('output_tokens')} useful")
-        if "preemptions" in s and any(s["preemptions"]):
-            notes.append(f"preemptions {s['preemptions']}")
-        if "ttft_s_p50" in s:
-            notes.append(f"TTFT p50 {fmt(_median(s['ttft_s_p50']), '.2f')} s")
-        print(f"| {name} | {fmt(s['output_tok_s_median'])} | {per} | "
-              f"{fmt(s['total_tok_s_median'])} | {fmt(s['wall_s_median'])} | "
-              f"{fmt(s['peak_rss_mib_max'], '.0f')} | "
-              f"{', '.join(fmt(x, '.2f') for x in s['own_cores_runs'])} | "
-              f"{', '.join(fmt(x, '.2f') for x in s['foreign_cores_runs'])} | {'; '.join(notes)} |")
-    print()
-    print("Peak RSS: ru_maxrss of each system's own subprocess (weights + KV cache + "
-          "activations), max over runs. Own cores: the worker's CPU seconds / wall in the timed "
-          "section (how parallel it really ran). Other load: average cores other processes "
-          "kept busy "
-          "during the timed section (/proc/stat minus this worker); well above 0 means the "
-          f"numbers are contended. torch threads per worker: {report['machine']['torch_threads']}.")
-    print()
-    sw = report.get("decode_sweep") or {}
-    at64 = next((p for p in sw.get("points", []) if p["num_seqs"] == 64), None)
-    if report["ratios"] or at64:
-        print("| metric | measured | per run | target | met |")
-        print("|---|---:|---|---:|---|")
-    for key, r in report["ratios"].items():
-        per = ", ".join(fmt(x, ".2f") for x in r["per_run"])
-        target = "—" if r["target"] is None else f"≥{r['target']}x"
-        print(f"| {key.replace('_', ' ')} | {fmt(r['median'], '.2f')}x | {per} | "
-              f"{target} | {fmt(r['met'], '')} |")
-    if at64:
-        pct, sp = at64["pct_roofline"], at64["sched_prep_pct"]
-        print(f"| decode % of roofline at 64 seqs | {pct:.1f}% | | "
-              f"≥{TARGETS['decode_pct_roofline_at_64']:.0f}% | "
-              f"{pct >= TARGETS['decode_pct_roofline_at_64']} |")
-        print(f"| scheduling+prep % of step at 64 seqs | {sp:.1f}% | | "
-              f"≤{TARGETS['sched_prep_pct_at_64']:.0f}% | "
-              f"{sp <= TARGETS['sched_prep_pct_at_64']} |")
-    print()
-    if sw.get("error"):
-        print(f"Decode sweep ERROR: {sw['error']}")
-    elif sw:
-        g = sw["gemm"]
-        print(f"Decode sweep (iterserve, {sw['prompt_len']}-token prompts, pure-decode steps "
-              f"only). Roofline: fp32 GEMM {g['gflop_s']:.1f} GFLOP/s (torch.mm {g['n']}x{g['n']}, "
-              f"median of {g['reps']}) / (2 x {sw['num_params'] / 1e6:.1f} M params) = "
-              f"{sw['roofline_tok_s']:.0f} tok/s.")
-        print()
-        plain = {p["num_seqs"]: p for p in
-                 (report.get("decode_sweep_noprepack") or {}).get("points", [])}
-        print("| seqs | decode tok/s | % roofline | step ms (mean) | schedule ms | prepare ms "
-              "| forward ms | sample ms | other ms | sched+prep % | outside forward % "
-              "| other load (cores) | tok/s without prepack (ratio) |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for p in sw["points"]:
-            b = p["breakdown_ms"]
-            q = plain.get(p["num_seqs"])
-            vs = "—" if q is None else f"{q['tok_s']:.1f} ({p['tok_s'] / q['tok_s']:.2f}x)"
-            print(f"| {p['num_seqs']} | {p['tok_s']:.1f} | {p['pct_roofline']:.1f} | "
-                  f"{p['step_ms_mean']:.1f} | {b['schedule']:.2f} | {b['prepare']:.2f} | "
-                  f"{b['forward']:.1f} | {b['sample']:.2f} | {b['other']:.2f} | "
-                  f"{p['sched_prep_pct']:.1f} | {p['outside_forward_pct']:.1f} | "
-                  f"{fmt(p['foreign_cores'], '.2f')} | {vs} |")
-        print()
-    ag = report.get("greedy_agreement") or {}
-    if ag:
-        print("Greedy agreement (run 1 tokens; fp32, different batch shapes may flip near-ties):")
-        print()
-        print("| pair | identical requests | first divergence positions |")
-        print("|---|---:|---|")
-        for pair, a in ag.items():
-            pos = a["first_divergence_positions"]
-            shown = ", ".join(map(str, pos[:12])) + (" ..." if len(pos) > 12 else "")
-            print(f"| {pair} | {a['identical']}/{a['requests']} | {shown or '—'} |")
-        print()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -504,16 +183,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        worker_main(args.worker, args.spec, args.result)
-        return 0
+# --------------------------------------------------------------------------------------------
+# The run, phase by phase
+# --------------------------------------------------------------------------------------------
+
+
+def prepare(args: argparse.Namespace) -> tuple[list[str], dict, dict, dict]:
+    """The systems to run, the workload, its stats and every system's config; checks that the
+    longest request fits the KV cache."""
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems: {sorted(unknown)}")
-
     wl = build_workload(args)
     stats = workload_stats(wl)
     kv_tokens = args.num_kv_blocks * args.block_size
@@ -523,12 +204,15 @@ def main(argv=None) -> int:
     configs = system_configs(args)
     for c in configs.values():
         c["threads"] = args.threads
-    workload = {"prompts": wl["prompts"], "output_lens": wl["output_lens"]}
     print(f"workload: {stats['num_requests']} requests, {stats['prompt_tokens_total']} prompt + "
           f"{stats['output_tokens_total']} output tokens; {args.runs} run(s) of "
           f"{', '.join(systems)}", flush=True)
+    return systems, wl, stats, configs
 
-    t_start = time.perf_counter()
+
+def run_systems(args: argparse.Namespace, systems: list[str], workload: dict,
+                configs: dict) -> dict[str, list[dict]]:
+    """Every system's runs, interleaved: run 1 of each system, then run 2, ..."""
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for i in range(args.runs):
         for name in systems:
@@ -541,118 +225,55 @@ def main(argv=None) -> int:
                     f"{fmt(r.get('foreign_cores'), '.2f')} cores")
             print(f"[run {i + 1}/{args.runs}] {name}: {what} "
                   f"({time.perf_counter() - t:.0f} s with start-up)", flush=True)
+    return runs
 
-    sweep = sweep_plain = None
-    if not args.no_sweep:
-        t = time.perf_counter()
-        sweep_cfg = {
-            **configs["iterserve"],
-            "batch_sizes": [int(x) for x in args.sweep_sizes.split(",")],
-            "prompt_len": 16,
-            "token_id_range": TOKEN_ID_RANGE,
-            "steps": args.sweep_steps,
-            "warm_steps": 2,
-            "gemm_size": args.gemm_size,
-            "gemm_reps": 3 if args.quick else 9,
-            "seed": args.seed,
-            "threads": args.threads,
-        }
-        sweep = spawn("sweep", {}, sweep_cfg, args.worker_timeout)
-        what = f"ERROR {sweep['error']}" if "error" in sweep else "done"
-        print(f"decode sweep: {what} ({time.perf_counter() - t:.0f} s)", flush=True)
-        t = time.perf_counter()
-        sweep_plain = spawn("sweep", {}, {**sweep_cfg, "cpu_weight_prepack": False},
-                            args.worker_timeout)
-        what = f"ERROR {sweep_plain['error']}" if "error" in sweep_plain else "done"
-        print(f"decode sweep without weight prepacking: {what} "
-              f"({time.perf_counter() - t:.0f} s)", flush=True)
 
-    agg = aggregate(runs)
-    greedy = {}
-    first_ok = {n: next((r for r in rs if "error" not in r), None) for n, rs in runs.items()}
-    names = [n for n in systems if first_ok[n] is not None]
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            greedy[f"{a} vs {b}"] = agreement(first_ok[a]["token_ids"], first_ok[b]["token_ids"])
-    for n in names:  # run-to-run determinism of each system
-        for k, r in enumerate(runs[n]):
-            if "error" not in r and r is not first_ok[n]:
-                greedy[f"{n} run 1 vs run {k + 1}"] = agreement(
-                    first_ok[n]["token_ids"], r["token_ids"])
+def _sweep(label: str, cfg: dict, timeout: float) -> dict:
+    t = time.perf_counter()
+    res = spawn("sweep", {}, cfg, timeout)
+    what = f"ERROR {res['error']}" if "error" in res else "done"
+    print(f"{label}: {what} ({time.perf_counter() - t:.0f} s)", flush=True)
+    return res
 
-    report = {
-        "benchmark": "engine_throughput",
-        "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "quick": args.quick,
-        "runs": args.runs,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": _version("torch"),
-            "transformers": _version("transformers"),
-        },
-        "model": "SmolLM2-135M-Instruct (embedded GGUF, de-quantised to fp32)",
-        "trace": wl["trace"],
-        "workload": stats,
-        "config": configs,
-        "method": {
-            "wall_time": "generation only (model load, KV allocation and a tiny warm-up excluded)",
-            "output_tok_s": "sum of each request's own output length / wall",
-            "total_tok_s": "(prompt tokens + output tokens) / wall",
-            "peak_rss": "resource.getrusage(RUSAGE_SELF).ru_maxrss in each system's own "
-                        "subprocess, one subprocess per (system, run)",
-            "run_order": "interleaved: run i of every system, then run i+1",
-        },
-        "systems": agg,
-        "ratios": ratios(agg, args.runs),
-        "decode_sweep": sweep,
-        "decode_sweep_noprepack": sweep_plain,
-        "targets": TARGETS,
-        "greedy_agreement": greedy,
-        "elapsed_s": time.perf_counter() - t_start,
-    }
-    report["machine"]["torch_threads"] = next(
-        (s["torch_threads"] for s in agg.values() if s["torch_threads"]),
-        (sweep or {}).get("torch_threads"))
-    if sweep and "points" in sweep:
-        at64 = next((p for p in sweep["points"] if p["num_seqs"] == 64), None)
-        if at64:
-            report["target_met"] = {
-                "decode_pct_roofline_at_64":
-                    at64["pct_roofline"] >= TARGETS["decode_pct_roofline_at_64"],
-                "sched_prep_pct_at_64": at64["sched_prep_pct"] <= TARGETS["sched_prep_pct_at_64"],
-            }
-    for name, r in report["ratios"].items():
-        report.setdefault("target_met", {})[name] = r["met"]
 
-    loads = [(f"{n} run {i + 1}", x) for n, e in agg.items()
-             for i, x in enumerate(e["foreign_cores_runs"]) if x is not None]
-    if sweep and "points" in sweep:
-        loads += [(f"sweep {p['num_seqs']} seqs", p["foreign_cores"]) for p in sweep["points"]
-                  if p.get("foreign_cores") is not None]
-    # A worker with T threads on C cores is undisturbed while others use at most C - T cores.
-    threads = report["machine"]["torch_threads"] or os.cpu_count() or 1
-    spare = max(0, (os.cpu_count() or 1) - threads)
-    busy = [(what, x) for what, x in loads if x > spare + CONTENTION_CORES]
-    if busy:
-        report["contention_warning"] = (
-            "other processes kept "
-            + ", ".join(f"{x:.2f} cores busy during {what}" for what, x in busy)
-            + f"; with {os.cpu_count()} cores and {threads} torch threads per worker, a run can "
-            "slow down several-fold when another process takes a core it needs. Re-run on an "
-            "idle machine, or with --threads 1."
-        )
+def run_sweeps(args: argparse.Namespace, configs: dict) -> tuple[dict | None, dict | None]:
+    """The decode sweep with weight prepacking and without; (None, None) with --no-sweep."""
+    if args.no_sweep:
+        return None, None
+    cfg = sweep_config(args, configs["iterserve"])
+    sweep = _sweep("decode sweep", cfg, args.worker_timeout)
+    plain = _sweep("decode sweep without weight prepacking",
+                   {**cfg, "cpu_weight_prepack": False}, args.worker_timeout)
+    return sweep, plain
+
+
+def finish(args: argparse.Namespace, report: dict, busy: bool) -> None:
+    """Print the report, the contention warning and the failures; write the JSON."""
     print_report(report)
     if busy:
         print(f"WARNING: {report['contention_warning']}\n")
-    for name, s in agg.items():
+    for name, s in report["systems"].items():
         if s["errors"]:
             print(f"{name} failed: {s['errors'][0]}\n{s.get('stderr_tail', '')[-1500:]}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out} ({report['elapsed_s']:.0f} s in all)")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args.worker, args.spec, args.result)
+        return 0
+    systems, wl, stats, configs = prepare(args)
+    workload = {"prompts": wl["prompts"], "output_lens": wl["output_lens"]}
+    t_start = time.perf_counter()
+    runs = run_systems(args, systems, workload, configs)
+    sweeps = run_sweeps(args, configs)
+    greedy = greedy_agreement(runs, systems)
+    report = assemble(args, wl, stats, configs, runs, sweeps, greedy, t_start)
+    busy = contention(report, sweeps[0])
+    finish(args, report, busy)
     return 0
 
 

@@ -4,83 +4,25 @@ the spawning, the aggregation and the report.
 
 Each worker takes the workload (``prompts``, ``output_lens``) and its system's config and
 returns a JSON-able result: wall time of generation only (model load, KV allocation and a
-tiny warm-up excluded), tokens per request, and the CPU load seen during the timed section.
-:func:`worker_sweep` is the decode sweep: it reads each step's ``engine.StepRecord`` from the
-engine's ``on_step`` hook (duration, ``schedule_s`` and the runner's ``phases``).
+tiny warm-up excluded), tokens per request, and the CPU load seen during the timed section
+(the measuring is in ``bench/offline_measure.py``). This module holds iterserve's workers and
+the dispatch (:data:`WORKERS`, :func:`worker_main`); transformers' are in
+``bench/offline_hf.py``. :func:`worker_sweep` is the decode sweep: it reads each step's
+``engine.StepRecord`` from the engine's ``on_step`` hook (duration, ``schedule_s`` and the
+runner's ``phases``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from cpu_load import cpu_snapshot, foreign_cores
-
-
-def _peak_rss_mib() -> float:
-    """Peak resident set of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
-
-
-def _rss_mib() -> float | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return None
-
-
-class _Timed:
-    """Context manager: wall seconds and other processes' CPU load over a timed section."""
-
-    def __enter__(self):
-        self.snap = cpu_snapshot()
-        self.t = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.wall = time.perf_counter() - self.t
-        end = cpu_snapshot()
-        self.foreign = foreign_cores(self.snap, end, self.wall)
-        # cores this process kept busy (all its threads): how parallel the system really ran
-        self.own = (end[1] - self.snap[1]) / self.wall if self.snap and end else None
-        return False
-
-
-def _set_threads(cfg: dict) -> None:
-    import torch
-
-    if cfg.get("threads"):
-        torch.set_num_threads(cfg["threads"])
-
-
-def _result(wl: dict, wall: float, tokens: list[list[int]], **extra) -> dict:
-    lens = wl["output_lens"]
-    bad = [i for i, (t, n) in enumerate(zip(tokens, lens)) if len(t) != n]
-    if bad:
-        i = bad[0]
-        raise RuntimeError(
-            f"{len(bad)} requests got the wrong number of tokens "
-            f"(request {i}: {len(tokens[i])} instead of {lens[i]})"
-        )
-    out_tok = sum(lens)
-    prompt_tok = sum(len(p) for p in wl["prompts"])
-    return {
-        "wall_s": wall,
-        "output_tokens": out_tok,
-        "prompt_tokens": prompt_tok,
-        "output_tok_s": out_tok / wall,
-        "total_tok_s": (out_tok + prompt_tok) / wall,
-        "token_ids": tokens,
-        **extra,
-    }
+from offline_hf import worker_hf_generate, worker_hf_generate_batch
+from offline_measure import Timed, make_result, peak_rss_mib, rss_mib, set_threads
 
 
 def _make_llm(cfg: dict):
@@ -104,7 +46,7 @@ def worker_iterserve(wl: dict, cfg: dict) -> dict:
     t0 = time.perf_counter()
     llm = _make_llm(cfg)
     setup = time.perf_counter() - t0
-    rss_loaded = _rss_mib()
+    rss_loaded = rss_mib()
     engine = llm.llm_engine
     warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p[:32]} for p in wl["prompts"][:2]], warm, use_tqdm=False)
@@ -113,187 +55,19 @@ def worker_iterserve(wl: dict, cfg: dict) -> dict:
     prompts = [{"prompt_token_ids": p} for p in wl["prompts"]]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
               for n in wl["output_lens"]]
-    with _Timed() as tm:
+    with Timed() as tm:
         outs = llm.generate(prompts, params, use_tqdm=False)
     wall = tm.wall
     preemptions = engine.scheduler.num_preemptions - preempted_before
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
     e2e = [o.metrics.finish_time - o.metrics.arrival_time for o in outs]
-    return _result(
+    return make_result(
         wl, wall, [list(o.outputs[0].token_ids) for o in outs],
         setup_s=setup, rss_after_load_mib=rss_loaded, preemptions=preemptions,
         foreign_cores=tm.foreign, own_cores=tm.own,
         ttft_s_p50=statistics.median(ttft), e2e_s_p50=statistics.median(e2e),
         model_dir=str(engine.model_dir),
     )
-
-
-def _load_hf(attn: str = "sdpa"):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from engine.model_loader import resolve_model_dir
-
-    model_dir = resolve_model_dir(None)  # the same directory as llm.llm_engine.model_dir
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation=attn
-    ).eval()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    return model, tok, model_dir
-
-
-def worker_hf_generate(wl: dict, cfg: dict) -> dict:
-    import torch
-    from transformers import GenerationConfig
-
-    t0 = time.perf_counter()
-    model, tok, model_dir = _load_hf()
-    setup = time.perf_counter() - t0
-    rss_loaded = _rss_mib()
-    pad = tok.eos_token_id  # prompts are left-padded by hand below, with an attention mask
-    # ignore_eos: with eos_token_id None nothing stops on EOS and nothing suppresses it (a None
-    # in the GenerationConfig passed to generate is filled from the model's, hence this).
-    model.generation_config.eos_token_id = None
-
-    def run_batch(prompts: list[list[int]], n_new: int) -> list[list[int]]:
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        gc = GenerationConfig(
-            max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-            pad_token_id=pad, eos_token_id=None,
-        )
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
-        new = out[:, width:]
-        if new.shape[1] != n_new:
-            raise RuntimeError(f"generate returned {new.shape[1]} new tokens, expected {n_new}")
-        return new.tolist()
-
-    run_batch([p[:32] for p in wl["prompts"][:2]], 4)  # warm-up
-
-    B = cfg["batch_size"]
-    prompts, lens = wl["prompts"], wl["output_lens"]
-    tokens: list[list[int]] = []
-    computed = 0
-    with _Timed() as tm:
-        for s in range(0, len(prompts), B):
-            n_new = max(lens[s:s + B])
-            rows = run_batch(prompts[s:s + B], n_new)
-            computed += n_new * len(rows)
-            tokens.extend(r[:n] for r, n in zip(rows, lens[s:s + B]))
-    return _result(
-        wl, tm.wall, tokens, setup_s=setup, rss_after_load_mib=rss_loaded,
-        foreign_cores=tm.foreign, own_cores=tm.own,
-        output_tokens_computed=computed, model_dir=str(model_dir),
-    )
-
-
-def _resolved_cb(mgr) -> dict:
-    """What transformers actually built from our ContinuousBatchingConfig."""
-    c = mgr.continuous_batching_config
-    out = {k: getattr(c, k, None) for k in (
-        "page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch",
-        "max_blocks_per_request", "max_memory_percent", "use_async_batching", "use_cuda_graph",
-        "allow_block_sharing", "scheduler_type")}
-    cache = getattr(getattr(mgr, "batch_processor", None), "cache", None)
-    if cache is not None:
-        out["cache_num_blocks"] = getattr(cache, "num_blocks", None)
-        out["cache_max_batch_tokens"] = getattr(cache, "max_batch_tokens", None)
-        tensor = getattr(cache, "cache_tensor", None)
-        if tensor is not None:
-            out["cache_tensor_mib"] = tensor.numel() * tensor.element_size() / 2**20
-    out["attn_implementation"] = mgr.model.config._attn_implementation
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
-
-
-def worker_hf_generate_batch(wl: dict, cfg: dict) -> dict:
-    import torch
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
-    t0 = time.perf_counter()
-    model, tok, model_dir = _load_hf()
-    rss_loaded = _rss_mib()
-    prompts, lens = wl["prompts"], wl["output_lens"]
-
-    def cb_config():
-        return ContinuousBatchingConfig(
-            page_size=cfg["page_size"],
-            num_blocks=cfg["num_blocks"],
-            max_batch_tokens=cfg["max_batch_tokens"],
-            max_requests_per_batch=cfg["max_requests_per_batch"],
-            allow_block_sharing=cfg["allow_block_sharing"],
-            auto_switch_to_flash=cfg["auto_switch_to_flash"],
-            scheduler_type=cfg["scheduler_type"],
-            default_compile_level=cfg["default_compile_level"],
-        )
-
-    def gen_config(n_new: int):
-        # eos_token_id=-1: EOS never matches, so it neither stops nor is suppressed
-        return GenerationConfig(
-            max_new_tokens=n_new, do_sample=False, eos_token_id=-1, pad_token_id=tok.eos_token_id
-        )
-
-    def via_generate_batch(ps: list[list[int]], n_new: int):
-        with _Timed() as tm:  # includes the manager's set-up and warm-up
-            res = model.generate_batch(
-                inputs=ps, generation_config=gen_config(n_new),
-                continuous_batching_config=cb_config(),
-            )
-        out = list(res.values())
-        if len(out) != len(ps) or any(r.error for r in out):
-            errs = [r.error for r in out if r.error]
-            raise RuntimeError(f"generate_batch returned {len(out)}/{len(ps)} results; {errs[:1]}")
-        return [list(r.generated_tokens) for r in out], tm
-
-    def via_manager(ps: list[list[int]], ns: list[int]):
-        with torch.inference_mode():
-            t = time.perf_counter()
-            with model.continuous_batching_context_manager(
-                generation_config=gen_config(max(ns)), continuous_batching_config=cb_config(),
-                block=True, timeout=30,
-            ) as mgr:
-                setup = time.perf_counter() - t
-                resolved.update(_resolved_cb(mgr))
-                done: dict = {}
-                with _Timed() as tm:  # ends before the manager's stop/join
-                    ids = [
-                        mgr.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
-                        for i, (p, n) in enumerate(zip(ps, ns))
-                    ]
-                    while len(done) < len(ids):
-                        r = mgr.get_result(timeout=1)
-                        if r is not None and r.is_finished():
-                            if r.error:
-                                raise RuntimeError(f"request {r.request_id} failed: {r.error}")
-                            done[r.request_id] = r
-                        elif r is None and not mgr.is_running():
-                            raise RuntimeError(f"continuous batching thread stopped with "
-                                               f"{len(done)}/{len(ids)} requests done")
-        return [list(done[i].generated_tokens) for i in ids], tm, setup
-
-    resolved: dict = {}
-    warm = [p[:32] for p in prompts[:2]]
-    if cfg["api"] == "generate_batch":
-        via_generate_batch(warm, 4)
-        setup = time.perf_counter() - t0
-        n_new = max(lens)
-        rows, tm = via_generate_batch(prompts, n_new)
-        tokens = [r[:n] for r, n in zip(rows, lens)]
-        extra = {"output_tokens_computed": n_new * len(prompts),
-                 "note": "wall includes generate_batch's manager set-up and warm-up"}
-    else:
-        via_manager(warm, [4, 4])
-        load = time.perf_counter() - t0
-        tokens, tm, mgr_setup = via_manager(prompts, lens)
-        setup = load + mgr_setup
-        extra = {"manager_setup_s": mgr_setup, "resolved_config": resolved}
-    return _result(wl, tm.wall, tokens, setup_s=setup, rss_after_load_mib=rss_loaded,
-                   foreign_cores=tm.foreign, own_cores=tm.own, model_dir=str(model_dir),
-                   **extra)
 
 
 def _gemm_flops(n: int, reps: int) -> tuple[float, list[float]]:
@@ -432,14 +206,14 @@ WORKERS = {
 
 def worker_main(name: str, spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    _set_threads(spec["config"])
+    set_threads(spec["config"])
     try:
         res = WORKERS[name](spec["workload"], spec["config"])
     except Exception as e:  # noqa: BLE001 - reported to the parent, which records it
         import traceback
 
         res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    res["peak_rss_mib"] = _peak_rss_mib()
+    res["peak_rss_mib"] = peak_rss_mib()
     import torch
 
     res["torch_threads"] = torch.get_num_threads()
