@@ -13,6 +13,7 @@ from deploy.config import ServiceConfig
 from deploy.replica import ModelReplica
 from router.api import OpenAIIngress
 from router.request_router import LoadAwareRouter
+from router.settings import IngressOptions, IngressSettings
 
 APP_NAME = "iterserve"
 INGRESS_NAME = "OpenAIIngress"
@@ -56,16 +57,10 @@ def build_app(config: ServiceConfig) -> serve.Application:
         max_ongoing_requests=100_000,  # it holds requests for admission; replicas cap work
         ray_actor_options={"num_cpus": 0},
     )
-    settings = {
-        "model_name": config.model_name(),
-        "api_keys": {k: v.model_dump() for k, v in config.api_keys.items()},
-        "traffic_classes": classes,
-        "policy": policy,
-        "admission": config.admission,
-        "max_n": config.max_n,
-        "max_request_body_bytes": config.max_request_body_bytes,
-    }
-    return ingress.bind(replica, settings)
+    settings = IngressSettings(
+        **config.model_dump(include=set(IngressOptions.model_fields)),
+        model_name=config.model_name(), traffic_classes=classes, policy=policy)
+    return ingress.bind(replica, settings.model_dump())
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

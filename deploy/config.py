@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
 from policies import TrafficClass, make_classes
-from router.tenants import ApiKeyConfig
+from router.settings import IngressOptions
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SERVER_ENGINE_DEFAULTS: dict[str, Any] = {"policy": "priority", "tpot_slo_guard": True}
@@ -29,8 +29,10 @@ def host_cpus() -> int:
     return len(os.sched_getaffinity(0))
 
 
-class ServiceConfig(BaseModel):
-    """Everything ``iterserve serve`` and ``build_app`` need.
+class ServiceConfig(IngressOptions):
+    """Everything ``iterserve serve`` and ``build_app`` need (the ingress's own fields,
+    ``api_keys``, ``admission``, ``max_n`` and ``max_request_body_bytes``, are inherited
+    from :class:`router.settings.IngressOptions`).
 
     Raises (at construction):
         pydantic.ValidationError: an unknown key or a value out of range.
@@ -56,16 +58,9 @@ class ServiceConfig(BaseModel):
         description="engine.EngineConfig fields except `model` (set at the top level); "
                     "a partial section is merged over SERVER_ENGINE_DEFAULTS",
     )
-    api_keys: dict[str, ApiKeyConfig] = Field(
-        default_factory=dict, description="key -> tenant, class, priority ceiling; "
-                                          "empty: no key needed, every request `standard`",
-    )
-    admission: bool = Field(True, description="SLO-aware admission at the ingress")
     routing_stats_period_s: float = Field(
         0.25, gt=0, description="how often each replica publishes its load snapshot"
     )
-    max_n: int = Field(8, ge=1, description="cap on a request's `n`")
-    max_request_body_bytes: int = Field(1 << 20, ge=1024, description="larger bodies get 413")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
 

@@ -71,9 +71,9 @@ class ModelReplica:
             yield {"error": {"message": str(e), "status": 400, "param": "prompt",
                              "code": "context_length_exceeded"}}
             return
-        except ValueError as e:
-            yield {"error": {"message": str(e), "status": 400, "param": None,
-                             "code": "invalid_value"}}
+        except ValueError as e:  # ParamError names the request field
+            yield {"error": {"message": str(e), "status": 400,
+                             "param": getattr(e, "param", None), "code": "invalid_value"}}
             return
         yield {"accepted": True, "prompt_tokens": len(ids), "replica": self.replica_id}
         async for out in self.engine.generate(ids, sampling, request_id=request_id,

@@ -9,7 +9,13 @@ from engine.interfaces import ModelRunner, StepRecord
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.model_loader import ModelLoadError
-from engine.request import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
+from engine.request import (
+    CompletionOutput,
+    ParamError,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+)
 from policies.limits import RequestRejectedError
 
 __all__ = [
@@ -20,6 +26,7 @@ __all__ = [
     "LLMEngine",
     "ModelLoadError",
     "ModelRunner",
+    "ParamError",
     "RequestOutput",
     "RequestOutputKind",
     "RequestRejectedError",

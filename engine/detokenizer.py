@@ -57,8 +57,12 @@ class IncrementalDetokenizer:
         """Every token id fed so far, including any that completed a stop string."""
         return list(self._token_ids)
 
-    def update(self, new_token_ids: list[int]) -> tuple[str, str | None]:
+    def update(self, new_token_ids: list[int], check_stop: bool = True
+               ) -> tuple[str, str | None]:
         """Feed the newly sampled token ids of this sequence (usually one per step).
+
+        ``check_stop=False`` (a request's ``min_tokens`` not yet reached) emits the text
+        without looking for stop strings.
 
         Returns:
             ``(delta_text, stop_string)``: the text that may now be emitted (possibly empty),
@@ -72,7 +76,12 @@ class IncrementalDetokenizer:
         if self._finished:
             raise RuntimeError("update() after the sequence finished")
         self._token_ids.extend(new_token_ids)
-        return self._release(self._decode_window(force=False))
+        new_text = self._decode_window(force=False)
+        if not check_stop:
+            delta, self._pending = self._pending + new_text, ""
+            self._chunks.append(delta)
+            return delta, None
+        return self._release(new_text)
 
     def flush(self) -> str:
         """The sequence finished for another reason (EOS, length, abort): emit the held text.

@@ -14,7 +14,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.interfaces import ModelRunner, StepRecord
 from engine.kv_cache import BlockManager
 from engine.outputs import RequestGroup, make_output
-from engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from engine.request import FinishReason, ParamError, Request, RequestOutput, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from policies import DEFAULT_CLASS, LoadSnapshot, make_classes
 from policies.limits import RequestLimits
@@ -196,13 +196,20 @@ class LLMEngine:
 
         Raises:
             ValueError: unknown traffic class, empty prompt or a token id outside the
-                vocabulary.
+                vocabulary (:class:`ParamError` for ``logit_bias`` and ``stop_token_ids``).
             RequestRejectedError: the request could never run here.
         """
         if traffic_class is not None and traffic_class not in self.traffic_classes:
             raise ValueError(
                 f"unknown traffic_class {traffic_class!r}; known: {sorted(self.traffic_classes)}"
             )
+        vocab = self.runner.vocab_size
+        for name, token_ids in (("logit_bias", params.logit_bias),
+                                ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ParamError(name, f"{name}: token id {bad[0]} is outside the "
+                                       f"vocabulary (ids 0-{vocab - 1})")
         text, ids = self.tokenize(prompt, tokenizer)
         return text, ids, self.check_length(len(ids), params.max_tokens)
 
@@ -219,10 +226,11 @@ class LLMEngine:
             group = self._groups.pop(rid, None)
             if group is None:
                 continue
+            aborted = {r.request_id: ("", 0) for r in group.seqs if not r.is_finished}
             for req in group.seqs:
                 if not req.is_finished:
                     self.scheduler.finish(req, FinishReason.ABORT, now)
-            outs.append(make_output(group, {}))
+            outs.append(make_output(group, aborted))
         return outs
 
     def has_unfinished_requests(self) -> bool:
@@ -253,7 +261,8 @@ class LLMEngine:
                 req.first_token_time = now
             if sample.logprobs is not None:
                 req.logprobs.append(sample.logprobs)
-            text, stop_str = req.detokenizer.update([sample.token_id])
+            text, stop_str = req.detokenizer.update(
+                [sample.token_id], len(req.output_token_ids) >= req.params.min_tokens)
             reason = self._stop_reason(req, sample.token_id, stop_str)
             if reason is not None:
                 if stop_str is None:

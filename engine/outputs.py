@@ -33,8 +33,9 @@ def make_output(group: RequestGroup, deltas: dict[str, tuple[str, int]]) -> Requ
     """The group's output after a step, or None when its kind has nothing to say yet.
 
     Args:
-        deltas: per sequence id that got a token this step, ``(new text, new tokens)``;
-            the new tokens are the last of its ``output_token_ids`` (and ``logprobs``).
+        deltas: per sequence id that got a token this step (or finished without one:
+            an abort), ``(new text, new tokens)``; the new tokens are the last of its
+            ``output_token_ids`` (and ``logprobs``). A ``DELTA`` output holds only these.
     """
     finished = group.finished
     if group.kind is RequestOutputKind.FINAL_ONLY and not finished:
@@ -43,6 +44,8 @@ def make_output(group: RequestGroup, deltas: dict[str, tuple[str, int]]) -> Requ
     completions = []
     for req in group.seqs:
         want_lp = req.params.logprobs is not None
+        if delta and req.request_id not in deltas:
+            continue  # nothing new: a finished sequence reports its finish_reason once
         if delta:
             text, new = deltas.get(req.request_id, ("", 0))
             token_ids = req.output_token_ids[len(req.output_token_ids) - new:]

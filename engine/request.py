@@ -23,12 +23,21 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = "final_only"
 
 
+class ParamError(ValueError):
+    """A request parameter out of range or not servable here; ``param`` names the field
+    (the OpenAI API's name for it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
     Raises:
-        ValueError: a field is out of range; the message names the field and value.
+        ParamError: a field is out of range; the message names the field and value.
     """
 
     max_tokens: int | None = 16
@@ -38,6 +47,21 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     """0 or -1: no top-k cut."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is under ``min_p`` times the top token's (after
+    temperature; Nguyen et al., 2024, as vLLM's ``min_p``)."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already in the output (OpenAI's)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit per time it is already in the output (OpenAI's)."""
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens in the prompt or output
+    (Keskar et al., 2019, CTRL; as transformers and vLLM)."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> added to its logit, in [-100, 100] (OpenAI's)."""
+    min_tokens: int = 0
+    """EOS and ``stop_token_ids`` are masked, and stop strings not checked, until the
+    output has this many tokens."""
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -53,22 +77,45 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        checks = [
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        for name, value, ok, rule in self._checks():
+            if not ok:
+                raise ParamError(name, f"SamplingParams.{name}={value!r}: {rule}")
+
+    def _checks(self) -> list[tuple[str, Any, bool, str]]:
+        finite = math.isfinite
+        return [
             ("max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens >= 1,
              "must be >= 1 or None"),
             ("temperature", self.temperature,
-             math.isfinite(self.temperature) and self.temperature >= 0, "must be >= 0"),
+             finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
             ("top_p", self.top_p, 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k, self.top_k == -1 or self.top_k >= 0, "must be -1, 0 or >= 1"),
+            ("min_p", self.min_p, 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("presence_penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2,
+             "must be in [-2, 2]"),
+            ("frequency_penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2,
+             "must be in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty,
+             finite(self.repetition_penalty) and self.repetition_penalty > 0, "must be > 0"),
+            ("logit_bias", self.logit_bias,
+             all(-100 <= v <= 100 for v in self.logit_bias.values()),
+             "biases must be in [-100, 100]"),
+            ("min_tokens", self.min_tokens, self.min_tokens >= 0 and (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens),
+             "must be >= 0 and <= max_tokens"),
             ("n", self.n, self.n >= 1, "must be >= 1"),
             ("logprobs", self.logprobs, self.logprobs is None or self.logprobs >= 0,
              "must be >= 0 or None"),
             ("stop", self.stop, all(isinstance(s, str) and s for s in self.stop),
              "must be non-empty strings"),
         ]
-        for name, value, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"SamplingParams.{name}={value!r}: {rule}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any logits processor applies (penalties, bias, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

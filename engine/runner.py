@@ -140,7 +140,8 @@ class TorchModelRunner:
             attn_metadata=md,
         ).logits[0]
         t2 = time.perf_counter()
-        results = self.sampler.sample(logits, sampling_reqs) if sampling_reqs else []
+        results = (self.sampler.sample(logits, sampling_reqs, self.eos_token_ids)
+                   if sampling_reqs else [])
         t3 = time.perf_counter()
         self.last_phases = (("prepare", t1 - t0), ("forward", t2 - t1), ("sample", t3 - t2))
         return {r.request_id: s for r, s in zip(sampling_reqs, results)}

@@ -1,11 +1,14 @@
-"""Token sampling: greedy, temperature, top-k and top-p, with per-request seeds."""
+"""Token sampling: greedy, temperature, min-p, top-k and top-p, with per-request seeds,
+after each request's logits processors (:mod:`engine.logits_processors`)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
+from engine import logits_processors
 from engine.request import Request
 
 
@@ -29,14 +32,20 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampleResult]:
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               eos_token_ids: Collection[int] = ()) -> list[SampleResult]:
         """Sample one token per row.
 
         Args:
             logits: ``[S, V]`` logits of the last position of each request.
             requests: the ``S`` requests, in row order.
+            eos_token_ids: what a request's ``min_tokens`` holds back (with its stop ids).
+
+        Returns:
+            One result per row; log-probabilities are the model's, before any processor.
         """
-        logits = logits.float()
+        raw = logits.float()
+        logits = logits_processors.apply(raw, requests, eos_token_ids)
         params = [r.params for r in requests]
         token_ids = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -53,7 +62,7 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs: list[dict[int, float] | None] = [None] * len(ids)
         if want:
-            lp = logits[want].log_softmax(dim=-1)
+            lp = raw[want].log_softmax(dim=-1)
             k = max(params[i].logprobs for i in want)
             top_v, top_i = lp.topk(max(k, 1), dim=-1)
             for j, i in enumerate(want):
@@ -72,9 +81,14 @@ class Sampler:
 
     @staticmethod
     def _filter(logits: torch.Tensor, params) -> torch.Tensor:
-        """Apply temperature, then top-k, then top-p (nucleus; Holtzman et al., ICLR 2020)."""
+        """Apply temperature, then min-p, top-k, top-p (nucleus; Holtzman et al., ICLR 2020)."""
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temps.unsqueeze(1)
+        if any(p.min_p > 0 for p in params):
+            probs = logits.softmax(dim=-1)
+            min_ps = torch.tensor([p.min_p for p in params], device=logits.device)
+            floor = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
+            logits = logits.masked_fill(probs < floor, float("-inf"))
         vocab = logits.shape[-1]
         top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_ps = [p.top_p for p in params]

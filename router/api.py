@@ -24,7 +24,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -33,30 +32,15 @@ from policies import classes_from_fields, policy_from_spec
 from policies.limits import RequestLimits
 from router import openai_format as fmt
 from router.admission import AdmissionRejected, IngressAdmission
+from router.cors import ConfiguredCORS
 from router.dispatch import REPLICA_LOST, Dispatch, ReplicaLost
 from router.errors import ApiError
 from router.routing import RequestShape, load_view
 from router.schemas import ChatCompletionRequest, CompletionRequest
-from router.tenants import CLASS_HEADER, ApiKeyConfig, resolve_caller
+from router.settings import IngressSettings
+from router.tenants import CLASS_HEADER, resolve_caller
 
 logger = logging.getLogger(__name__)
-
-
-class IngressSettings(BaseModel):
-    """What the ingress needs of :class:`deploy.config.ServiceConfig` (no torch import)."""
-
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-    model_name: str
-    api_keys: dict[str, ApiKeyConfig] = {}
-    traffic_classes: dict[str, dict[str, Any]] | None = None
-    """Every class's fields, as ``ServiceConfig.traffic_classes`` resolved them; None:
-    the defaults."""
-    policy: dict[str, Any] | None = None
-    """The replicas' ``EngineConfig.policy_spec``; None: the priority policy."""
-    admission: bool = True
-    max_n: int = 8
-    max_request_body_bytes: int = 1 << 20
 
 
 @dataclass(slots=True)
@@ -78,6 +62,7 @@ class _Choice:
 
 
 app = FastAPI(title="iterserve", summary="OpenAI-compatible LLM serving")
+app.add_middleware(ConfiguredCORS)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -97,6 +82,7 @@ class OpenAIIngress:
 
     def __init__(self, replicas: DeploymentHandle, settings: dict[str, Any]) -> None:
         self.settings = IngressSettings(**settings)
+        ConfiguredCORS.origins = self.settings.allowed_origins
         self.replicas = replicas.options(stream=True)
         self._info_handle = replicas
         self.classes = classes_from_fields(self.settings.traffic_classes)

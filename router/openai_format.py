@@ -11,10 +11,15 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from router.errors import ApiError
+from router.schemas import unsupported_field
 
 
 def validate(body: dict, schema: type[BaseModel]) -> Any:
-    """``body`` parsed as ``schema``. Raises ApiError 400 naming the first bad field."""
+    """``body`` parsed as ``schema``. Raises ApiError 400 naming the first bad field: an
+    unsupported OpenAI field, an unknown one, or a value out of range."""
+    if (name := unsupported_field(body)) is not None:
+        raise ApiError(400, f"`{name}` is not supported by this server", param=name,
+                       code="unsupported_parameter")
     try:
         return schema.model_validate(body)
     except ValidationError as e:
@@ -23,6 +28,8 @@ def validate(body: dict, schema: type[BaseModel]) -> Any:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing":
             message = f"{param}: field required"
+        elif err["type"] == "extra_forbidden":
+            message = f"`{param}` is not a parameter of this endpoint"
         else:
             message = f"{param}: {msg} (got {err.get('input')!r})"
         raise ApiError(400, message, param=param, code="invalid_value") from None
@@ -58,6 +65,11 @@ def sampling_params(req: Any, chat: bool) -> dict[str, Any]:
     else:
         max_tokens, logprobs = req.max_tokens, req.logprobs
     return {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+            "top_k": req.top_k if req.top_k is not None else 0, "min_p": req.min_p,
+            "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty,
+            "repetition_penalty": req.repetition_penalty, "logit_bias": req.logit_bias or {},
+            "min_tokens": req.min_tokens, "stop_token_ids": req.stop_token_ids or [],
             "n": req.n, "stop": req.stop or [], "seed": req.seed, "ignore_eos": req.ignore_eos,
             "logprobs": logprobs}
 

@@ -1,43 +1,93 @@
 """OpenAI-compatible request bodies (pydantic), validated as vLLM's server validates them.
 
 Only the request side is modelled: responses are plain dicts built in ``router.api``,
-since they are written, never parsed. Unknown fields are ignored, as OpenAI clients send
-fields a server may not use.
+since they are written, never parsed. Every field is honoured or refused, never silently
+ignored: an unknown field is a 400 naming it, a known OpenAI field this server does not
+implement is a 400 saying so (``UNSUPPORTED``), unless its value asks for the default
+behaviour; fields that change nothing about the output (``user``, ``metadata``, ``store``,
+``service_tier``) are accepted.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}), "suffix": (None, ""),
+    "echo": (None, False), "best_of": (None, 1), "modalities": (None, ["text"]),
+    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,), "logit_bias_type": (None,),
+}
+"""OpenAI fields this server does not implement -> the values that ask for nothing (and
+are accepted as such)."""
+
+
+def unsupported_field(body: dict[str, Any]) -> str | None:
+    """The first field of ``body`` this server does not implement, set to ask for
+    something; None when there is none."""
+    return next((k for k, neutral in UNSUPPORTED.items()
+                 if k in body and body[k] not in neutral), None)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
     """Send one last chunk with the usage and empty ``choices``."""
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints; ranges as OpenAI documents them."""
+    """Fields shared by both endpoints; ranges as OpenAI (and vLLM, for its extensions)
+    document them."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     """Output tokens at most; null means unset (completions: 16; chat: up to the context)."""
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string, OpenAI's form) -> bias in [-100, 100] added to its logit."""
+    user: str | None = None
+    """Accepted; changes nothing (OpenAI uses it for abuse monitoring)."""
+    metadata: dict[str, Any] | None = None
+    """Accepted; changes nothing."""
+    store: bool | None = None
+    """Accepted; nothing is stored."""
+    service_tier: str | None = None
+    """Accepted; there is one tier here (traffic classes come from the API key)."""
+    # vLLM's extensions
+    top_k: int | None = Field(None, ge=-1)
+    """-1, 0 or null: no top-k cut."""
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    """vLLM's extension: keep generating past EOS (benchmarks use it)."""
+    """Keep generating past EOS (benchmarks use it)."""
     priority: int | None = None
     """iterserve's (and vLLM's) extension: lower is more urgent; may only lower urgency."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if (name := unsupported_field(data)) is not None:
+            raise ValueError(f"`{name}` is not supported by this server")
+        return {k: v for k, v in data.items() if k not in UNSUPPORTED}
 
     @field_validator("stop")
     @classmethod
@@ -48,6 +98,18 @@ class _SamplingFields(BaseModel):
         if len(stops) > 4:
             raise ValueError("at most 4 stop strings")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, v: dict[str, float] | None) -> dict[int, float]:
+        out = {}
+        for key, bias in (v or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
+            out[int(key)] = bias
+        return out
 
 
 class CompletionRequest(_SamplingFields):

@@ -215,3 +215,44 @@ def test_request_limits_are_one_rule_for_ingress_and_engine():
     assert not lim.fits(80, None)
     unchunked = RequestLimits(100, 80, 32, chunked_prefill=False)
     assert unchunked.fits(16, 16) and not unchunked.fits(16, 17)
+
+
+def test_every_field_is_honoured_or_refused_by_name():
+    from router import openai_format as fmt
+    from router.schemas import ChatCompletionRequest, CompletionRequest
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for body, param in [
+        ({**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({**chat, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**chat, "tool_choice": "auto"}, "tool_choice"),
+        ({**chat, "frobnicate": 1}, "frobnicate"),
+        ({**chat, "presence_penalty": 2.5}, "presence_penalty"),
+        ({**chat, "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({**chat, "logit_bias": {"5": 150}}, "logit_bias"),
+        ({**chat, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+    ]:
+        with pytest.raises(ApiError) as e:
+            fmt.validate(body, ChatCompletionRequest)
+        assert (e.value.status, e.value.param) == (400, param), body
+        assert param.split(".")[-1] in str(e.value)
+    for name in ("suffix", "echo", "best_of"):
+        bad = {"model": "m", "prompt": "x", name: {"suffix": "!", "echo": True, "best_of": 3}[name]}
+        with pytest.raises(ApiError, match=f"`{name}` is not supported") as e:
+            fmt.validate(bad, CompletionRequest)
+        assert e.value.param == name
+    # Values that ask for the default, and fields that change nothing, are accepted.
+    ok = fmt.validate({**chat, "tools": [], "response_format": {"type": "text"}, "user": "u",
+                       "metadata": {"a": "b"}, "store": False, "service_tier": "auto",
+                       "logit_bias": {"42": -5}, "top_k": 5, "min_p": 0.1,
+                       "repetition_penalty": 1.1, "min_tokens": 2, "stop_token_ids": [7],
+                       "frequency_penalty": 0.5, "presence_penalty": -0.5},
+                      ChatCompletionRequest)
+    params = fmt.sampling_params(ok, chat=True)
+    assert params["logit_bias"] == {42: -5} and params["top_k"] == 5
+    assert (params["min_p"], params["repetition_penalty"], params["min_tokens"]) == (0.1, 1.1, 2)
+    assert (params["frequency_penalty"], params["presence_penalty"]) == (0.5, -0.5)
+    assert params["stop_token_ids"] == [7]
+    from engine.request import SamplingParams
+
+    SamplingParams(**params)  # every field the ingress sends is one the engine takes

@@ -240,6 +240,13 @@ def test_max_tokens_null_means_unset(server):
      f"KV cache capacity of {NUM_KV_BLOCKS // 2 * 16}"),
     ({"model": "gpt-4", "prompt": "a"}, 404, "model", "does not exist"),
     ({"prompt": "a"}, 400, "model", "required"),
+    ({"model": MODEL, "prompt": "a", "suffix": "!"}, 400, "suffix", "not supported"),
+    ({"model": MODEL, "prompt": "a", "frobnicate": 1}, 400, "frobnicate",
+     "not a parameter"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {"99999999": 1}}, 400, "logit_bias",
+     "token id 99999999 is outside the vocabulary"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens",
+     "<= max_tokens"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_input_gets_openai_error(server, body, status, param, needle, stream):
@@ -249,6 +256,18 @@ def test_bad_input_gets_openai_error(server, body, status, param, needle, stream
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["param"] == param and needle in err["message"], err
+
+
+def test_cors_preflight_from_a_browser_origin(server):
+    r = httpx.options(f"{server}/v1/chat/completions", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] in ("*", "https://app.example")
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 1},
+              Origin="https://app.example")
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"]
 
 
 def test_bad_chat_input(server):

@@ -1,0 +1,40 @@
+"""The ingress's settings: the fields :class:`deploy.config.ServiceConfig` shares with it,
+defined once here (``ServiceConfig`` inherits them), plus what ``build_app`` derives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.tenants import ApiKeyConfig
+
+
+class IngressOptions(BaseModel):
+    """The service settings the ingress reads as they are (no torch import)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    api_keys: dict[str, ApiKeyConfig] = Field(
+        default_factory=dict, description="key -> tenant, class, priority ceiling; "
+                                          "empty: no key needed, every request `standard`",
+    )
+    admission: bool = Field(True, description="SLO-aware admission at the ingress")
+    max_n: int = Field(8, ge=1, description="cap on a request's `n`")
+    max_request_body_bytes: int = Field(1 << 20, ge=1024, description="larger bodies get 413")
+    allowed_origins: list[str] = Field(
+        default_factory=lambda: ["*"],
+        description="origins browsers may call the API from (CORS); ['*']: any",
+    )
+
+
+class IngressSettings(IngressOptions):
+    """:class:`IngressOptions` plus what ``deploy.app.build_app`` derives from the service
+    config, in the JSON form that travels to the ingress replica."""
+
+    model_name: str
+    traffic_classes: dict[str, dict[str, Any]] | None = None
+    """Every class's fields, as ``ServiceConfig.traffic_classes`` resolved them; None:
+    the defaults."""
+    policy: dict[str, Any] | None = None
+    """The replicas' ``EngineConfig.policy_spec``; None: the priority policy."""

@@ -1,0 +1,149 @@
+"""Penalties, logit bias, min-p and min_tokens: each checked against a reference, per request
+inside a mixed batch, and refused with the field's name when out of range."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, ParamError, RequestOutputKind
+from engine import SamplingParams as SP
+from engine.logits_processors import apply
+from engine.request import Request
+from engine.sampler import Sampler
+
+VOCAB = 10
+
+
+def _req(prompt, output, **params) -> Request:
+    r = Request("r", list(prompt), SP(**params), 0.0, 16)
+    for t in output:
+        r.append_token(t)
+    return r
+
+
+def test_penalties_and_bias_are_the_documented_logit_transforms():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0, 1.0, 1.5, -0.5, 0.25]])
+    req = _req([1, 2], [3, 3, 4], repetition_penalty=2.0, frequency_penalty=0.5,
+               presence_penalty=0.25, logit_bias={7: -1.0, 9: 3.0})
+    got = apply(logits, [req], eos_token_ids=[0])[0]
+    want = logits[0].clone()
+    want[7] -= 1.0
+    want[9] += 3.0
+    for t in (1, 2, 3, 4):  # CTRL: prompt and output tokens, positive / p, negative * p
+        want[t] = want[t] / 2 if want[t] > 0 else want[t] * 2
+    want[3] -= 0.5 * 2 + 0.25  # OpenAI: frequency x count + presence, over the output
+    want[4] -= 0.5 * 1 + 0.25
+    assert torch.allclose(got, want)
+    assert torch.equal(logits[0, 3], torch.tensor(3.0))  # the input is not modified
+
+
+def test_rows_without_processors_keep_the_models_logits():
+    logits = torch.randn(3, VOCAB)
+    plain = [_req([1], [2]), _req([3], [])]
+    assert apply(logits, plain, eos_token_ids=[0]) is logits
+    mixed = apply(logits, [plain[0], _req([1], [2], presence_penalty=1.0), plain[1]], [0])
+    assert torch.equal(mixed[0], logits[0]) and torch.equal(mixed[2], logits[2])
+    assert not torch.equal(mixed[1], logits[1])
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids_then_releases_them():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 0] = 10.0  # EOS would win
+    early = _req([5], [6], min_tokens=2, stop_token_ids=[8])
+    row = apply(logits, [early], eos_token_ids=[0])[0]
+    assert row[0] == float("-inf") and row[8] == float("-inf") and row[1] == 0
+    done = _req([5], [6, 7], min_tokens=2, stop_token_ids=[8])
+    assert apply(logits, [done], eos_token_ids=[0])[0, 0] == 10.0
+
+
+def test_min_p_keeps_tokens_within_a_fraction_of_the_top_probability():
+    # Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.35 keeps tokens 0 and 1 only.
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    reqs = [_req([1], [], temperature=1.0, min_p=0.35, seed=s) for s in range(200)]
+    drawn = {r.token_id for r in sampler.sample(probs.log().repeat(200, 1), reqs)}
+    assert drawn == {0, 1}
+
+
+def test_out_of_range_values_name_the_field():
+    bad = [(dict(presence_penalty=2.5), "presence_penalty"),
+           (dict(frequency_penalty=-3), "frequency_penalty"),
+           (dict(repetition_penalty=0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
+           (dict(logit_bias={3: 101}), "logit_bias"),
+           (dict(min_tokens=5, max_tokens=4), "min_tokens")]
+    for kwargs, name in bad:
+        with pytest.raises(ParamError, match=f"SamplingParams.{name}=") as e:
+            SP(**kwargs)
+        assert e.value.param == name
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(num_kv_blocks=64, max_num_seqs=8)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_by_name(llm):
+    engine = llm.llm_engine
+    vocab = engine.runner.vocab_size
+    for name, params in (("logit_bias", SP(logit_bias={vocab: 1.0})),
+                         ("stop_token_ids", SP(stop_token_ids=[-1]))):
+        with pytest.raises(ParamError, match="token id -?\\d+ is outside") as e:
+            engine.validate({"prompt_token_ids": [1, 2]}, params)
+        assert e.value.param == name
+
+
+def test_repetition_penalty_matches_transformers(llm, model_dir, prompts):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = prompts[6]
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                             repetition_penalty=1.3)[0, len(ids):].tolist()
+    params = SP(max_tokens=12, temperature=0, repetition_penalty=1.3, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref
+
+
+def test_a_plain_greedy_request_is_the_same_beside_penalized_ones(llm, prompts):
+    plain = SP(max_tokens=10, temperature=0, ignore_eos=True)
+    alone = llm.generate([{"prompt_token_ids": prompts[8]}], plain, use_tqdm=False)[0]
+    noisy = [SP(max_tokens=10, temperature=0, ignore_eos=True, frequency_penalty=2.0,
+                logit_bias={t: 100.0 for t in range(5)}),
+             SP(max_tokens=10, temperature=0.9, seed=3, min_p=0.1, repetition_penalty=1.5)]
+    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in (8, 9, 10)],
+                        [plain, *noisy], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert all(t < 5 for t in outs[1].outputs[0].token_ids)  # the bias took hold there
+
+
+def test_min_tokens_delays_eos(llm):
+    eos = next(iter(llm.llm_engine.eos_token_ids))
+    forced = {eos: 100.0}  # EOS is the top token at every step
+    out = llm.generate(["Hi"], SP(max_tokens=8, temperature=0, logit_bias=forced),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+    out = llm.generate(["Hi"], SP(max_tokens=8, temperature=0, logit_bias=forced, min_tokens=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.token_ids[-1] == eos and eos not in out.token_ids[:3]
+
+
+def test_a_delta_output_reports_a_finished_sequence_once():
+    from engine.outputs import RequestGroup, make_output
+    from engine.request import FinishReason, RequestStatus
+
+    class _Detok:
+        text = ""
+
+    seqs = [_req([1], [], output_kind=RequestOutputKind.DELTA) for _ in range(2)]
+    for k, r in enumerate(seqs):
+        r.request_id, r.index, r.detokenizer = f"n2-{k}", k, _Detok()
+        r.append_token(5)
+    seqs[0].status, seqs[0].finish_reason = RequestStatus.FINISHED, FinishReason.STOP
+    group = RequestGroup("n2", None, seqs, 0.0, RequestOutputKind.DELTA)
+    first = make_output(group, {"n2-0": ("a", 1), "n2-1": ("b", 1)})
+    assert [(c.index, c.finish_reason) for c in first.outputs] == [(0, "stop"), (1, None)]
+    seqs[1].append_token(6)
+    later = make_output(group, {"n2-1": ("c", 1)})
+    assert [(c.index, c.token_ids) for c in later.outputs] == [(1, [6])]
