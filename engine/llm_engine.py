@@ -16,6 +16,7 @@ from engine.kv_cache import BlockManager
 from engine.outputs import RequestGroup, make_output
 from engine.request import FinishReason, ParamError, Request, RequestOutput, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured import StructuredOutput
 from policies import DEFAULT_CLASS, LoadSnapshot, make_classes
 from policies.limits import RequestLimits
 
@@ -55,6 +56,7 @@ class LLMEngine:
         self.clock = clock
         self.runner = runner
         self.tokenizer = tokenizer
+        self.structured = StructuredOutput(tokenizer, runner.vocab_size)
         self.model_dir = model_dir
         self.max_model_len = runner.max_model_len
         self.vocab_size = runner.vocab_size
@@ -173,6 +175,8 @@ class LLMEngine:
             if params.seed is not None and params.n > 1:
                 req.params = replace(params, seed=params.seed + i)
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+            if params.json_schema is not None:
+                req.grammar = self.structured.matcher(params.json_schema)
             seqs.append(req)
         self._groups[request_id] = RequestGroup(request_id, text, seqs, now,
                                                 params.output_kind)
@@ -196,7 +200,8 @@ class LLMEngine:
 
         Raises:
             ValueError: unknown traffic class, empty prompt or a token id outside the
-                vocabulary (:class:`ParamError` for ``logit_bias`` and ``stop_token_ids``).
+                vocabulary (:class:`ParamError` for ``logit_bias`` and ``stop_token_ids``),
+                or a ``json_schema`` that does not compile (``ParamError``).
             RequestRejectedError: the request could never run here.
         """
         if traffic_class is not None and traffic_class not in self.traffic_classes:
@@ -210,6 +215,8 @@ class LLMEngine:
             if bad:
                 raise ParamError(name, f"{name}: token id {bad[0]} is outside the "
                                        f"vocabulary (ids 0-{vocab - 1})")
+        if params.json_schema is not None:
+            self.structured.compile(params.json_schema)
         text, ids = self.tokenize(prompt, tokenizer)
         return text, ids, self.check_length(len(ids), params.max_tokens)
 
@@ -257,6 +264,8 @@ class LLMEngine:
         deltas: dict[str, tuple[str, int]] = {}
         for req in got:
             sample = samples[req.request_id]
+            if req.grammar is not None:
+                req.grammar.accept_token(sample.token_id)
             if req.first_token_time is None:
                 req.first_token_time = now
             if sample.logprobs is not None:

@@ -62,6 +62,9 @@ class SamplingParams:
     min_tokens: int = 0
     """EOS and ``stop_token_ids`` are masked, and stop strings not checked, until the
     output has this many tokens."""
+    json_schema: dict[str, Any] | None = None
+    """Constrain the output to JSON that validates against this schema (``{"type":
+    "object"}``: any JSON object, OpenAI's ``json_object``); see :mod:`engine.structured`."""
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -104,6 +107,9 @@ class SamplingParams:
             ("min_tokens", self.min_tokens, self.min_tokens >= 0 and (
                 self.max_tokens is None or self.min_tokens <= self.max_tokens),
              "must be >= 0 and <= max_tokens"),
+            ("json_schema", self.json_schema, self.json_schema is None or (
+                isinstance(self.json_schema, dict) and not self.ignore_eos),
+             "must be a JSON schema object, and cannot be combined with ignore_eos"),
             ("n", self.n, self.n >= 1, "must be >= 1"),
             ("logprobs", self.logprobs, self.logprobs is None or self.logprobs >= 0,
              "must be >= 0 or None"),
@@ -176,6 +182,8 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     generator: Any = None
     """The request's own ``torch.Generator`` when it has a seed (made on first use)."""
+    grammar: Any = None
+    """Its xgrammar matcher when it has a ``json_schema`` (:mod:`engine.structured`)."""
     detokenizer: Any = None
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import logits_processors
+from engine import logits_processors, structured
 from engine.request import Request
 
 
@@ -45,7 +45,8 @@ class Sampler:
             One result per row; log-probabilities are the model's, before any processor.
         """
         raw = logits.float()
-        logits = logits_processors.apply(raw, requests, eos_token_ids)
+        logits = structured.mask(logits_processors.apply(raw, requests, eos_token_ids), raw,
+                                 requests)
         params = [r.params for r in requests]
         token_ids = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]

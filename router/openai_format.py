@@ -70,6 +70,7 @@ def sampling_params(req: Any, chat: bool) -> dict[str, Any]:
             "frequency_penalty": req.frequency_penalty,
             "repetition_penalty": req.repetition_penalty, "logit_bias": req.logit_bias or {},
             "min_tokens": req.min_tokens, "stop_token_ids": req.stop_token_ids or [],
+            "json_schema": req.response_format.output_schema() if req.response_format else None,
             "n": req.n, "stop": req.stop or [], "seed": req.seed, "ignore_eos": req.ignore_eos,
             "logprobs": logprobs}
 

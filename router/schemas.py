@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "parallel_tool_calls": (None,),
-    "response_format": (None, {"type": "text"}), "suffix": (None, ""),
+    "suffix": (None, ""),
     "echo": (None, False), "best_of": (None, 1), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "logit_bias_type": (None,),
@@ -40,6 +40,37 @@ class StreamOptions(BaseModel):
     """Send one last chunk with the usage and empty ``choices``."""
 
 
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    """Accepted: the output always follows the schema here (as OpenAI's strict mode)."""
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("`json_schema` is required with type json_schema, and only then")
+        return self
+
+    def output_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the output must follow; None for plain text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.json_schema.schema_ if self.json_schema else None
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints; ranges as OpenAI (and vLLM, for its extensions)
     document them."""
@@ -58,6 +89,8 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    response_format: ResponseFormat | None = None
+    """JSON output: ``json_object`` (any object) or ``json_schema`` (validates against it)."""
     logit_bias: dict[str, float] | None = None
     """Token id (as a string, OpenAI's form) -> bias in [-100, 100] added to its logit."""
     user: str | None = None

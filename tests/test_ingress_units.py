@@ -224,7 +224,8 @@ def test_every_field_is_honoured_or_refused_by_name():
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     for body, param in [
         ({**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({**chat, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**chat, "response_format": {"type": "regex"}}, "response_format.type"),
+        ({**chat, "response_format": {"type": "json_schema"}}, "response_format"),
         ({**chat, "tool_choice": "auto"}, "tool_choice"),
         ({**chat, "frobnicate": 1}, "frobnicate"),
         ({**chat, "presence_penalty": 2.5}, "presence_penalty"),
@@ -252,7 +253,13 @@ def test_every_field_is_honoured_or_refused_by_name():
     assert params["logit_bias"] == {42: -5} and params["top_k"] == 5
     assert (params["min_p"], params["repetition_penalty"], params["min_tokens"]) == (0.1, 1.1, 2)
     assert (params["frequency_penalty"], params["presence_penalty"]) == (0.5, -0.5)
-    assert params["stop_token_ids"] == [7]
+    assert params["stop_token_ids"] == [7] and params["json_schema"] is None
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for fmt_, want in [({"type": "json_object"}, {"type": "object"}),
+                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                "strict": True}}, schema)]:
+        got = fmt.validate({**chat, "response_format": fmt_}, ChatCompletionRequest)
+        assert fmt.sampling_params(got, chat=True)["json_schema"] == want
     from engine.request import SamplingParams
 
     SamplingParams(**params)  # every field the ingress sends is one the engine takes

@@ -258,6 +258,26 @@ def test_bad_input_gets_openai_error(server, body, status, param, needle, stream
     assert err["param"] == param and needle in err["message"], err
 
 
+def test_chat_response_format_json_schema(server):
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "population_millions": {"type": "number"}},
+        "required": ["city", "population_millions"], "additionalProperties": False}
+    chat = _client(server).chat.completions.create(
+        model=MODEL, max_tokens=64, temperature=0,
+        messages=[{"role": "user", "content": "Name a large city and its population."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    assert chat.choices[0].finish_reason == "stop"
+    data = json.loads(chat.choices[0].message.content)
+    assert set(data) == {"city", "population_millions"} and isinstance(data["city"], str)
+    r = _post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "bad", "schema": {"type": "nope"}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
 def test_cors_preflight_from_a_browser_origin(server):
     r = httpx.options(f"{server}/v1/chat/completions", headers={
         "Origin": "https://app.example", "Access-Control-Request-Method": "POST",

@@ -1,0 +1,88 @@
+"""Structured output: JSON-schema constrained decoding through xgrammar.
+
+xgrammar (Dong et al., "XGrammar: Flexible and Efficient Structured Generation Engine for
+Large Language Models", MLSys 2025; vLLM's default backend) compiles a schema into a
+grammar over the tokenizer's vocabulary once, then gives each sequence a matcher that
+fills a bitmask of the tokens allowed next. The sampler masks only the rows of requests
+that asked for a schema, so their neighbours in the batch are untouched; the engine
+advances each matcher with the token it kept.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from engine.request import ParamError, Request
+
+FIELD = "response_format"
+"""The API field a schema comes from, named in errors."""
+
+
+class StructuredOutput:
+    """Compiles schemas for one tokenizer (cached by schema) and makes matchers.
+
+    Args:
+        tokenizer: the served transformers tokenizer.
+        vocab_size: rows of the model's logits (may exceed the tokenizer's vocabulary).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler = None
+        self._cache: dict[str, Any] = {}
+
+    def compile(self, schema: dict[str, Any]) -> Any:
+        """The compiled grammar of a JSON schema (no whitespace beyond one space, so a
+        small model cannot wander into endless indentation).
+
+        Raises:
+            ParamError: the schema is not one xgrammar can compile.
+        """
+        key = json.dumps(schema, sort_keys=True)
+        if key not in self._cache:
+            try:
+                self._cache[key] = self._get_compiler().compile_json_schema(
+                    key, any_whitespace=False)
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise ParamError(FIELD, f"{FIELD}: cannot compile the JSON schema: {e}") from e
+        return self._cache[key]
+
+    def matcher(self, schema: dict[str, Any]) -> Any:
+        """A fresh matcher (one sequence's grammar state) for ``schema``."""
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(self.compile(schema))
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler
+
+
+def mask(logits: torch.Tensor, raw: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """``logits`` with disallowed tokens at -inf in the rows of requests with a grammar.
+
+    Args:
+        logits: ``[S, V]`` float logits after the logits processors.
+        raw: the model's logits; never modified (log-probabilities come from them).
+        requests: the ``S`` requests, in row order.
+    """
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return logits
+    import xgrammar as xgr
+
+    if logits is raw:
+        logits = logits.clone()
+    bitmask = xgr.allocate_token_bitmask(len(requests), logits.shape[-1])
+    for i in rows:
+        requests[i].grammar.fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    return logits
