@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import platform
 import signal
@@ -14,7 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import loadgen
 import yaml
+from loadgen import LoadRequest
+from targets import HttpTarget, http_client
 
 REPO = Path(__file__).resolve().parents[1]
 PORT = 8123
@@ -149,27 +150,26 @@ class Server:
 async def token_cost(server: Server, streams: int, tokens: int) -> dict:
     """Steady-state ms between streamed tokens with ``streams`` concurrent streams.
 
-    Each stream decodes ``tokens`` tokens (``ignore_eos``, greedy) from a short prompt; the
-    gap is measured between its 20th and 80th percentile chunks, so prefill and the
-    stream's start and end do not count. Returns the mean over streams (ms per token).
+    Each stream decodes ``tokens`` tokens (``ignore_eos``, greedy) from a short prompt,
+    sent together by the shared load generator after one warm-up stream; the gap is
+    measured between its 20th and 80th percentile tokens, so prefill and the stream's
+    start and end do not count. Returns the mean over streams (ms per token).
     """
-    body = {"model": server.model_name, "prompt": PROBE_PROMPT, "max_tokens": tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    def req(i: int) -> LoadRequest:
+        return LoadRequest(f"probe-{i}", -1, None, PROBE_PROMPT, 0, tokens)
 
-    async def one(client: httpx.AsyncClient) -> float:
-        times = []
-        async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    choice = (json.loads(line[6:]).get("choices") or [{}])[0]
-                    if choice.get("text"):
-                        times.append(time.perf_counter())
+    def gap_ms(times: list[float]) -> float:
         a, b = len(times) // 5, (len(times) * 4) // 5
         return 1000 * (times[b] - times[a]) / max(1, b - a)
 
-    async with httpx.AsyncClient(timeout=600) as client:
-        await one(client)  # warm-up
-        gaps = await asyncio.gather(*[one(client) for _ in range(streams)])
+    async with http_client() as client:
+        target = HttpTarget(client, server.url, server.model_name, class_header=None)
+        await loadgen.open_loop(target, [req(-1)])
+        run = await loadgen.open_loop(target, [req(i) for i in range(streams)])
+    failed = [r["error"] for r in run.records if r["status"] != "finished"]
+    if failed:
+        raise RuntimeError(f"token-cost probe failed: {failed[0]}")
+    gaps = [gap_ms(r["token_s"]) for r in run.records]
     return {"streams": streams, "tokens": tokens, "ms_per_token": sum(gaps) / len(gaps)}
 
 
