@@ -83,7 +83,10 @@ class ModelReplica:
                       "logprobs": c.logprobs, "finish_reason": c.finish_reason,
                       "stop_reason": c.stop_reason}
                      for c in out.outputs if c.text or c.token_ids or c.finish_reason]
-            yield {"outputs": items, "finished": out.finished}
+            item = {"outputs": items, "finished": out.finished}
+            if out.prompt_logprobs is not None:
+                item["prompt_logprobs"] = out.prompt_logprobs
+            yield item
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this; the routers and the ingress's admission read it."""

@@ -175,6 +175,8 @@ class LLMEngine:
             if params.seed is not None and params.n > 1:
                 req.params = replace(params, seed=params.seed + i)
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+            if params.prompt_logprobs is not None and i == 0:
+                req.prompt_logprobs = [None]
             if params.json_schema is not None:
                 req.grammar = self.structured.matcher(params.json_schema)
             seqs.append(req)

@@ -23,6 +23,7 @@ class RequestGroup:
     seqs: list[Request]
     arrival_time: float
     kind: RequestOutputKind
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -62,12 +63,18 @@ def make_output(group: RequestGroup, deltas: dict[str, tuple[str, int]]) -> Requ
             logprobs=logprobs,
         ))
     firsts = [r.first_token_time for r in group.seqs if r.first_token_time is not None]
+    plp = group.seqs[0].prompt_logprobs
+    if plp is not None and (len(plp) < len(group.seqs[0].prompt_token_ids)
+                            or (delta and group.prompt_logprobs_sent)):
+        plp = None
+    group.prompt_logprobs_sent |= plp is not None
     return RequestOutput(
         request_id=group.request_id,
         prompt=group.prompt,
         prompt_token_ids=group.seqs[0].prompt_token_ids,
         outputs=completions,
         finished=finished,
+        prompt_logprobs=None if plp is None else list(plp),
         metrics=RequestMetrics(
             arrival_time=group.arrival_time,
             first_token_time=min(firsts) if firsts else None,

@@ -72,6 +72,9 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     """Top-k log-probabilities to return per output token (the sampled one always too)."""
+    prompt_logprobs: int | None = None
+    """Top-k log-probabilities per prompt token (the prompt's own always too; the first
+    token has none), for scoring; in :attr:`RequestOutput.prompt_logprobs`."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """What each output carries; :class:`engine.LLM` always asks for ``FINAL_ONLY``."""
 
@@ -113,6 +116,8 @@ class SamplingParams:
             ("n", self.n, self.n >= 1, "must be >= 1"),
             ("logprobs", self.logprobs, self.logprobs is None or self.logprobs >= 0,
              "must be >= 0 or None"),
+            ("prompt_logprobs", self.prompt_logprobs,
+             self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0 or None"),
             ("stop", self.stop, all(isinstance(s, str) and s for s in self.stop),
              "must be non-empty strings"),
         ]
@@ -180,6 +185,9 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """Per prompt token when asked (``[None]`` until the prefill fills it; the first
+    sequence of a group only): the runner appends one entry per prompt position."""
     generator: Any = None
     """The request's own ``torch.Generator`` when it has a seed (made on first use)."""
     grammar: Any = None
@@ -243,3 +251,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """One entry per prompt token (None for the first) when ``prompt_logprobs`` was
+    asked for; a ``DELTA`` request gets it once, with its first output."""

@@ -22,7 +22,7 @@ from engine.attention import (
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.model_loader import load_model
 from engine.request import Request
-from engine.sampler import Sampler, SampleResult
+from engine.sampler import Sampler, SampleResult, prompt_logprob_rows, record_prompt_logprobs
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -130,17 +130,20 @@ class TorchModelRunner:
             reached its last token.
         """
         t0 = time.perf_counter()
-        input_ids, positions, md, sample_idx, sampling_reqs = self._prepare(out)
+        input_ids, positions, md, keep_idx, sampling_reqs, spans = self._prepare(out)
         t1 = time.perf_counter()
         logits = self.model(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
             use_cache=False,
-            logits_to_keep=sample_idx,
+            logits_to_keep=keep_idx,
             attn_metadata=md,
         ).logits[0]
         t2 = time.perf_counter()
-        results = (self.sampler.sample(logits, sampling_reqs, self.eos_token_ids)
+        ns = len(sampling_reqs)
+        if spans:
+            record_prompt_logprobs(logits[ns:], spans)
+        results = (self.sampler.sample(logits[:ns], sampling_reqs, self.eos_token_ids)
                    if sampling_reqs else [])
         t3 = time.perf_counter()
         self.last_phases = (("prepare", t1 - t0), ("forward", t2 - t1), ("sample", t3 - t2))
@@ -196,12 +199,14 @@ class TorchModelRunner:
         )
         if not self.use_flash:
             self._prepare_sdpa(md, seqs, nd, block_tables, ctx, qsl)
+        spans, rows = prompt_logprob_rows(seqs, qsl)
         return (
             torch.tensor(ids, dtype=torch.int64, device=self.device),
             positions.to(self.device),
             md,
-            torch.tensor(sample_idx, dtype=torch.int64, device=self.device),
+            torch.tensor(sample_idx + rows, dtype=torch.int64, device=self.device),
             sampling_reqs,
+            spans,
         )
 
     def _prepare_sdpa(self, md: AttentionMetadata, seqs: list[ScheduledSeq], nd: int,

@@ -104,3 +104,52 @@ class Sampler:
         cut |= mass_before >= torch.tensor(top_ps, device=logits.device).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
         return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def prompt_logprob_rows(seqs, query_start_loc: list[int]
+                        ) -> tuple[list[tuple[Request, int, int]], list[int]]:
+    """Which positions of a step's flat tokens give prompt log-probabilities.
+
+    Position ``p`` of a request's prompt predicts token ``p + 1``; a request that asked
+    (``Request.prompt_logprobs`` not None) needs each such position once, in order, so a
+    recompute after preemption adds none twice.
+
+    Returns:
+        ``(request, first position, count)`` per request, and the flat row indices, in
+        that order.
+    """
+    spans, rows = [], []
+    for seq, q0 in zip(seqs, query_start_loc):
+        req = seq.request
+        if req.prompt_logprobs is None:
+            continue
+        first = max(seq.start, len(req.prompt_logprobs) - 1)
+        end = min(seq.start + seq.num_tokens, len(req.prompt_token_ids) - 1)
+        if end > first:
+            spans.append((req, first, end - first))
+            rows.extend(range(q0 + first - seq.start, q0 + end - seq.start))
+    return spans, rows
+
+
+def record_prompt_logprobs(logits: torch.Tensor,
+                           spans: list[tuple[Request, int, int]]) -> None:
+    """Append each span's entries to its request: the log-probability of the prompt's
+    next token, and the top ``prompt_logprobs`` of the distribution.
+
+    Args:
+        logits: ``[sum of counts, V]``, the spans' positions in order.
+    """
+    k = 0
+    for req, first, count in spans:
+        lp = logits[k:k + count].float().log_softmax(dim=-1)
+        k += count
+        targets = req.prompt_token_ids[first + 1:first + 1 + count]
+        own = lp.gather(1, torch.tensor(targets, device=lp.device).unsqueeze(1))[:, 0].tolist()
+        top = req.params.prompt_logprobs
+        top_v, top_i = lp.topk(max(top, 1), dim=-1)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, t in enumerate(targets):
+            entry = {t: own[j]}
+            for v, i in zip(top_v[j][:top], top_i[j][:top]):
+                entry.setdefault(i, v)
+            req.prompt_logprobs.append(entry)

@@ -18,8 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,10 +30,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from policies import classes_from_fields, policy_from_spec
 from policies.limits import RequestLimits
 from router import openai_format as fmt
+from router import responses
 from router.admission import AdmissionRejected, IngressAdmission
 from router.cors import ConfiguredCORS
 from router.dispatch import REPLICA_LOST, Dispatch, ReplicaLost
 from router.errors import ApiError
+from router.responses import PromptCall
 from router.routing import RequestShape, load_view
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import IngressSettings
@@ -48,17 +49,6 @@ class _ModelInfo:
     tokenizer: Any
     limits: RequestLimits
     """The replicas' limits, the engine's own (the replica re-checks with them)."""
-
-
-@dataclass(slots=True)
-class _Choice:
-    """One of the ``n`` sequences, accumulated for a non-streamed response."""
-
-    text: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 app = FastAPI(title="iterserve", summary="OpenAI-compatible LLM serving")
@@ -143,6 +133,7 @@ class OpenAIIngress:
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         arrival = time.monotonic()
+        calls: list[PromptCall] = []
         try:
             body = await self._read_json(request)
             req = fmt.validate(body, ChatCompletionRequest if chat else CompletionRequest)
@@ -150,123 +141,67 @@ class OpenAIIngress:
                 raise ApiError(404, f"model {req.model!r} does not exist; this server "
                                     f"serves {self.settings.model_name!r}", param="model",
                                code="model_not_found")
-            if req.n > self.settings.max_n:
-                raise ApiError(400, f"n={req.n} is over the server's cap of "
-                                    f"{self.settings.max_n}", param="n", code="invalid_value")
             caller = resolve_caller(self.settings.api_keys, self.classes,
                                     request.headers.get("authorization"),
                                     request.headers.get(CLASS_HEADER), req.priority)
             info = await self._model_info()
-            ids = fmt.prompt_ids(req, chat, info.tokenizer)
+            prompts = fmt.prompts(req, chat, info.tokenizer)
+            if req.n * len(prompts) > self.settings.max_n:
+                raise ApiError(400, f"n={req.n} for {len(prompts)} prompt(s) is over the "
+                                    f"server's cap of {self.settings.max_n} choices",
+                               param="n", code="invalid_value")
+            scores_only = fmt.scores_only(req, chat)
             params = fmt.sampling_params(req, chat)
-            shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
-            # A request that can never fit skips admission: the replica answers it with
-            # a 400 that has the numbers, not a 429.
-            if info.limits.fits(len(ids), params["max_tokens"]):
-                await self._admit(caller, len(ids), params["max_tokens"], arrival)
-            prefix = "chatcmpl" if chat else "cmpl"
-            rid = f"{prefix}-{uuid.uuid4().hex}"
-            dispatch = Dispatch(self.replicas, (rid, ids, params), shape)
-            try:
-                await dispatch.start()
-            except BaseException:  # refused, or the client left while it was sent
-                dispatch.cancel()
-                raise
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            for p, (ids, text) in enumerate(prompts):
+                call_id = rid if len(prompts) == 1 else f"{rid}-{p}"
+                calls.append(PromptCall(ids, text, await self._dispatch(
+                    call_id, ids, params, caller, info, arrival)))
         except ApiError as e:
+            self._cancel(calls)
             return self._error(e)
-        except Exception:  # a bug of ours: an OpenAI-shaped 500, and the server stays up
+        except BaseException as e:  # a bug of ours, or the client left while it was sent
+            self._cancel(calls)
+            if not isinstance(e, Exception):
+                raise
             logger.exception("request failed")
             return self._error(ApiError(500, "internal error; see the server log",
                                         code="internal_error"))
+        reply = responses.Reply(req, chat, rid, self.settings.model_name, info.tokenizer,
+                                calls, scores_only)
         headers = {"x-request-id": rid, "x-iterserve-class": caller.traffic_class,
                    "x-iterserve-priority": str(caller.priority),
-                   "x-iterserve-replica": dispatch.replica}
+                   "x-iterserve-replica": calls[0].dispatch.replica}
         if req.stream:
-            return StreamingResponse(self._stream(dispatch, req, chat, rid, info),
-                                     media_type="text/event-stream", headers=headers)
+            return StreamingResponse(responses.stream(reply), media_type="text/event-stream",
+                                     headers=headers)
         try:
-            return JSONResponse(await self._collect(dispatch, req, chat, rid, info),
-                                headers=headers)
+            return JSONResponse(await responses.collect(reply), headers=headers)
         except ReplicaLost as e:
             return self._error(ApiError(503, str(e), code="replica_lost"))
         finally:
-            dispatch.cancel()
+            self._cancel(calls)
 
-    async def _collect(self, dispatch: Dispatch, req: Any, chat: bool, rid: str,
-                       info: _ModelInfo) -> dict:
-        choices = [_Choice() for _ in range(req.n)]
-        async for item in dispatch.items():
-            for o in item["outputs"]:
-                c = choices[o["index"]]
-                c.text.append(o["text"])
-                c.token_ids.extend(o["token_ids"])
-                if o["logprobs"]:
-                    c.logprobs.extend(o["logprobs"])
-                if o["finish_reason"]:
-                    c.finish_reason, c.stop_reason = o["finish_reason"], o["stop_reason"]
-        want_logprobs = fmt.wants_logprobs(req, chat)
-        out = []
-        for i, c in enumerate(choices):
-            text = "".join(c.text)
-            lp = (fmt.logprobs_object(info.tokenizer, c.token_ids, c.logprobs, req, chat)
-                  if want_logprobs else None)
-            choice: dict[str, Any] = {"index": i, "logprobs": lp,
-                                      "finish_reason": c.finish_reason,
-                                      "stop_reason": c.stop_reason}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            out.append(choice)
-        completion = sum(len(c.token_ids) for c in choices)
-        return {
-            "id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": self.settings.model_name, "choices": out,
-            "usage": fmt.usage(dispatch.prompt_tokens, completion),
-        }
-
-    async def _stream(self, dispatch: Dispatch, req: Any, chat: bool, rid: str,
-                      info: _ModelInfo) -> AsyncIterator[str]:
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        want_logprobs = fmt.wants_logprobs(req, chat)
-        completion = 0
-
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            data: dict[str, Any] = {"id": rid, "object": obj, "created": created,
-                                    "model": self.settings.model_name, "choices": choices}
-            if include_usage:
-                data["usage"] = usage
-            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
+    async def _dispatch(self, rid: str, ids: list[int], params: dict, caller: Any,
+                        info: _ModelInfo, arrival: float) -> Dispatch:
+        """Admit one prompt and send it to a replica; its call once accepted."""
+        shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
+        # A request that can never fit skips admission: the replica answers it with a
+        # 400 that has the numbers, not a 429.
+        if info.limits.fits(len(ids), params["max_tokens"]):
+            await self._admit(caller, len(ids), params["max_tokens"], arrival)
+        dispatch = Dispatch(self.replicas, (rid, ids, params), shape)
         try:
-            if chat:
-                for i in range(req.n):
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}])
-            async for item in dispatch.items():
-                for o in item["outputs"]:
-                    completion += len(o["token_ids"])
-                    lp = (fmt.logprobs_object(info.tokenizer, o["token_ids"], o["logprobs"] or [],
-                                         req, chat) if want_logprobs else None)
-                    choice: dict[str, Any] = {"index": o["index"], "logprobs": lp,
-                                              "finish_reason": o["finish_reason"]}
-                    if o["finish_reason"]:
-                        choice["stop_reason"] = o["stop_reason"]
-                    if chat:
-                        choice["delta"] = {"content": o["text"]} if o["text"] else {}
-                    else:
-                        choice["text"] = o["text"]
-                    yield chunk([choice])
-            if include_usage:
-                yield chunk([], fmt.usage(dispatch.prompt_tokens, completion))
-        except (ReplicaLost, ApiError) as e:
-            err = e if isinstance(e, ApiError) else ApiError(503, str(e), code="replica_lost")
-            yield f"data: {json.dumps(err.body())}\n\n"
-        finally:
+            await dispatch.start()
+        except BaseException:  # refused, or the client left while it was sent
             dispatch.cancel()
-        yield "data: [DONE]\n\n"
+            raise
+        return dispatch
+
+    @staticmethod
+    def _cancel(calls: list[PromptCall]) -> None:
+        for c in calls:
+            c.dispatch.cancel()
 
     # -- helpers -----------------------------------------------------------------------
 

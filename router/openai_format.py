@@ -17,7 +17,7 @@ from router.schemas import unsupported_field
 def validate(body: dict, schema: type[BaseModel]) -> Any:
     """``body`` parsed as ``schema``. Raises ApiError 400 naming the first bad field: an
     unsupported OpenAI field, an unknown one, or a value out of range."""
-    if (name := unsupported_field(body)) is not None:
+    if (name := unsupported_field(body, schema.unsupported)) is not None:
         raise ApiError(400, f"`{name}` is not supported by this server", param=name,
                        code="unsupported_parameter")
     try:
@@ -35,18 +35,22 @@ def validate(body: dict, schema: type[BaseModel]) -> Any:
         raise ApiError(400, message, param=param, code="invalid_value") from None
 
 
-def prompt_ids(req: Any, chat: bool, tokenizer: Any) -> list[int]:
-    """The prompt's token ids (chat: through the model's chat template).
+def prompts(req: Any, chat: bool, tokenizer: Any) -> list[tuple[list[int], str]]:
+    """Each prompt's token ids and text (chat: one, through the model's chat template).
 
     Raises:
         ApiError: 400 for an empty prompt or messages the template refuses.
     """
     if not chat:
-        prompt = req.prompt
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
-        return ids
+        out = []
+        for prompt in req.prompt:
+            if isinstance(prompt, str):
+                out.append((tokenizer.encode(prompt), prompt))
+            else:
+                out.append((list(prompt), tokenizer.decode(prompt)))
+            if not out[-1][0]:
+                raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
+        return out
     try:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         text = tokenizer.apply_chat_template(messages, tokenize=False,
@@ -54,7 +58,22 @@ def prompt_ids(req: Any, chat: bool, tokenizer: Any) -> list[int]:
     except Exception as e:  # jinja errors from a model's template: bad messages
         raise ApiError(400, f"messages: cannot apply the chat template: {e}",
                        param="messages", code="invalid_value") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return [(tokenizer.encode(text, add_special_tokens=False), text)]
+
+
+def scores_only(req: Any, chat: bool) -> bool:
+    """A completions request with ``max_tokens: 0`` and ``echo``: the prompt (and its
+    log-probabilities) only. The engine still samples one token, which is dropped.
+
+    Raises:
+        ApiError: 400 for ``max_tokens: 0`` without ``echo``.
+    """
+    if chat or req.max_tokens != 0:
+        return False
+    if not req.echo:
+        raise ApiError(400, "max_tokens: 0 needs echo (it returns the prompt's scores)",
+                       param="max_tokens", code="invalid_value")
+    return True
 
 
 def sampling_params(req: Any, chat: bool) -> dict[str, Any]:
@@ -63,8 +82,12 @@ def sampling_params(req: Any, chat: bool) -> dict[str, Any]:
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
-        max_tokens, logprobs = req.max_tokens, req.logprobs
-    return {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+        # max_tokens 0 (scores only): one token is sampled and dropped (scores_only).
+        max_tokens = None if req.max_tokens is None else max(1, req.max_tokens)
+        logprobs = req.logprobs
+    echo_logprobs = not chat and req.echo and req.logprobs is not None
+    return {"max_tokens": max_tokens, "prompt_logprobs": req.logprobs if echo_logprobs else None,
+            "temperature": req.temperature, "top_p": req.top_p,
             "top_k": req.top_k if req.top_k is not None else 0, "min_p": req.min_p,
             "presence_penalty": req.presence_penalty,
             "frequency_penalty": req.frequency_penalty,
@@ -85,7 +108,8 @@ def logprobs_object(tokenizer: Any, token_ids: list[int], entries: list[dict[int
     """OpenAI's logprobs object for these tokens (chat and legacy completion forms).
 
     ``entries[i]`` maps token id to log-probability and always holds ``token_ids[i]``
-    (the sampler adds the sampled token to the top ones).
+    (the sampler adds the sampled token to the top ones); it is None for an echoed
+    prompt's first token, which has no log-probability (completions only).
     """
     def tok(t: int) -> str:
         return tokenizer.decode([t])
@@ -110,8 +134,9 @@ def logprobs_object(tokenizer: Any, token_ids: list[int], entries: list[dict[int
         offset += len(s)
     return {
         "tokens": tokens,
-        "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-        "top_logprobs": [{tok(i): lp for i, lp in sorted(e.items(), key=lambda kv: -kv[1])}
+        "token_logprobs": [None if e is None else e[t] for t, e in zip(token_ids, entries)],
+        "top_logprobs": [None if e is None else
+                         {tok(i): lp for i, lp in sorted(e.items(), key=lambda kv: -kv[1])}
                          for e in entries],
         "text_offset": offsets,
     }

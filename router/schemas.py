@@ -10,7 +10,7 @@ behaviour; fields that change nothing about the output (``user``, ``metadata``, 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -18,7 +18,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "parallel_tool_calls": (None,),
     "suffix": (None, ""),
-    "echo": (None, False), "best_of": (None, 1), "modalities": (None, ["text"]),
+    "best_of": (None, 1), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "logit_bias_type": (None,),
 }
@@ -26,10 +26,15 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 are accepted as such)."""
 
 
-def unsupported_field(body: dict[str, Any]) -> str | None:
-    """The first field of ``body`` this server does not implement, set to ask for
+CHAT_UNSUPPORTED = {**UNSUPPORTED, "echo": (None, False)}
+"""Chat requests also refuse ``echo`` (a completions field)."""
+
+
+def unsupported_field(body: dict[str, Any], table: dict[str, tuple[Any, ...]] = UNSUPPORTED
+                      ) -> str | None:
+    """The first field of ``body`` in ``table`` (see :data:`UNSUPPORTED`) set to ask for
     something; None when there is none."""
-    return next((k for k, neutral in UNSUPPORTED.items()
+    return next((k for k, neutral in table.items()
                  if k in body and body[k] not in neutral), None)
 
 
@@ -113,14 +118,16 @@ class _SamplingFields(BaseModel):
     priority: int | None = None
     """iterserve's (and vLLM's) extension: lower is more urgent; may only lower urgency."""
 
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        if (name := unsupported_field(data)) is not None:
+        if (name := unsupported_field(data, cls.unsupported)) is not None:
             raise ValueError(f"`{name}` is not supported by this server")
-        return {k: v for k, v in data.items() if k not in UNSUPPORTED}
+        return {k: v for k, v in data.items() if k not in cls.unsupported}
 
     @field_validator("stop")
     @classmethod
@@ -148,24 +155,26 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: str | list[int] | list[str]
-    """Text, token ids, or a list holding one text (one prompt per request)."""
-    max_tokens: int | None = Field(16, ge=1)
-    """16 when absent, as OpenAI's completions; null: up to the context."""
+    prompt: str | list[int] | list[str] | list[list[int]]
+    """Text, token ids, or a list of texts or of token-id lists (one choice set each)."""
+    max_tokens: int | None = Field(16, ge=0)
+    """16 when absent, as OpenAI's completions; null: up to the context; 0 only with
+    ``echo`` (scoring a prompt)."""
     logprobs: int | None = Field(None, ge=0, le=20)
-    """Top log-probabilities per output token (0: only the sampled token's)."""
+    """Top log-probabilities per output token (0: only the sampled token's); with
+    ``echo``, per prompt token too."""
+    echo: bool = False
+    """Return the prompt before the completion (and its log-probabilities with
+    ``logprobs``)."""
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list[int] | list[str]) -> str | list[int]:
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("one prompt per request (got a list of "
-                                 f"{len(v)}); send one request each")
-            v = v[0]
-        if not v:
+    def _prompts(cls, v: Any) -> list[str | list[int]]:
+        many = isinstance(v, list) and bool(v) and isinstance(v[0], str | list)
+        prompts = list(v) if many else [v]
+        if not prompts or any(not p for p in prompts):
             raise ValueError("prompt is empty")
-        return v
+        return prompts
 
 
 class ChatMessage(BaseModel):
@@ -189,6 +198,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
+
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_UNSUPPORTED
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)

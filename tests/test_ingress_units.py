@@ -237,11 +237,18 @@ def test_every_field_is_honoured_or_refused_by_name():
             fmt.validate(body, ChatCompletionRequest)
         assert (e.value.status, e.value.param) == (400, param), body
         assert param.split(".")[-1] in str(e.value)
-    for name in ("suffix", "echo", "best_of"):
-        bad = {"model": "m", "prompt": "x", name: {"suffix": "!", "echo": True, "best_of": 3}[name]}
+    for name in ("suffix", "best_of"):
+        bad = {"model": "m", "prompt": "x", name: {"suffix": "!", "best_of": 3}[name]}
         with pytest.raises(ApiError, match=f"`{name}` is not supported") as e:
             fmt.validate(bad, CompletionRequest)
         assert e.value.param == name
+    with pytest.raises(ApiError, match="`echo` is not supported") as e:
+        fmt.validate({**chat, "echo": True}, ChatCompletionRequest)
+    many = fmt.validate({"model": "m", "prompt": ["a", "b"], "echo": True, "logprobs": 2,
+                         "max_tokens": 0}, CompletionRequest)
+    assert many.prompt == ["a", "b"] and fmt.scores_only(many, chat=False)
+    scored = fmt.sampling_params(many, chat=False)
+    assert scored["max_tokens"] == 1 and scored["prompt_logprobs"] == 2
     # Values that ask for the default, and fields that change nothing, are accepted.
     ok = fmt.validate({**chat, "tools": [], "response_format": {"type": "text"}, "user": "u",
                        "metadata": {"a": "b"}, "store": False, "service_tier": "auto",

@@ -147,3 +147,26 @@ def test_a_delta_output_reports_a_finished_sequence_once():
     seqs[1].append_token(6)
     later = make_output(group, {"n2-1": ("c", 1)})
     assert [(c.index, c.token_ids) for c in later.outputs] == [(1, [6])]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prompt_logprobs_equal_transformers_log_softmax(chunked, model_dir, prompts, llm):
+    from transformers import AutoModelForCausalLM
+
+    ids = prompts[13]  # 135 tokens: several chunks of 16 when chunked
+    engine = (LLM(max_num_batched_tokens=16, long_prefill_token_threshold=16,
+                  num_kv_blocks=64) if chunked else llm)
+    out = engine.generate([{"prompt_token_ids": ids}],
+                          SP(max_tokens=2, temperature=0, prompt_logprobs=3), use_tqdm=False)[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    plp = out.prompt_logprobs
+    assert len(plp) == len(ids) and plp[0] is None
+    for p in range(1, len(ids)):
+        entry = plp[p]
+        assert entry[ids[p]] == pytest.approx(float(ref[p - 1, ids[p]]), abs=2e-3)
+        top = ref[p - 1].topk(3)
+        for v, i in zip(top.values.tolist(), top.indices.tolist()):
+            assert entry[i] == pytest.approx(v, abs=2e-3)
+        assert len(entry) <= 4

@@ -139,6 +139,50 @@ def test_completion_matches_transformers_generate(server, model_dir, tokenizer):
     assert out.choices[0].finish_reason == "length"
 
 
+def test_echo_scores_a_prompt_as_transformers_does(server, model_dir, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = _client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=0,
+                                             echo=True, logprobs=1, temperature=0)
+    choice = out.choices[0]
+    ids = tokenizer(PROMPT).input_ids
+    assert choice.text == PROMPT and out.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    want = [float(ref[p - 1, ids[p]]) for p in range(1, len(ids))]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=2e-3)
+    # Echo with a completion: the prompt, then the same greedy text as without echo.
+    plain = _client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                               temperature=0)
+    echoed = _client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                                temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in _client(server).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, stream=True))
+    assert streamed == echoed.choices[0].text
+
+
+def test_several_prompts_index_choices_across_prompts_and_n(server):
+    prompts = [PROMPT, "Once upon a time"]
+    out = _client(server).completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5,
+                                             temperature=0)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    alone = [_client(server).completions.create(model=MODEL, prompt=p, max_tokens=5,
+                                                temperature=0).choices[0].text for p in prompts]
+    assert [c.text for c in out.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    finishes: dict[int, int] = {}
+    for chunk in _client(server).completions.create(model=MODEL, prompt=prompts, n=2,
+                                                     max_tokens=5, temperature=0.8,
+                                                     stream=True):
+        for c in chunk.choices:
+            finishes[c.index] = finishes.get(c.index, 0) + (c.finish_reason is not None)
+    assert finishes == {0: 1, 1: 1, 2: 1, 3: 1}
+
+
 def test_models_and_health(server):
     models = _client(server).models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -226,8 +270,8 @@ def test_max_tokens_null_means_unset(server):
 
 
 @pytest.mark.parametrize("body,status,param,needle", [
-    ({"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens",
-     "greater than or equal to 1"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": -1}, 400, "max_tokens",
+     "greater than or equal to 0"),
     ({"model": MODEL, "prompt": "a", "n": 0}, 400, "n", "greater than or equal to 1"),
     ({"model": MODEL, "prompt": "a", "n": 9}, 400, "n", "cap of 8"),
     ({"model": MODEL, "prompt": "a", "temperature": -0.5}, 400, "temperature",
@@ -247,6 +291,8 @@ def test_max_tokens_null_means_unset(server):
      "token id 99999999 is outside the vocabulary"),
     ({"model": MODEL, "prompt": "a", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens",
      "<= max_tokens"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens", "needs echo"),
+    ({"model": MODEL, "prompt": ["a", "b", "c"], "n": 3}, 400, "n", "cap of 8"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_input_gets_openai_error(server, body, status, param, needle, stream):

@@ -1,0 +1,197 @@
+"""OpenAI response bodies and SSE chunks from the replicas' step items.
+
+A request has one call per prompt (completions may send several); its choices are indexed
+across prompts and ``n`` (prompt ``p``, sequence ``i``: ``p * n + i``), as OpenAI and vLLM
+index them. ``echo`` puts each prompt (and, with ``logprobs``, its log-probabilities)
+before its choices' text; a scores-only request (``max_tokens: 0``) drops the one token
+the engine sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from router import openai_format as fmt
+from router.dispatch import Dispatch, ReplicaLost
+from router.errors import ApiError
+
+
+@dataclass(slots=True)
+class PromptCall:
+    """One prompt of a request and its call to a replica."""
+
+    ids: list[int]
+    text: str
+    dispatch: Dispatch
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass(slots=True)
+class Reply:
+    """What one response is made of."""
+
+    req: Any
+    chat: bool
+    rid: str
+    model: str
+    tokenizer: Any
+    calls: list[PromptCall]
+    scores_only: bool = False
+
+    @property
+    def echo(self) -> bool:
+        return not self.chat and self.req.echo
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(c.dispatch.prompt_tokens for c in self.calls)
+
+    def logprobs(self, token_ids: list[int], entries: list) -> dict | None:
+        if not fmt.wants_logprobs(self.req, self.chat):
+            return None
+        return fmt.logprobs_object(self.tokenizer, token_ids, entries, self.req, self.chat)
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One choice, accumulated for a non-streamed response."""
+
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+async def merged(calls: list[PromptCall]) -> AsyncIterator[tuple[int, dict]]:
+    """``(prompt index, step item)`` from every call, as they come; a call's prompt
+    log-probabilities are kept on it.
+
+    Raises:
+        ReplicaLost, ApiError: as :meth:`Dispatch.items` raises them.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(p: int, call: PromptCall) -> None:
+        try:
+            async for item in call.dispatch.items():
+                await queue.put((p, item))
+            await queue.put((p, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((p, e))
+
+    tasks = [asyncio.create_task(pump(p, c)) for p, c in enumerate(calls)]
+    try:
+        left = len(calls)
+        while left:
+            p, item = await queue.get()
+            if item is None:
+                left -= 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            if item.get("prompt_logprobs") is not None:
+                calls[p].prompt_logprobs = item["prompt_logprobs"]
+            yield p, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _echo_parts(reply: Reply, p: int) -> tuple[str, list[int], list]:
+    call = reply.calls[p]
+    entries = call.prompt_logprobs or [None] * len(call.ids)
+    return call.text, call.ids, entries
+
+
+async def collect(reply: Reply) -> dict:
+    """The non-streamed response body."""
+    n = reply.req.n
+    choices = [_Choice() for _ in range(len(reply.calls) * n)]
+    async for p, item in merged(reply.calls):
+        for o in item["outputs"]:
+            c = choices[p * n + o["index"]]
+            if not reply.scores_only:
+                c.text.append(o["text"])
+                c.token_ids.extend(o["token_ids"])
+                c.logprobs.extend(o["logprobs"] or [])
+            if o["finish_reason"]:
+                c.finish_reason, c.stop_reason = o["finish_reason"], o["stop_reason"]
+    out = []
+    for k, c in enumerate(choices):
+        text, ids, entries = "".join(c.text), c.token_ids, c.logprobs
+        if reply.echo:
+            ptext, pids, pentries = _echo_parts(reply, k // n)
+            text, ids, entries = ptext + text, pids + ids, pentries + entries
+        choice: dict[str, Any] = {"index": k, "logprobs": reply.logprobs(ids, entries),
+                                  "finish_reason": c.finish_reason,
+                                  "stop_reason": c.stop_reason}
+        if reply.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        out.append(choice)
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"id": reply.rid, "object": "chat.completion" if reply.chat else "text_completion",
+            "created": int(time.time()), "model": reply.model, "choices": out,
+            "usage": fmt.usage(reply.prompt_tokens, completion)}
+
+
+def _stream_choice(reply: Reply, k: int, o: dict, first: bool) -> dict:
+    text, ids, entries = o["text"], o["token_ids"], o["logprobs"] or []
+    if reply.scores_only:
+        text, ids, entries = "", [], []
+    if first and reply.echo:
+        ptext, pids, pentries = _echo_parts(reply, k // reply.req.n)
+        text, ids, entries = ptext + text, pids + ids, pentries + entries
+    choice: dict[str, Any] = {"index": k, "logprobs": reply.logprobs(ids, entries),
+                              "finish_reason": o["finish_reason"]}
+    if o["finish_reason"]:
+        choice["stop_reason"] = o["stop_reason"]
+    if reply.chat:
+        choice["delta"] = {"content": text} if text else {}
+    else:
+        choice["text"] = text
+    return choice
+
+
+async def stream(reply: Reply) -> AsyncIterator[str]:
+    """The SSE chunks of a streamed response, ending with ``data: [DONE]``."""
+    created = int(time.time())
+    obj = "chat.completion.chunk" if reply.chat else "text_completion"
+    opts = reply.req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    completion, seen = 0, set()
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        data: dict[str, Any] = {"id": reply.rid, "object": obj, "created": created,
+                                "model": reply.model, "choices": choices}
+        if include_usage:
+            data["usage"] = usage
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    try:
+        if reply.chat:
+            for i in range(reply.req.n):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+        async for p, item in merged(reply.calls):
+            for o in item["outputs"]:
+                k = p * reply.req.n + o["index"]
+                completion += 0 if reply.scores_only else len(o["token_ids"])
+                yield chunk([_stream_choice(reply, k, o, k not in seen)])
+                seen.add(k)
+        if include_usage:
+            yield chunk([], fmt.usage(reply.prompt_tokens, completion))
+    except (ReplicaLost, ApiError) as e:
+        err = e if isinstance(e, ApiError) else ApiError(503, str(e), code="replica_lost")
+        yield f"data: {json.dumps(err.body())}\n\n"
+    finally:
+        for c in reply.calls:
+            c.dispatch.cancel()
+    yield "data: [DONE]\n\n"
