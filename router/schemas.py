@@ -177,11 +177,28 @@ class CompletionRequest(_SamplingFields):
         return prompts
 
 
+MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "name": (None, ""), "tool_calls": (None, []), "tool_call_id": (None,),
+    "function_call": (None,), "refusal": (None,), "annotations": (None, []), "audio": (None,),
+}
+"""Message fields OpenAI defines that this server does not use: accepted only empty (as
+clients echo a previous response's message back), refused when set."""
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if (name := unsupported_field(data, MESSAGE_NEUTRAL)) is not None:
+            raise ValueError(f"`{name}` in messages is not supported by this server")
+        return {k: v for k, v in data.items() if k not in MESSAGE_NEUTRAL}
 
     def text(self) -> str:
         """The message's text; content parts other than text are refused."""

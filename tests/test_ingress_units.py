@@ -244,6 +244,14 @@ def test_every_field_is_honoured_or_refused_by_name():
         assert e.value.param == name
     with pytest.raises(ApiError, match="`echo` is not supported") as e:
         fmt.validate({**chat, "echo": True}, ChatCompletionRequest)
+    turn = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": None,
+            "annotations": [], "audio": None, "function_call": None}  # as clients echo it
+    fmt.validate({**chat, "messages": [*chat["messages"], turn]}, ChatCompletionRequest)
+    for extra in ({"name": "bob"}, {"tool_calls": [{"id": "1"}]}, {"colour": "red"}):
+        msg = {**chat["messages"][0], **extra}
+        with pytest.raises(ApiError) as e:
+            fmt.validate({**chat, "messages": [msg]}, ChatCompletionRequest)
+        assert e.value.status == 400 and next(iter(extra)) in str(e.value)
     many = fmt.validate({"model": "m", "prompt": ["a", "b"], "echo": True, "logprobs": 2,
                          "max_tokens": 0}, CompletionRequest)
     assert many.prompt == ["a", "b"] and fmt.scores_only(many, chat=False)
