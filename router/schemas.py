@@ -21,6 +21,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "logit_bias_type": (None,),
+    "verbosity": (None, "medium"),
 }
 """OpenAI fields this server does not implement -> the values that ask for nothing (and
 are accepted as such)."""
@@ -43,6 +44,8 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     """Send one last chunk with the usage and empty ``choices``."""
+    include_obfuscation: bool | None = None
+    """Accepted; no obfuscation padding is added (it only guards against side channels)."""
 
 
 class JsonSchemaSpec(BaseModel):
@@ -106,6 +109,10 @@ class _SamplingFields(BaseModel):
     """Accepted; nothing is stored."""
     service_tier: str | None = None
     """Accepted; there is one tier here (traffic classes come from the API key)."""
+    safety_identifier: str | None = None
+    """Accepted; changes nothing (OpenAI's successor of ``user``)."""
+    prompt_cache_key: str | None = None
+    """Accepted; changes nothing (no prefix cache yet)."""
     # vLLM's extensions
     top_k: int | None = Field(None, ge=-1)
     """-1, 0 or null: no top-k cut."""

@@ -258,7 +258,11 @@ def test_every_field_is_honoured_or_refused_by_name():
     scored = fmt.sampling_params(many, chat=False)
     assert scored["max_tokens"] == 1 and scored["prompt_logprobs"] == 2
     # Values that ask for the default, and fields that change nothing, are accepted.
+    with pytest.raises(ApiError, match="`verbosity` is not supported"):
+        fmt.validate({**chat, "verbosity": "low"}, ChatCompletionRequest)
     ok = fmt.validate({**chat, "tools": [], "response_format": {"type": "text"}, "user": "u",
+                       "safety_identifier": "s", "prompt_cache_key": "k", "verbosity": None,
+                       "stream_options": {"include_usage": True, "include_obfuscation": False},
                        "metadata": {"a": "b"}, "store": False, "service_tier": "auto",
                        "logit_bias": {"42": -5}, "top_k": 5, "min_p": 0.1,
                        "repetition_penalty": 1.1, "min_tokens": 2, "stop_token_ids": [7],
