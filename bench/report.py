@@ -153,10 +153,12 @@ def goodput(summaries: list[dict[str, Any]], target: float = GOODPUT_ATTAINMENT,
 
 
 def fmt(x: float | None, spec: str = ".2f", missing: str = "—") -> str:
+    """``x`` formatted by ``spec``; ``missing`` for None."""
     return missing if x is None else format(x, spec)
 
 
 def pct(x: float | None, missing: str = "—") -> str:
+    """A fraction (0-1) as a whole percentage; ``missing`` for None."""
     return missing if x is None else f"{100 * x:.0f}%"
 
 
