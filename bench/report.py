@@ -180,18 +180,10 @@ def finite(x: Any) -> Any:
     return x
 
 
-def compact_record(rec: dict[str, Any], keep_tokens: bool = False) -> dict[str, Any]:
+def compact_record(rec: dict[str, Any]) -> dict[str, Any]:
     """A record for the JSON: times rounded to microseconds, per-token times dropped."""
-    out = {}
-    for k, v in rec.items():
-        if k == "token_s" and not keep_tokens:
-            continue
-        if isinstance(v, float):
-            v = round(v, 6)
-        elif k == "token_s":
-            v = [round(t, 4) for t in v]
-        out[k] = v
-    return out
+    return {k: round(v, 6) if isinstance(v, float) else v
+            for k, v in rec.items() if k != "token_s"}
 
 
 def write_json(report: dict[str, Any], path: str | Path) -> None:

@@ -1,5 +1,6 @@
 """Token sampling: greedy, temperature, min-p, top-k and top-p, with per-request seeds,
-after each request's logits processors (:mod:`engine.logits_processors`)."""
+after each request's logits processors (:mod:`engine.logits_processors`) and grammar
+(:mod:`engine.structured`); and the prompt log-probabilities of requests that ask."""
 
 from __future__ import annotations
 

@@ -144,12 +144,13 @@ class OpenAIIngress:
             caller = resolve_caller(self.settings.api_keys, self.classes,
                                     request.headers.get("authorization"),
                                     request.headers.get(CLASS_HEADER), req.priority)
-            info = await self._model_info()
-            prompts = fmt.prompts(req, chat, info.tokenizer)
-            if req.n * len(prompts) > self.settings.max_n:
-                raise ApiError(400, f"n={req.n} for {len(prompts)} prompt(s) is over the "
+            num_prompts = 1 if chat else len(req.prompt)
+            if req.n * num_prompts > self.settings.max_n:
+                raise ApiError(400, f"n={req.n} for {num_prompts} prompt(s) is over the "
                                     f"server's cap of {self.settings.max_n} choices",
                                param="n", code="invalid_value")
+            info = await self._model_info()
+            prompts = fmt.prompts(req, chat, info.tokenizer)
             scores_only = fmt.scores_only(req, chat)
             params = fmt.sampling_params(req, chat)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
