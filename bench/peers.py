@@ -60,10 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window-start", type=int, default=1000,
                    help="first trace row of the replay window (tune on one, check on another)")
     # 50 requests and no rate 8: the run with 60 and 1.5,3,5,8 took 33 min, over the
-    # issue's 30; at 5 every system was already past its limit (vLLM 8%).
+    # issue's 30; at 5 every system was already past its limit (vLLM 8%). Steps of at
+    # most 1.33x up to 3: goodput is read off this grid, and a 1.5 -> 3 step could not
+    # tell 1.0x from 1.9x (both systems passed 1.5 and failed 3 in the run of fdf93e3).
     p.add_argument("--num-requests", type=int, default=50, help="requests per rate")
-    p.add_argument("--rates", default="1.5,3,5", help="offered rates (req/s), single class")
-    p.add_argument("--mix-rates", default="2,3,4.5", help="offered rates of the class mix")
+    p.add_argument("--rates", default="1.5,2,2.5,3,5", help="offered rates (req/s), one class")
+    # vLLM's interactive limit and 1.5x it are both on this grid for a limit of 2-3.
+    p.add_argument("--mix-rates", default="2,2.5,3,3.75,4.5",
+                   help="offered rates of the class mix")
     p.add_argument("--length-scale", type=float, default=8.0)
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.25)
@@ -75,7 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"offline one-stream ms/token / {REFERENCE_STREAM1_MS}, at least 1 "
                         "(1 with --skip-offline)")
     p.add_argument("--systems", default="vllm,iterserve,iterserve-static",
-                   help="also: iterserve-before (the defaults before issue #26's levers)")
+                   help="also: iterserve-before (the defaults before issue #26's levers), "
+                        "iterserve-margin (admission's fixed margin, uncalibrated)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--vllm-venv", default=str(REPO / ".venv-vllm"))
     p.add_argument("--out", default=str(RESULTS / "peers"), help="stem of .md/.json/.png")

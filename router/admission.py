@@ -6,6 +6,10 @@ it is held and re-decided as new snapshots arrive, for at most its class's
 ``max_queue_wait_s`` or until its TTFT SLO is out of reach (``AdmissionController.decide``);
 then a rejectable class gets 429 with a Retry-After, and the batch class keeps waiting (it
 is refused only at its hard queue cap).
+
+Each admitted request's TTFT, from admission to its first token here, is set against the
+prediction it was admitted on (:class:`policies.TtftCalibration`), so that admission
+plans with the error the served engine shows rather than a fixed margin.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from policies import (
     AdmissionController,
@@ -23,6 +28,7 @@ from policies import (
     Reject,
     SchedulingPolicy,
     TrafficClass,
+    TtftCalibration,
 )
 
 POLL_S = 0.05
@@ -38,6 +44,18 @@ class AdmissionRejected(Exception):
         self.reason = reason
 
 
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request let through: how long it was held, and what its TTFT was predicted."""
+
+    held_s: float
+    at_s: float
+    """When it was admitted, on the admission's clock."""
+    predicted_ttft_s: float | None = None
+    """Seconds from ``at_s`` to the first token, the best replica's prediction (None:
+    admitted without one: admission off, or no replica had reported its load)."""
+
+
 class IngressAdmission:
     """Holds or refuses requests that no replica could serve within their SLOs.
 
@@ -45,13 +63,17 @@ class IngressAdmission:
         classes: traffic classes by name.
         policy: the replicas' scheduling policy (None: the priority policy).
         enabled: False admits everything at once (admission off).
+        calibrate: learn the TTFT predictions' error from admitted requests
+            (:meth:`first_token`); False: the fixed ``slo_margin``.
         clock: monotonic seconds, injectable for tests.
     """
 
     def __init__(self, classes: Mapping[str, TrafficClass], *,
-                 policy: SchedulingPolicy | None = None,
-                 enabled: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
-        self.controller = AdmissionController(classes, policy=policy)
+                 policy: SchedulingPolicy | None = None, enabled: bool = True,
+                 calibrate: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        self.calibration = TtftCalibration() if calibrate else None
+        self.controller = AdmissionController(classes, policy=policy,
+                                              calibration=self.calibration)
         self.enabled = enabled
         self.clock = clock
         self._held: dict[int, tuple[str, float, int]] = {}
@@ -65,8 +87,8 @@ class IngressAdmission:
 
     async def admit(self, loads: Callable[[], list[LoadSnapshot]], traffic_class: str,
                     prompt_tokens: int, max_tokens: int, priority: int,
-                    arrival_s: float) -> float:
-        """Return once the request may go to a replica; the seconds it was held.
+                    arrival_s: float) -> Admitted:
+        """Return once the request may go to a replica.
 
         Args:
             loads: the replicas' current snapshots (re-read at every decision); empty
@@ -78,10 +100,11 @@ class IngressAdmission:
             AdmissionRejected: refuse with 429 and ``retry_after_s``.
         """
         if not self.enabled:
-            return 0.0
+            return Admitted(0.0, self.clock())
         token = next(self._tokens)
         self._held[token] = (traffic_class, arrival_s, prompt_tokens)
         held_for: str | None = None  # why it was first held, for the 429 message
+        predicted = None
         try:
             while True:
                 snaps = loads()
@@ -93,7 +116,9 @@ class IngressAdmission:
                                            prompt_tokens, max_tokens, priority, waited)
                     for s in snaps
                 ]
-                if any(isinstance(d, Admit) for d in decisions):
+                admits = [d.predicted_ttft_s for d in decisions if isinstance(d, Admit)]
+                if admits:
+                    predicted = min(admits)
                     break
                 if all(isinstance(d, Reject) for d in decisions):
                     best = min(decisions, key=lambda d: d.retry_after_s)
@@ -108,7 +133,13 @@ class IngressAdmission:
                 await asyncio.sleep(POLL_S)
         finally:
             del self._held[token]
-        return max(0.0, self.clock() - arrival_s)
+        now = self.clock()
+        return Admitted(max(0.0, now - arrival_s), now, predicted)
+
+    def first_token(self, admitted: Admitted) -> None:
+        """Record that ``admitted``'s first token reached the ingress now."""
+        if self.calibration is not None and admitted.predicted_ttft_s is not None:
+            self.calibration.observe(admitted.predicted_ttft_s, self.clock() - admitted.at_s)
 
     def _with_held(self, snap: LoadSnapshot, arrival_s: float) -> LoadSnapshot:
         """Count the requests held here since before this one as queued ahead of it.

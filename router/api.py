@@ -14,6 +14,7 @@ request before its next step and frees its KV blocks.
 """
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -31,7 +32,7 @@ from policies import classes_from_fields, policy_from_spec
 from policies.limits import RequestLimits
 from router import openai_format as fmt
 from router import responses
-from router.admission import AdmissionRejected, IngressAdmission
+from router.admission import AdmissionRejected, Admitted, IngressAdmission
 from router.cors import ConfiguredCORS
 from router.dispatch import REPLICA_LOST, Dispatch, ReplicaLost
 from router.errors import ApiError
@@ -78,7 +79,7 @@ class OpenAIIngress:
         self.classes = classes_from_fields(self.settings.traffic_classes)
         self.admission = IngressAdmission(
             self.classes, policy=policy_from_spec(self.settings.policy),
-            enabled=self.settings.admission,
+            enabled=self.settings.admission, calibrate=self.settings.admission_calibration,
         )
         self._info: _ModelInfo | None = None
         self._info_lock = asyncio.Lock()
@@ -189,9 +190,11 @@ class OpenAIIngress:
         shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
         # A request that can never fit skips admission: the replica answers it with a
         # 400 that has the numbers, not a 429.
+        on_first_token = None
         if info.limits.fits(len(ids), params["max_tokens"]):
-            await self._admit(caller, len(ids), params["max_tokens"], arrival)
-        dispatch = Dispatch(self.replicas, (rid, ids, params), shape)
+            admitted = await self._admit(caller, len(ids), params["max_tokens"], arrival)
+            on_first_token = functools.partial(self.admission.first_token, admitted)
+        dispatch = Dispatch(self.replicas, (rid, ids, params), shape, on_first_token)
         try:
             await dispatch.start()
         except BaseException:  # refused, or the client left while it was sent
@@ -207,10 +210,10 @@ class OpenAIIngress:
     # -- helpers -----------------------------------------------------------------------
 
     async def _admit(self, caller: Any, prompt_tokens: int, max_tokens: int | None,
-                     arrival: float) -> None:
+                     arrival: float) -> Admitted:
         """Wait for admission. Raises ApiError 429 with Retry-After when refused."""
         try:
-            await self.admission.admit(self._loads, caller.traffic_class, prompt_tokens,
+            return await self.admission.admit(self._loads, caller.traffic_class, prompt_tokens,
                                        max_tokens or 0, caller.priority, arrival)
         except AdmissionRejected as e:
             retry = str(int(e.retry_after_s))

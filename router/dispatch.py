@@ -9,7 +9,7 @@ once tokens were streamed, :class:`ReplicaLost` ends the stream.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -30,12 +30,17 @@ class ReplicaLost(Exception):
 
 
 class Dispatch:
-    """One request's call to a replica, re-sent elsewhere if its replica dies early."""
+    """One request's call to a replica, re-sent elsewhere if its replica dies early.
 
-    def __init__(self, handle: DeploymentHandle, args: tuple, shape: RequestShape) -> None:
+    ``on_first_token`` is called once, when the first item with tokens arrives.
+    """
+
+    def __init__(self, handle: DeploymentHandle, args: tuple, shape: RequestShape,
+                 on_first_token: Callable[[], None] | None = None) -> None:
         self.handle = handle
         self.args = args
         self.shape = shape
+        self.on_first_token = on_first_token
         self.gen: DeploymentResponseGenerator | None = None
         self.produced = False
         self.done = False
@@ -81,8 +86,10 @@ class Dispatch:
         while True:
             try:
                 async for item in self.gen:
-                    if item["outputs"]:
+                    if item["outputs"] and not self.produced:
                         self.produced = True
+                        if self.on_first_token is not None:
+                            self.on_first_token()
                     yield item
                     if item["finished"]:
                         self.done = True
