@@ -1,1 +1,2 @@
-"""Deployment: the command line, and (later) the Ray Serve application and batch job."""
+"""Deployment: the Ray Serve application, its config, the command line, the metrics
+(Prometheus rules and Grafana dashboard beside them), and (later) the batch job."""

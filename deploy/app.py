@@ -59,7 +59,8 @@ def build_app(config: ServiceConfig) -> serve.Application:
     )
     settings = IngressSettings(
         **config.model_dump(include=set(IngressOptions.model_fields)),
-        model_name=config.model_name(), traffic_classes=classes, policy=policy)
+        model_name=config.model_name(), traffic_classes=classes, policy=policy,
+        num_replicas=config.num_replicas)
     return ingress.bind(replica, settings.model_dump())
 
 

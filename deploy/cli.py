@@ -43,6 +43,30 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(config, address=args.address)
 
 
+def _dashboard_push(args: argparse.Namespace) -> int:
+    from grafana_client.client import GrafanaException
+
+    from deploy.dashboard import main as push
+
+    try:
+        return push(args)
+    except GrafanaException as e:
+        print(f"iterserve: Grafana at {args.grafana_url} refused: {e}", file=sys.stderr)
+        return 1
+
+
+def _top(args: argparse.Namespace) -> int:
+    import httpx
+
+    from deploy.top import run
+
+    try:
+        return run(args.url, once=args.once, interval_s=args.interval)
+    except httpx.HTTPError as e:
+        print(f"iterserve: cannot read {args.url}/metrics: {e}", file=sys.stderr)
+        return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--address", default=None,
                      help="an existing Ray cluster (default: start an embedded local one)")
     srv.set_defaults(func=_serve)
+
+    top = sub.add_parser("top", help="live view of each class's SLOs, from /metrics")
+    top.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.set_defaults(func=_top)
+
+    dash = sub.add_parser("dashboard", help="the Grafana dashboard")
+    dash_sub = dash.add_subparsers(dest="action", required=True)
+    push = dash_sub.add_parser("push", help="create or replace it in Grafana")
+    push.add_argument("--grafana-url", required=True, help="e.g. http://grafana:3000")
+    push.add_argument("--api-key-env", required=True,
+                      help="environment variable holding a Grafana API key or token")
+    push.add_argument("--prometheus-url", default=None,
+                      help="also create the Prometheus data source, pointing here")
+    push.add_argument("--folder-uid", default=None, help="Grafana folder for the dashboard")
+    push.set_defaults(func=_dashboard_push)
     return parser
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from ray import serve
 
+from deploy.metrics import StepMetrics
 from engine import (
     AsyncLLMEngine,
     EngineConfig,
@@ -40,6 +41,8 @@ class ModelReplica:
     def __init__(self, engine_config: dict[str, Any], num_threads: int = 1) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.engine = AsyncLLMEngine.from_config(EngineConfig(**engine_config))
+        self.step_metrics = StepMetrics()
+        self.engine.engine.on_step = self.step_metrics.record
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         logger.info("replica ready (pid %d, %d torch threads)", os.getpid(), num_threads)
 
@@ -60,7 +63,9 @@ class ModelReplica:
         refuses it, so the ingress can answer 400 before any stream starts. Then one item
         per step that produced tokens: ``{"outputs": [{"index", "text", "token_ids", "logprobs",
         "finish_reason", "stop_reason"}], "finished": bool}`` with this step's deltas;
-        ``logprobs`` is a list (one per new token) of ``{token_id: logprob}`` or None.
+        ``logprobs`` is a list (one per new token) of ``{token_id: logprob}`` or None. The
+        first of these also has ``queue_s``: seconds from the engine's arrival to the first
+        step that scheduled the request.
 
         Cancelling the call (client gone) aborts the engine request before its next step.
         """
@@ -76,6 +81,7 @@ class ModelReplica:
                              "param": getattr(e, "param", None), "code": "invalid_value"}}
             return
         yield {"accepted": True, "prompt_tokens": len(ids), "replica": self.replica_id}
+        first = True
         async for out in self.engine.generate(ids, sampling, request_id=request_id,
                                               priority=shape.priority,
                                               traffic_class=shape.traffic_class):
@@ -84,13 +90,18 @@ class ModelReplica:
                       "stop_reason": c.stop_reason}
                      for c in out.outputs if c.text or c.token_ids or c.finish_reason]
             item = {"outputs": items, "finished": out.finished}
+            if first:
+                first, m = False, out.metrics
+                if m.first_scheduled_time is not None:
+                    item["queue_s"] = m.first_scheduled_time - m.arrival_time
             if out.prompt_logprobs is not None:
                 item["prompt_logprobs"] = out.prompt_logprobs
             yield item
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve polls this; the routers and the ingress's admission read it."""
-        return self.engine.load_snapshot().to_dict()
+        """Ray Serve polls this; the routers and the ingress's admission read it, and the
+        ingress's ``/metrics`` renders its ``"metrics"`` (:class:`deploy.metrics.StepMetrics`)."""
+        return {**self.engine.load_snapshot().to_dict(), "metrics": self.step_metrics.to_dict()}
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes it replace the replica."""

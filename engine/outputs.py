@@ -63,6 +63,8 @@ def make_output(group: RequestGroup, deltas: dict[str, tuple[str, int]]) -> Requ
             logprobs=logprobs,
         ))
     firsts = [r.first_token_time for r in group.seqs if r.first_token_time is not None]
+    scheduled = [r.first_scheduled_time for r in group.seqs
+                 if r.first_scheduled_time is not None]
     plp = group.seqs[0].prompt_logprobs
     if plp is not None and (len(plp) < len(group.seqs[0].prompt_token_ids)
                             or (delta and group.prompt_logprobs_sent)):
@@ -77,6 +79,7 @@ def make_output(group: RequestGroup, deltas: dict[str, tuple[str, int]]) -> Requ
         prompt_logprobs=None if plp is None else list(plp),
         metrics=RequestMetrics(
             arrival_time=group.arrival_time,
+            first_scheduled_time=min(scheduled) if scheduled else None,
             first_token_time=min(firsts) if firsts else None,
             finish_time=max(r.finish_time for r in group.seqs) if finished else None,
         ),

@@ -182,6 +182,8 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    first_scheduled_time: float | None = None
+    """When the scheduler first admitted it to a step (queue time ends here)."""
     first_token_time: float | None = None
     finish_time: float | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -196,6 +198,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    def mark_scheduled(self, now: float) -> None:
+        """Admitted to a step at ``now``; the first time ends its queue time."""
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = now
 
     @property
     def num_tokens(self) -> int:
@@ -237,6 +244,7 @@ class RequestMetrics:
     """Timestamps in seconds on the engine's clock (``time.monotonic`` by default)."""
 
     arrival_time: float
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
 

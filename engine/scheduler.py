@@ -286,6 +286,7 @@ class Scheduler:
             bm.allocate(req.request_id, n)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
+            req.mark_scheduled(now)
             self.running.append(req)
             policy.on_admit(req, now)
             out.seqs.append(ScheduledSeq(req, 0, n))

@@ -287,16 +287,16 @@ class AdmissionController:
         failed = self._failures(s, pred, prompt_tokens, cls.ttft_slo_s - waited_s)
         if not failed:
             return Admit(pred.ttft_s)
-        reason = f"{cls.name}: " + "; ".join(failed)
+        reason = f"{cls.name}: " + "; ".join(text for _, text in failed)
         cap = cls.hard_queue_cap
         if cap is not None and s.waiting_requests.get(cls.name, 0) >= cap:
             return Reject(self._retry_after(s, cls, load, prompt_tokens),
-                          f"{cls.name}: queue at its cap of {cap} requests")
+                          f"{cls.name}: queue at its cap of {cap} requests", "queue_cap")
         if waited_s < cls.max_queue_wait_s and not self._lost(s, cls, prompt_tokens, waited_s):
             return Wait(cls.max_queue_wait_s - waited_s, reason)
         retry = self._retry_after(s, cls, load, prompt_tokens)
         if cls.rejectable:
-            return Reject(retry, reason)
+            return Reject(retry, reason, failed[0][0])
         return Wait(min(cls.max_queue_wait_s, retry), reason)
 
     def _lost(self, s: LoadSnapshot, cls: TrafficClass, prompt_tokens: int,
@@ -322,8 +322,9 @@ class AdmissionController:
         return budget_s - error, f"the budget less the measured error {error:+.2f} s"
 
     def _failures(self, s: LoadSnapshot, pred: Prediction, prompt_tokens: int,
-                  ttft_budget_s: float) -> list[str]:
-        """The admission conditions ``pred`` fails (empty: admit)."""
+                  ttft_budget_s: float) -> list[tuple[str, str]]:
+        """The admission conditions ``pred`` fails, as ``(Reject.kind, text)`` (empty:
+        admit)."""
         # What an idle replica would achieve: an SLO tighter than that is out of reach
         # for this request anywhere, and must not make an idle replica refuse it.
         idle_ttft, _ = self._ttft(s, prompt_tokens, 0)
@@ -332,16 +333,16 @@ class AdmissionController:
         tpot_limit = self.slo_margin * pred.tpot_slo_s
         failed = []
         if pred.ttft_s > max(ttft_limit, idle_ttft):
-            failed.append(f"predicted TTFT {pred.ttft_s:.2f} s > {ttft_limit:.2f} s "
-                          f"({how}; {pred.tokens_ahead} tokens ahead)")
+            failed.append(("ttft", f"predicted TTFT {pred.ttft_s:.2f} s > {ttft_limit:.2f} s "
+                                   f"({how}; {pred.tokens_ahead} tokens ahead)"))
         if pred.tpot_s > max(tpot_limit, idle_tpot):
-            failed.append(f"predicted TPOT {pred.tpot_s:.3f} s > {tpot_limit:.3f} s "
-                          f"({self.slo_margin:g} of the SLO)")
+            failed.append(("tpot", f"predicted TPOT {pred.tpot_s:.3f} s > {tpot_limit:.3f} s "
+                                   f"({self.slo_margin:g} of the SLO)"))
         if not pred.seats_free:
-            failed.append(f"no seat ({pred.requests_ahead} queued ahead, "
-                          f"max_num_seqs {s.max_num_seqs})")
+            failed.append(("seats", f"no seat ({pred.requests_ahead} queued ahead, "
+                                    f"max_num_seqs {s.max_num_seqs})"))
         if not pred.kv_fits:
-            failed.append(f"KV cache full ({s.num_kv_blocks_free} blocks free)")
+            failed.append(("kv_cache", f"KV cache full ({s.num_kv_blocks_free} blocks free)"))
         return failed
 
     def _retry_after(self, s: LoadSnapshot, cls: TrafficClass, load: _Load,

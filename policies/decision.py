@@ -27,6 +27,9 @@ class Reject:
 
     retry_after_s: float
     reason: str
+    kind: str = "ttft"
+    """What failed first, a bounded label for metrics: ``ttft``, ``tpot``, ``seats``,
+    ``kv_cache`` or ``queue_cap``."""
 
 
 Decision = Admit | Wait | Reject

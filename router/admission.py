@@ -38,10 +38,12 @@ POLL_S = 0.05
 class AdmissionRejected(Exception):
     """Answer 429: no replica can take the request within its SLO now."""
 
-    def __init__(self, retry_after_s: float, reason: str) -> None:
+    def __init__(self, retry_after_s: float, reason: str, kind: str = "ttft") -> None:
         super().__init__(reason)
         self.retry_after_s = retry_after_s
         self.reason = reason
+        self.kind = kind
+        """``policies.Reject.kind``: a bounded label for metrics."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +129,7 @@ class IngressAdmission:
                         # After a long hold the last failure is often only that the
                         # budget ran out; the first says what held it.
                         reason += f" (held {waited:.1f} s; first held because {held_for})"
-                    raise AdmissionRejected(best.retry_after_s, reason)
+                    raise AdmissionRejected(best.retry_after_s, reason, best.kind)
                 if held_for is None:
                     held_for = decisions[0].reason
                 await asyncio.sleep(POLL_S)

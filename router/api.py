@@ -28,6 +28,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deploy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from deploy.metrics import IngressMetrics
 from policies import classes_from_fields, policy_from_spec
 from policies.limits import RequestLimits
 from router import openai_format as fmt
@@ -84,6 +86,11 @@ class OpenAIIngress:
         self._info: _ModelInfo | None = None
         self._info_lock = asyncio.Lock()
         self._created = int(time.time())
+        self.metrics = IngressMetrics(
+            self.settings.model_name,
+            {k: (c.ttft_slo_s, c.tpot_slo_s) for k, c in self.classes.items()},
+            self._replica_stats, lambda: self.admission.held, self._num_replicas,
+            self.settings.num_replicas)
 
     # -- routes ------------------------------------------------------------------------
     # (No `from __future__ import annotations` in this module: FastAPI reads the
@@ -110,6 +117,11 @@ class OpenAIIngress:
             return self._error(ApiError(503, "no model replica is running", code="not_ready"))
         return JSONResponse({"status": "ok", "num_replicas": num, "replicas": replicas,
                              "held": self.admission.held})
+
+    @app.get("/metrics")
+    async def prometheus_metrics(self) -> Response:
+        """Prometheus exposition of every ``iterserve:`` metric (:mod:`deploy.metrics`)."""
+        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(self) -> Response:
@@ -190,11 +202,13 @@ class OpenAIIngress:
         shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
         # A request that can never fit skips admission: the replica answers it with a
         # 400 that has the numbers, not a 429.
-        on_first_token = None
+        on_first_token, held_s = None, 0.0
         if info.limits.fits(len(ids), params["max_tokens"]):
             admitted = await self._admit(caller, len(ids), params["max_tokens"], arrival)
             on_first_token = functools.partial(self.admission.first_token, admitted)
-        dispatch = Dispatch(self.replicas, (rid, ids, params), shape, on_first_token)
+            held_s = admitted.at_s - arrival
+        record = self.metrics.request(caller.traffic_class, arrival, len(ids), held_s)
+        dispatch = Dispatch(self.replicas, (rid, ids, params), shape, on_first_token, record)
         try:
             await dispatch.start()
         except BaseException:  # refused, or the client left while it was sent
@@ -216,6 +230,7 @@ class OpenAIIngress:
             return await self.admission.admit(self._loads, caller.traffic_class, prompt_tokens,
                                        max_tokens or 0, caller.priority, arrival)
         except AdmissionRejected as e:
+            self.metrics.reject(caller.traffic_class, e.kind)
             retry = str(int(e.retry_after_s))
             raise ApiError(429, f"server busy, retry after {retry} s ({e.reason})",
                            code="rate_limit_exceeded", headers={"Retry-After": retry}) from None
@@ -223,6 +238,14 @@ class OpenAIIngress:
     def _loads(self) -> list:
         view = load_view(self.replicas.app_name, self.replicas.deployment_name)
         return list(view.snapshots().values()) if view is not None else []
+
+    def _num_replicas(self) -> int:
+        view = load_view(self.replicas.app_name, self.replicas.deployment_name)
+        return len(view.curr_replicas) if view is not None else 0
+
+    def _replica_stats(self) -> dict:
+        view = load_view(self.replicas.app_name, self.replicas.deployment_name)
+        return view.replica_stats() if view is not None else {}
 
     async def _model_info(self) -> _ModelInfo:
         """The replicas' tokenizer and limits, fetched from one replica on first use.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -32,15 +33,18 @@ class ReplicaLost(Exception):
 class Dispatch:
     """One request's call to a replica, re-sent elsewhere if its replica dies early.
 
-    ``on_first_token`` is called once, when the first item with tokens arrives.
+    ``on_first_token`` is called once, when the first item with tokens arrives; ``record``
+    (``deploy.metrics.RequestRecord``) is told of every item and of how the call ended.
     """
 
     def __init__(self, handle: DeploymentHandle, args: tuple, shape: RequestShape,
-                 on_first_token: Callable[[], None] | None = None) -> None:
+                 on_first_token: Callable[[], None] | None = None,
+                 record: Any = None) -> None:
         self.handle = handle
         self.args = args
         self.shape = shape
         self.on_first_token = on_first_token
+        self.record = record
         self.gen: DeploymentResponseGenerator | None = None
         self.produced = False
         self.done = False
@@ -90,19 +94,39 @@ class Dispatch:
                         self.produced = True
                         if self.on_first_token is not None:
                             self.on_first_token()
+                    self._observe(item)
                     yield item
                     if item["finished"]:
                         self.done = True
                         return
+                self._failed()
                 raise ReplicaLost("the replica ended the stream early")
             except REPLICA_LOST as e:
                 if self.produced or self.attempts >= MAX_DISPATCH_ATTEMPTS:
+                    self._failed()
                     raise ReplicaLost(f"the replica serving this request died: {e}") from e
                 logger.warning("replica lost before the first token; re-sending: %s", e)
                 await self.start()
+
+    def _observe(self, item: dict) -> None:
+        r = self.record
+        if r is None:
+            return
+        if "queue_s" in item:
+            r.scheduled(item["queue_s"])
+        r.tokens(sum(len(o["token_ids"]) for o in item["outputs"]),
+                 [o["finish_reason"] for o in item["outputs"] if o["finish_reason"]])
+        if item["finished"]:
+            r.finished()
+
+    def _failed(self) -> None:
+        if self.record is not None:
+            self.record.failed()
 
     def cancel(self) -> None:
         """Abort the replica call (the engine frees the request's blocks next step)."""
         if self.gen is not None and not self.done:
             self.gen.cancel()
             self.done = True
+            if self.record is not None:
+                self.record.aborted()

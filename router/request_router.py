@@ -65,6 +65,11 @@ class LoadAwareRouter(RequestRouter):
             since = [r.shape for r in routed if r.time_s >= snap.timestamp]
         return snap.with_queued((s.traffic_class, s.prompt_tokens) for s in since)
 
+    def replica_stats(self) -> dict[str, dict]:
+        """Every running replica's last published routing stats, by its unique id."""
+        return {rid.unique_id: dict(r.routing_stats)
+                for rid, r in list(self._replicas.items()) if r.routing_stats}
+
     def snapshots(self) -> dict[ReplicaID, LoadSnapshot]:
         """Adjusted snapshots of every running replica that has published one."""
         out = {}

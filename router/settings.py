@@ -42,3 +42,5 @@ class IngressSettings(IngressOptions):
     the defaults."""
     policy: dict[str, Any] | None = None
     """The replicas' ``EngineConfig.policy_spec``; None: the priority policy."""
+    num_replicas: int = 1
+    """Model replicas the application asks for (``iterserve:num_replicas_target``)."""

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
 import threading
 import time
 
@@ -17,10 +15,9 @@ import openai
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
 
 from deploy.config import ServiceConfig  # noqa: E402
-from deploy.server import deploy, embedded_serve_env, spare_port  # noqa: E402
+from tests import serving_app as app  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -39,18 +36,12 @@ INTERACTIVE_TTFT_SLO_S = 5.0
 PROMPT = "The capital of France is"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     config = ServiceConfig(
         num_replicas=2,
         replica_num_cpus=1,  # the Ray cluster below has 2 CPUs, whatever the host has
-        port=_free_port(),
+        port=app.free_port(),
         api_keys=KEYS,
         engine={
             "policy": "priority", "tpot_slo_guard": True,
@@ -64,52 +55,8 @@ def server():
                                 "interactive": {"ttft_slo_s": INTERACTIVE_TTFT_SLO_S}},
         },
     )
-    # As `iterserve serve` runs it: the ingress replica serves the port itself.
-    saved = dict(os.environ)
-    os.environ.update(embedded_serve_env(config))
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             log_to_driver=False)
-    os.environ.clear()
-    os.environ.update(saved)
-    try:
-        url = deploy(config, proxy_port=spare_port(config.host))
-        _wait_health(url, replicas=2, timeout_s=60)
+    with app.running_app(config, replicas=2) as url:
         yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-def _client(url: str, key: str = "sk-standard") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
-
-
-def _health(url: str) -> dict:
-    return httpx.get(f"{url}/health", timeout=10).json()
-
-
-def _wait_health(url: str, replicas: int, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        h = _health(url)
-        if h.get("status") == "ok" and len(h["replicas"]) >= replicas:
-            return h
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {replicas} healthy replicas after {timeout_s} s: {h}")
-        time.sleep(0.5)
-
-
-def _wait_idle(url: str, timeout_s: float = 10) -> float:
-    """Seconds until every replica reports no running request and no KV block in use."""
-    start = time.monotonic()
-    while True:
-        h = _health(url)
-        if h.get("replicas") and all(r["running"] == 0 and r["waiting"] == 0 and r["kv_usage"] == 0
-                                 for r in h["replicas"]):
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"replicas still busy after {timeout_s} s: {h}")
-        time.sleep(0.1)
 
 
 def _post(url: str, path: str, body: dict | bytes, key: str | None = "sk-standard",
@@ -128,7 +75,7 @@ def test_completion_matches_transformers_generate(server, model_dir, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    out = _client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
+    out = app.client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
                                              temperature=0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
@@ -143,7 +90,7 @@ def test_echo_scores_a_prompt_as_transformers_does(server, model_dir, tokenizer)
     import torch
     from transformers import AutoModelForCausalLM
 
-    out = _client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=0,
+    out = app.client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=0,
                                              echo=True, logprobs=1, temperature=0)
     choice = out.choices[0]
     ids = tokenizer(PROMPT).input_ids
@@ -156,26 +103,26 @@ def test_echo_scores_a_prompt_as_transformers_does(server, model_dir, tokenizer)
     want = [float(ref[p - 1, ids[p]]) for p in range(1, len(ids))]
     assert lp.token_logprobs[1:] == pytest.approx(want, abs=2e-3)
     # Echo with a completion: the prompt, then the same greedy text as without echo.
-    plain = _client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+    plain = app.client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
                                                temperature=0)
-    echoed = _client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+    echoed = app.client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
                                                 temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
-    streamed = "".join(c.choices[0].text for c in _client(server).completions.create(
+    streamed = "".join(c.choices[0].text for c in app.client(server).completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, stream=True))
     assert streamed == echoed.choices[0].text
 
 
 def test_several_prompts_index_choices_across_prompts_and_n(server):
     prompts = [PROMPT, "Once upon a time"]
-    out = _client(server).completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5,
+    out = app.client(server).completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5,
                                              temperature=0)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
-    alone = [_client(server).completions.create(model=MODEL, prompt=p, max_tokens=5,
+    alone = [app.client(server).completions.create(model=MODEL, prompt=p, max_tokens=5,
                                                 temperature=0).choices[0].text for p in prompts]
     assert [c.text for c in out.choices] == [alone[0], alone[0], alone[1], alone[1]]
     finishes: dict[int, int] = {}
-    for chunk in _client(server).completions.create(model=MODEL, prompt=prompts, n=2,
+    for chunk in app.client(server).completions.create(model=MODEL, prompt=prompts, n=2,
                                                      max_tokens=5, temperature=0.8,
                                                      stream=True):
         for c in chunk.choices:
@@ -184,14 +131,14 @@ def test_several_prompts_index_choices_across_prompts_and_n(server):
 
 
 def test_models_and_health(server):
-    models = _client(server).models.list()
+    models = app.client(server).models.list()
     assert [m.id for m in models.data] == [MODEL]
-    h = _health(server)
+    h = app.health(server)
     assert h["status"] == "ok" and h["num_replicas"] == 2
 
 
 def test_chat_streaming_equals_non_streaming_with_one_usage_chunk(server, tokenizer):
-    client = _client(server)
+    client = app.client(server)
     messages = [{"role": "user", "content": "Name three colours."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
                                           temperature=0)
@@ -214,7 +161,7 @@ def test_chat_streaming_equals_non_streaming_with_one_usage_chunk(server, tokeni
 
 
 def test_completion_streaming_equals_non_streaming(server):
-    client = _client(server)
+    client = app.client(server)
     kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0.8, seed=7)
     full = client.completions.create(**kw)
     chunks = list(client.completions.create(**kw, stream=True))
@@ -224,7 +171,7 @@ def test_completion_streaming_equals_non_streaming(server):
 
 
 def test_stop_string_stream_and_not(server):
-    client = _client(server)
+    client = app.client(server)
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stop=["."])
     full = client.completions.create(**kw)
     assert full.choices[0].text == " Paris"  # greedy: " Paris.\n\n..."
@@ -234,7 +181,7 @@ def test_stop_string_stream_and_not(server):
 
 
 def test_n_seed_and_logprobs(server):
-    client = _client(server)
+    client = app.client(server)
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=3, seed=11,
               logprobs=2)
     a, b = client.completions.create(**kw), client.completions.create(**kw)
@@ -309,7 +256,7 @@ def test_chat_response_format_json_schema(server):
         "city": {"type": "string", "maxLength": 20},
         "population_millions": {"type": "number"}},
         "required": ["city", "population_millions"], "additionalProperties": False}
-    chat = _client(server).chat.completions.create(
+    chat = app.client(server).chat.completions.create(
         model=MODEL, max_tokens=64, temperature=0,
         messages=[{"role": "user", "content": "Name a large city and its population."}],
         response_format={"type": "json_schema",
@@ -340,7 +287,7 @@ def test_bad_chat_input(server):
     r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     with pytest.raises(openai.BadRequestError) as e:
-        _client(server).chat.completions.create(
+        app.client(server).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x " * 9000}], max_tokens=4)
     assert "context" in str(e.value)
 
@@ -366,7 +313,7 @@ def test_malformed_json_oversized_body_and_auth(server):
               key="sk-standard", **{"x-iterserve-class": "batch"})
     assert r.status_code == 200 and r.headers["x-iterserve-class"] == "batch"
     # The server is healthy after all of that.
-    out = _client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+    out = app.client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
                                              temperature=0)
     assert out.choices[0].finish_reason == "length"
 
@@ -396,7 +343,7 @@ def test_50_concurrent_streams(server):
     results = asyncio.run(main())
     assert len(results) == 50
     assert all(reason == "length" and text for text, reason in results)
-    _wait_idle(server)
+    app.wait_idle(server)
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -417,7 +364,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server, stream):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=2.0)
     # 2000 tokens would take minutes: idle within seconds means the request was aborted.
-    freed_s = _wait_idle(server, timeout_s=15)
+    freed_s = app.wait_idle(server, timeout_s=15)
     assert time.monotonic() - start < 30, freed_s
 
 
@@ -427,7 +374,7 @@ def test_interactive_first_token_while_batch_saturates(server):
     lock = threading.Lock()
 
     def run_batch(i: int) -> None:
-        client = _client(server, "sk-batch")
+        client = app.client(server, "sk-batch")
         out = client.completions.create(model=MODEL, prompt=f"Batch job {i}:", max_tokens=48,
                                         extra_body={"ignore_eos": True}, temperature=0)
         with lock:
@@ -441,7 +388,7 @@ def test_interactive_first_token_while_batch_saturates(server):
         # Every batch request at a replica or held by admission (no seat for it), and one
         # replica's seats full.
         while True:
-            h = _health(server)
+            h = app.health(server)
             replicas = h.get("replicas", [])
             if (sum(r["running"] + r["waiting"] for r in replicas)
                     + h.get("held", {}).get("batch", 0) == num_batch
@@ -458,7 +405,7 @@ def test_interactive_first_token_while_batch_saturates(server):
                 and r.json()["error"]["type"] == "rate_limit_error")
 
         sent = time.monotonic()
-        stream = _client(server, "sk-interactive").completions.create(
+        stream = app.client(server, "sk-interactive").completions.create(
             model=MODEL, prompt="Quick question: what is 2+2?", max_tokens=4, temperature=0,
             stream=True)
         first = next(iter(stream))
@@ -475,7 +422,7 @@ def test_interactive_first_token_while_batch_saturates(server):
     assert finished_before == 0, f"{finished_before} batch requests ended before the first token"
     assert ttft < INTERACTIVE_TTFT_SLO_S, f"interactive TTFT {ttft:.2f} s behind batch load"
     assert len(done) == num_batch and all(reason == "length" for _, reason in done)
-    _wait_idle(server)
+    app.wait_idle(server)
 
 
 # -- faults (last: kills a replica) ---------------------------------------------------------
@@ -513,7 +460,7 @@ def test_replica_death(server):
     killed = time.monotonic()
 
     # New requests are served meanwhile (by the other replica, or re-sent to it).
-    out = _client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+    out = app.client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
                                              temperature=0)
     assert out.choices[0].finish_reason == "length"
 
@@ -529,5 +476,5 @@ def test_replica_death(server):
                 len(r["events"]), r["events"][-3:], time.monotonic() - killed)
         else:
             assert last["choices"][0]["finish_reason"] == "length", last
-    _wait_health(server, replicas=2, timeout_s=180)
-    assert victim not in {r["replica"] for r in _health(server)["replicas"]}
+    app.wait_health(server, replicas=2, timeout_s=180)
+    assert victim not in {r["replica"] for r in app.health(server)["replicas"]}

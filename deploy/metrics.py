@@ -1,0 +1,376 @@
+"""Prometheus metrics: every name, label and bucket iterserve exports, in one place.
+
+Names follow vLLM's (``vllm:time_to_first_token_seconds`` is
+``iterserve:time_to_first_token_seconds`` here, and so on), so that dashboards and alerts
+written for vLLM translate by a prefix swap. Everything is served at ``GET /metrics`` on
+the API port by ``prometheus-client``, from the ingress process. Ray's own metrics export
+was not used: it serves each node's metrics agent on another port, prefixes names with
+``ray_``, and would need Ray's service discovery in every Prometheus config.
+
+Two sources feed it:
+
+* the ingress measures each request as its client sees it (:class:`RequestRecord`): TTFT,
+  inter-token latency, TPOT, end-to-end latency, queue time, tokens, finish reasons,
+  aborts, admission rejections, SLO outcomes;
+* each replica counts its own steps (:class:`StepMetrics`: step time, prefill and decode
+  tokens per step, preemptions); the cumulative counts travel with the load snapshot Ray
+  Serve already polls from every replica (``record_routing_stats``), and the ingress
+  renders them with the snapshots' gauges (running, waiting, KV usage) per replica.
+
+Labels: ``model``, ``replica``, ``traffic_class``, plus ``reason``, ``finish_reason`` or
+``phase`` where they apply. No request ids or tenant names: the label sets are bounded by
+the configured classes and the replicas.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+PREFIX = "iterserve:"
+# No `_created` series beside every counter and histogram: vLLM's exposition has none, and
+# they double the series a scrape stores.
+disable_created_metrics()
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Buckets in seconds: vLLM's for TTFT and ITL, extended to the SLO range of CPU serving.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+ATTAINMENT_WINDOW_S = 60.0
+"""The rolling SLO-attainment gauge covers requests ended in this many seconds."""
+
+REJECT_REASONS = ("ttft", "tpot", "seats", "kv_cache", "queue_cap")
+"""Admission's reasons to refuse (``policies.Reject.kind``)."""
+
+
+# -- replica side -----------------------------------------------------------------------
+
+
+class _Buckets:
+    """A cumulative histogram as plain numbers (it crosses processes as JSON)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"counts": list(self.counts), "sum": self.sum}
+
+
+class StepMetrics:
+    """One replica's step counts, fed by ``LLMEngine.on_step`` (one call per step).
+
+    :meth:`to_dict` is what the replica adds to its routing stats under ``"metrics"``.
+    """
+
+    def __init__(self) -> None:
+        self.step_s = _Buckets(STEP_BUCKETS)
+        self.prefill_tokens = _Buckets(TOKEN_BUCKETS)
+        self.decode_tokens = _Buckets(TOKEN_BUCKETS)
+        self.preemptions = 0
+
+    def record(self, step: Any) -> None:
+        """Count one ``engine.StepRecord``."""
+        self.step_s.observe(step.seconds)
+        if step.num_prefill_tokens:
+            self.prefill_tokens.observe(step.num_prefill_tokens)
+        if step.num_decodes:
+            self.decode_tokens.observe(step.num_decodes)
+        self.preemptions += len(step.preempted)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step_s": self.step_s.to_dict(), "preemptions": self.preemptions,
+                "prefill_tokens": self.prefill_tokens.to_dict(),
+                "decode_tokens": self.decode_tokens.to_dict()}
+
+
+# -- ingress side -----------------------------------------------------------------------
+
+
+def _histogram(name: str, doc: str, labels: list[str], bounds: Iterable[float],
+               data: Iterable[tuple[list[str], Mapping[str, Any]]]) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
+    bounds = list(bounds)
+    for values, h in data:
+        counts, running, buckets = h["counts"], 0, []
+        for bound, n in zip([*map(str, bounds), "+Inf"], counts):
+            running += n
+            buckets.append((bound, running))
+        fam.add_metric(values, buckets, h["sum"])
+    return fam
+
+
+class IngressMetrics:
+    """The ingress's registry: per-request metrics it measures, and the replicas' and
+    admission's state read at each scrape.
+
+    Args:
+        model: the served model's name (the ``model`` label).
+        slos: ``{class: (ttft_slo_s, tpot_slo_s)}``.
+        replica_stats: at scrape, ``{replica id: routing stats dict}`` of live replicas.
+        held: at scrape, requests held by admission now, per class.
+        replicas: at scrape, model replicas running now.
+        target_replicas: model replicas the application asks for.
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, model: str, slos: Mapping[str, tuple[float, float]],
+                 replica_stats: Callable[[], Mapping[str, Mapping[str, Any]]],
+                 held: Callable[[], Mapping[str, int]], replicas: Callable[[], int],
+                 target_replicas: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.model, self.slos, self.clock = model, dict(slos), clock
+        self._replica_stats, self._held = replica_stats, held
+        self._replicas, self.target_replicas = replicas, target_replicas
+        self.started = time.time()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._outcomes: dict[str, deque[tuple[float, bool]]] = {c: deque() for c in slos}
+        labels = ["model", "traffic_class"]
+
+        def hist(name: str, doc: str, bounds: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=bounds,
+                             registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
+
+        self.ttft = hist("time_to_first_token_seconds",
+                         "Seconds from arrival at the ingress to the first token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds",
+                        "Seconds between a request's successive streamed tokens.", ITL_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Per request: (last token - first token) / (output tokens - 1).",
+                         ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds",
+                        "Seconds from arrival to the last token.", E2E_BUCKETS)
+        self.queue = hist("request_queue_time_seconds",
+                          "Seconds from arrival until the engine first scheduled the request "
+                          "(held by admission plus queued on the replica).", TTFT_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted at "
+                                     "each request's first token).")
+        self.generation_tokens = counter("generation_tokens", "Output tokens streamed.")
+        self.success = counter("request_success", "Requests finished, by finish reason.",
+                               ("finish_reason",))
+        self.aborted = counter("request_aborted", "Requests whose client left before the end.")
+        self.rejected = counter("admission_rejections", "Requests refused by admission (429).",
+                                ("reason",))
+        self.slo_met = counter("slo_met_requests",
+                               "Ended requests that met the SLO named by `slo` (ttft, tpot, "
+                               "or both: goodput).", ("slo",))
+        self.slo_missed = counter("slo_missed_requests",
+                                  "Ended requests that missed the SLO named by `slo`; refused "
+                                  "and failed requests miss all three.", ("slo",))
+        self.registry.register(_StateCollector(self))
+        # Every class's series exist from the start at 0: a ratio such as missed / (met +
+        # missed) has no value for a class while one of its terms has no series.
+        for cls in self.slos:
+            for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue,
+                           self.prompt_tokens, self.generation_tokens, self.aborted):
+                metric.labels(model, cls)
+            for reason in REJECT_REASONS:
+                self.rejected.labels(model, cls, reason)
+            for slo in ("ttft", "tpot", "both"):
+                self.slo_met.labels(model, cls, slo)
+                self.slo_missed.labels(model, cls, slo)
+
+    def request(self, traffic_class: str, arrival_s: float, prompt_tokens: int,
+                held_s: float = 0.0) -> RequestRecord:
+        """A record for one request (one prompt) sent to a replica after ``held_s``
+        seconds held by admission."""
+        return RequestRecord(self, traffic_class, arrival_s, prompt_tokens, held_s)
+
+    def reject(self, traffic_class: str, reason: str) -> None:
+        """Count a refusal by admission: a missed SLO, as goodput counts it."""
+        self.rejected.labels(self.model, traffic_class, reason).inc()
+        self._outcome(traffic_class, ttft_met=False, tpot_met=False)
+
+    def _outcome(self, traffic_class: str, *, ttft_met: bool, tpot_met: bool) -> None:
+        for slo, met in (("ttft", ttft_met), ("tpot", tpot_met),
+                         ("both", ttft_met and tpot_met)):
+            (self.slo_met if met else self.slo_missed).labels(
+                self.model, traffic_class, slo).inc()
+        window = self._outcomes.setdefault(traffic_class, deque())
+        window.append((self.clock(), ttft_met and tpot_met))
+
+    def attainment(self, traffic_class: str) -> float:
+        """Share of the class's requests ended in the last minute that met both SLOs
+        (NaN when none ended)."""
+        window, horizon = self._outcomes.get(traffic_class, deque()), self.clock()
+        while window and window[0][0] < horizon - ATTAINMENT_WINDOW_S:
+            window.popleft()
+        return sum(met for _, met in window) / len(window) if window else math.nan
+
+    def render(self) -> bytes:
+        """The exposition text for ``GET /metrics``."""
+        return generate_latest(self.registry)
+
+
+class _StateCollector:
+    """Gauges and replica series computed at scrape time."""
+
+    def __init__(self, m: IngressMetrics) -> None:
+        self.m = m
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterable:
+        m = self.m
+        held = GaugeMetricFamily(PREFIX + "num_requests_held",
+                                 "Requests held by admission at the ingress now.",
+                                 labels=["model", "traffic_class"])
+        counts = m._held()
+        for cls in sorted({*m.slos, *counts}):
+            held.add_metric([m.model, cls], counts.get(cls, 0))
+        att = GaugeMetricFamily(PREFIX + "slo_attainment",
+                                f"Share of requests ended in the last {ATTAINMENT_WINDOW_S:g} s "
+                                "that met both SLOs (refusals count as misses).",
+                                labels=["model", "traffic_class"])
+        for cls in sorted(m._outcomes):
+            att.add_metric([m.model, cls], m.attainment(cls))
+        yield held
+        yield att
+        for name, doc, n in (("num_replicas", "Model replicas running.", m._replicas()),
+                             ("num_replicas_target", "Model replicas asked for.",
+                              m.target_replicas),
+                             ("start_time_seconds", "When the ingress started (Unix time).",
+                              m.started)):
+            fam = GaugeMetricFamily(PREFIX + name, doc, labels=["model"])
+            fam.add_metric([m.model], n)
+            yield fam
+        yield from replica_families(m.model, m._replica_stats(), m.slos)
+
+
+def replica_families(model: str, stats: Mapping[str, Mapping[str, Any]],
+                     classes: Iterable[str] = ()) -> list:
+    """The replica series from each live replica's routing stats; running and waiting
+    for every class in ``classes`` (0 when none), so that an idle replica reads 0."""
+    labels = ["model", "replica"]
+    running = GaugeMetricFamily(PREFIX + "num_requests_running",
+                                "Requests in the replica's running batch.",
+                                labels=[*labels, "traffic_class"])
+    waiting = GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests queued on the "
+                                "replica.", labels=[*labels, "traffic_class"])
+    kv = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache blocks in use (0-1).",
+                           labels=labels)
+    preempt = CounterMetricFamily(PREFIX + "num_preemptions",
+                                  "Requests preempted (KV cache full, or shed for more urgent "
+                                  "decodes).", labels=labels)
+    steps, prefill, decode = [], [], []
+    for rid, s in sorted(stats.items()):
+        for cls in sorted({*classes, *s.get("running_seqs", {}),
+                           *s.get("waiting_requests", {})}):
+            running.add_metric([model, rid, cls], s.get("running_seqs", {}).get(cls, 0))
+            waiting.add_metric([model, rid, cls], s.get("waiting_requests", {}).get(cls, 0))
+        kv.add_metric([model, rid], s.get("kv_usage", 0.0))
+        met = s.get("metrics")
+        if met:
+            preempt.add_metric([model, rid], met["preemptions"])
+            steps.append(([model, rid], met["step_s"]))
+            prefill.append(([model, rid, "prefill"], met["prefill_tokens"]))
+            decode.append(([model, rid, "decode"], met["decode_tokens"]))
+    return [running, waiting, kv, preempt,
+            _histogram("step_time_seconds", "Seconds per engine step.", labels, STEP_BUCKETS,
+                       steps),
+            _histogram("iteration_tokens_total", "Tokens per engine step, by phase (prefill "
+                       "tokens; decode: one per running sequence).", [*labels, "phase"],
+                       TOKEN_BUCKETS, prefill + decode)]
+
+
+class RequestRecord:
+    """One request's (one prompt's) times at the ingress, recorded as they happen.
+
+    Call :meth:`tokens` as items arrive, then exactly one of :meth:`finished`,
+    :meth:`aborted` (client gone) or :meth:`failed`; later calls are ignored.
+    """
+
+    def __init__(self, m: IngressMetrics, traffic_class: str, arrival_s: float,
+                 prompt_tokens: int, held_s: float = 0.0) -> None:
+        self.m, self.cls, self.arrival = m, traffic_class, arrival_s
+        self.prompt_tokens, self.held_s = prompt_tokens, held_s
+        self.labels = (m.model, traffic_class)
+        self.first: float | None = None
+        self.last = 0.0
+        self.count = 0
+        self.reasons: list[str] = []
+        self.ended = False
+
+    def scheduled(self, queue_s: float) -> None:
+        """``queue_s``: seconds the replica queued the request before its first step
+        (recorded with the time it was held at the ingress)."""
+        self.m.queue.labels(*self.labels).observe(self.held_s + max(0.0, queue_s))
+
+    def tokens(self, n: int, finish_reasons: Iterable[str] = ()) -> None:
+        """``n`` output tokens arrived now (one step's, over all its sequences), and the
+        finish reasons of the sequences that ended in that step."""
+        self.reasons.extend(finish_reasons)
+        if n == 0:
+            return
+        now = self.m.clock()
+        if self.first is None:
+            self.first = now
+            self.m.ttft.labels(*self.labels).observe(now - self.arrival)
+            self.m.prompt_tokens.labels(*self.labels).inc(self.prompt_tokens)
+        else:
+            self.m.itl.labels(*self.labels).observe(now - self.last)
+        self.last = now
+        self.count += n
+        self.m.generation_tokens.labels(*self.labels).inc(n)
+
+    def finished(self) -> None:
+        """Every sequence has ended."""
+        if self._end():
+            return
+        m, labels = self.m, self.labels
+        for r in self.reasons or ["unknown"]:
+            m.success.labels(*labels, r).inc()
+        now = m.clock()
+        m.e2e.labels(*labels).observe(now - self.arrival)
+        per_seq = self.count / max(1, len(self.reasons))
+        tpot = (self.last - self.first) / (per_seq - 1) if per_seq > 1 else 0.0
+        if per_seq > 1:
+            m.tpot.labels(*labels).observe(tpot)
+        ttft_slo, tpot_slo = m.slos.get(self.cls, (math.inf, math.inf))
+        ttft = (self.first if self.first is not None else now) - self.arrival
+        m._outcome(self.cls, ttft_met=ttft <= ttft_slo, tpot_met=tpot <= tpot_slo)
+
+    def aborted(self) -> None:
+        if not self._end():
+            self.m.aborted.labels(*self.labels).inc()
+
+    def failed(self) -> None:
+        """Ended by an error after admission (its replica lost): a miss."""
+        if not self._end():
+            self.m._outcome(self.cls, ttft_met=False, tpot_met=False)
+
+    def _end(self) -> bool:
+        """Mark ended; True if it already was."""
+        was, self.ended = self.ended, True
+        return was

@@ -1,0 +1,211 @@
+"""Metrics end to end: the real application under a short mixed load, scraped by a real
+Prometheus (Debian's package, installed here when missing) with the shipped rules; every
+PromQL expression of the dashboard and the rules returns data; `iterserve top --once`
+shows the same figures as `/metrics`."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+pytest.importorskip("ray")
+
+from deploy.config import ServiceConfig  # noqa: E402
+from deploy.top import scrape, view  # noqa: E402
+from tests import serving_app as app  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+RULES = REPO / "deploy" / "prometheus" / "rules.yml"
+DASHBOARD = REPO / "deploy" / "grafana" / "iterserve.json"
+KEYS = {"sk-i": {"tenant": "a", "traffic_class": "interactive"},
+        "sk-b": {"tenant": "b", "traffic_class": "batch"},
+        "sk-t": {"tenant": "c", "traffic_class": "tight"}}
+
+
+def _prometheus_binaries() -> tuple[str, str]:
+    """``prometheus`` and ``promtool``, from Debian's package when missing (it starts no
+    service); skips when they cannot be installed (no root or no package index)."""
+    if not (shutil.which("prometheus") and shutil.which("promtool")):
+        cmd = ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            subprocess.run(["apt-get", "update", "-q"], capture_output=True)
+            r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"prometheus is not installed and apt-get failed: {r.stderr[-300:]}")
+    return shutil.which("prometheus"), shutil.which("promtool")
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = ServiceConfig(
+        num_replicas=1, replica_num_cpus=1, port=app.free_port(), api_keys=KEYS,
+        engine={"max_num_seqs": 8, "traffic_classes": {
+            "interactive": {"ttft_slo_s": 5.0},
+            # Never meets its SLO under load: admission refuses it (429).
+            "tight": {"ttft_slo_s": 0.01, "tpot_slo_s": 0.01, "default_priority": 3,
+                      "max_queue_wait_s": 0.3}}})
+    with app.running_app(config, replicas=1) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def prometheus(server, tmp_path_factory):
+    binary, _ = _prometheus_binaries()
+    d = tmp_path_factory.mktemp("prometheus")
+    port = app.free_port()
+    config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s",
+                         "evaluation_interval": "1s"},
+              "rule_files": [str(RULES)],
+              "scrape_configs": [{"job_name": "iterserve", "static_configs": [
+                  {"targets": [server.removeprefix("http://")]}]}]}
+    (d / "prometheus.yml").write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen(
+        [binary, f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=open(d / "log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not _scraped(url):  # ready, and a first scrape of the server done
+            assert proc.poll() is None and time.monotonic() < deadline, (d / "log").read_text()
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _scraped(url: str) -> bool:
+    try:
+        r = httpx.get(f"{url}/api/v1/query", params={"query": 'up{job="iterserve"} == 1'},
+                      timeout=2)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200 and bool(r.json()["data"]["result"])
+
+
+@pytest.fixture(scope="module")
+def loaded(server):
+    """The server after a short load: two classes, three refusals (class `tight` under
+    load) and two aborts."""
+    _load(server)
+    return server
+
+
+def _load(url: str) -> None:
+    def complete(key: str, tokens: int) -> None:
+        httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                   json={"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time",
+                         "max_tokens": tokens, "ignore_eos": True}, timeout=120)
+
+    def abort() -> None:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Tell me a story",
+                "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120,
+                          headers={"Authorization": "Bearer sk-i"}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    break  # the client leaves after its first chunk
+
+    jobs = [(complete, ("sk-i", 24))] * 4 + [(complete, ("sk-b", 48))] * 3 + [(abort, ())] * 2
+    threads = [threading.Thread(target=f, args=a) for f, a in jobs]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # busy now: `tight` requests are refused
+    for _ in range(3):
+        r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer sk-t"},
+                       json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi",
+                             "max_tokens": 4}, timeout=60)
+        assert r.status_code == 429, r.text
+    for t in threads:
+        t.join(timeout=180)
+
+
+def _queries() -> list[str]:
+    """Every PromQL expression the dashboard and the rules use; for the alert rules, every
+    series their conditions read (a condition returns data only while it fires)."""
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"].replace("$model", ".*") for p in dash["panels"] for t in p["targets"]]
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        for rule in group["rules"]:
+            if "record" in rule:
+                exprs += [rule["expr"], rule["record"]]
+            else:
+                exprs += sorted(set(re.findall(r"\b(?:iterserve:[a-z0-9_:]+|up\{[^}]*\})",
+                                               rule["expr"])))
+    return exprs
+
+
+def test_shipped_prometheus_files_pass_promtool():
+    _, promtool = _prometheus_binaries()
+    config = REPO / "deploy" / "prometheus" / "prometheus.yml"
+    for args in (["check", "config", str(config)], ["check", "rules", str(RULES)]):
+        r = subprocess.run([promtool, *args], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_metrics_under_load_reach_prometheus_and_drain(prometheus, loaded):
+    server = loaded
+    # Gauges are true with no traffic: every request ended or was aborted.
+    deadline = time.monotonic() + 10
+    while True:
+        now = scrape(server)
+        busy = {k: v for k, v in now.items() if v and k[0] in (
+            "iterserve:num_requests_running", "iterserve:num_requests_waiting",
+            "iterserve:kv_cache_usage_perc", "iterserve:num_requests_held")}
+        if not busy:
+            break
+        assert time.monotonic() < deadline, busy
+        time.sleep(0.5)
+    got = {}
+    deadline = time.monotonic() + 30
+    for expr in _queries():
+        while True:
+            r = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10)
+            assert r.status_code == 200, (expr, r.text)
+            got[expr] = r.json()["data"]["result"]
+            if got[expr] or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+    empty = [e for e, res in got.items() if not res]
+    assert not empty, f"no data for: {empty}"
+    refused = {s["metric"]["reason"] for s in got[
+        'sum by (reason) (rate(iterserve:admission_rejections_total{model=~".*"}[1m]))']
+        if float(s["value"][1]) > 0}
+    assert refused == {"ttft"}
+
+
+def test_top_once_shows_what_metrics_say(loaded):
+    server = loaded
+    out = subprocess.run([sys.executable, "-m", "deploy.cli", "top", "--url", server, "--once"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO,
+                         env={**os.environ, "COLUMNS": "160"})
+    assert out.returncode == 0, out.stderr
+    v = view(scrape(server), {}, 1.0, True)
+    rows = {c.name: c for c in v.classes}
+    assert {"interactive", "batch", "tight"} <= set(rows)
+    lines = {ln.split("│")[1].strip(): ln for ln in out.stdout.splitlines()
+             if ln.count("│") > 2 and ln.split("│")[1].strip() in rows}
+    for name, row in rows.items():
+        cells = [c.strip() for c in lines[name].split("│")[1:-1]]
+        shown = "-" if math.isnan(row.attainment) else f"{100 * row.attainment:.1f}%"
+        assert cells[4] == shown, (name, cells)
+        assert cells[6] == f"{row.refused:.0f}", (name, cells)
+    assert rows["tight"].refused == 3 and rows["tight"].attainment == 0.0
+    assert rows["batch"].attainment == 1.0
+    assert len(v.replicas) == 1 and v.replicas[0][1:] == (0.0, 0.0, 0.0)
