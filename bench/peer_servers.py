@@ -47,9 +47,6 @@ SYSTEMS = {
     "iterserve-static": SystemSpec("iterserve-static", "iterserve",
                                    {"policy": "static", "tpot_slo_guard": False}),
     "vllm": SystemSpec("vllm", "vllm"),
-    # Admission with the fixed 0.85 margin instead of the measured TTFT error.
-    "iterserve-margin": SystemSpec("iterserve-margin", "iterserve", None,
-                                   {"admission_calibration": False}),
     # What `iterserve serve --config` gave before this benchmark's levers (commit d18065a):
     # one replica of one CPU, stats every 0.1 s, Serve's 0.1 s control loop and default
     # (not throughput-optimized) mode, and an engine section that replaced the server's

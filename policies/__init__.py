@@ -12,7 +12,6 @@ from typing import Any
 
 from policies.admission import AdmissionController
 from policies.base import SchedulingPolicy
-from policies.calibration import TtftCalibration
 from policies.decision import Admit, Decision, Prediction, Reject, Wait
 from policies.fcfs import FCFSPolicy
 from policies.load import LoadSnapshot
@@ -89,7 +88,6 @@ __all__ = [
     "StaticBatchPolicy",
     "StepTimeModel",
     "TrafficClass",
-    "TtftCalibration",
     "Wait",
     "classes_from_fields",
     "make_classes",

@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from policies.base import SchedulingPolicy
-from policies.calibration import TtftCalibration
 from policies.decision import Admit, Decision, Prediction, Reject, Wait
 from policies.load import LoadSnapshot
 from policies.priority import DEFAULT_CLASSES, PriorityPolicy, TrafficClass
@@ -94,13 +93,11 @@ class AdmissionController:
     * KV: ``ceil((x + P) / block_size) + 1`` blocks (one block of decode headroom) must be
       free, counting blocks of classes it outranks as free (the policy can preempt them).
 
-    The TTFT budget is the SLO minus ``waited_s`` (the SLO counts from arrival). A TTFT
-    prediction must fit ``slo_margin`` times the budget (the rest absorbs prediction
-    error: about 0.3 s mean absolute error on a 2 s TTFT SLO in ``bench/scheduling.py``),
-    or, when ``calibration`` (:mod:`policies.calibration`) has measured a smaller error
-    than that allows, the budget less that error. A TPOT prediction must fit
-    ``slo_margin`` times its SLO. An SLO the request could not meet even on an idle
-    replica (a very long prompt) is replaced by what an idle replica would achieve, so an idle
+    The TTFT budget is the SLO minus ``waited_s`` (the SLO counts from arrival). A
+    prediction must fit ``slo_margin`` times its budget or SLO: the rest absorbs
+    prediction error (about 0.3 s mean absolute error on a 2 s TTFT SLO in
+    ``bench/scheduling.py``). An SLO the request could not meet even on an idle replica
+    (a very long prompt) is replaced by what an idle replica would achieve, so an idle
     replica always admits.
 
     Args:
@@ -108,10 +105,8 @@ class AdmissionController:
         policy: the replicas' scheduling policy (``EngineConfig.make_policy``); asked
             which classes go first. None: the priority policy, the server's default.
         tpot_horizon_steps: ``H`` above, in steps.
-        slo_margin: fraction (0, 1] of the TPOT SLO, and of the TTFT budget while
-            ``calibration`` has no answer, that predictions must fit.
-        calibration: the measured TTFT error of admitted requests (the ingress feeds it);
-            None: the fixed ``slo_margin`` only.
+        slo_margin: fraction (0, 1] of the TTFT budget and the TPOT SLO that predictions
+            must fit.
 
     Raises:
         ValueError: ``tpot_horizon_steps`` < 1 or ``slo_margin`` outside (0, 1].
@@ -124,7 +119,6 @@ class AdmissionController:
         policy: SchedulingPolicy | None = None,
         tpot_horizon_steps: int = 32,
         slo_margin: float = 0.85,
-        calibration: TtftCalibration | None = None,
     ) -> None:
         if tpot_horizon_steps < 1:
             raise ValueError(f"tpot_horizon_steps={tpot_horizon_steps!r}: must be >= 1")
@@ -134,7 +128,6 @@ class AdmissionController:
         self.policy = policy if policy is not None else PriorityPolicy()
         self.tpot_horizon_steps = tpot_horizon_steps
         self.slo_margin = slo_margin
-        self.calibration = calibration
 
     def _class(self, name: str) -> TrafficClass:
         try:
@@ -257,9 +250,9 @@ class AdmissionController:
                max_tokens: int, priority: int, waited_s: float) -> Decision:
         """Admit, Wait or Reject a request of ``traffic_class`` for ``snapshot``'s replica.
 
-        Admit when the predicted TTFT fits the class's TTFT SLO less ``waited_s`` (with
-        the calibrated error, else within ``slo_margin`` of it), the predicted TPOT fits
-        ``slo_margin`` of the tightest TPOT SLO involved, and seats and KV suffice.
+        Admit when the predicted TTFT fits ``slo_margin`` of the class's TTFT SLO less
+        ``waited_s``, the predicted TPOT fits ``slo_margin`` of the tightest TPOT SLO
+        involved, and seats and KV suffice.
         Otherwise, at the class's ``hard_queue_cap``: Reject. Else, before
         ``max_queue_wait_s`` and while its TTFT SLO is still within reach
         (:meth:`_lost`): Wait for the rest of it. Else Reject a rejectable class,
@@ -286,7 +279,7 @@ class AdmissionController:
         pred = self._predict_at(s, cls, load, load.tokens_ahead, prompt_tokens)
         failed = self._failures(s, pred, prompt_tokens, cls.ttft_slo_s - waited_s)
         if not failed:
-            return Admit(pred.ttft_s)
+            return Admit()
         reason = f"{cls.name}: " + "; ".join(text for _, text in failed)
         cap = cls.hard_queue_cap
         if cap is not None and s.waiting_requests.get(cls.name, 0) >= cap:
@@ -305,21 +298,8 @@ class AdmissionController:
         would miss the margin of what is left): holding it longer only delays the later
         arrivals that count it as queued ahead. One out of reach on arrival keeps its hold."""
         idle_ttft, _ = self._ttft(s, prompt_tokens, 0)
-        return (idle_ttft <= self._ttft_limit(cls.ttft_slo_s)[0]
-                and idle_ttft > self._ttft_limit(cls.ttft_slo_s - waited_s)[0])
-
-    def _ttft_limit(self, budget_s: float) -> tuple[float, str]:
-        """(the most a TTFT prediction may be for ``budget_s``, how that was derived).
-
-        The measured error only ever loosens the fixed margin: an error larger than the
-        margin allows comes from delays the step model does not see (a grammar compiled
-        for the first token, a cold or dying replica), which refusing more requests
-        would not shorten."""
-        margin = self.slo_margin * budget_s
-        error = self.calibration.error_s() if self.calibration is not None else None
-        if error is None or budget_s - error <= margin:
-            return margin, f"{self.slo_margin:g} of the budget"
-        return budget_s - error, f"the budget less the measured error {error:+.2f} s"
+        return (idle_ttft <= self.slo_margin * cls.ttft_slo_s
+                and idle_ttft > self.slo_margin * (cls.ttft_slo_s - waited_s))
 
     def _failures(self, s: LoadSnapshot, pred: Prediction, prompt_tokens: int,
                   ttft_budget_s: float) -> list[tuple[str, str]]:
@@ -329,12 +309,13 @@ class AdmissionController:
         # for this request anywhere, and must not make an idle replica refuse it.
         idle_ttft, _ = self._ttft(s, prompt_tokens, 0)
         idle_tpot = self._tpot(s, prompt_tokens, 0)
-        ttft_limit, how = self._ttft_limit(ttft_budget_s)
+        ttft_limit = self.slo_margin * ttft_budget_s
         tpot_limit = self.slo_margin * pred.tpot_slo_s
         failed = []
         if pred.ttft_s > max(ttft_limit, idle_ttft):
             failed.append(("ttft", f"predicted TTFT {pred.ttft_s:.2f} s > {ttft_limit:.2f} s "
-                                   f"({how}; {pred.tokens_ahead} tokens ahead)"))
+                                   f"({self.slo_margin:g} of the budget; "
+                                   f"{pred.tokens_ahead} tokens ahead)"))
         if pred.tpot_s > max(tpot_limit, idle_tpot):
             failed.append(("tpot", f"predicted TPOT {pred.tpot_s:.3f} s > {tpot_limit:.3f} s "
                                    f"({self.slo_margin:g} of the SLO)"))

@@ -9,9 +9,6 @@ from dataclasses import dataclass
 class Admit:
     """Send the request to the replica now."""
 
-    predicted_ttft_s: float | None = None
-    """The TTFT predicted for it there, seconds from now (None: not predicted)."""
-
 
 @dataclass(frozen=True, slots=True)
 class Wait:

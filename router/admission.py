@@ -6,10 +6,6 @@ it is held and re-decided as new snapshots arrive, for at most its class's
 ``max_queue_wait_s`` or until its TTFT SLO is out of reach (``AdmissionController.decide``);
 then a rejectable class gets 429 with a Retry-After, and the batch class keeps waiting (it
 is refused only at its hard queue cap).
-
-Each admitted request's TTFT, from admission to its first token here, is set against the
-prediction it was admitted on (:class:`policies.TtftCalibration`), so that admission
-plans with the error the served engine shows rather than a fixed margin.
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ from policies import (
     Reject,
     SchedulingPolicy,
     TrafficClass,
-    TtftCalibration,
 )
 
 POLL_S = 0.05
@@ -48,14 +43,11 @@ class AdmissionRejected(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """A request let through: how long it was held, and what its TTFT was predicted."""
+    """A request let through, and how long it was held."""
 
     held_s: float
     at_s: float
     """When it was admitted, on the admission's clock."""
-    predicted_ttft_s: float | None = None
-    """Seconds from ``at_s`` to the first token, the best replica's prediction (None:
-    admitted without one: admission off, or no replica had reported its load)."""
 
 
 class IngressAdmission:
@@ -65,17 +57,13 @@ class IngressAdmission:
         classes: traffic classes by name.
         policy: the replicas' scheduling policy (None: the priority policy).
         enabled: False admits everything at once (admission off).
-        calibrate: learn the TTFT predictions' error from admitted requests
-            (:meth:`first_token`); False: the fixed ``slo_margin``.
         clock: monotonic seconds, injectable for tests.
     """
 
     def __init__(self, classes: Mapping[str, TrafficClass], *,
                  policy: SchedulingPolicy | None = None, enabled: bool = True,
-                 calibrate: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
-        self.calibration = TtftCalibration() if calibrate else None
-        self.controller = AdmissionController(classes, policy=policy,
-                                              calibration=self.calibration)
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.controller = AdmissionController(classes, policy=policy)
         self.enabled = enabled
         self.clock = clock
         self._held: dict[int, tuple[str, float, int]] = {}
@@ -106,7 +94,6 @@ class IngressAdmission:
         token = next(self._tokens)
         self._held[token] = (traffic_class, arrival_s, prompt_tokens)
         held_for: str | None = None  # why it was first held, for the 429 message
-        predicted = None
         try:
             while True:
                 snaps = loads()
@@ -118,9 +105,7 @@ class IngressAdmission:
                                            prompt_tokens, max_tokens, priority, waited)
                     for s in snaps
                 ]
-                admits = [d.predicted_ttft_s for d in decisions if isinstance(d, Admit)]
-                if admits:
-                    predicted = min(admits)
+                if any(isinstance(d, Admit) for d in decisions):
                     break
                 if all(isinstance(d, Reject) for d in decisions):
                     best = min(decisions, key=lambda d: d.retry_after_s)
@@ -136,12 +121,7 @@ class IngressAdmission:
         finally:
             del self._held[token]
         now = self.clock()
-        return Admitted(max(0.0, now - arrival_s), now, predicted)
-
-    def first_token(self, admitted: Admitted) -> None:
-        """Record that ``admitted``'s first token reached the ingress now."""
-        if self.calibration is not None and admitted.predicted_ttft_s is not None:
-            self.calibration.observe(admitted.predicted_ttft_s, self.clock() - admitted.at_s)
+        return Admitted(max(0.0, now - arrival_s), now)
 
     def _with_held(self, snap: LoadSnapshot, arrival_s: float) -> LoadSnapshot:
         """Count the requests held here since before this one as queued ahead of it.

@@ -14,7 +14,6 @@ request before its next step and frees its KV blocks.
 """
 
 import asyncio
-import functools
 import json
 import logging
 import time
@@ -81,7 +80,7 @@ class OpenAIIngress:
         self.classes = classes_from_fields(self.settings.traffic_classes)
         self.admission = IngressAdmission(
             self.classes, policy=policy_from_spec(self.settings.policy),
-            enabled=self.settings.admission, calibrate=self.settings.admission_calibration,
+            enabled=self.settings.admission,
         )
         self._info: _ModelInfo | None = None
         self._info_lock = asyncio.Lock()
@@ -202,13 +201,12 @@ class OpenAIIngress:
         shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
         # A request that can never fit skips admission: the replica answers it with a
         # 400 that has the numbers, not a 429.
-        on_first_token, held_s = None, 0.0
+        held_s = 0.0
         if info.limits.fits(len(ids), params["max_tokens"]):
             admitted = await self._admit(caller, len(ids), params["max_tokens"], arrival)
-            on_first_token = functools.partial(self.admission.first_token, admitted)
-            held_s = admitted.at_s - arrival
+            held_s = admitted.held_s
         record = self.metrics.request(caller.traffic_class, arrival, len(ids), held_s)
-        dispatch = Dispatch(self.replicas, (rid, ids, params), shape, on_first_token, record)
+        dispatch = Dispatch(self.replicas, (rid, ids, params), shape, record)
         try:
             await dispatch.start()
         except BaseException:  # refused, or the client left while it was sent

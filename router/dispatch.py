@@ -9,7 +9,7 @@ once tokens were streamed, :class:`ReplicaLost` ends the stream.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -33,17 +33,15 @@ class ReplicaLost(Exception):
 class Dispatch:
     """One request's call to a replica, re-sent elsewhere if its replica dies early.
 
-    ``on_first_token`` is called once, when the first item with tokens arrives; ``record``
-    (``deploy.metrics.RequestRecord``) is told of every item and of how the call ended.
+    ``record`` (``deploy.metrics.RequestRecord``) is told of every item and of how the
+    call ended.
     """
 
     def __init__(self, handle: DeploymentHandle, args: tuple, shape: RequestShape,
-                 on_first_token: Callable[[], None] | None = None,
                  record: Any = None) -> None:
         self.handle = handle
         self.args = args
         self.shape = shape
-        self.on_first_token = on_first_token
         self.record = record
         self.gen: DeploymentResponseGenerator | None = None
         self.produced = False
@@ -90,10 +88,8 @@ class Dispatch:
         while True:
             try:
                 async for item in self.gen:
-                    if item["outputs"] and not self.produced:
+                    if item["outputs"]:
                         self.produced = True
-                        if self.on_first_token is not None:
-                            self.on_first_token()
                     self._observe(item)
                     yield item
                     if item["finished"]:

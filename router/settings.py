@@ -20,10 +20,6 @@ class IngressOptions(BaseModel):
                                           "empty: no key needed, every request `standard`",
     )
     admission: bool = Field(True, description="SLO-aware admission at the ingress")
-    admission_calibration: bool = Field(
-        True, description="admission may loosen its fixed margin to the TTFT error measured "
-                          "on the requests it admitted (the 90% point of the last 64)",
-    )
     max_n: int = Field(8, ge=1, description="cap on a request's choices: `n` times its prompts")
     max_request_body_bytes: int = Field(1 << 20, ge=1024, description="larger bodies get 413")
     allowed_origins: list[str] = Field(
