@@ -15,7 +15,6 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 from policies import (
     AdmissionController,
@@ -39,15 +38,6 @@ class AdmissionRejected(Exception):
         self.reason = reason
         self.kind = kind
         """``policies.Reject.kind``: a bounded label for metrics."""
-
-
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    """A request let through, and how long it was held."""
-
-    held_s: float
-    at_s: float
-    """When it was admitted, on the admission's clock."""
 
 
 class IngressAdmission:
@@ -77,8 +67,8 @@ class IngressAdmission:
 
     async def admit(self, loads: Callable[[], list[LoadSnapshot]], traffic_class: str,
                     prompt_tokens: int, max_tokens: int, priority: int,
-                    arrival_s: float) -> Admitted:
-        """Return once the request may go to a replica.
+                    arrival_s: float) -> float:
+        """Return once the request may go to a replica; the seconds it was held.
 
         Args:
             loads: the replicas' current snapshots (re-read at every decision); empty
@@ -90,7 +80,7 @@ class IngressAdmission:
             AdmissionRejected: refuse with 429 and ``retry_after_s``.
         """
         if not self.enabled:
-            return Admitted(0.0, self.clock())
+            return 0.0
         token = next(self._tokens)
         self._held[token] = (traffic_class, arrival_s, prompt_tokens)
         held_for: str | None = None  # why it was first held, for the 429 message
@@ -120,8 +110,7 @@ class IngressAdmission:
                 await asyncio.sleep(POLL_S)
         finally:
             del self._held[token]
-        now = self.clock()
-        return Admitted(max(0.0, now - arrival_s), now)
+        return max(0.0, self.clock() - arrival_s)
 
     def _with_held(self, snap: LoadSnapshot, arrival_s: float) -> LoadSnapshot:
         """Count the requests held here since before this one as queued ahead of it.

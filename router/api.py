@@ -33,7 +33,7 @@ from policies import classes_from_fields, policy_from_spec
 from policies.limits import RequestLimits
 from router import openai_format as fmt
 from router import responses
-from router.admission import AdmissionRejected, Admitted, IngressAdmission
+from router.admission import AdmissionRejected, IngressAdmission
 from router.cors import ConfiguredCORS
 from router.dispatch import REPLICA_LOST, Dispatch, ReplicaLost
 from router.errors import ApiError
@@ -203,8 +203,7 @@ class OpenAIIngress:
         # 400 that has the numbers, not a 429.
         held_s = 0.0
         if info.limits.fits(len(ids), params["max_tokens"]):
-            admitted = await self._admit(caller, len(ids), params["max_tokens"], arrival)
-            held_s = admitted.held_s
+            held_s = await self._admit(caller, len(ids), params["max_tokens"], arrival)
         record = self.metrics.request(caller.traffic_class, arrival, len(ids), held_s)
         dispatch = Dispatch(self.replicas, (rid, ids, params), shape, record)
         try:
@@ -222,8 +221,9 @@ class OpenAIIngress:
     # -- helpers -----------------------------------------------------------------------
 
     async def _admit(self, caller: Any, prompt_tokens: int, max_tokens: int | None,
-                     arrival: float) -> Admitted:
-        """Wait for admission. Raises ApiError 429 with Retry-After when refused."""
+                     arrival: float) -> float:
+        """Wait for admission; the seconds held. Raises ApiError 429 with Retry-After
+        when refused."""
         try:
             return await self.admission.admit(self._loads, caller.traffic_class, prompt_tokens,
                                        max_tokens or 0, caller.priority, arrival)
