@@ -143,8 +143,7 @@ def render(v: View, url: str) -> Group:
         classes.add_row(c.name, _f(c.rate, ".2f"),
                         f"{_f(c.ttft[0], '.2f')} / {_f(c.ttft[1], '.2f')}",
                         f"{_f(c.tpot[0], '.3f')} / {_f(c.tpot[1], '.3f')}",
-                        _f(100 * c.attainment, ".1f") + ("%" if c.attainment == c.attainment
-                                                          else ""),
+                        "-" if math.isnan(c.attainment) else f"{100 * c.attainment:.1f}%",
                         _f(c.goodput, ".2f"), f"{c.refused:.0f}")
     replicas = Table(title="replicas, now", expand=True)
     for col in ("replica", "running", "waiting", "KV cache"):
