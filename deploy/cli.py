@@ -67,6 +67,12 @@ def _top(args: argparse.Namespace) -> int:
         return 1
 
 
+def _batch_run(args: argparse.Namespace) -> int:
+    from deploy.batch import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     top.set_defaults(func=_top)
 
+    from deploy.batch import add_arguments as batch_arguments
+
+    batch = sub.add_parser("batch", help="offline batches (OpenAI batch files)")
+    batch_sub = batch.add_subparsers(dest="action", required=True)
+    batch_run = batch_sub.add_parser(
+        "run", help="answer every line of a batch file; rerun to resume after a kill")
+    batch_arguments(batch_run)
+    batch_run.set_defaults(func=_batch_run)
+
     dash = sub.add_parser("dashboard", help="the Grafana dashboard")
     dash_sub = dash.add_subparsers(dest="action", required=True)
     push = dash_sub.add_parser("push", help="create or replace it in Grafana")
@@ -118,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:  # bad input: a clear message, not a traceback
+    except (ValueError, OSError) as e:  # bad input: a clear message, not a traceback
         print(f"iterserve: error: {e}", file=sys.stderr)
         return 2
 

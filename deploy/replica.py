@@ -56,46 +56,12 @@ class ModelReplica:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: dict[str, Any], shape: RequestShape) -> AsyncIterator[dict]:
-        """Run one request; stream dicts the ingress turns into OpenAI chunks.
-
-        The first item is ``{"accepted": True, "prompt_tokens": n, "replica": id}`` once
-        the request is queued, or ``{"error": {...}}`` (and nothing more) if the engine
-        refuses it, so the ingress can answer 400 before any stream starts. Then one item
-        per step that produced tokens: ``{"outputs": [{"index", "text", "token_ids", "logprobs",
-        "finish_reason", "stop_reason"}], "finished": bool}`` with this step's deltas;
-        ``logprobs`` is a list (one per new token) of ``{token_id: logprob}`` or None. The
-        first of these also has ``queue_s``: seconds from the engine's arrival to the first
-        step that scheduled the request.
+        """Run one request; stream the dicts of :func:`engine_items`.
 
         Cancelling the call (client gone) aborts the engine request before its next step.
         """
-        try:
-            sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
-            ids = self.engine.validate(prompt_token_ids, sampling, shape.traffic_class)
-        except RequestRejectedError as e:
-            yield {"error": {"message": str(e), "status": 400, "param": "prompt",
-                             "code": "context_length_exceeded"}}
-            return
-        except ValueError as e:  # ParamError names the request field
-            yield {"error": {"message": str(e), "status": 400,
-                             "param": getattr(e, "param", None), "code": "invalid_value"}}
-            return
-        yield {"accepted": True, "prompt_tokens": len(ids), "replica": self.replica_id}
-        first = True
-        async for out in self.engine.generate(ids, sampling, request_id=request_id,
-                                              priority=shape.priority,
-                                              traffic_class=shape.traffic_class):
-            items = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
-                      "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                      "stop_reason": c.stop_reason}
-                     for c in out.outputs if c.text or c.token_ids or c.finish_reason]
-            item = {"outputs": items, "finished": out.finished}
-            if first:
-                first, m = False, out.metrics
-                if m.first_scheduled_time is not None:
-                    item["queue_s"] = m.first_scheduled_time - m.arrival_time
-            if out.prompt_logprobs is not None:
-                item["prompt_logprobs"] = out.prompt_logprobs
+        async for item in engine_items(self.engine, self.replica_id, request_id,
+                                       prompt_token_ids, params, shape):
             yield item
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -107,3 +73,49 @@ class ModelReplica:
         """Ray Serve calls this periodically; raising makes it replace the replica."""
         if self.engine.dead:
             raise RuntimeError("engine loop failed")
+
+
+async def engine_items(engine: AsyncLLMEngine, replica_id: str, request_id: str,
+                       prompt_token_ids: list[int], params: dict[str, Any],
+                       shape: RequestShape) -> AsyncIterator[dict]:
+    """Run one request on ``engine``; yield dicts the ingress turns into OpenAI chunks.
+
+    The first item is ``{"accepted": True, "prompt_tokens": n, "replica": id}`` once the
+    request is queued, or ``{"error": {...}}`` (and nothing more) if the engine refuses it
+    (context or KV capacity, a bad parameter), so a 400 can be answered before any stream
+    starts. Then one item per step that produced tokens: ``{"outputs": [{"index", "text",
+    "token_ids", "logprobs", "finish_reason", "stop_reason"}], "finished": bool}`` with this
+    step's deltas; ``logprobs`` is a list (one per new token) of ``{token_id: logprob}`` or
+    None. The first of these also has ``queue_s``: seconds from the engine's arrival to the
+    first step that scheduled the request.
+
+    Closing or cancelling the iteration aborts the engine request before its next step.
+    """
+    try:
+        sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
+        ids = engine.validate(prompt_token_ids, sampling, shape.traffic_class)
+    except RequestRejectedError as e:
+        yield {"error": {"message": str(e), "status": 400, "param": "prompt",
+                         "code": "context_length_exceeded"}}
+        return
+    except ValueError as e:  # ParamError names the request field
+        yield {"error": {"message": str(e), "status": 400,
+                         "param": getattr(e, "param", None), "code": "invalid_value"}}
+        return
+    yield {"accepted": True, "prompt_tokens": len(ids), "replica": replica_id}
+    first = True
+    async for out in engine.generate(ids, sampling, request_id=request_id,
+                                     priority=shape.priority,
+                                     traffic_class=shape.traffic_class):
+        items = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                  "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+                 for c in out.outputs if c.text or c.token_ids or c.finish_reason]
+        item = {"outputs": items, "finished": out.finished}
+        if first:
+            first, m = False, out.metrics
+            if m.first_scheduled_time is not None:
+                item["queue_s"] = m.first_scheduled_time - m.arrival_time
+        if out.prompt_logprobs is not None:
+            item["prompt_logprobs"] = out.prompt_logprobs
+        yield item

@@ -149,18 +149,10 @@ class OpenAIIngress:
         try:
             body = await self._read_json(request)
             req = fmt.validate(body, ChatCompletionRequest if chat else CompletionRequest)
-            if req.model != self.settings.model_name:
-                raise ApiError(404, f"model {req.model!r} does not exist; this server "
-                                    f"serves {self.settings.model_name!r}", param="model",
-                               code="model_not_found")
+            fmt.check_served(req, chat, self.settings.model_name, self.settings.max_n)
             caller = resolve_caller(self.settings.api_keys, self.classes,
                                     request.headers.get("authorization"),
                                     request.headers.get(CLASS_HEADER), req.priority)
-            num_prompts = 1 if chat else len(req.prompt)
-            if req.n * num_prompts > self.settings.max_n:
-                raise ApiError(400, f"n={req.n} for {num_prompts} prompt(s) is over the "
-                                    f"server's cap of {self.settings.max_n} choices",
-                               param="n", code="invalid_value")
             info = await self._model_info()
             prompts = fmt.prompts(req, chat, info.tokenizer)
             scores_only = fmt.scores_only(req, chat)

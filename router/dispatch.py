@@ -30,6 +30,19 @@ class ReplicaLost(Exception):
     """The replica serving a stream died after it had produced tokens."""
 
 
+def accepted(first: dict) -> tuple[int, str]:
+    """The prompt's length and the replica's id from a replica's first item.
+
+    Raises:
+        ApiError: the replica refused the request (its status, message and field).
+    """
+    if "error" in first:
+        err = first["error"]
+        raise ApiError(err["status"], err["message"], param=err.get("param"),
+                       code=err.get("code"))
+    return first["prompt_tokens"], first["replica"]
+
+
 class Dispatch:
     """One request's call to a replica, re-sent elsewhere if its replica dies early.
 
@@ -70,12 +83,8 @@ class Dispatch:
                 logger.warning("replica lost before accepting a request; re-sending: %s", e)
                 continue
             if "error" in first:
-                err = first["error"]
                 self.done = True
-                raise ApiError(err["status"], err["message"], param=err.get("param"),
-                               code=err.get("code"))
-            self.prompt_tokens = first["prompt_tokens"]
-            self.replica = first["replica"]
+            self.prompt_tokens, self.replica = accepted(first)
             return
 
     async def items(self) -> AsyncIterator[dict]:

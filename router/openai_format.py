@@ -35,6 +35,22 @@ def validate(body: dict, schema: type[BaseModel]) -> Any:
         raise ApiError(400, message, param=param, code="invalid_value") from None
 
 
+def check_served(req: Any, chat: bool, model_name: str, max_n: int) -> None:
+    """Whether this server can take ``req``.
+
+    Raises:
+        ApiError: 404 for another model than ``model_name``; 400 when ``n`` times the
+            number of prompts is over ``max_n``.
+    """
+    if req.model != model_name:
+        raise ApiError(404, f"model {req.model!r} does not exist; this server serves "
+                            f"{model_name!r}", param="model", code="model_not_found")
+    num_prompts = 1 if chat else len(req.prompt)
+    if req.n * num_prompts > max_n:
+        raise ApiError(400, f"n={req.n} for {num_prompts} prompt(s) is over the server's "
+                            f"cap of {max_n} choices", param="n", code="invalid_value")
+
+
 def prompts(req: Any, chat: bool, tokenizer: Any) -> list[tuple[list[int], str]]:
     """Each prompt's token ids and text (chat: one, through the model's chat template).
 

@@ -1,0 +1,197 @@
+"""``iterserve batch run`` / ``python -m deploy.batch``: an OpenAI batch file, offline.
+
+Reads ``--input`` (:mod:`deploy.batch_format`), skips every ``custom_id`` already in
+``--output``, answers bad lines with error records, and runs the rest either on engine
+replicas started as Ray actors (:mod:`deploy.batch_engine`; the default) or through a
+running service (``--via-service URL``, :mod:`deploy.batch_service`). Records are
+appended as they finish, so their order is completion order; ``--ordered`` also writes
+``OUT.ordered.jsonl`` in input order at the end.
+
+Inside ``ray job submit`` the replicas start on the job's cluster; elsewhere on the
+cluster at ``--address``, or a local one started for the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+
+from tqdm import tqdm
+
+from deploy.batch_format import (
+    Answer,
+    BatchLine,
+    OutputFile,
+    error_record,
+    read_input,
+    record,
+)
+from deploy.batch_service import ServiceGaveUp
+
+EXIT_UNANSWERED = 3
+"""Exit status when ``--via-service`` left requests unanswered (a rerun sends them)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The batch command's flags (shared by ``iterserve batch run`` and the module)."""
+    p.add_argument("--input", "-i", required=True, help="OpenAI batch file (JSONL)")
+    p.add_argument("--output", "-o", required=True,
+                   help="results (JSONL), appended; a rerun skips the custom_ids it holds")
+    p.add_argument("--ordered", action="store_true",
+                   help="also write OUTPUT.ordered.jsonl in input order at the end")
+    p.add_argument("--model", default=None,
+                   help="transformers directory or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the `model` the lines name (default: the model's name)")
+    p.add_argument("--num-replicas", type=int, default=None,
+                   help="engine replicas (default: as many as the cluster can place)")
+    p.add_argument("--replica-num-cpus", type=float, default=None,
+                   help="CPUs per replica; torch uses as many threads (default: a node's)")
+    p.add_argument("--replica-num-gpus", type=float, default=0.0, help="GPUs per replica")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="running requests per engine step (default: the engine's, 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: the engine's, 512)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster (default: the job's cluster, else a local one)")
+    p.add_argument("--via-service", metavar="URL", default=None,
+                   help="send the lines to a running iterserve service instead")
+    p.add_argument("--max-concurrency", type=int, default=8,
+                   help="--via-service: requests in flight at most")
+
+
+class _Progress:
+    """The tqdm bar: records done, output tokens/s, time left; and the final counts."""
+
+    def __init__(self, out: OutputFile, total: int) -> None:
+        self.out = out
+        self.bar = tqdm(total=total, unit="req", desc="batch", mininterval=1.0,
+                        file=sys.stderr, dynamic_ncols=True)
+        self.start = time.monotonic()
+        self.tokens = 0
+        self.errors = 0
+
+    def write(self, rec: dict, tokens: int = 0) -> None:
+        self.out.write(rec)
+        self.tokens += tokens
+        self.errors += rec["error"] is not None
+        self.bar.set_postfix_str(f"{self.tokens / self.elapsed:.1f} out tok/s", refresh=False)
+        self.bar.update(1)
+
+    def answered(self, cid: str, answer: Answer) -> None:
+        self.write(record(cid, answer.status, answer.request_id, answer.body),
+                   answer.completion_tokens)
+
+    def restart(self) -> None:
+        """Count time and rates from now (the replicas' start-up is not batch work)."""
+        done = self.bar.n
+        self.bar.reset()
+        self.bar.update(done)
+        self.start = time.monotonic()
+
+    @property
+    def elapsed(self) -> float:
+        return max(1e-9, time.monotonic() - self.start)
+
+
+def _engine_config(args: argparse.Namespace) -> dict:
+    from engine import EngineConfig
+
+    fields = {"model": args.model, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens}
+    return EngineConfig(**{k: v for k, v in fields.items() if v is not None}).model_dump()
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    from deploy.config import ServiceConfig
+
+    return ServiceConfig(model=args.model,
+                         served_model_name=args.served_model_name).model_name()
+
+
+def _run_engine(args: argparse.Namespace, todo: list[BatchLine], progress: _Progress) -> None:
+    import ray
+
+    from deploy.batch_engine import plan_replicas, run_on_replicas, start_replicas
+
+    own = args.address is None and "RAY_ADDRESS" not in os.environ
+    kwargs = {"include_dashboard": False} if own else {"address": args.address}
+    ray.init(logging_level=logging.WARNING, **kwargs)
+    try:
+        plan = plan_replicas(args.num_replicas, args.replica_num_cpus, args.replica_num_gpus)
+        progress.bar.write(f"iterserve batch: starting {plan.num_replicas} replica(s) of "
+                           f"{plan.num_cpus:g} CPUs, {plan.num_gpus:g} GPUs", file=sys.stderr)
+        actors = start_replicas(plan, _engine_config(args), _model_name(args))
+        progress.restart()
+        work = [(line.custom_id, line.chat, line.body) for line in todo]
+        asyncio.run(run_on_replicas(actors, work, progress.answered))
+    finally:
+        ray.shutdown()
+
+
+def _run_service(args: argparse.Namespace, todo: list[BatchLine], progress: _Progress) -> None:
+    from deploy.batch_service import run_via_service
+
+    work = [(line.custom_id, line.url, line.body) for line in todo]
+    asyncio.run(run_via_service(args.via_service, work, progress.answered,
+                                concurrency=args.max_concurrency))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the batch; 0 once every input line has its record in ``args.output``.
+
+    Raises:
+        BatchFileError: missing or repeated ``custom_id``s, or an output file that is not
+            this input's (nothing is run).
+    """
+    lines = read_input(args.input)
+    out = OutputFile(args.output, {line.custom_id for line in lines})
+    if out.repaired_bytes:
+        print(f"iterserve batch: removed a torn last line ({out.repaired_bytes} bytes) from "
+              f"{args.output}", file=sys.stderr)
+    todo = [line for line in lines if line.custom_id not in out.done]
+    print(f"iterserve batch: {len(lines)} lines in {args.input}, {len(lines) - len(todo)} "
+          f"already in {args.output}, {len(todo)} to run", file=sys.stderr)
+    progress = _Progress(out, len(todo))
+    status = 0
+    try:
+        for line in todo:
+            if line.error is not None:
+                progress.write(error_record(line.custom_id, line.error))
+        todo = [line for line in todo if line.error is None]
+        if todo:
+            runner = _run_service if args.via_service else _run_engine
+            runner(args, todo, progress)
+    except ServiceGaveUp as e:
+        print(f"\niterserve batch: {e}", file=sys.stderr)
+        status = EXIT_UNANSWERED
+    finally:
+        progress.bar.close()
+        out.close()
+    if args.ordered and status == 0:
+        print(f"iterserve batch: input order in {out.write_ordered(lines)}", file=sys.stderr)
+    print(f"iterserve batch: wrote {progress.bar.n} records ({progress.errors} errors) in "
+          f"{progress.elapsed:.1f} s, {progress.tokens / progress.elapsed:.1f} output tok/s; "
+          f"{args.output} holds {len(out.done)} of {len(lines)}", file=sys.stderr)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.batch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:
+        print(f"iterserve batch: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""A batch sent to a running iterserve service (``--via-service URL``).
+
+Every request carries ``x-iterserve-class: batch``: the service holds batch requests under
+load rather than refusing them, schedules them behind the interactive classes, and never
+admits them into the SLO headroom those classes need. At most ``concurrency`` requests
+are in flight. A 429 or 503 is retried after its ``Retry-After`` (1 s without one), as is
+a connection error; a request that still fails after ``max_retries`` is not written, so
+a rerun sends it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+
+import httpx
+
+from deploy.batch_format import BATCH_CLASS, Answer
+from router.tenants import CLASS_HEADER
+
+RETRY_STATUSES = (429, 503)
+
+
+class ServiceGaveUp(RuntimeError):
+    """Some requests could not be answered by the service; a rerun resumes them."""
+
+
+def _retry_after(resp: httpx.Response | None) -> float:
+    try:
+        return max(0.1, float(resp.headers.get("retry-after", 1)))
+    except (AttributeError, ValueError):
+        return 1.0
+
+
+async def _send(client: httpx.AsyncClient, url: str, body: dict,
+                max_retries: int) -> Answer | None:
+    """The service's answer, or None after ``max_retries`` retryable failures in a row.
+
+    A 429 means the service is holding work back for its SLOs: it is always retried and
+    does not count against ``max_retries``.
+    """
+    failures = 0
+    while failures <= max_retries:
+        try:
+            resp = await client.post(url, json=body)
+        except httpx.TransportError:
+            resp = None
+        if resp is not None and resp.status_code not in RETRY_STATUSES:
+            try:
+                data = resp.json()
+            except ValueError:  # not the API's answer (a proxy's error page, say)
+                data = {"error": {"message": resp.text[:500], "code": str(resp.status_code)}}
+            tokens = (data.get("usage") or {}).get("completion_tokens", 0)
+            return Answer(resp.status_code, resp.headers.get("x-request-id", ""), data,
+                          tokens if resp.status_code == 200 else 0)
+        if resp is None or resp.status_code != 429:
+            failures += 1
+        await asyncio.sleep(_retry_after(resp))
+    return None
+
+
+async def run_via_service(base_url: str, work: list[tuple[str, str, dict]],
+                          done: Callable[[str, Answer], None], concurrency: int = 8,
+                          max_retries: int = 30, timeout_s: float = 600.0) -> None:
+    """Send every ``(custom_id, url path, body)`` of ``work`` to the service at
+    ``base_url``; ``done`` is called as each is answered.
+
+    Sends ``Authorization: Bearer $OPENAI_API_KEY`` when that variable is set.
+
+    Raises:
+        ServiceGaveUp: after the rest finished, when some requests were never answered.
+    """
+    headers = {CLASS_HEADER: BATCH_CLASS}
+    if key := os.environ.get("OPENAI_API_KEY"):
+        headers["Authorization"] = f"Bearer {key}"
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in work:
+        queue.put_nowait(item)
+    unanswered: list[str] = []
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            cid, path, body = queue.get_nowait()
+            answer = await _send(client, path, body, max_retries)
+            if answer is None:
+                unanswered.append(cid)
+            else:
+                done(cid, answer)
+
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
+                                 timeout=timeout_s, limits=limits) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    if unanswered:
+        raise ServiceGaveUp(f"{len(unanswered)} requests got no answer from {base_url} "
+                            f"after {max_retries} retries (e.g. {unanswered[0]!r}); they "
+                            "were not written: rerun the same command to send them")
