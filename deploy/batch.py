@@ -118,8 +118,11 @@ def _run_engine(args: argparse.Namespace, todo: list[BatchLine], progress: _Prog
 
     from deploy.batch_engine import plan_replicas, run_on_replicas, start_replicas
 
+    # Not inside a job and no --address: a new local cluster ("local"), never one that an
+    # `iterserve serve` on this machine runs, whose CPUs its replicas already hold.
     own = args.address is None and "RAY_ADDRESS" not in os.environ
-    kwargs = {"include_dashboard": False} if own else {"address": args.address}
+    kwargs = {"address": "local", "include_dashboard": False} if own else {
+        "address": args.address}
     ray.init(logging_level=logging.WARNING, **kwargs)
     try:
         plan = plan_replicas(args.num_replicas, args.replica_num_cpus, args.replica_num_gpus)

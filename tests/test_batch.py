@@ -1,0 +1,123 @@
+"""The batch file formats and the resumable output file (no model, no Ray)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deploy.batch import main as batch_main
+from deploy.batch_format import (
+    BatchFileError,
+    OutputFile,
+    error_record,
+    read_input,
+    record,
+)
+from router.errors import ApiError
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _line(cid: str, url: str = "/v1/completions", **extra) -> str:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body, **extra})
+
+
+def _write(path, lines: list[str]) -> str:
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_both_urls_and_bad_lines_become_error_lines(tmp_path):
+    src = _write(tmp_path / "in.jsonl", [
+        _line("a"),
+        _line("b", url="/v1/chat/completions"),
+        '{"custom_id": "c", "url": ',
+        "",
+        _line("d", url="/v1/embeddings"),
+        _line("e", method="GET"),
+        json.dumps({"custom_id": "f", "method": "POST", "url": "/v1/completions",
+                    "body": "not an object"}),
+        json.dumps({"custom_id": "g", "url": "/v1/completions",
+                    "body": {"model": MODEL, "prompt": "x", "stream": True}}),
+        "[1, 2]",
+    ])
+    lines = {line.custom_id: line for line in read_input(src)}
+    assert list(lines) == ["a", "b", "line-3", "d", "e", "f", "g", "line-9"]
+    assert lines["a"].error is None and not lines["a"].chat
+    assert lines["b"].error is None and lines["b"].chat
+    assert lines["line-3"].error.status == 400 and lines["line-3"].error.code == "invalid_json"
+    assert "line 3" in lines["line-3"].error.message
+    assert lines["d"].error.status == 404 and lines["d"].error.param == "url"
+    assert lines["e"].error.param == "method"
+    assert lines["f"].error.param == "body"
+    assert lines["g"].error.param == "stream"
+    assert lines["line-9"].error.code == "invalid_json"
+
+
+def test_missing_and_repeated_ids_are_refused_naming_the_lines(tmp_path):
+    src = _write(tmp_path / "in.jsonl", [
+        _line("a"), _line("b"), _line("a"),
+        json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}),
+        _line(""),
+    ])
+    with pytest.raises(BatchFileError) as e:
+        read_input(src)
+    msg = str(e.value)
+    assert "line 3 repeats custom_id 'a' of line 1" in msg
+    assert "line 4 has no custom_id" in msg and "line 5 has no custom_id" in msg
+
+
+def test_the_command_refuses_before_running_anything(tmp_path, capsys):
+    src = _write(tmp_path / "in.jsonl", [_line("a"), _line("a")])
+    out = tmp_path / "out.jsonl"
+    assert batch_main(["--input", src, "--output", str(out)]) == 2
+    assert "line 2 repeats custom_id 'a'" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_records_have_openai_batch_shapes():
+    ok = record("a", 200, "cmpl-1", {"id": "cmpl-1", "choices": []})
+    assert set(ok) == {"id", "custom_id", "response", "error"}
+    assert ok["error"] is None and ok["id"].startswith("batch_req_")
+    assert ok["response"] == {"status_code": 200, "request_id": "cmpl-1",
+                              "body": {"id": "cmpl-1", "choices": []}}
+    bad = error_record("b", ApiError(404, "no such url", param="url", code="unknown_url"))
+    assert bad["response"]["status_code"] == 404
+    assert bad["response"]["body"]["error"]["type"] == "not_found_error"
+    assert bad["error"] == {"code": "unknown_url", "message": "no such url"}
+
+
+def test_output_file_repairs_a_torn_line_and_resumes(tmp_path):
+    path = tmp_path / "out.jsonl"
+    done = [json.dumps(record(c, 200, "r", {})) for c in ("a", "b")]
+    path.write_text("\n".join(done) + "\n" + done[0][:17])  # killed mid-write
+    out = OutputFile(path, {"a", "b", "c"})
+    assert out.done == {"a", "b"} and out.repaired_bytes == 17
+    out.write(record("c", 200, "r", {}))
+    out.close()
+    ids = [json.loads(line)["custom_id"] for line in path.read_text().splitlines()]
+    assert ids == ["a", "b", "c"]
+
+
+def test_output_file_of_another_input_is_refused(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text(json.dumps(record("zzz", 200, "r", {})) + "\n")
+    with pytest.raises(BatchFileError, match="'zzz'"):
+        OutputFile(path, {"a"})
+    path.write_text("not a record\n" + json.dumps(record("a", 200, "r", {})) + "\n")
+    with pytest.raises(BatchFileError, match="line 1"):
+        OutputFile(path, {"a"})
+
+
+def test_ordered_copy_follows_the_input(tmp_path):
+    src = _write(tmp_path / "in.jsonl", [_line("x"), _line("y"), _line("z")])
+    lines = read_input(src)
+    out = OutputFile(tmp_path / "out.jsonl", {"x", "y", "z"})
+    for cid in ("z", "x", "y"):
+        out.write(record(cid, 200, "r", {}))
+    dest = out.write_ordered(lines)
+    out.close()
+    assert dest.name == "out.ordered.jsonl"
+    assert [json.loads(t)["custom_id"] for t in dest.read_text().splitlines()] == ["x", "y", "z"]
