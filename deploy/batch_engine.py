@@ -57,10 +57,12 @@ class _LocalCall:
                 return
 
     def cancel(self) -> None:
-        # Closing the stream aborts its engine request (engine_items' contract).
+        # Closing the stream aborts its engine request (engine_items' contract). A stream
+        # being iterated is closed by the cancellation of the task iterating it.
         if not self.done:
             self.done = True
-            asyncio.ensure_future(self.gen.aclose())
+            if not self.gen.ag_running:
+                asyncio.ensure_future(self.gen.aclose())
 
 
 class BatchReplica:
