@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -40,15 +41,23 @@ SLO = (2.0, 0.25)
 def start_batch(src: Path, dest: Path, url: str, concurrency: int) -> subprocess.Popen:
     cmd = [str(REPO / ".venv/bin/python"), "-m", "deploy.batch", "--input", str(src),
            "--output", str(dest), "--via-service", url, "--max-concurrency", str(concurrency)]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL,
+    # The server has API keys (the interactive class needs one): the batch sends the same
+    # key, and asks for the batch class in its header.
+    env = {**os.environ, "OPENAI_API_KEY": ps.MIX_API_KEY}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def batch_tokens(dest: Path) -> tuple[int, int]:
-    """(records, output tokens) in a batch output file so far."""
+    """(records, output tokens) in a batch output file so far.
+
+    Raises:
+        RuntimeError: a record is an error (the comparison would be meaningless).
+    """
     recs = [json.loads(t) for t in dest.read_text().splitlines()] if dest.exists() else []
-    return len(recs), sum((r["response"]["body"] or {}).get("usage", {}).get(
-        "completion_tokens", 0) for r in recs if r["error"] is None)
+    if bad := [r for r in recs if r["error"] is not None]:
+        raise RuntimeError(f"{len(bad)} batch requests failed, e.g. {bad[0]}")
+    return len(recs), sum(r["response"]["body"]["usage"]["completion_tokens"] for r in recs)
 
 
 async def phase(cfg: sb.BenchConfig, client, k: int, batch: dict | None) -> dict:

@@ -20,6 +20,8 @@ from deploy.batch_format import BATCH_CLASS, Answer
 from router.tenants import CLASS_HEADER
 
 RETRY_STATUSES = (429, 503)
+AUTH_FAILED = 401
+"""The service refused the key: every line would fail alike, so nothing is written."""
 
 
 class ServiceGaveUp(RuntimeError):
@@ -46,6 +48,9 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict,
             resp = await client.post(url, json=body)
         except httpx.TransportError:
             resp = None
+        if resp is not None and resp.status_code == AUTH_FAILED:
+            raise ServiceGaveUp(f"the service refused the API key ({resp.text[:300]}); set "
+                                "OPENAI_API_KEY to a key it accepts and rerun")
         if resp is not None and resp.status_code not in RETRY_STATUSES:
             try:
                 data = resp.json()
@@ -62,14 +67,17 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict,
 
 async def run_via_service(base_url: str, work: list[tuple[str, str, dict]],
                           done: Callable[[str, Answer], None], concurrency: int = 8,
-                          max_retries: int = 30, timeout_s: float = 600.0) -> None:
+                          max_retries: int = 30, timeout_s: float = 600.0,
+                          transport: httpx.AsyncBaseTransport | None = None) -> None:
     """Send every ``(custom_id, url path, body)`` of ``work`` to the service at
     ``base_url``; ``done`` is called as each is answered.
 
     Sends ``Authorization: Bearer $OPENAI_API_KEY`` when that variable is set.
+    ``transport`` replaces the network (tests).
 
     Raises:
-        ServiceGaveUp: after the rest finished, when some requests were never answered.
+        ServiceGaveUp: after the rest finished, when some requests were never answered;
+            at once, when the service refuses the key (401).
     """
     headers = {CLASS_HEADER: BATCH_CLASS}
     if key := os.environ.get("OPENAI_API_KEY"):
@@ -90,7 +98,8 @@ async def run_via_service(base_url: str, work: list[tuple[str, str, dict]],
 
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
-                                 timeout=timeout_s, limits=limits) as client:
+                                 timeout=timeout_s, limits=limits,
+                                 transport=transport) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     if unanswered:
         raise ServiceGaveUp(f"{len(unanswered)} requests got no answer from {base_url} "

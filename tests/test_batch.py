@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
 import pytest
 
 from deploy.batch import main as batch_main
@@ -14,6 +16,7 @@ from deploy.batch_format import (
     read_input,
     record,
 )
+from deploy.batch_service import ServiceGaveUp, run_via_service
 from router.errors import ApiError
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -121,3 +124,44 @@ def test_ordered_copy_follows_the_input(tmp_path):
     out.close()
     assert dest.name == "out.ordered.jsonl"
     assert [json.loads(t)["custom_id"] for t in dest.read_text().splitlines()] == ["x", "y", "z"]
+
+
+def _service(answers: list[httpx.Response]):
+    """A stand-in service answering each POST with the next of ``answers``."""
+    seen: list[httpx.Request] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return answers.pop(0)
+
+    return httpx.MockTransport(handle), seen
+
+
+def test_via_service_retries_after_429_and_sends_the_batch_class():
+    ok = {"id": "cmpl-1", "choices": [{"text": "x"}], "usage": {"completion_tokens": 1}}
+    transport, seen = _service([
+        httpx.Response(429, headers={"Retry-After": "0"}, json={"error": {}}),
+        httpx.Response(503, headers={"Retry-After": "0"}, json={"error": {}}),
+        httpx.Response(200, headers={"x-request-id": "cmpl-1"}, json=ok),
+    ])
+    done = {}
+    asyncio.run(run_via_service("http://svc", [("a", "/v1/completions", {"prompt": "p"})],
+                                lambda cid, ans: done.update({cid: ans}), concurrency=1,
+                                transport=transport))
+    assert len(seen) == 3 and all(r.headers["x-iterserve-class"] == "batch" for r in seen)
+    assert done["a"].status == 200 and done["a"].request_id == "cmpl-1"
+    assert done["a"].completion_tokens == 1
+
+
+def test_via_service_stops_on_a_refused_key_and_on_endless_503():
+    transport, _ = _service([httpx.Response(401, json={"error": {"message": "bad key"}})])
+    with pytest.raises(ServiceGaveUp, match="OPENAI_API_KEY"):
+        asyncio.run(run_via_service("http://svc", [("a", "/v1/completions", {})],
+                                    lambda *_: pytest.fail("nothing may be written"),
+                                    transport=transport))
+    transport, seen = _service([httpx.Response(503, headers={"Retry-After": "0"})] * 3)
+    with pytest.raises(ServiceGaveUp, match="1 requests got no answer"):
+        asyncio.run(run_via_service("http://svc", [("a", "/v1/completions", {})],
+                                    lambda *_: pytest.fail("nothing may be written"),
+                                    max_retries=2, transport=transport))
+    assert len(seen) == 3
