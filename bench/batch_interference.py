@@ -44,8 +44,10 @@ def start_batch(src: Path, dest: Path, url: str, concurrency: int) -> subprocess
     # The server has API keys (the interactive class needs one): the batch sends the same
     # key, and asks for the batch class in its header.
     env = {**os.environ, "OPENAI_API_KEY": ps.MIX_API_KEY}
+    # SIGINT stops it (phase()); a shell's background job would otherwise pass it ignored.
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def batch_tokens(dest: Path) -> tuple[int, int]:

@@ -183,17 +183,26 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
+def run_command(args: argparse.Namespace) -> int:
+    """:func:`run` with its failures as exit statuses and one-line messages."""
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:
+        print(f"iterserve batch: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\niterserve batch: interrupted; {args.output} keeps what finished: rerun the "
+              "same command to run the rest", file=sys.stderr)
+        return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.batch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return run(args)
-    except (ValueError, OSError) as e:
-        print(f"iterserve batch: error: {e}", file=sys.stderr)
-        return 2
+    return run_command(args)
 
 
 if __name__ == "__main__":

@@ -68,9 +68,9 @@ def _top(args: argparse.Namespace) -> int:
 
 
 def _batch_run(args: argparse.Namespace) -> int:
-    from deploy.batch import run
+    from deploy.batch import run_command
 
-    return run(args)
+    return run_command(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
