@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-replicas", type=int, default=None,
                    help="engine replicas (default: as many as the cluster can place)")
     p.add_argument("--replica-num-cpus", type=float, default=None,
-                   help="CPUs per replica; torch uses as many threads (default: a node's)")
+                   help="CPUs per replica; torch uses as many threads (default: a node's; "
+                        "1 with --replica-num-gpus)")
     p.add_argument("--replica-num-gpus", type=float, default=0.0, help="GPUs per replica")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="running requests per engine step (default: the engine's, 64)")

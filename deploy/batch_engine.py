@@ -143,7 +143,8 @@ def plan_replicas(num_replicas: int | None, num_cpus: float | None,
     """Fill in what was not given from the Ray cluster's alive nodes.
 
     Default CPUs per replica: a whole node's (the smallest node's), as ``iterserve serve``
-    gives its one replica the host. Default count: as many as the nodes can place.
+    gives its one replica the host; 1 with GPUs, where the GPU does the work. Default
+    count: as many as the nodes can place.
 
     Raises:
         ValueError: the cluster cannot place one replica, or the given count.
@@ -152,7 +153,7 @@ def plan_replicas(num_replicas: int | None, num_cpus: float | None,
 
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     if num_cpus is None:
-        num_cpus = float(max(1, int(min(n.get("CPU", 0) for n in nodes))))
+        num_cpus = 1.0 if num_gpus else float(max(1, int(min(n.get("CPU", 0) for n in nodes))))
     fits = sum(min(int(n.get("CPU", 0) // num_cpus),
                    int(n.get("GPU", 0) // num_gpus) if num_gpus else 1 << 30)
                for n in nodes)
