@@ -31,6 +31,7 @@ from pathlib import Path
 import peer_servers as ps
 import serve_bench as sb
 from batch_throughput import write_batch
+from prometheus_client.parser import text_string_to_metric_families
 from targets import http_client
 from workload import Lengths
 
@@ -62,16 +63,34 @@ def batch_tokens(dest: Path) -> tuple[int, int]:
     return len(recs), sum(r["response"]["body"]["usage"]["completion_tokens"] for r in recs)
 
 
+async def rejections(client, base_url: str) -> dict[str, float]:
+    """The interactive class's admission rejections so far, by reason (``/metrics``)."""
+    text = (await client.get(f"{base_url}/metrics")).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if (sample.name == "iterserve:admission_rejections_total"
+                    and labels.get("traffic_class") == "interactive"):
+                out[labels["reason"]] = sample.value
+    return out
+
+
 async def phase(cfg: sb.BenchConfig, client, k: int, batch: dict | None) -> dict:
     """One replay of the interactive window; with ``batch``, while a batch runs."""
     proc, t0 = None, time.monotonic()
+    refused_before = await rejections(client, cfg.base_url)
     if batch is not None:
         dest = batch["dir"] / f"out-{k}.jsonl"
         proc = start_batch(batch["src"], dest, cfg.base_url, batch["concurrency"])
         await asyncio.sleep(batch["lead_s"])  # the batch's queue fills first
     workload = sb.build_workload(cfg, cfg.rates[0], replay=k)
     result = await sb.run_rate(cfg, workload, cfg.rates[0], client)
-    out = {"with_batch": batch is not None, "summary": result["summary"]}
+    refused_after = await rejections(client, cfg.base_url)
+    out = {"with_batch": batch is not None, "summary": result["summary"],
+           "refused_by_reason": {r: n - refused_before.get(r, 0)
+                                 for r, n in refused_after.items()
+                                 if n > refused_before.get(r, 0)}}
     if proc is not None:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
@@ -82,7 +101,8 @@ async def phase(cfg: sb.BenchConfig, client, k: int, batch: dict | None) -> dict
     s = result["summary"]
     extra = f", batch {out['batch']['output_tok_s']} tok/s" if "batch" in out else ""
     print(f"[interference] phase {k} ({'with' if batch else 'without'} batch): interactive "
-          f"attainment {s['attainment']:.1%} (refused {s['refused']}){extra}", flush=True)
+          f"attainment {s['attainment']:.1%} (refused {s['refused']}: "
+          f"{out['refused_by_reason']}){extra}", flush=True)
     await asyncio.sleep(cfg.cooldown_s)
     return out
 
