@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 from tqdm import tqdm
 
@@ -36,6 +37,22 @@ EXIT_UNANSWERED = 3
 """Exit status when ``--via-service`` left requests unanswered (a rerun sends them)."""
 
 
+ENGINE_FLAGS = ("model", "served_model_name", "num_replicas", "replica_num_cpus",
+                "replica_num_gpus", "max_num_seqs", "max_num_batched_tokens", "address")
+"""Flags of the engine-replica run; ``--via-service`` refuses them (it would ignore them)."""
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The batch command's flags (shared by ``iterserve batch run`` and the module)."""
     p.add_argument("--input", "-i", required=True, help="OpenAI batch file (JSONL)")
@@ -47,22 +64,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="transformers directory or .gguf file (default: embedded SmolLM2-135M)")
     p.add_argument("--served-model-name", default=None,
                    help="the `model` the lines name (default: the model's name)")
-    p.add_argument("--num-replicas", type=int, default=None,
+    p.add_argument("--num-replicas", type=_positive(int), default=None,
                    help="engine replicas (default: as many as the cluster can place)")
-    p.add_argument("--replica-num-cpus", type=float, default=None,
+    p.add_argument("--replica-num-cpus", type=_positive(float), default=None,
                    help="CPUs per replica; torch uses as many threads (default: a node's; "
                         "1 with --replica-num-gpus)")
-    p.add_argument("--replica-num-gpus", type=float, default=0.0, help="GPUs per replica")
-    p.add_argument("--max-num-seqs", type=int, default=None,
+    p.add_argument("--replica-num-gpus", type=_positive(float), default=None,
+                   help="GPUs per replica (default: none)")
+    p.add_argument("--max-num-seqs", type=_positive(int), default=None,
                    help="running requests per engine step (default: the engine's, 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+    p.add_argument("--max-num-batched-tokens", type=_positive(int), default=None,
                    help="token budget of one step (default: the engine's, 512)")
     p.add_argument("--address", default=None,
                    help="Ray cluster (default: the job's cluster, else a local one)")
     p.add_argument("--via-service", metavar="URL", default=None,
                    help="send the lines to a running iterserve service instead")
-    p.add_argument("--max-concurrency", type=int, default=8,
-                   help="--via-service: requests in flight at most")
+    p.add_argument("--max-concurrency", type=_positive(int), default=None,
+                   help="--via-service: requests in flight at most (default: 8)")
 
 
 class _Progress:
@@ -114,6 +132,24 @@ def _model_name(args: argparse.Namespace) -> str:
                          served_model_name=args.served_model_name).model_name()
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse flags the chosen way of running would ignore.
+
+    Raises:
+        ValueError: engine flags with ``--via-service``, or ``--max-concurrency``
+            without it.
+    """
+    if args.via_service:
+        given = [f"--{f.replace('_', '-')}" for f in ENGINE_FLAGS
+                 if getattr(args, f) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: these set up engine replicas, which "
+                             "--via-service does not start (the service has its own)")
+    elif args.max_concurrency is not None:
+        raise ValueError("--max-concurrency applies to --via-service only; engine replicas "
+                         "are kept 2 * max_num_seqs deep")
+
+
 def _run_engine(args: argparse.Namespace, todo: list[BatchLine], progress: _Progress) -> None:
     import ray
 
@@ -126,7 +162,8 @@ def _run_engine(args: argparse.Namespace, todo: list[BatchLine], progress: _Prog
         "address": args.address}
     ray.init(logging_level=logging.WARNING, **kwargs)
     try:
-        plan = plan_replicas(args.num_replicas, args.replica_num_cpus, args.replica_num_gpus)
+        plan = plan_replicas(args.num_replicas, args.replica_num_cpus,
+                             args.replica_num_gpus or 0.0)
         progress.bar.write(f"iterserve batch: starting {plan.num_replicas} replica(s) of "
                            f"{plan.num_cpus:g} CPUs, {plan.num_gpus:g} GPUs", file=sys.stderr)
         actors = start_replicas(plan, _engine_config(args), _model_name(args))
@@ -138,11 +175,11 @@ def _run_engine(args: argparse.Namespace, todo: list[BatchLine], progress: _Prog
 
 
 def _run_service(args: argparse.Namespace, todo: list[BatchLine], progress: _Progress) -> None:
-    from deploy.batch_service import run_via_service
+    from deploy.batch_service import DEFAULT_CONCURRENCY, run_via_service
 
     work = [(line.custom_id, line.url, line.body) for line in todo]
     asyncio.run(run_via_service(args.via_service, work, progress.answered,
-                                concurrency=args.max_concurrency))
+                                concurrency=args.max_concurrency or DEFAULT_CONCURRENCY))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,7 +188,9 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         BatchFileError: missing or repeated ``custom_id``s, or an output file that is not
             this input's (nothing is run).
+        ValueError: flags the chosen way of running would ignore (:func:`check_flags`).
     """
+    check_flags(args)
     lines = read_input(args.input)
     out = OutputFile(args.output, {line.custom_id for line in lines})
     if out.repaired_bytes:

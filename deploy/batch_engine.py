@@ -27,12 +27,13 @@ from router.dispatch import accepted
 from router.errors import ApiError
 from router.routing import RequestShape
 from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.settings import IngressOptions
 from router.tenants import resolve_caller
 
 logger = logging.getLogger(__name__)
 
-MAX_N = 8
-"""Cap on one request's choices (``n`` times its prompts), the server's default."""
+MAX_N: int = IngressOptions.model_fields["max_n"].default
+"""Cap on one request's choices (``n`` times its prompts): the server's default."""
 
 
 class _LocalCall:

@@ -20,6 +20,8 @@ from deploy.batch_format import BATCH_CLASS, Answer
 from router.tenants import CLASS_HEADER
 
 RETRY_STATUSES = (429, 503)
+DEFAULT_CONCURRENCY = 8
+"""Requests in flight at most, unless ``--max-concurrency`` says otherwise."""
 AUTH_FAILED = 401
 """The service refused the key: every line would fail alike, so nothing is written."""
 
@@ -66,7 +68,8 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict,
 
 
 async def run_via_service(base_url: str, work: list[tuple[str, str, dict]],
-                          done: Callable[[str, Answer], None], concurrency: int = 8,
+                          done: Callable[[str, Answer], None],
+                          concurrency: int = DEFAULT_CONCURRENCY,
                           max_retries: int = 30, timeout_s: float = 600.0,
                           transport: httpx.AsyncBaseTransport | None = None) -> None:
     """Send every ``(custom_id, url path, body)`` of ``work`` to the service at

@@ -165,3 +165,23 @@ def test_via_service_stops_on_a_refused_key_and_on_endless_503():
                                     lambda *_: pytest.fail("nothing may be written"),
                                     max_retries=2, transport=transport))
     assert len(seen) == 3
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--via-service", "http://svc", "--num-replicas", "2", "--model", "m"],
+     "--model, --num-replicas: these set up engine replicas"),
+    (["--max-concurrency", "4"], "--max-concurrency applies to --via-service only"),
+])
+def test_flags_the_run_would_ignore_are_refused(tmp_path, capsys, flags, message):
+    src = _write(tmp_path / "in.jsonl", [_line("a")])
+    out = tmp_path / "out.jsonl"
+    assert batch_main(["--input", src, "--output", str(out), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--replica-num-cpus", "--max-concurrency", "--num-replicas"])
+def test_sizes_must_be_positive(tmp_path, capsys, flag):
+    with pytest.raises(SystemExit):
+        batch_main(["--input", "in", "--output", "out", flag, "0"])
+    assert "must be positive, got 0" in capsys.readouterr().err
