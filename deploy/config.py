@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from engine.config import EngineConfig
 from policies import TrafficClass, make_classes
 from router.settings import IngressOptions
+from router.tenants import check_key_classes
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SERVER_ENGINE_DEFAULTS: dict[str, Any] = {"policy": "priority", "tpot_slo_guard": True}
@@ -85,12 +86,20 @@ class ServiceConfig(IngressOptions):
         return self
 
     @model_validator(mode="after")
+    def _gpu_consistent(self) -> ServiceConfig:
+        # The same rule as helm/iterserve/values.schema.json's, so the chart and the CLI
+        # refuse the same configs.
+        if self.replica_num_gpus > 0 and self.engine.device == "cpu":
+            raise ValueError("replica_num_gpus > 0 with engine.device 'cpu'; use 'auto'")
+        if self.replica_num_gpus > 0 and self.engine.dtype == "float32":
+            raise ValueError("replica_num_gpus > 0 with engine.dtype 'float32', the CPU dtype: "
+                             "flash-attn needs bfloat16 or float16 ('auto' picks bfloat16)")
+        return self
+
+    @model_validator(mode="after")
     def _keys_valid(self) -> ServiceConfig:
-        classes = self.traffic_classes()
-        for k in self.api_keys.values():
-            if k.traffic_class not in classes:
-                raise ValueError(f"api key of tenant {k.tenant!r}: unknown traffic_class "
-                                 f"{k.traffic_class!r}; known: {sorted(classes)}")
+        # Keys in api_keys_file are checked where the file is read (the ingress).
+        check_key_classes(self.api_keys, self.traffic_classes())
         return self
 
     def engine_config(self) -> EngineConfig:

@@ -13,6 +13,7 @@ from ray import serve
 
 from deploy.app import APP_NAME, build_app
 from deploy.config import ServiceConfig
+from router.tenants import check_key_classes
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +95,13 @@ def check_resources(config: ServiceConfig) -> None:
     """Fail fast when the replicas cannot all be placed (Ray would wait forever).
 
     Raises:
-        ServeError: not enough CPUs or GPUs in the cluster.
+        ServeError: not enough CPUs or GPUs in the cluster, or ``api_keys_file`` unreadable
+            or naming an unknown class (the ingress would fail to start).
     """
+    try:
+        check_key_classes(config.all_api_keys(), config.traffic_classes())
+    except ValueError as e:
+        raise ServeError(str(e)) from e
     total = ray.cluster_resources()
     need_cpu = config.num_replicas * config.replica_num_cpus
     need_gpu = config.num_replicas * config.replica_num_gpus

@@ -41,7 +41,7 @@ from router.responses import PromptCall
 from router.routing import RequestShape, load_view
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import IngressSettings
-from router.tenants import CLASS_HEADER, resolve_caller
+from router.tenants import CLASS_HEADER, check_key_classes, resolve_caller
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ class OpenAIIngress:
         self.replicas = replicas.options(stream=True)
         self._info_handle = replicas
         self.classes = classes_from_fields(self.settings.traffic_classes)
+        self.api_keys = self.settings.all_api_keys()
+        check_key_classes(self.api_keys, self.classes)
         self.admission = IngressAdmission(
             self.classes, policy=policy_from_spec(self.settings.policy),
             enabled=self.settings.admission,
@@ -150,7 +152,7 @@ class OpenAIIngress:
             body = await self._read_json(request)
             req = fmt.validate(body, ChatCompletionRequest if chat else CompletionRequest)
             fmt.check_served(req, chat, self.settings.model_name, self.settings.max_n)
-            caller = resolve_caller(self.settings.api_keys, self.classes,
+            caller = resolve_caller(self.api_keys, self.classes,
                                     request.headers.get("authorization"),
                                     request.headers.get(CLASS_HEADER), req.priority)
             info = await self._model_info()

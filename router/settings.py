@@ -3,11 +3,15 @@ defined once here (``ServiceConfig`` inherits them), plus what ``build_app`` der
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from router.tenants import ApiKeyConfig
+
+_KEYS = TypeAdapter(dict[str, ApiKeyConfig])
 
 
 class IngressOptions(BaseModel):
@@ -19,6 +23,11 @@ class IngressOptions(BaseModel):
         default_factory=dict, description="key -> tenant, class, priority ceiling; "
                                           "empty: no key needed, every request `standard`",
     )
+    api_keys_file: str | None = Field(
+        None, description="a YAML file of more api_keys in the same form, read where the "
+                          "ingress runs (a mounted Kubernetes Secret), so that keys never "
+                          "travel in the config",
+    )
     admission: bool = Field(True, description="SLO-aware admission at the ingress")
     max_n: int = Field(8, ge=1, description="cap on a request's choices: `n` times its prompts")
     max_request_body_bytes: int = Field(1 << 20, ge=1024, description="larger bodies get 413")
@@ -26,6 +35,25 @@ class IngressOptions(BaseModel):
         default_factory=lambda: ["*"],
         description="origins browsers may call the API from (CORS); ['*']: any",
     )
+
+    def all_api_keys(self) -> dict[str, ApiKeyConfig]:
+        """``api_keys`` together with those in ``api_keys_file``.
+
+        Raises:
+            ValueError: the file cannot be read, is not a mapping of key -> ApiKeyConfig
+                fields, or repeats a key of ``api_keys``.
+        """
+        if self.api_keys_file is None:
+            return dict(self.api_keys)
+        path = Path(self.api_keys_file)
+        try:
+            loaded = _KEYS.validate_python(yaml.safe_load(path.read_text()) or {})
+        except (OSError, yaml.YAMLError, ValueError) as e:
+            raise ValueError(f"api_keys_file {path}: {e}") from e
+        repeated = sorted(set(loaded) & set(self.api_keys))
+        if repeated:
+            raise ValueError(f"api_keys_file {path}: {len(repeated)} keys also in api_keys")
+        return {**self.api_keys, **loaded}
 
 
 class IngressSettings(IngressOptions):

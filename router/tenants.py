@@ -32,6 +32,17 @@ class ApiKeyConfig(BaseModel):
     )
 
 
+def check_key_classes(api_keys: Mapping[str, ApiKeyConfig],
+                      classes: Mapping[str, TrafficClass]) -> None:
+    """Raises:
+        ValueError: a key names a traffic class that is not in ``classes``.
+    """
+    for k in api_keys.values():
+        if k.traffic_class not in classes:
+            raise ValueError(f"api key of tenant {k.tenant!r}: unknown traffic_class "
+                             f"{k.traffic_class!r}; known: {sorted(classes)}")
+
+
 @dataclass(frozen=True, slots=True)
 class Caller:
     """Who sent a request and how it is scheduled."""

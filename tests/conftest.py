@@ -75,5 +75,5 @@ def pytest_collection_modifyitems(config, items):
         have_flash = importlib.util.find_spec("flash_attn") is not None
     skip = pytest.mark.skip(reason="needs CUDA and flash-attn")
     for item in items:
-        if "gpu" in item.keywords and not have_flash:
+        if item.get_closest_marker("gpu") and not have_flash:
             item.add_marker(skip)

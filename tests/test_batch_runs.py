@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from deploy.config import ServiceConfig
+from tests.ray_head import ray, ray_env, start_head, stop_head
 from tests.serving_app import free_port, running_app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,71 +155,30 @@ def test_batch_answers_equal_the_apis_and_via_service(resumed, tmp_path):
         assert via_recs[cid]["response"]["request_id"].startswith(("cmpl-", "chatcmpl-"))
 
 
-def _ray(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "ray"), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
-
-
-def _start_head(temp_dir: str, env: dict) -> tuple[subprocess.Popen, str]:
-    """A Ray head of our own (own temp dir and ports, token authentication); its job
-    server's address once it answers."""
-    dash = free_port()
-    ports = ["--port", str(free_port()), "--dashboard-port", str(dash),
-             "--ray-client-server-port", str(free_port()),
-             "--dashboard-agent-listen-port", str(free_port()),
-             "--metrics-export-port", str(free_port()),
-             "--min-worker-port", "21000", "--max-worker-port", "21200"]
-    head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--temp-dir", temp_dir,
-         "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
-         "--include-dashboard", "true", "--num-cpus", "2", *ports],
-        env=env, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
-    address = f"http://127.0.0.1:{dash}"
-    deadline = time.monotonic() + 120
-    while _ray("job", "list", "--address", address, env=env).returncode != 0:
-        assert head.poll() is None, "ray start exited"
-        assert time.monotonic() < deadline, "the Ray head's job server did not come up"
-        time.sleep(1)
-    return head, address
-
-
-def _stop_head(head: subprocess.Popen) -> None:
-    """Stop only the cluster this test started (``ray stop`` would stop every one)."""
-    head.send_signal(signal.SIGTERM)  # `ray start --block` then stops its processes
-    try:
-        head.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait()
-
-
 def test_ray_job_submit_stop_and_resubmit_exactly_once(tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     good = _batch_file(src)
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "RAY_AUTH_MODE": "token"}
-    env.pop("RAY_ADDRESS", None)
-    assert _ray("get-auth-token", "--generate", env=env).returncode == 0
+    env = ray_env()
+    assert ray("get-auth-token", "--generate", env=env).returncode == 0
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths
-    head, address = _start_head(temp_dir, env)
+    head, address = start_head(temp_dir, env)
     try:
         job = ["job", "submit", "--address", address, "--working-dir", str(REPO)]
         entry = ["--", "python", "-m", "deploy.batch", "--input", str(src),
                  "--output", str(out)]
-        first = _ray(*job, "--submission-id", "batch-1", "--no-wait", *entry, env=env)
+        first = ray(*job, "--submission-id", "batch-1", "--no-wait", *entry, env=env)
         assert first.returncode == 0, first.stderr[-2000:]
         _wait_records(out, 7, None, timeout_s=240)
-        stop = _ray("job", "stop", "--address", address, "batch-1", env=env)
+        stop = ray("job", "stop", "--address", address, "batch-1", env=env)
         assert stop.returncode == 0, stop.stderr[-2000:]
-        status = _ray("job", "status", "--address", address, "batch-1", env=env)
+        status = ray("job", "status", "--address", address, "batch-1", env=env)
         assert "was stopped" in status.stdout + status.stderr
         stopped_at = _count(out)
         assert stopped_at < len(good) + len(BAD)
-        second = _ray(*job, "--submission-id", "batch-2", *entry, env=env, timeout=300)
+        second = ray(*job, "--submission-id", "batch-2", *entry, env=env, timeout=300)
         assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
         assert f"{stopped_at} already in" in second.stdout + second.stderr
         _check_complete(out, good)
     finally:
-        _stop_head(head)
+        stop_head(head)
         shutil.rmtree(temp_dir, ignore_errors=True)

@@ -159,6 +159,21 @@ def test_service_config_yaml_and_flags(tmp_path):
         ServiceConfig(engine={"model": "x"})
 
 
+def test_api_keys_file_adds_keys_and_refuses_bad_files(tmp_path):
+    f = tmp_path / "keys.yaml"
+    f.write_text(yaml.safe_dump({"sk-b": {"tenant": "b", "traffic_class": "batch"}}))
+    c = ServiceConfig(api_keys={"sk-a": {"tenant": "a"}}, api_keys_file=str(f))
+    keys = c.all_api_keys()
+    assert sorted(keys) == ["sk-a", "sk-b"] and keys["sk-b"].traffic_class == "batch"
+    with pytest.raises(ValueError, match="1 keys also in api_keys"):
+        ServiceConfig(api_keys={"sk-b": {"tenant": "x"}}, api_keys_file=str(f)).all_api_keys()
+    f.write_text(yaml.safe_dump({"sk-c": {"tenant": "c", "class": "batch"}}))
+    with pytest.raises(ValueError, match="class"):
+        c.all_api_keys()
+    with pytest.raises(ValueError, match="missing.yaml"):
+        ServiceConfig(api_keys_file=str(tmp_path / "missing.yaml")).all_api_keys()
+
+
 def test_serve_config_yaml_builds_a_valid_service_config():
     doc = yaml.safe_load((Path(__file__).parent.parent / "deploy/serve_config.yaml").read_text())
     (app,) = doc["applications"]

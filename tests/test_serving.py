@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+import yaml
 
 ray = pytest.importorskip("ray")
 
@@ -37,12 +38,16 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
+    # Two keys come from a file, as the Helm chart mounts them from a Secret.
+    keys_file = tmp_path_factory.mktemp("keys") / "api_keys.yaml"
+    keys_file.write_text(yaml.safe_dump({k: KEYS[k] for k in ("sk-interactive", "sk-batch")}))
     config = ServiceConfig(
         num_replicas=2,
         replica_num_cpus=1,  # the Ray cluster below has 2 CPUs, whatever the host has
         port=app.free_port(),
-        api_keys=KEYS,
+        api_keys={"sk-standard": KEYS["sk-standard"]},
+        api_keys_file=str(keys_file),
         engine={
             "policy": "priority", "tpot_slo_guard": True,
             "num_kv_blocks": NUM_KV_BLOCKS // 2,

@@ -1,0 +1,216 @@
+"""The Helm chart (helm/iterserve): rendered with Helm's own SDK (helm-python-sdk, no binary),
+validated against Kubernetes' schemas, KubeRay's CRDs and Serve's config schema, and its
+serve config deployed to a real Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import helm_python as helm
+import httpx
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from deploy import chart_schema
+from deploy.config import ServiceConfig
+from deploy.server import SERVE_ENV_DEFAULTS
+from tests.ray_head import cli, ray, ray_env, start_head, stop_head
+from tests.serving_app import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "helm/iterserve"
+CRDS = REPO.parent / "shared/kuberay-crds"
+K8S_VERSION = "1.34.0"
+EXAMPLES = {"default": {}, "cpu": yaml.safe_load((CHART / "values-cpu.yaml").read_text()),
+            "gpu": yaml.safe_load((CHART / "values-gpu.yaml").read_text())}
+EVERYTHING_ON = {"ingress": {"enabled": True, "host": "llm.example.com",
+                             "tls": [{"hosts": ["llm.example.com"], "secretName": "tls"}]},
+                 "serviceMonitor": {"enabled": True}, "apiKeysSecret": "keys",
+                 "modelVolume": {"hostPath": "/srv/models"},
+                 "batchJob": {"enabled": True, "input": "/data/in.jsonl",
+                              "output": "/data/out.jsonl", "claimName": "batch-data",
+                              "args": ["--ordered"]}}
+
+
+def render(values: dict) -> list[dict]:
+    """Every object the chart renders with ``values``."""
+    with helm.Chart.load(str(CHART)) as chart:
+        files = chart.render(values, name="demo", namespace="llm")
+    return [doc for name, text in sorted(files.items()) if name.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def by_kind(objs: list[dict], kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def crd_schema(kind: str) -> dict:
+    crd = yaml.safe_load((CRDS / f"ray.io_{kind.lower()}s.yaml").read_text())
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return v1["schema"]["openAPIV3Schema"]
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_chart_lints_clean(example):
+    result = helm.lint(str(CHART), values=EXAMPLES[example])
+    assert result["errors"] == [] and result["messages"] == [], result
+
+
+def test_values_schema_is_generated_from_service_config():
+    committed = (CHART / "values.schema.json").read_text()
+    assert committed == chart_schema.render(), "run: python -m deploy.chart_schema"
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_standard_objects_pass_kubernetes_schemas(example):
+    objs = render({**EXAMPLES[example], **EVERYTHING_ON})
+    standard = [o for o in objs if o["apiVersion"].split("/")[0] in ("v1", "networking.k8s.io")]
+    # The API's Service is declared inside the RayService; KubeRay creates it as written.
+    standard += [{"apiVersion": "v1", "kind": "Service", **s["spec"]["serveService"]}
+                 for s in by_kind(objs, "RayService")]
+    assert {o["kind"] for o in standard} == {"ConfigMap", "Ingress", "Service"}
+    for obj in standard:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_ray_objects_pass_kuberay_crds(example):
+    objs = render({**EXAMPLES[example], **EVERYTHING_ON})
+    assert len(by_kind(objs, "RayService")) == len(by_kind(objs, "RayJob")) == 1
+    for obj in by_kind(objs, "RayService") + by_kind(objs, "RayJob"):
+        jsonschema.validate(obj, crd_schema(obj["kind"]))
+
+
+def test_crd_check_catches_a_broken_manifest():
+    (svc,) = by_kind(render({}), "RayService")
+    svc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "two"
+    with pytest.raises(jsonschema.ValidationError, match="two"):
+        jsonschema.validate(svc, crd_schema("RayService"))
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_serve_config_parses_with_serve_and_service_config(example):
+    (svc,) = by_kind(render(EXAMPLES[example]), "RayService")
+    serve_config = yaml.safe_load(svc["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve_config)
+    (app,) = serve_config["applications"]
+    assert app["import_path"] == "deploy.app:app_builder"
+    config = ServiceConfig(**app["args"], **serve_config["http_options"])
+    values = {**yaml.safe_load((CHART / "values.yaml").read_text())["config"],
+              **EXAMPLES[example].get("config", {})}
+    for key in ("model", "num_replicas", "replica_num_cpus", "replica_num_gpus", "port"):
+        assert getattr(config, key) == values[key]
+
+
+def test_gpu_example_requests_gpus_and_mounts_keys_and_models():
+    (svc,) = by_kind(render(EXAMPLES["gpu"]), "RayService")
+    cluster = svc["spec"]["rayClusterConfig"]
+    (group,) = cluster["workerGroupSpecs"]
+    (worker,) = group["template"]["spec"]["containers"]
+    assert group["replicas"] == 2 and group["rayStartParams"]["num-cpus"] == "8"
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert {m["mountPath"] for m in worker["volumeMounts"]} >= {"/models",
+                                                                "/etc/iterserve/api-keys"}
+    args = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["api_keys_file"] == "/etc/iterserve/api-keys/api_keys.yaml"
+    assert "api_keys" not in args and cluster["authOptions"] == {"mode": "token"}
+
+
+def test_pods_get_the_servers_serve_settings():
+    (svc,) = by_kind(render({}), "RayService")
+    cluster = svc["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    for pod in pods:
+        env = {e["name"]: e["value"] for e in pod["template"]["spec"]["containers"][0]["env"]}
+        assert SERVE_ENV_DEFAULTS.items() <= env.items()
+
+
+def test_dashboard_configmap_is_the_dashboard():
+    (cm,) = by_kind(render({}), "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["iterserve.json"]) == json.loads(
+        (REPO / "deploy/grafana/iterserve.json").read_text())
+
+
+def test_batch_job_runs_deploy_batch_with_the_replica_settings():
+    (job,) = by_kind(render({**EXAMPLES["gpu"], **EVERYTHING_ON}), "RayJob")
+    assert job["spec"]["entrypoint"].split() == [
+        "python", "-m", "deploy.batch", "--input", "/data/in.jsonl", "--output",
+        "/data/out.jsonl", "--num-replicas", "2", "--replica-num-cpus", "8",
+        "--replica-num-gpus", "1", "--model", "/models/Qwen2.5-7B-Instruct",
+        "--served-model-name", "qwen2.5-7b-instruct", "--ordered"]
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert {"name": "batch-data", "mountPath": "/data"} in head["containers"][0]["volumeMounts"]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"config": {"num_replicas": -1}}, "at '/config/num_replicas': minimum: got -1, want 1"),
+    ({"config": {"engine": {"traffic_classes": {"interactive": {"ttft_slo": 1}}}}},
+     "at '/config/engine/traffic_classes/interactive': additional properties 'ttft_slo'"),
+    ({"config": {"replica_num_gpus": 1, "engine": {"dtype": "float32"}}},
+     "at '/config/engine/dtype': value must be one of 'auto', 'bfloat16', 'float16'"),
+    ({"config": {"api_keys": {"sk-1": {"tenant": "a"}}}},
+     "at '/config': additional properties 'api_keys' not allowed"),
+    ({"batchJob": {"enabled": True}}, "batchJob.enabled needs batchJob.input"),
+])
+def test_bad_values_fail_at_render_with_a_clear_error(values, message):
+    with pytest.raises(helm.HelmError, match=message.replace("'", ".")):
+        render(values)
+
+
+def test_service_config_refuses_what_the_schema_refuses():
+    with pytest.raises(ValueError, match="float32"):
+        ServiceConfig(replica_num_gpus=1, engine={"dtype": "float32"})
+    with pytest.raises(ValueError, match="device 'cpu'"):
+        ServiceConfig(replica_num_gpus=1, engine={"device": "cpu"})
+
+
+@pytest.mark.slow
+def test_rendered_serve_config_deploys_on_a_real_ray_cluster(tmp_path):
+    """``serve deploy`` of the CPU example's serveConfigV2 on a Ray head of our own with the
+    chart's pod environment, then a real completion through it. Only http_options change:
+    loopback and a free port instead of the pod's 0.0.0.0:8000."""
+    (svc,) = by_kind(render(EXAMPLES["cpu"]), "RayService")
+    serve_config = yaml.safe_load(svc["spec"]["serveConfigV2"])
+    port = free_port()
+    serve_config["http_options"] = {"host": "127.0.0.1", "port": port}
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text(yaml.safe_dump(serve_config))
+    head_spec = svc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    env = ray_env(**{e["name"]: e["value"] for e in head_spec["containers"][0]["env"]})
+    assert ray("get-auth-token", "--generate", env=env).returncode == 0
+    temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths
+    head, address = start_head(temp_dir, env)
+    try:
+        deployed = cli("serve", "deploy", str(config_file), "--address", address, env=env)
+        assert deployed.returncode == 0, deployed.stderr[-2000:]
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(url, deadline=time.monotonic() + 300)
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
+            "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["text"].strip()
+        print("through the rendered serve config:", json.dumps(body))
+    finally:
+        stop_head(head)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _wait_ready(url: str, deadline: float) -> None:
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not serve /v1/models in time"
+        time.sleep(2)
