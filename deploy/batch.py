@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -37,7 +38,7 @@ EXIT_UNANSWERED = 3
 """Exit status when ``--via-service`` left requests unanswered (a rerun sends them)."""
 
 
-ENGINE_FLAGS = ("model", "served_model_name", "num_replicas", "replica_num_cpus",
+ENGINE_FLAGS = ("config", "model", "served_model_name", "num_replicas", "replica_num_cpus",
                 "replica_num_gpus", "max_num_seqs", "max_num_batched_tokens", "address")
 """Flags of the engine-replica run; ``--via-service`` refuses them (it would ignore them)."""
 
@@ -60,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="results (JSONL), appended; a rerun skips the custom_ids it holds")
     p.add_argument("--ordered", action="store_true",
                    help="also write OUTPUT.ordered.jsonl in input order at the end")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="a service config (the YAML `iterserve serve --config` reads): its "
+                        "model, served_model_name, num_replicas, replica_num_cpus/gpus and "
+                        "engine section as written; flags win")
     p.add_argument("--model", default=None,
                    help="transformers directory or .gguf file (default: embedded SmolLM2-135M)")
     p.add_argument("--served-model-name", default=None,
@@ -117,12 +122,44 @@ class _Progress:
         return max(1e-9, time.monotonic() - self.start)
 
 
-def _engine_config(args: argparse.Namespace) -> dict:
+CONFIG_FLAGS = ("model", "served_model_name", "num_replicas", "replica_num_cpus",
+                "replica_num_gpus")
+"""ServiceConfig fields that ``--config`` fills in for flags not given."""
+
+
+def apply_config(args: argparse.Namespace) -> dict[str, Any]:
+    """Fill :data:`CONFIG_FLAGS` not given on the command line from ``--config``; return
+    the file's ``engine`` section as written (not merged over the server's scheduling
+    defaults: a batch runs for throughput unless the file says otherwise).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not a valid service config (pydantic's error names the field).
+    """
+    if args.config is None:
+        return {}
+    import yaml
+
+    from deploy.config import ServiceConfig
+
+    try:
+        ServiceConfig.load(args.config)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{args.config}: {e}") from e
+    data = yaml.safe_load(Path(args.config).read_text()) or {}
+    for key in CONFIG_FLAGS:
+        if getattr(args, key) is None and data.get(key) is not None:
+            setattr(args, key, data[key])
+    return dict(data.get("engine") or {})
+
+
+def _engine_config(args: argparse.Namespace, section: dict[str, Any]) -> dict:
     from engine import EngineConfig
 
     fields = {"model": args.model, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens}
-    return EngineConfig(**{k: v for k, v in fields.items() if v is not None}).model_dump()
+    given = {k: v for k, v in fields.items() if v is not None}
+    return EngineConfig(**{**section, **given}).model_dump()
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -153,6 +190,8 @@ def check_flags(args: argparse.Namespace) -> None:
 def _run_engine(args: argparse.Namespace, todo: list[BatchLine], progress: _Progress) -> None:
     import ray
 
+    engine = _engine_config(args, apply_config(args))
+
     from deploy.batch_engine import plan_replicas, run_on_replicas, start_replicas
 
     # Not inside a job and no --address: a new local cluster ("local"), never one that an
@@ -166,7 +205,7 @@ def _run_engine(args: argparse.Namespace, todo: list[BatchLine], progress: _Prog
                              args.replica_num_gpus or 0.0)
         progress.bar.write(f"iterserve batch: starting {plan.num_replicas} replica(s) of "
                            f"{plan.num_cpus:g} CPUs, {plan.num_gpus:g} GPUs", file=sys.stderr)
-        actors = start_replicas(plan, _engine_config(args), _model_name(args))
+        actors = start_replicas(plan, engine, _model_name(args))
         progress.restart()
         work = [(line.custom_id, line.chat, line.body) for line in todo]
         asyncio.run(run_on_replicas(actors, work, progress.answered))

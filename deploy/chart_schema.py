@@ -63,7 +63,7 @@ CHART_VALUES: dict[str, Any] = {
                     annotations=_MAP),
     "ingress": _obj(enabled={"type": "boolean"}, className=_STR, host=_STR,
                     annotations=_MAP, tls={"type": "array", "items": _OBJ}),
-    "serviceMonitor": _obj(enabled={"type": "boolean"}, interval=_STR, labels=_MAP),
+    "podMonitor": _obj(enabled={"type": "boolean"}, interval=_STR, labels=_MAP),
     "grafanaDashboard": _obj(enabled={"type": "boolean"}, labels=_MAP),
     "batchJob": _obj(enabled={"type": "boolean"}, input=_STR, output=_STR,
                      claimName=_STR, mountPath={"type": "string", "pattern": "^/"},

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 
 import httpx
 import pytest
+import yaml
 
+from deploy.batch import _engine_config, add_arguments, apply_config
 from deploy.batch import main as batch_main
 from deploy.batch_format import (
     BatchFileError,
@@ -185,3 +188,24 @@ def test_sizes_must_be_positive(tmp_path, capsys, flag):
     with pytest.raises(SystemExit):
         batch_main(["--input", "in", "--output", "out", flag, "0"])
     assert "must be positive, got 0" in capsys.readouterr().err
+
+
+def test_config_file_fills_what_flags_leave_and_keeps_its_engine_section(tmp_path):
+    cfg = tmp_path / "service.yaml"
+    cfg.write_text(yaml.safe_dump({"num_replicas": 3, "replica_num_cpus": 4,
+                                   "served_model_name": "m1",
+                                   "engine": {"dtype": "float32", "max_num_seqs": 16,
+                                              "block_size": 32}}))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["-i", "in", "-o", "out", "--config", str(cfg),
+                              "--num-replicas", "2", "--max-num-seqs", "8"])
+    engine = _engine_config(args, apply_config(args))
+    # Flags win; the file fills the rest; its engine section is taken as written, over the
+    # engine's own defaults (FCFS, no TPOT guard), not the server's.
+    assert (args.num_replicas, args.replica_num_cpus, args.served_model_name) == (2, 4, "m1")
+    assert (engine["max_num_seqs"], engine["block_size"], engine["dtype"]) == (8, 32, "float32")
+    assert engine["policy"] == "fcfs" and not engine["tpot_slo_guard"]
+    cfg.write_text(yaml.safe_dump({"engine": {"max_num_seq": 16}}))
+    with pytest.raises(ValueError, match="max_num_seq"):
+        apply_config(args)

@@ -4,6 +4,7 @@ serve config deployed to a real Ray cluster."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import tempfile
@@ -19,6 +20,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from deploy import chart_schema
+from deploy.batch import _engine_config, add_arguments, apply_config
 from deploy.config import ServiceConfig
 from deploy.server import SERVE_ENV_DEFAULTS
 from tests.ray_head import cli, ray, ray_env, start_head, stop_head
@@ -32,7 +34,7 @@ EXAMPLES = {"default": {}, "cpu": yaml.safe_load((CHART / "values-cpu.yaml").rea
             "gpu": yaml.safe_load((CHART / "values-gpu.yaml").read_text())}
 EVERYTHING_ON = {"ingress": {"enabled": True, "host": "llm.example.com",
                              "tls": [{"hosts": ["llm.example.com"], "secretName": "tls"}]},
-                 "serviceMonitor": {"enabled": True}, "apiKeysSecret": "keys",
+                 "podMonitor": {"enabled": True}, "apiKeysSecret": "keys",
                  "modelVolume": {"hostPath": "/srv/models"},
                  "batchJob": {"enabled": True, "input": "/data/in.jsonl",
                               "output": "/data/out.jsonl", "claimName": "batch-data",
@@ -75,7 +77,7 @@ def test_standard_objects_pass_kubernetes_schemas(example):
     # The API's Service is declared inside the RayService; KubeRay creates it as written.
     standard += [{"apiVersion": "v1", "kind": "Service", **s["spec"]["serveService"]}
                  for s in by_kind(objs, "RayService")]
-    assert {o["kind"] for o in standard} == {"ConfigMap", "Ingress", "Service"}
+    assert sorted(o["kind"] for o in standard) == ["ConfigMap", "ConfigMap", "Ingress", "Service"]
     for obj in standard:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
@@ -109,6 +111,30 @@ def test_serve_config_parses_with_serve_and_service_config(example):
         assert getattr(config, key) == values[key]
 
 
+def test_api_service_ingress_and_pod_monitor_use_the_serve_port():
+    objs = render({**EXAMPLES["gpu"], **EVERYTHING_ON})
+    (svc,) = by_kind(objs, "RayService")
+    # KubeRay keeps a serveService port only under the head container's port name.
+    head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert {"containerPort": 8000, "name": "serve"} in head["containers"][0]["ports"]
+    assert [p["name"] for p in svc["spec"]["serveService"]["spec"]["ports"]] == ["serve"]
+    (ing,) = by_kind(objs, "Ingress")
+    backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": "demo-iterserve-api", "port": {"name": "serve"}}
+    (mon,) = by_kind(objs, "PodMonitor")
+    assert mon["spec"]["selector"]["matchLabels"]["ray.io/node-type"] == "head"
+    assert mon["spec"]["podMetricsEndpoints"][0]["port"] == "serve"
+
+
+def test_pod_templates_carry_only_stable_labels():
+    objs = render({})
+    (svc,) = by_kind(objs, "RayService")
+    cluster = svc["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        assert set(group["template"]["metadata"]["labels"]) == {
+            "app.kubernetes.io/name", "app.kubernetes.io/instance"}
+
+
 def test_gpu_example_requests_gpus_and_mounts_keys_and_models():
     (svc,) = by_kind(render(EXAMPLES["gpu"]), "RayService")
     cluster = svc["spec"]["rayClusterConfig"]
@@ -139,15 +165,28 @@ def test_dashboard_configmap_is_the_dashboard():
         (REPO / "deploy/grafana/iterserve.json").read_text())
 
 
-def test_batch_job_runs_deploy_batch_with_the_replica_settings():
-    (job,) = by_kind(render({**EXAMPLES["gpu"], **EVERYTHING_ON}), "RayJob")
+def test_batch_job_runs_deploy_batch_with_the_service_config(tmp_path):
+    objs = render({**EXAMPLES["gpu"], **EVERYTHING_ON})
+    (job,) = by_kind(objs, "RayJob")
+    config_path = "/etc/iterserve/batch/service.yaml"
     assert job["spec"]["entrypoint"].split() == [
-        "python", "-m", "deploy.batch", "--input", "/data/in.jsonl", "--output",
-        "/data/out.jsonl", "--num-replicas", "2", "--replica-num-cpus", "8",
-        "--replica-num-gpus", "1", "--model", "/models/Qwen2.5-7B-Instruct",
-        "--served-model-name", "qwen2.5-7b-instruct", "--ordered"]
-    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
-    assert {"name": "batch-data", "mountPath": "/data"} in head["containers"][0]["volumeMounts"]
+        "python", "-m", "deploy.batch", "--config", config_path, "--input", "/data/in.jsonl",
+        "--output", "/data/out.jsonl", "--ordered"]
+    (cm,) = [o for o in by_kind(objs, "ConfigMap") if "service.yaml" in o["data"]]
+    # The file deploy.batch reads is the chart's config: model, replicas and engine section.
+    (tmp_path / "service.yaml").write_text(cm["data"]["service.yaml"])
+    args = argparse.ArgumentParser()
+    add_arguments(args)
+    args = args.parse_args(["-i", "in", "-o", "out", "--config", str(tmp_path / "service.yaml")])
+    engine = _engine_config(args, apply_config(args))
+    assert (args.model, args.num_replicas, args.replica_num_cpus, args.replica_num_gpus) == (
+        "/models/Qwen2.5-7B-Instruct", 2, 8, 1)
+    assert (engine["dtype"], engine["block_size"], engine["max_num_seqs"]) == ("bfloat16", 256,
+                                                                               256)
+    for group in [job["spec"]["rayClusterSpec"]["headGroupSpec"],
+                  *job["spec"]["rayClusterSpec"]["workerGroupSpecs"]]:
+        mounts = group["template"]["spec"]["containers"][0]["volumeMounts"]
+        assert {"name": "batch-data", "mountPath": "/data"} in mounts
 
 
 @pytest.mark.parametrize("values, message", [
@@ -158,7 +197,8 @@ def test_batch_job_runs_deploy_batch_with_the_replica_settings():
      "at '/config/engine/dtype': value must be one of 'auto', 'bfloat16', 'float16'"),
     ({"config": {"api_keys": {"sk-1": {"tenant": "a"}}}},
      "at '/config': additional properties 'api_keys' not allowed"),
-    ({"batchJob": {"enabled": True}}, "batchJob.enabled needs batchJob.input"),
+    ({"batchJob": {"enabled": True, "input": "/d/i", "output": "/d/o"}},
+     "batchJob.enabled needs batchJob.input, batchJob.output and batchJob.claimName"),
 ])
 def test_bad_values_fail_at_render_with_a_clear_error(values, message):
     with pytest.raises(helm.HelmError, match=message.replace("'", ".")):

@@ -13,9 +13,15 @@
 {{- end }}
 {{- end }}
 
-{{- define "iterserve.labels" -}}
+{{/* Stable labels, for selectors and pod templates: a label that changes with the chart's
+version would change the cluster spec, and KubeRay would replace the whole cluster. */}}
+{{- define "iterserve.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "iterserve.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "iterserve.labels" -}}
+{{ include "iterserve.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
@@ -26,6 +32,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end }}
 
 {{- define "iterserve.apiKeysPath" -}}/etc/iterserve/api-keys/api_keys.yaml{{- end }}
+{{- define "iterserve.batchConfigPath" -}}/etc/iterserve/batch/service.yaml{{- end }}
 
 {{/*
 The application's args: config without host and port (Serve's http_options), with
@@ -83,10 +90,13 @@ checks they match), and Serve's HTTP proxy as the way in (no direct ingress). */
     path: {{ .Values.modelVolume.hostPath }}
     type: Directory
 {{- end }}
-{{- if and .batch .Values.batchJob.claimName }}
+{{- if .batch }}
 - name: batch-data
   persistentVolumeClaim:
     claimName: {{ .Values.batchJob.claimName }}
+- name: batch-config
+  configMap:
+    name: {{ include "iterserve.fullname" . }}-batch-config
 {{- end }}
 - name: dshm
   emptyDir:
@@ -104,9 +114,12 @@ checks they match), and Serve's HTTP proxy as the way in (no direct ingress). */
   mountPath: {{ .Values.modelVolume.mountPath }}
   readOnly: true
 {{- end }}
-{{- if and .batch .Values.batchJob.claimName }}
+{{- if .batch }}
 - name: batch-data
   mountPath: {{ .Values.batchJob.mountPath }}
+- name: batch-config
+  mountPath: /etc/iterserve/batch
+  readOnly: true
 {{- end }}
 - name: dshm
   mountPath: /dev/shm
@@ -135,7 +148,7 @@ headGroupSpec:
   template:
     metadata:
       labels:
-        {{- include "iterserve.labels" $root | nindent 8 }}
+        {{- include "iterserve.selectorLabels" $root | nindent 8 }}
     spec:
       {{- with $root.Values.imagePullSecrets }}
       imagePullSecrets:
@@ -177,7 +190,7 @@ workerGroupSpecs:
     template:
       metadata:
         labels:
-          {{- include "iterserve.labels" $root | nindent 10 }}
+          {{- include "iterserve.selectorLabels" $root | nindent 10 }}
       spec:
         {{- with $root.Values.imagePullSecrets }}
         imagePullSecrets:
