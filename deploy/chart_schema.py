@@ -118,6 +118,7 @@ def values_schema() -> dict[str, Any]:
 
 
 def render() -> str:
+    """:func:`values_schema` as the committed file's text (sorted keys, 2-space indent)."""
     return json.dumps(values_schema(), indent=2, sort_keys=True) + "\n"
 
 

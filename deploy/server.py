@@ -95,13 +95,8 @@ def check_resources(config: ServiceConfig) -> None:
     """Fail fast when the replicas cannot all be placed (Ray would wait forever).
 
     Raises:
-        ServeError: not enough CPUs or GPUs in the cluster, or ``api_keys_file`` unreadable
-            or naming an unknown class (the ingress would fail to start).
+        ServeError: not enough CPUs or GPUs in the cluster.
     """
-    try:
-        check_key_classes(config.all_api_keys(), config.traffic_classes())
-    except ValueError as e:
-        raise ServeError(str(e)) from e
     total = ray.cluster_resources()
     need_cpu = config.num_replicas * config.replica_num_cpus
     need_gpu = config.num_replicas * config.replica_num_gpus
@@ -113,6 +108,19 @@ def check_resources(config: ServiceConfig) -> None:
         )
 
 
+def check_api_keys(config: ServiceConfig) -> None:
+    """Read ``api_keys_file`` here first, as the ingress will where it runs.
+
+    Raises:
+        ServeError: the file is unreadable, repeats a key of ``api_keys``, or names an
+            unknown class (the ingress would fail to start, and Serve would retry it).
+    """
+    try:
+        check_key_classes(config.all_api_keys(), config.traffic_classes())
+    except ValueError as e:
+        raise ServeError(str(e)) from e
+
+
 def deploy(config: ServiceConfig, proxy_port: int | None = None) -> str:
     """Start Serve's HTTP proxy and deploy; return the base URL, ``config.host:port``.
 
@@ -121,6 +129,7 @@ def deploy(config: ServiceConfig, proxy_port: int | None = None) -> str:
     itself (an embedded cluster started with :func:`embedded_serve_env`).
     Blocks until every replica has loaded the model.
     """
+    check_api_keys(config)
     check_resources(config)
     port = config.port if proxy_port is None else proxy_port
     serve.start(http_options={"host": config.host, "port": port})
