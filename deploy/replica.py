@@ -87,7 +87,8 @@ async def engine_items(engine: AsyncLLMEngine, replica_id: str, request_id: str,
     "token_ids", "logprobs", "finish_reason", "stop_reason"}], "finished": bool}`` with this
     step's deltas; ``logprobs`` is a list (one per new token) of ``{token_id: logprob}`` or
     None. The first of these also has ``queue_s``: seconds from the engine's arrival to the
-    first step that scheduled the request.
+    first step that scheduled the request, and ``cached_tokens``: prompt tokens whose KV
+    the prefix cache supplied.
 
     Closing or cancelling the iteration aborts the engine request before its next step.
     """
@@ -114,6 +115,7 @@ async def engine_items(engine: AsyncLLMEngine, replica_id: str, request_id: str,
         item = {"outputs": items, "finished": out.finished}
         if first:
             first, m = False, out.metrics
+            item["cached_tokens"] = out.num_cached_tokens
             if m.first_scheduled_time is not None:
                 item["queue_s"] = m.first_scheduled_time - m.arrival_time
         if out.prompt_logprobs is not None:

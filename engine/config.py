@@ -33,6 +33,9 @@ class EngineConfig(BaseModel):
         None, ge=1, description="cap on one request's prefill chunk in a step"
     )
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV blocks of prompt prefixes computed before"
+    )
     max_model_len: int | None = Field(None, ge=1, description="default: the model's context")
     policy: Literal["fcfs", "priority", "static"] = "fcfs"
     aging_s_per_level: float | None = Field(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.sampler import SampleResult
-    from engine.scheduler import SchedulerOutput
+    from engine.schedule_output import SchedulerOutput
 
 
 class ModelRunner(Protocol):

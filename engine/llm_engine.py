@@ -15,7 +15,8 @@ from engine.interfaces import ModelRunner, StepRecord
 from engine.kv_cache import BlockManager
 from engine.outputs import RequestGroup, make_output
 from engine.request import FinishReason, ParamError, Request, RequestOutput, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.schedule_output import SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.structured import StructuredOutput
 from policies import DEFAULT_CLASS, LoadSnapshot, make_classes
 from policies.limits import RequestLimits
@@ -62,7 +63,9 @@ class LLMEngine:
         self.vocab_size = runner.vocab_size
         self.eos_token_ids = set(runner.eos_token_ids)
         self.scheduler = scheduler or Scheduler.from_config(
-            config, BlockManager(runner.num_kv_blocks, config.block_size), clock)
+            config, BlockManager(runner.num_kv_blocks, config.block_size,
+                                 config.enable_prefix_caching,
+                                 cache_salt=f"{config.model}:{config.dtype}"), clock)
         self.block_manager = self.scheduler.block_manager
         self.step_time_model = self.scheduler.step_time
         self.traffic_classes = make_classes(config.traffic_classes)
@@ -323,17 +326,18 @@ class LLMEngine:
         waiting: dict[str, int] = {}
         running: dict[str, int] = {}
         blocks: dict[str, int] = {}
+        bm = self.block_manager
         for req in self.scheduler.waiting:
             c = req.traffic_class
-            waiting_tokens[c] = waiting_tokens.get(c, 0) + req.num_pending_tokens
+            cached = len(self.scheduler.cached_prefix(req)) * bm.block_size
+            waiting_tokens[c] = waiting_tokens.get(c, 0) + req.num_pending_tokens - cached
             waiting[c] = waiting.get(c, 0) + 1
         for req in self.scheduler.running:
             c = req.traffic_class
             running[c] = running.get(c, 0) + 1
             if req.num_pending_tokens > 1:  # still prefilling
                 waiting_tokens[c] = waiting_tokens.get(c, 0) + req.num_pending_tokens
-            blocks[c] = blocks.get(c, 0) + len(self.block_manager.block_table(req.request_id))
-        bm = self.block_manager
+            blocks[c] = blocks.get(c, 0) + len(bm.block_table(req.request_id))
         return LoadSnapshot(
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs,
@@ -344,6 +348,8 @@ class LLMEngine:
             waiting_requests=waiting,
             kv_blocks_used=blocks,
             kv_usage=bm.usage,
+            prefix_cache_hit_rate=bm.hit_rate,
+            num_cached_blocks=bm.num_cached_blocks,
             step_coefficients=self.step_time_model.coefficients(),
             tpot_slo_guard=self.config.tpot_slo_guard,
             tpot_slo_guard_target=self.config.tpot_slo_guard_target,

@@ -179,6 +179,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV the prefix cache supplied at the first admission."""
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
@@ -262,3 +264,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """One entry per prompt token (None for the first) when ``prompt_logprobs`` was
     asked for; a ``DELTA`` request gets it once, with its first output."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (OpenAI's ``cached_tokens``)."""

@@ -23,7 +23,7 @@ from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.model_loader import load_model
 from engine.request import Request
 from engine.sampler import Sampler, SampleResult, prompt_logprob_rows, record_prompt_logprobs
-from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.schedule_output import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

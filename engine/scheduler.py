@@ -17,66 +17,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache import BlockManager
 from engine.request import FinishReason, Request, RequestStatus
+from engine.schedule_output import PrefillBudget, ScheduledSeq, SchedulerOutput
 from policies.base import SchedulingPolicy
 from policies.slo_guard import GuardPlan, TpotGuard, prompt_line
 from policies.step_time import StepTimeModel
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    """One request's share of a step: tokens ``[start, start + num_tokens)`` of its ids."""
-
-    request: Request
-    start: int
-    num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's last token, so its logits sample."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-
-@dataclass(slots=True)
-class PrefillBudget:
-    """A step's prefill tokens under the TPOT guard.
-
-    ``total`` is what ``max_num_batched_tokens`` leaves after the decodes; ``capped`` is
-    what any prompt may take (the guard's cap), ``owed`` what prompts owed their TTFT may
-    take (:attr:`policies.slo_guard.GuardPlan.owed`); both at most ``total``.
-    """
-
-    total: int
-    capped: int
-    owed: int
-
-    def take(self, n: int) -> None:
-        self.total -= n
-        self.capped = max(0, min(self.capped - n, self.total))
-        self.owed = max(0, min(self.owed - n, self.total))
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step's plan. ``seqs`` holds the decodes (one token each) before the prefills."""
-
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    num_decodes: int = 0
-    block_tables: dict[str, list[int]] = field(default_factory=dict)
-    """Request id -> its block table, for every scheduled request."""
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
 
 
 class Scheduler:
@@ -264,12 +212,14 @@ class Scheduler:
                 # The TPOT guard would shed it again at once. A request that outranks
                 # running work is admitted: the guard sheds that work for it instead.
                 continue
-            n = self._chunk(req, self._allowance(req, budget, now))
+            prefix = self.cached_prefix(req)
+            start = len(prefix) * bm.block_size
+            n = self._chunk(req, self._allowance(req, budget, now), start)
             if n == 0:
                 if budget.capped == 0 and budget.total > 0:
                     continue  # the cap is spent; a later prompt may be owed more for its TTFT
                 break
-            if not bm.can_allocate(req.request_id, n):
+            if not bm.can_allocate(req.request_id, start + n, prefix):
                 if blocked_head is None:
                     blocked_head = req
                 if policy.max_head_of_line_skips == 0:
@@ -283,13 +233,17 @@ class Scheduler:
                 if skips > policy.max_head_of_line_skips:
                     break
                 self._head_skips = (blocked_head.request_id, skips)
-            bm.allocate(req.request_id, n)
+            bm.allocate(req.request_id, start + n, prefix)
+            bm.record_lookup(req.num_tokens, start)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.num_cached_tokens = start
+            req.num_computed_tokens = start
             req.mark_scheduled(now)
             self.running.append(req)
             policy.on_admit(req, now)
-            out.seqs.append(ScheduledSeq(req, 0, n))
+            out.seqs.append(ScheduledSeq(req, start, n))
             budget.take(n)
 
     def _preempt_for_urgent(self, out: SchedulerOutput, waiting_order: list[Request],
@@ -318,9 +272,17 @@ class Scheduler:
             if len(self.running) + seats > self.config.max_num_seqs or bm.num_free_blocks < blocks:
                 return
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        """Tokens of ``req``'s prefill that fit this step's remaining ``budget``."""
-        pending = req.num_pending_tokens
+    def cached_prefix(self, req: Request) -> list[int]:
+        """The cached KV blocks ``req`` may start from; none when it asks for prompt
+        logprobs, which need the logits of every prompt position."""
+        if req.params.prompt_logprobs is not None:
+            return []
+        return self.block_manager.cached_prefix(req.token_ids, req.request_id)
+
+    def _chunk(self, req: Request, budget: int, start: int | None = None) -> int:
+        """Tokens of ``req``'s prefill from ``start`` (default: its computed tokens) that
+        fit this step's remaining ``budget``."""
+        pending = req.num_tokens - (req.num_computed_tokens if start is None else start)
         if self._chunk_cap is None:
             return pending if pending <= budget else 0
         return min(pending, budget, self._chunk_cap)
@@ -376,6 +338,7 @@ class Scheduler:
         for seq in out.seqs:
             req = seq.request
             req.num_computed_tokens = seq.start + seq.num_tokens
+            self.block_manager.commit(req.request_id, req.token_ids, req.num_computed_tokens)
             if seq.samples:
                 req.append_token(sampled[req.request_id])
                 got_token.append(req)

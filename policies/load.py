@@ -28,8 +28,9 @@ class LoadSnapshot:
     block_size: int = 16
     """Tokens per KV block."""
     waiting_prefill_tokens: dict[str, int] = field(default_factory=dict)
-    """Prompt tokens not yet prefilled: all of each waiting request's (preempted ones: prompt
-    and output so far) plus the remaining chunks of running requests still prefilling."""
+    """Prompt tokens still to compute: each waiting request's (preempted ones: prompt and
+    output so far) less what the prefix cache holds of it, plus the remaining chunks of
+    running requests still prefilling."""
     running_seqs: dict[str, int] = field(default_factory=dict)
     waiting_requests: dict[str, int] = field(default_factory=dict)
     """Requests queued for the replica (its waiting queue, plus any the router holds)."""
@@ -37,7 +38,11 @@ class LoadSnapshot:
     """KV blocks held by each class's running requests (optional: lets admission count
     blocks that the priority policy can reclaim from less urgent classes)."""
     kv_usage: float = 0.0
-    """Fraction of the KV cache in use, 0..1."""
+    """Fraction of the KV cache in use, 0..1 (cached blocks no request holds are free)."""
+    prefix_cache_hit_rate: float = 0.0
+    """Prompt tokens found in the prefix cache over tokens looked up, since start, 0..1."""
+    num_cached_blocks: int = 0
+    """KV blocks holding a cached prefix, held or free."""
     step_coefficients: tuple[float, float, float] = DEFAULT_STEP_COEFFICIENTS
     """The replica's :meth:`StepTimeModel.coefficients`."""
     tpot_slo_guard: bool = False

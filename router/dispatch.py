@@ -60,6 +60,8 @@ class Dispatch:
         self.produced = False
         self.done = False
         self.prompt_tokens = 0
+        self.cached_tokens = 0
+        """Prompt tokens the replica's prefix cache supplied (known from the first step)."""
         self.replica = ""
         """The serving replica's id (Ray Serve's unique id), once accepted."""
         self.attempts = 0
@@ -114,6 +116,7 @@ class Dispatch:
                 await self.start()
 
     def _observe(self, item: dict) -> None:
+        self.cached_tokens = item.get("cached_tokens", self.cached_tokens)
         r = self.record
         if r is None:
             return

@@ -51,6 +51,10 @@ class Reply:
     def prompt_tokens(self) -> int:
         return sum(c.dispatch.prompt_tokens for c in self.calls)
 
+    def usage(self, completion_tokens: int) -> dict:
+        cached = sum(c.dispatch.cached_tokens for c in self.calls)
+        return fmt.usage(self.prompt_tokens, completion_tokens, cached)
+
     def logprobs(self, token_ids: list[int], entries: list) -> dict | None:
         if not fmt.wants_logprobs(self.req, self.chat):
             return None
@@ -139,7 +143,7 @@ async def collect(reply: Reply) -> dict:
     completion = sum(len(c.token_ids) for c in choices)
     return {"id": reply.rid, "object": "chat.completion" if reply.chat else "text_completion",
             "created": int(time.time()), "model": reply.model, "choices": out,
-            "usage": fmt.usage(reply.prompt_tokens, completion)}
+            "usage": reply.usage(completion)}
 
 
 def _stream_choice(reply: Reply, k: int, o: dict, first: bool) -> dict:
@@ -187,7 +191,7 @@ async def stream(reply: Reply) -> AsyncIterator[str]:
                 yield chunk([_stream_choice(reply, k, o, k not in seen)])
                 seen.add(k)
         if include_usage:
-            yield chunk([], fmt.usage(reply.prompt_tokens, completion))
+            yield chunk([], reply.usage(completion))
     except (ReplicaLost, ApiError) as e:
         err = e if isinstance(e, ApiError) else ApiError(503, str(e), code="replica_lost")
         yield f"data: {json.dumps(err.body())}\n\n"

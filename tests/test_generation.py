@@ -17,6 +17,10 @@ NEAR_TIE = 1e-4
 
 @pytest.fixture(scope="module")
 def reference(model_dir, prompts):
+    return greedy_reference(model_dir, prompts)
+
+
+def greedy_reference(model_dir, prompts: list[list[int]], max_new_tokens: int = MAX_TOKENS):
     """transformers' greedy ``generate`` per prompt (unpadded): (token ids, logits per step)."""
     from transformers import AutoModelForCausalLM
 
@@ -25,7 +29,7 @@ def reference(model_dir, prompts):
     with torch.inference_mode():
         for ids in prompts:
             out = model.generate(
-                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                 output_logits=True, return_dict_in_generate=True,
             )
             tokens = out.sequences[0, len(ids):].tolist()

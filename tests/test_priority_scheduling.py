@@ -9,7 +9,7 @@ from engine.kv_cache import BlockManager
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
 from policies import FCFSPolicy, PriorityPolicy, StaticBatchPolicy
-from tests.test_scheduler import FakeClock, fake_step
+from tests.test_scheduler import FakeClock, distinct_prompt, fake_step
 
 
 def make(policy, num_blocks=1000, block_size=4, **cfg):
@@ -19,7 +19,7 @@ def make(policy, num_blocks=1000, block_size=4, **cfg):
 
 
 def req(rid, prompt_len, max_tokens, arrival, priority=0, cls="standard"):
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
+    return Request(rid, distinct_prompt(rid, prompt_len), SamplingParams(max_tokens=max_tokens),
                    arrival_time=arrival, max_tokens=max_tokens, priority=priority,
                    traffic_class=cls)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+import zlib
 
 from engine.config import EngineConfig
 from engine.kv_cache import BlockManager
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.schedule_output import SchedulerOutput
+from engine.scheduler import Scheduler
 from policies import FCFSPolicy
 
 
@@ -26,8 +28,15 @@ def make_scheduler(num_blocks=1000, block_size=4, **cfg):
     return sched, clock
 
 
+def distinct_prompt(rid: str, prompt_len: int) -> list[int]:
+    """Token ids no other request id shares, so that no prefix is cached across
+    requests in tests about scheduling alone."""
+    base = zlib.crc32(rid.encode()) * 10_000
+    return list(range(base, base + prompt_len))
+
+
 def make_request(rid, prompt_len, max_tokens, arrival):
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
+    return Request(rid, distinct_prompt(rid, prompt_len), SamplingParams(max_tokens=max_tokens),
                    arrival_time=arrival, max_tokens=max_tokens)
 
 
