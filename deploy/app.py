@@ -60,7 +60,9 @@ def build_app(config: ServiceConfig) -> serve.Application:
     settings = IngressSettings(
         **config.model_dump(include=set(IngressOptions.model_fields)),
         model_name=config.model_name(), traffic_classes=classes, policy=policy,
-        num_replicas=config.num_replicas)
+        num_replicas=config.num_replicas,
+        prefix_block_size=(engine.block_size if config.prefix_affinity
+                           and engine.enable_prefix_caching else None))
     return ingress.bind(replica, settings.model_dump())
 
 

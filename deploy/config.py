@@ -62,6 +62,11 @@ class ServiceConfig(IngressOptions):
     routing_stats_period_s: float = Field(
         0.25, gt=0, description="how often each replica publishes its load snapshot"
     )
+    prefix_affinity: bool = Field(
+        True, description="route a request to a replica that was sent a longer prefix of "
+                          "its prompt, when that meets the TTFT SLO (needs "
+                          "engine.enable_prefix_caching)",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
 

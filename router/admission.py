@@ -65,15 +65,16 @@ class IngressAdmission:
         """Requests held at this ingress now, per class."""
         return dict(Counter(cls for cls, _, _ in self._held.values()))
 
-    async def admit(self, loads: Callable[[], list[LoadSnapshot]], traffic_class: str,
+    async def admit(self, loads: Callable[[], list[tuple[LoadSnapshot, int]]], traffic_class: str,
                     prompt_tokens: int, max_tokens: int, priority: int,
                     arrival_s: float) -> float:
         """Return once the request may go to a replica; the seconds it was held.
 
         Args:
-            loads: the replicas' current snapshots (re-read at every decision); empty
-                when none has reported yet, which admits (the router then balances on
-                queue lengths).
+            loads: the replicas' current snapshots (re-read at every decision), each with
+                the tokens of this prompt that replica is expected to hold in its prefix
+                cache (they are not computed again); empty when none has reported yet,
+                which admits (the router then balances on queue lengths).
             arrival_s: when the request arrived, on ``clock``.
 
         Raises:
@@ -92,8 +93,8 @@ class IngressAdmission:
                 waited = max(0.0, self.clock() - arrival_s)
                 decisions = [
                     self.controller.decide(self._with_held(s, arrival_s), traffic_class,
-                                           prompt_tokens, max_tokens, priority, waited)
-                    for s in snaps
+                                           prompt_tokens - cached, max_tokens, priority, waited)
+                    for s, cached in snaps
                 ]
                 if any(isinstance(d, Admit) for d in decisions):
                     break

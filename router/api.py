@@ -37,6 +37,7 @@ from router.admission import AdmissionRejected, IngressAdmission
 from router.cors import ConfiguredCORS
 from router.dispatch import REPLICA_LOST, Dispatch, ReplicaLost
 from router.errors import ApiError
+from router.prefix import prefix_hashes
 from router.responses import PromptCall
 from router.routing import RequestShape, load_view
 from router.schemas import ChatCompletionRequest, CompletionRequest
@@ -192,12 +193,14 @@ class OpenAIIngress:
     async def _dispatch(self, rid: str, ids: list[int], params: dict, caller: Any,
                         info: _ModelInfo, arrival: float) -> Dispatch:
         """Admit one prompt and send it to a replica; its call once accepted."""
-        shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
+        bs = self.settings.prefix_block_size
+        shape = RequestShape(len(ids), caller.traffic_class, caller.priority,
+                             prefix_hashes(ids, bs) if bs else ())
         # A request that can never fit skips admission: the replica answers it with a
         # 400 that has the numbers, not a 429.
         held_s = 0.0
         if info.limits.fits(len(ids), params["max_tokens"]):
-            held_s = await self._admit(caller, len(ids), params["max_tokens"], arrival)
+            held_s = await self._admit(caller, shape, params["max_tokens"], arrival)
         record = self.metrics.request(caller.traffic_class, arrival, len(ids), held_s)
         dispatch = Dispatch(self.replicas, (rid, ids, params), shape, record)
         try:
@@ -214,22 +217,24 @@ class OpenAIIngress:
 
     # -- helpers -----------------------------------------------------------------------
 
-    async def _admit(self, caller: Any, prompt_tokens: int, max_tokens: int | None,
+    async def _admit(self, caller: Any, shape: RequestShape, max_tokens: int | None,
                      arrival: float) -> float:
         """Wait for admission; the seconds held. Raises ApiError 429 with Retry-After
         when refused."""
         try:
-            return await self.admission.admit(self._loads, caller.traffic_class, prompt_tokens,
-                                       max_tokens or 0, caller.priority, arrival)
+            return await self.admission.admit(
+                lambda: self._loads(shape), caller.traffic_class, shape.prompt_tokens,
+                max_tokens or 0, caller.priority, arrival)
         except AdmissionRejected as e:
             self.metrics.reject(caller.traffic_class, e.kind)
             retry = str(int(e.retry_after_s))
             raise ApiError(429, f"server busy, retry after {retry} s ({e.reason})",
                            code="rate_limit_exceeded", headers={"Retry-After": retry}) from None
 
-    def _loads(self) -> list:
+    def _loads(self, shape: RequestShape) -> list:
+        """Each replica's snapshot and the tokens of ``shape``'s prompt it likely holds."""
         view = load_view(self.replicas.app_name, self.replicas.deployment_name)
-        return list(view.snapshots().values()) if view is not None else []
+        return view.loads_for(shape) if view is not None else []
 
     def _num_replicas(self) -> int:
         view = load_view(self.replicas.app_name, self.replicas.deployment_name)

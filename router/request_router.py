@@ -18,7 +18,8 @@ from collections.abc import Mapping
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from policies import AdmissionController, LoadSnapshot, classes_from_fields, policy_from_spec
-from router.routing import ROUTED_MEMORY_S, Routed, register, shape_of
+from router.prefix import PrefixMap
+from router.routing import ROUTED_MEMORY_S, RequestShape, Routed, register, shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,11 @@ class LoadAwareRouter(RequestRouter):
 
     When the two predictions are within one step's time of each other, the replica with
     fewer running and queued requests goes first instead (see :meth:`choose_replicas`).
+
+    Prefix affinity: a replica that was sent a longer prefix of the prompt
+    (:class:`router.prefix.PrefixMap`) replaces one of the two, and its prediction counts
+    only the prompt tokens it would compute; it goes first when it meets the class's TTFT
+    SLO or predicts no worse than the other, so affinity never costs the SLO.
 
     Falls back to Ray Serve's queue-length choice between the two when either has not
     published a snapshot yet, or when the call carries no :class:`RequestShape`.
@@ -42,6 +48,8 @@ class LoadAwareRouter(RequestRouter):
         self.admission = AdmissionController(classes_from_fields(traffic_classes),
                                              policy=policy_from_spec(policy))
         self._routed: dict[ReplicaID, deque[Routed]] = {}
+        self.prefixes = PrefixMap()
+        """Which replicas were sent which prompt prefixes (:mod:`router.prefix`)."""
         self._lock = threading.Lock()  # the router runs on its own loop thread
         register(self)
 
@@ -79,6 +87,15 @@ class LoadAwareRouter(RequestRouter):
                 out[rid] = snap
         return out
 
+    def loads_for(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
+        """Each replica's adjusted snapshot with the tokens of ``shape``'s prompt it was
+        sent before (so likely holds in its prefix cache), as ingress admission takes them."""
+        with self._lock:
+            matched = self.prefixes.matched_blocks(shape.prefix_hashes)
+        return [(snap, min(matched.get(rid, 0) * snap.block_size,
+                           max(0, shape.prompt_tokens - 1)))
+                for rid, snap in self.snapshots().items()]
+
     # -- RequestRouter -------------------------------------------------------------------
 
     async def choose_replicas(
@@ -90,28 +107,47 @@ class LoadAwareRouter(RequestRouter):
             return []
         pair = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
         shape = shape_of(pending_request)
-        if shape is None or len(pair) == 1:
+        if shape is None:
+            return [pair]
+        with self._lock:
+            matched = self.prefixes.matched_blocks(shape.prefix_hashes)
+        # A replica that was sent a longer prefix of this prompt competes with the pair.
+        affine = max(candidate_replicas, key=lambda r: matched.get(r.replica_id, 0))
+        if matched.get(affine.replica_id, 0) > max(matched.get(r.replica_id, 0) for r in pair):
+            pair = [affine, *(r for r in pair if r is not affine)][:2]
+        if len(pair) == 1:
             return [pair]
         keys = []
         for r in pair:
             snap = self.snapshot(r)
             if snap is None:
                 return [pair]  # no stats yet: Ray Serve's queue-length choice
-            pred = self.admission.predict(snap, shape.traffic_class, shape.prompt_tokens,
-                                          shape.priority)
+            cached = min(matched.get(r.replica_id, 0) * snap.block_size,
+                         max(0, shape.prompt_tokens - 1))
+            pred = self.admission.predict(snap, shape.traffic_class,
+                                          shape.prompt_tokens - cached, shape.priority)
             load = snap.total_running + sum(snap.waiting_requests.values())
-            keys.append((pred.ttft_s, load, snap.step_time(0, snap.total_running + 1)))
-        (t0, n0, step0), (t1, n1, step1) = keys
+            keys.append((pred.ttft_s, load, snap.step_time(0, snap.total_running + 1), cached))
+        first, second = pair if self._first_is_better(shape, *keys) else pair[::-1]
+        # The other replica stays as a second rank, used if the first refuses (full queue).
+        return [[first], [second]]
+
+    def _first_is_better(self, shape: RequestShape, key0: tuple, key1: tuple) -> bool:
+        """Whether the first of two replicas, keyed ``(predicted TTFT, requests, step
+        seconds, cached prompt tokens)``, should take the request."""
+        (t0, n0, step0, c0), (t1, n1, step1, c1) = key0, key1
+        if c0 != c1:
+            # Prefix affinity breaks ties within the SLO: the replica that holds more of
+            # the prompt, unless only the other meets the class's TTFT SLO.
+            slo = self.admission.classes[shape.traffic_class].ttft_slo_s
+            more, other = (t0, t1) if c0 > c1 else (t1, t0)
+            return (c0 > c1) == (more <= slo or more <= other)
         if abs(t0 - t1) <= max(step0, step1):
             # The same number of steps either way (short prompts all fit one step, so TTFT
             # does not see them queue): balance the decode load by request count instead,
             # or every burst would go to the replica whose fitted step time is lower.
-            better_first = n0 <= n1
-        else:
-            better_first = t0 < t1
-        first, second = pair if better_first else pair[::-1]
-        # The other replica stays as a second rank, used if the first refuses (full queue).
-        return [[first], [second]]
+            return n0 <= n1
+        return t0 < t1
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: object) -> None:
@@ -120,8 +156,10 @@ class LoadAwareRouter(RequestRouter):
             return
         with self._lock:
             self._routed.setdefault(replica_id, deque()).append(Routed(time.time(), shape))
+            self.prefixes.record(shape.prefix_hashes, replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         with self._lock:
             self._routed.pop(replica_id, None)
+            self.prefixes.forget(replica_id)

@@ -40,6 +40,8 @@ class RequestShape:
     prompt_tokens: int
     traffic_class: str
     priority: int
+    prefix_hashes: tuple[int, ...] = ()
+    """:func:`router.prefix.prefix_hashes` of the prompt; empty: no prefix affinity."""
 
 
 @dataclass(frozen=True, slots=True)

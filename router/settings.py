@@ -68,3 +68,6 @@ class IngressSettings(IngressOptions):
     """The replicas' ``EngineConfig.policy_spec``; None: the priority policy."""
     num_replicas: int = 1
     """Model replicas the application asks for (``iterserve:num_replicas_target``)."""
+    prefix_block_size: int | None = None
+    """The replicas' KV block size when requests carry prefix hashes for prefix-affinity
+    routing (prefix caching and ``prefix_affinity`` on); None: they carry none."""

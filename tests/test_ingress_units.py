@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,12 @@ KEYS = {
     "k-std-urgent": ApiKeyConfig(tenant="c", traffic_class="standard", max_priority=0),
 }
 
+
+
+def uncached(snaps: list) -> Callable[[], list]:
+    """Admission's view of these replicas (read at each decision), none holding any of
+    the prompt in its prefix cache."""
+    return lambda: [(s, 0) for s in snaps]
 
 def test_no_keys_means_standard_and_no_key_needed():
     c = resolve_caller({}, DEFAULT_CLASSES, None, None, None)
@@ -69,7 +76,7 @@ class FakeClock:
 
 async def test_admit_at_once_on_an_idle_replica_and_without_stats():
     adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy())
-    assert await adm.admit(lambda: [_snap()], "standard", 10, 16, 1, adm.clock()) < 0.1
+    assert await adm.admit(lambda: [(_snap(), 0)], "standard", 10, 16, 1, adm.clock()) < 0.1
     assert await adm.admit(lambda: [], "standard", 10, 16, 1, adm.clock()) < 0.1
     assert adm.held == {}
 
@@ -77,7 +84,7 @@ async def test_admit_at_once_on_an_idle_replica_and_without_stats():
 async def test_held_until_load_drops_then_admitted():
     adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy())
     loads = [_snap(waiting_tokens=100_000)]  # ~200 s of prefill ahead: over the TTFT SLO
-    task = asyncio.create_task(adm.admit(lambda: loads, "standard", 10, 16, 1, adm.clock()))
+    task = asyncio.create_task(adm.admit(uncached(loads), "standard", 10, 16, 1, adm.clock()))
     await asyncio.sleep(0.2)
     assert not task.done() and adm.held == {"standard": 1}
     loads[:] = [_snap()]  # the queue drained
@@ -89,11 +96,11 @@ async def test_earlier_held_requests_count_ahead_with_their_prompts():
     adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy())
     # 600 tokens queued: a fresh request is admitted (TTFT about 1.3 s of the 5 s SLO).
     loads = [_snap(waiting_tokens=600)]
-    assert await adm.admit(lambda: loads, "standard", 10, 16, 1, adm.clock()) < 0.1
+    assert await adm.admit(uncached(loads), "standard", 10, 16, 1, adm.clock()) < 0.1
     # Requests held since earlier with 1800 prompt tokens would go first: over the SLO
     # together (TTFT 5.07 s), so a later one is held too ...
     adm._held.update({-1: ("standard", 0.0, 900), -2: ("standard", 0.0, 900)})
-    task = asyncio.create_task(adm.admit(lambda: loads, "standard", 10, 16, 1, adm.clock()))
+    task = asyncio.create_task(adm.admit(uncached(loads), "standard", 10, 16, 1, adm.clock()))
     await asyncio.sleep(0.2)
     assert not task.done()
     # ... until they are sent on.
@@ -107,10 +114,10 @@ async def test_rejected_after_max_queue_wait_with_retry_after_but_batch_waits():
     busy = [_snap(waiting_tokens=100_000)]
     clock.t = DEFAULT_CLASSES["standard"].max_queue_wait_s + 0.1  # arrived at 0
     with pytest.raises(AdmissionRejected) as e:
-        await adm.admit(lambda: busy, "standard", 10, 16, 1, 0.0)
+        await adm.admit(uncached(busy), "standard", 10, 16, 1, 0.0)
     assert e.value.retry_after_s >= 1 and "TTFT" in e.value.reason
     clock.t = 1000.0  # long past batch's max_queue_wait_s: batch is held, not refused
-    task = asyncio.create_task(adm.admit(lambda: busy, "batch", 10, 16, 2, 0.0))
+    task = asyncio.create_task(adm.admit(uncached(busy), "batch", 10, 16, 2, 0.0))
     await asyncio.sleep(0.2)
     assert not task.done()
     task.cancel()
@@ -125,7 +132,7 @@ async def test_rejection_after_a_hold_says_what_held_it():
     clock = FakeClock()
     adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy(), clock=clock)
     busy = [_snap(waiting_tokens=100_000)]
-    task = asyncio.create_task(adm.admit(lambda: busy, "standard", 10, 16, 1, 0.0))
+    task = asyncio.create_task(adm.admit(uncached(busy), "standard", 10, 16, 1, 0.0))
     await asyncio.sleep(0.1)
     assert not task.done()
     clock.t = DEFAULT_CLASSES["standard"].max_queue_wait_s + 0.1
@@ -138,7 +145,7 @@ async def test_rejection_after_a_hold_says_what_held_it():
 
 async def test_admission_off_admits_everything():
     adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy(), enabled=False)
-    assert await adm.admit(lambda: [_snap(waiting_tokens=10**7)], "standard", 10, 16, 1,
+    assert await adm.admit(lambda: [(_snap(waiting_tokens=10**7), 0)], "standard", 10, 16, 1,
                            0.0) == 0.0
 
 

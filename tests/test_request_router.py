@@ -13,6 +13,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # no
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
 from policies import LoadSnapshot  # noqa: E402
+from router.prefix import PrefixMap, prefix_hashes  # noqa: E402
 from router.request_router import LoadAwareRouter  # noqa: E402
 from router.routing import RequestShape, load_view  # noqa: E402
 
@@ -88,3 +89,47 @@ async def test_no_stats_or_no_shape_falls_back_to_queue_length(router):
     assert len(ranks) == 1 and {r.replica_id for r in ranks[0]} == {"a", "b"}
     ranks = await router.choose_replicas([b], None)
     assert [[r.replica_id for r in rank] for rank in ranks] == [["b"]]
+
+
+# -- prefix affinity ------------------------------------------------------------------------
+
+def _prefixed(tokens: list[int]) -> PendingRequest:
+    shape = RequestShape(len(tokens), "standard", 1, prefix_hashes(tokens, 16))
+    return PendingRequest(args=[], kwargs={"shape": shape}, metadata=None,
+                          future=asyncio.Future())
+
+
+def test_prefix_hashes_chain_and_map_matches_longest_prefix():
+    a = list(range(100))
+    b = a[:40] + [7] * 60
+    ha, hb = prefix_hashes(a, 16), prefix_hashes(b, 16)
+    assert len(ha) == 6 and ha[:2] == hb[:2] and ha[2] != hb[2]
+    assert prefix_hashes(a, 16, max_blocks=3) == ha[:3]
+    m = PrefixMap(max_entries=10)
+    m.record(ha, "r1")
+    m.record(hb, "r2")
+    assert m.matched_blocks(ha) == {"r1": 6, "r2": 2}
+    m.record(prefix_hashes(list(range(500, 600)), 16), "r3")  # 6 more names: LRU drops
+    # The 6 least recent names went: a's, including the two it shares with b.
+    assert len(m) == 10 and m.matched_blocks(ha) == {} == m.matched_blocks(hb)
+    m.forget("r3")
+    assert len(m) == 4
+
+
+async def test_affinity_replica_goes_first_within_the_slo(router):
+    a, b, c = (FakeReplica(x, _stats(0.05)) for x in "abc")
+    conversation = list(range(1000, 1600))
+    router.on_request_routed(_prefixed(conversation), "c", None)
+    # The next turn re-sends the history: c holds it and is never outside the pair.
+    turn = conversation + list(range(50))
+    for _ in range(5):
+        ranks = await router.choose_replicas([a, b, c], _prefixed(turn))
+        assert ranks[0][0].replica_id == "c"
+    # With a queue that breaks the TTFT SLO on c, the request goes elsewhere.
+    c.routing_stats = _stats(0.05, waiting_tokens=50_000, waiting=40)
+    ranks = await router.choose_replicas([a, b, c], _prefixed(turn))
+    assert ranks[0][0].replica_id != "c"
+    # Admission sees the cached tokens: all of the prefix c was sent, in whole blocks.
+    router._replicas = {r.replica_id: r for r in (a, b, c)}
+    cached = [n for _, n in router.loads_for(_prefixed(turn).kwargs["shape"])]
+    assert sorted(cached) == [0, 0, 592]

@@ -165,6 +165,23 @@ def test_chat_streaming_equals_non_streaming_with_one_usage_chunk(server, tokeni
                                                             add_special_tokens=False))
 
 
+def test_shared_prefix_is_computed_once(server):
+    """The second of two prompts that share 500 tokens prefills only its suffix: the
+    router sends it to the replica that holds the prefix, whose cache supplies 31 whole
+    16-token blocks (OpenAI's ``usage.prompt_tokens_details.cached_tokens``)."""
+    prefix = [100 + (i * 7919) % 40_000 for i in range(500)]
+    client = app.client(server)
+    outs = [client.completions.create(model=MODEL, prompt=prefix + tail, max_tokens=4,
+                                      temperature=0)
+            for tail in ([11, 12, 13], [21, 22, 23])]
+    cached = [o.usage.prompt_tokens_details.cached_tokens for o in outs]
+    assert cached == [0, 496] and [o.usage.prompt_tokens for o in outs] == [503, 503]
+    streamed = list(client.completions.create(
+        model=MODEL, prompt=prefix + [31, 32], max_tokens=2, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == 496
+
+
 def test_completion_streaming_equals_non_streaming(server):
     client = app.client(server)
     kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0.8, seed=7)

@@ -1,0 +1,86 @@
+"""Prefix affinity: which replicas recently served a prompt's leading blocks.
+
+The ingress names a prompt's first :data:`MAX_PREFIX_BLOCKS` blocks (of the replicas'
+KV block size) by chained hashes, as the replicas' prefix caches name them; the router
+remembers, for each name, the replicas it sent that prefix to, least recently used names
+forgotten first. A replica that served a longer prefix of the prompt probably still
+holds its KV blocks, so its prefill there would compute only the rest. This is the idea
+of Ray Serve LLM's ``PrefixCacheAffinityRouter`` and SGLang's cache-aware router (which
+keep a radix tree of text per replica); a bounded map of block hashes does the same
+with memory bounded in entries.
+
+The router uses it only as a tie-breaker within the SLO (:mod:`router.request_router`):
+a cache hit is never worth a replica whose predicted TTFT would break the SLO while
+another meets it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+MAX_PREFIX_BLOCKS = 256
+"""Blocks of a prompt the ingress names (4,096 tokens at 16 per block): enough to tell
+conversations apart and to estimate their cached tokens, few enough to send along."""
+MAX_ENTRIES = 200_000
+"""Prefix names the router remembers (each with its few replicas), about 50 MB at most."""
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int,
+                  max_blocks: int = MAX_PREFIX_BLOCKS) -> tuple[int, ...]:
+    """Chained hashes of the first full blocks of ``token_ids`` (block ``i``'s hash covers
+    blocks ``0..i``), at most ``max_blocks``. Python's hash of int tuples is the same in
+    every process; a collision only misroutes a request, it never shares KV (the
+    replica's cache uses SHA-256 names)."""
+    out: list[int] = []
+    parent = 0
+    for i in range(min(len(token_ids) // block_size, max_blocks)):
+        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        out.append(parent)
+    return tuple(out)
+
+
+class PrefixMap:
+    """Prefix name -> the replicas it was last sent to, bounded to ``max_entries`` names.
+
+    Not thread-safe: the router calls it under its lock.
+    """
+
+    def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
+        self.max_entries = max_entries
+        self._replicas: OrderedDict[int, dict[Hashable, None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def record(self, hashes: Sequence[int], replica: Hashable) -> None:
+        """``replica`` was sent a prompt with these leading block hashes."""
+        for h in hashes:
+            holders = self._replicas.get(h)
+            if holders is None:
+                holders = self._replicas[h] = {}
+            else:
+                self._replicas.move_to_end(h)
+            holders.pop(replica, None)
+            holders[replica] = None
+        while len(self._replicas) > self.max_entries:
+            self._replicas.popitem(last=False)
+
+    def matched_blocks(self, hashes: Sequence[int]) -> dict[Hashable, int]:
+        """For each replica that was sent a prefix of these hashes, how many leading
+        blocks it was sent (only replicas with at least one)."""
+        out: dict[Hashable, int] = {}
+        for i, h in enumerate(hashes):
+            holders = self._replicas.get(h)
+            if not holders:
+                break
+            for r in holders:
+                out[r] = i + 1
+        return out
+
+    def forget(self, replica: Hashable) -> None:
+        """Drop a replica (it died: its cache is gone)."""
+        for h in [h for h, holders in self._replicas.items() if replica in holders]:
+            del self._replicas[h][replica]
+            if not self._replicas[h]:
+                del self._replicas[h]
