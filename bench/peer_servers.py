@@ -32,7 +32,8 @@ PROBE_PROMPT = "The history of the city of Paris began in the third century BC, 
 class SystemSpec:
     """One served system: ``kind`` is "iterserve" or "vllm"; ``engine`` overrides
     iterserve's ``engine:`` section and ``service`` its top-level settings, ``env`` its
-    environment; ``priority`` starts vLLM with its priority scheduler."""
+    environment; ``priority`` starts vLLM with its priority scheduler and ``args`` are more
+    of vLLM's command-line arguments."""
 
     label: str
     kind: str
@@ -40,6 +41,7 @@ class SystemSpec:
     service: dict | None = None
     env: dict | None = None
     priority: bool = False
+    args: tuple[str, ...] = ()
 
 
 SYSTEMS = {
@@ -103,6 +105,7 @@ class Server:
                             "--dtype", "float32", "--port", str(PORT)]
             if spec.priority:
                 self.command += ["--scheduling-policy", "priority"]
+            self.command += list(spec.args)
             env = engine_env()
         else:
             cfg = Path(self._tmp.name) / "service.yaml"

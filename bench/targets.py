@@ -146,6 +146,9 @@ class HttpTarget:
                 usage = obj.get("usage") or {}
                 if usage.get("prompt_tokens") is not None:
                     rec["server_prompt_tokens"] = usage["prompt_tokens"]
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                if cached is not None:
+                    rec["cached_tokens"] = cached
                 if usage.get("completion_tokens") is not None:
                     usage_tokens = usage["completion_tokens"]
                 choices = obj.get("choices") or []

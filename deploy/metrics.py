@@ -283,6 +283,10 @@ def replica_families(model: str, stats: Mapping[str, Mapping[str, Any]],
     preempt = CounterMetricFamily(PREFIX + "num_preemptions",
                                   "Requests preempted (KV cache full, or shed for more urgent "
                                   "decodes).", labels=labels)
+    queries = CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up "
+                                  "in the prefix cache at admission.", labels=labels)
+    hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Of those, tokens found cached "
+                               "(their prefill skipped).", labels=labels)
     steps, prefill, decode = [], [], []
     for rid, s in sorted(stats.items()):
         for cls in sorted({*classes, *s.get("running_seqs", {}),
@@ -293,10 +297,12 @@ def replica_families(model: str, stats: Mapping[str, Mapping[str, Any]],
         met = s.get("metrics")
         if met:
             preempt.add_metric([model, rid], met["preemptions"])
+            queries.add_metric([model, rid], met.get("prefix_cache_queries", 0))
+            hits.add_metric([model, rid], met.get("prefix_cache_hits", 0))
             steps.append(([model, rid], met["step_s"]))
             prefill.append(([model, rid, "prefill"], met["prefill_tokens"]))
             decode.append(([model, rid, "decode"], met["decode_tokens"]))
-    return [running, waiting, kv, preempt,
+    return [running, waiting, kv, preempt, queries, hits,
             _histogram("step_time_seconds", "Seconds per engine step.", labels, STEP_BUCKETS,
                        steps),
             _histogram("iteration_tokens_total", "Tokens per engine step, by phase (prefill "

@@ -66,8 +66,12 @@ class ModelReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this; the routers and the ingress's admission read it, and the
-        ingress's ``/metrics`` renders its ``"metrics"`` (:class:`deploy.metrics.StepMetrics`)."""
-        return {**self.engine.load_snapshot().to_dict(), "metrics": self.step_metrics.to_dict()}
+        ingress's ``/metrics`` renders its ``"metrics"``: :class:`deploy.metrics.StepMetrics`
+        plus the prefix cache's lookups and hits since start, in tokens."""
+        bm = self.engine.engine.block_manager
+        metrics = {**self.step_metrics.to_dict(), "prefix_cache_queries": bm.num_queried_tokens,
+                   "prefix_cache_hits": bm.num_hit_tokens}
+        return {**self.engine.load_snapshot().to_dict(), "metrics": metrics}
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes it replace the replica."""

@@ -94,7 +94,8 @@ def test_replica_series_come_from_routing_stats_and_gauges_track_them():
     steps.record(step(0.04, 0, 8))
     steps.record(step(0.2, 300, 8, preempted=2))
     stats = {"r1": {"running_seqs": {"interactive": 3}, "waiting_requests": {"batch": 2},
-                    "kv_usage": 0.5, "metrics": steps.to_dict()}}
+                    "kv_usage": 0.5, "metrics": {**steps.to_dict(), "prefix_cache_queries": 900,
+                                                 "prefix_cache_hits": 640}}}
     m = make(Clock(), stats, held={"interactive": 4})
     s = samples(m)
     rep = dict(model="m", replica="r1")
@@ -103,6 +104,8 @@ def test_replica_series_come_from_routing_stats_and_gauges_track_them():
     assert value(s, "iterserve:num_requests_running", **rep, traffic_class="batch") == 0
     assert value(s, "iterserve:kv_cache_usage_perc", **rep) == 0.5
     assert value(s, "iterserve:num_preemptions_total", **rep) == 2
+    assert value(s, "iterserve:prefix_cache_queries_total", **rep) == 900
+    assert value(s, "iterserve:prefix_cache_hits_total", **rep) == 640
     assert value(s, "iterserve:step_time_seconds_count", **rep) == 2
     assert value(s, "iterserve:step_time_seconds_bucket", **rep, le="0.05") == 1
     assert value(s, "iterserve:iteration_tokens_total_sum", **rep, phase="prefill") == 300
