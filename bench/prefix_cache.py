@@ -66,28 +66,31 @@ START_S = 60.0
 DRAIN_S = 30.0
 
 
-def conversations(args: argparse.Namespace, rate: float) -> list[LoadRequest]:
-    """Every turn of ``args.conversations`` conversations, offered at ``rate`` requests/s."""
+def conversations(args: argparse.Namespace, rate: float, replay: int) -> list[LoadRequest]:
+    """Every turn of ``args.conversations`` conversations, offered at ``rate`` requests/s.
+
+    Each ``replay`` (one per rate) has its own token ids, system prompt included, so that
+    a later rate never finds an earlier rate's KV in the server's cache."""
     rows = read_trace(args.trace, args.window_start, args.conversations * args.turns + 1)
     starts = rows[::args.turns][:args.conversations + 1]
     offsets, _ = arrival_offsets(starts, args.conversations, rate / args.turns)
-    system = token_ids(args.seed, -1, SYSTEM_PROMPT_TOKENS)
+    system = token_ids(args.seed, -1, SYSTEM_PROMPT_TOKENS, replay=2 * replay)
     out = []
     for c, start_s in enumerate(offsets):
         history = list(system)
         for k in range(args.turns):
             row = rows[c * args.turns + k]
-            user = token_ids(args.seed, row.row, LENGTHS.prompt(row.context_tokens))
+            user = token_ids(args.seed, row.row, LENGTHS.prompt(row.context_tokens), 2 * replay)
             answer = LENGTHS.output(row.generated_tokens)
             prompt = history + user
             out.append(LoadRequest(f"c{c}-t{k}", row.row, None, prompt, len(prompt), answer,
                                    start_s + k * args.think_s))
-            history = prompt + token_ids(args.seed, row.row, answer, replay=1)
+            history = prompt + token_ids(args.seed, row.row, answer, 2 * replay + 1)
     return sorted(out, key=lambda r: r.arrival_s)
 
 
-def run_rate(args: argparse.Namespace, server: ps.Server, rate: float) -> dict:
-    workload = conversations(args, rate)
+def run_rate(args: argparse.Namespace, server: ps.Server, rate: float, replay: int) -> dict:
+    workload = conversations(args, rate, replay)
     last = max(r.arrival_s for r in workload)
 
     async def go() -> loadgen.OpenLoopRun:
@@ -118,7 +121,7 @@ def run_rate(args: argparse.Namespace, server: ps.Server, rate: float) -> dict:
 def run_system(args: argparse.Namespace, name: str, model_dir: str) -> dict:
     spec = SYSTEMS[name]
     with ps.Server(spec, model_dir, mix=False, slo=(args.slo_ttft_s, args.slo_tpot_s)) as server:
-        rates = [run_rate(args, server, r) for r in args.rates]
+        rates = [run_rate(args, server, r, i) for i, r in enumerate(args.rates)]
     return {"label": spec.label, "command": server.command, "rates": rates,
             "goodput": rp.goodput(rates)}
 

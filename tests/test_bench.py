@@ -133,3 +133,27 @@ def test_window_rescales_the_trace_to_the_offered_rate(tmp_path):
     again, _ = wl.at_rate(2.0, 3, "u")  # the same rows twice as fast keep their prompts
     assert [r.prompt for r in again] == [r.prompt for r in reqs]
     assert [r.cls for r in again] == [r.cls for r in reqs]
+
+
+def test_prefix_workload_turns_resend_the_conversation_and_replays_differ(tmp_path):
+    import prefix_cache as pc
+
+    trace = tmp_path / "trace.csv"
+    rows = [f"2023-11-16 18:15:{i:02d}.5,{200 + 40 * i},{10 + i}" for i in range(13)]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    args = pc.parse_args(["--conversations", "4", "--turns", "3", "--trace", str(trace),
+                          "--window-start", "0"])
+    first = {r.id: r for r in pc.conversations(args, 1.0, replay=0)}
+    assert len(first) == 12
+    system = first["c0-t0"].prompt[:pc.SYSTEM_PROMPT_TOKENS]
+    for c in range(4):
+        turns = [first[f"c{c}-t{k}"] for k in range(3)]
+        assert all(t.prompt[:pc.SYSTEM_PROMPT_TOKENS] == system for t in turns)
+        for before, after in zip(turns, turns[1:]):
+            # The next turn re-sends the last prompt, its answer, then a new message.
+            assert after.prompt[:before.prompt_tokens] == before.prompt
+            assert after.prompt_tokens > before.prompt_tokens + before.max_tokens
+            assert after.arrival_s == before.arrival_s + args.think_s
+    second = {r.id: r for r in pc.conversations(args, 1.0, replay=1)}
+    assert second["c0-t0"].prompt[:16] != first["c0-t0"].prompt[:16]
+    assert [r.prompt_tokens for r in second.values()] == [r.prompt_tokens for r in first.values()]
