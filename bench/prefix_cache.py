@@ -24,8 +24,9 @@ Systems (one at a time, same machine, same weights, same requests)
     OpenMP threads as cores) with its prefix caching on.
 
 Report
-    Per system and rate: hit rate (cached prompt tokens / prompt tokens, from each
-    response's ``usage.prompt_tokens_details.cached_tokens``), prefill tokens computed,
+    Per system and rate, over the requests that finished: hit rate (cached prompt tokens /
+    prompt tokens, from each response's ``usage.prompt_tokens_details.cached_tokens``) and
+    prefill tokens computed; over all requests:
     TTFT p50/p99, SLO attainment; goodput (the highest rate with >= 90% attainment,
     ``bench/report.py``). JSON and the table go to ``bench/results/prefix_cache.*``.
 """
@@ -135,11 +136,12 @@ def table(report: dict) -> str:
     rows = []
     for name, res in report["systems"].items():
         for s in res["rates"]:
-            rows.append([name, f"{s['rate']:g}", rp.pct(s["hit_rate"]),
+            rows.append([name, f"{s['rate']:g}", f"{s['ok']}/{s['requests']}",
+                         rp.pct(s["hit_rate"]),
                          f"{s['prefill_tokens_computed']}", rp.fmt(s["ttft_s"]["p50"]),
                          rp.fmt(s["ttft_s"]["p99"]), rp.pct(s["attainment"]),
                          rp.fmt(res["goodput"]["rps"], ".2f", "none")])
-    return rp.table(["system", "req/s", "hit rate", "prefill tokens computed",
+    return rp.table(["system", "req/s", "finished", "hit rate", "prefill tokens computed",
                      "TTFT p50 s", "TTFT p99 s", "SLO attainment", "goodput req/s"], rows)
 
 

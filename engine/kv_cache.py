@@ -114,7 +114,8 @@ class BlockManager:
         """Grow ``seq_id``'s block table to hold ``total_tokens`` tokens; return its table.
 
         ``prefix``: cached blocks (:meth:`cached_prefix`) that start the table of a
-        sequence that holds none; their tokens count as computed and are counted as hits.
+        sequence that holds none; the caller counts their tokens as computed (and tells
+        :meth:`record_lookup`).
 
         Raises:
             RuntimeError: not enough free blocks (call :meth:`can_allocate` first), or a
