@@ -21,7 +21,8 @@ Workload
 Systems (one at a time, same machine, same weights, same requests)
     iterserve with 2 replicas of 1 CPU: prefix caching off; on with the load-aware router;
     on with prefix-affinity routing (the default); and vLLM's CPU build (one server, as many
-    OpenMP threads as cores) with its prefix caching on.
+    OpenMP threads as cores) with its prefix caching on. ``--systems iterserve-one-replica``
+    adds one replica of 2 CPUs.
 
 Report
     Per system and rate, over the requests that finished: hit rate (cached prompt tokens /
@@ -59,6 +60,10 @@ SYSTEMS = {
     "iterserve-load-aware": ps.SystemSpec(
         "iterserve-load-aware", "iterserve", {}, {**REPLICAS, "prefix_affinity": False}),
     "iterserve-affinity": ps.SystemSpec("iterserve-affinity", "iterserve", {}, REPLICAS),
+    # Not in the default run: one cache for every conversation (the hit-rate reference
+    # for two replicas) and the host's two cores in one engine, as vLLM has them.
+    "iterserve-one-replica": ps.SystemSpec(
+        "iterserve-one-replica", "iterserve", {}, {"num_replicas": 1, "replica_num_cpus": 2}),
     "vllm": ps.SystemSpec("vllm", "vllm",
                           args=("--enable-prefix-caching", "--enable-prompt-tokens-details")),
 }
@@ -147,7 +152,8 @@ def table(report: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--systems", type=lambda s: s.split(","), default=list(SYSTEMS))
+    p.add_argument("--systems", type=lambda s: s.split(","),
+                   default=[s for s in SYSTEMS if s != "iterserve-one-replica"])
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")],
                    default=[0.5, 1.0], help="requests/s (all turns), comma-separated")
     p.add_argument("--conversations", type=int, default=24)
