@@ -42,6 +42,7 @@ class _LocalCall:
     def __init__(self, items: Any) -> None:
         self.gen = items
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.replica = ""
         self.done = False
 
@@ -52,6 +53,7 @@ class _LocalCall:
 
     async def items(self) -> Any:
         async for item in self.gen:
+            self.cached_tokens = item.get("cached_tokens", self.cached_tokens)
             yield item
             if item["finished"]:
                 self.done = True
