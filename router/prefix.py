@@ -40,12 +40,6 @@ def prefix_hashes(token_ids: Sequence[int], block_size: int,
     return tuple(out)
 
 
-def cached_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> int:
-    """Prompt tokens a replica likely holds, given the leading blocks it was sent: whole
-    blocks, and never the last token (the replica always computes it)."""
-    return min(matched_blocks * block_size, max(0, prompt_tokens - 1))
-
-
 class PrefixMap:
     """Prefix name -> the replicas it was last sent to, bounded to ``max_entries`` names.
 

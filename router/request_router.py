@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from policies import AdmissionController, LoadSnapshot, classes_from_fields, policy_from_spec
-from router.prefix import PrefixMap, cached_tokens
+from router.prefix import PrefixMap
 from router.routing import ROUTED_MEMORY_S, RequestShape, Routed, register, shape_of
 
 logger = logging.getLogger(__name__)
@@ -70,9 +70,8 @@ class LoadAwareRouter(RequestRouter):
             while routed and routed[0].time_s < min(snap.timestamp,
                                                     time.time() - ROUTED_MEMORY_S):
                 routed.popleft()
-            since = [(r.shape.traffic_class, r.uncached_tokens)
-                     for r in routed if r.time_s >= snap.timestamp]
-        return snap.with_queued(since)
+            since = [r.shape for r in routed if r.time_s >= snap.timestamp]
+        return snap.with_queued((s.traffic_class, s.prompt_tokens) for s in since)
 
     def replica_stats(self) -> dict[str, dict]:
         """Every running replica's last published routing stats, by its unique id."""
@@ -93,7 +92,8 @@ class LoadAwareRouter(RequestRouter):
         sent before (so likely holds in its prefix cache), as ingress admission takes them."""
         with self._lock:
             matched = self.prefixes.matched_blocks(shape.prefix_hashes)
-        return [(snap, cached_tokens(matched.get(rid, 0), snap.block_size, shape.prompt_tokens))
+        return [(snap, min(matched.get(rid, 0) * snap.block_size,
+                           max(0, shape.prompt_tokens - 1)))
                 for rid, snap in self.snapshots().items()]
 
     # -- RequestRouter -------------------------------------------------------------------
@@ -122,8 +122,8 @@ class LoadAwareRouter(RequestRouter):
             snap = self.snapshot(r)
             if snap is None:
                 return [pair]  # no stats yet: Ray Serve's queue-length choice
-            cached = cached_tokens(matched.get(r.replica_id, 0), snap.block_size,
-                                   shape.prompt_tokens)
+            cached = min(matched.get(r.replica_id, 0) * snap.block_size,
+                         max(0, shape.prompt_tokens - 1))
             pred = self.admission.predict(snap, shape.traffic_class,
                                           shape.prompt_tokens - cached, shape.priority)
             load = snap.total_running + sum(snap.waiting_requests.values())
@@ -154,15 +154,8 @@ class LoadAwareRouter(RequestRouter):
         shape = shape_of(pending_request)
         if shape is None:
             return
-        replica = self._replicas.get(replica_id)
-        stats = replica.routing_stats if replica is not None else None
-        block_size = int((stats or {}).get("block_size", 16))  # 16: EngineConfig's default
         with self._lock:
-            matched = self.prefixes.matched_blocks(shape.prefix_hashes).get(replica_id, 0)
-            uncached = shape.prompt_tokens - cached_tokens(matched, block_size,
-                                                           shape.prompt_tokens)
-            self._routed.setdefault(replica_id, deque()).append(
-                Routed(time.time(), shape, uncached))
+            self._routed.setdefault(replica_id, deque()).append(Routed(time.time(), shape))
             self.prefixes.record(shape.prefix_hashes, replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:

@@ -49,8 +49,6 @@ class Routed:
     time_s: float
     """``time.time()`` when routed (snapshots carry ``time.time()`` too)."""
     shape: RequestShape
-    uncached_tokens: int
-    """Prompt tokens the replica will compute: the prompt less what it likely holds."""
 
 
 def shape_of(pending: PendingRequest | None) -> RequestShape | None:

@@ -133,13 +133,3 @@ async def test_affinity_replica_goes_first_within_the_slo(router):
     router._replicas = {r.replica_id: r for r in (a, b, c)}
     cached = [n for _, n in router.loads_for(_prefixed(turn).kwargs["shape"])]
     assert sorted(cached) == [0, 0, 592]
-
-
-async def test_routed_requests_count_only_the_tokens_their_replica_will_compute(router):
-    a = FakeReplica("a", _stats(0.05))
-    router._replicas = {"a": a}
-    conversation = list(range(1000, 1600))
-    router.on_request_routed(_prefixed(conversation), "a", None)
-    router.on_request_routed(_prefixed(conversation + list(range(50))), "a", None)
-    # The first was all new (600 tokens); the second re-sends it: 592 likely cached.
-    assert router.snapshot(a).waiting_prefill_tokens["standard"] == 600 + 58
