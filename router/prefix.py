@@ -40,6 +40,12 @@ def prefix_hashes(token_ids: Sequence[int], block_size: int,
     return tuple(out)
 
 
+def cached_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> int:
+    """Prompt tokens a replica likely holds, given how many leading blocks of the prompt
+    it was sent: whole blocks, never the last token (the replica always computes it)."""
+    return min(matched_blocks * block_size, max(0, prompt_tokens - 1))
+
+
 class PrefixMap:
     """Prefix name -> the replicas it was last sent to, bounded to ``max_entries`` names.
 
@@ -48,7 +54,7 @@ class PrefixMap:
 
     def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
         self.max_entries = max_entries
-        self._replicas: OrderedDict[int, dict[Hashable, None]] = OrderedDict()
+        self._replicas: OrderedDict[int, set[Hashable]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._replicas)
@@ -58,11 +64,10 @@ class PrefixMap:
         for h in hashes:
             holders = self._replicas.get(h)
             if holders is None:
-                holders = self._replicas[h] = {}
+                holders = self._replicas[h] = set()
             else:
                 self._replicas.move_to_end(h)
-            holders.pop(replica, None)
-            holders[replica] = None
+            holders.add(replica)
         while len(self._replicas) > self.max_entries:
             self._replicas.popitem(last=False)
 
@@ -81,6 +86,6 @@ class PrefixMap:
     def forget(self, replica: Hashable) -> None:
         """Drop a replica (it died: its cache is gone)."""
         for h in [h for h, holders in self._replicas.items() if replica in holders]:
-            del self._replicas[h][replica]
+            self._replicas[h].discard(replica)
             if not self._replicas[h]:
                 del self._replicas[h]

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from policies import AdmissionController, LoadSnapshot, classes_from_fields, policy_from_spec
-from router.prefix import PrefixMap
+from router.prefix import PrefixMap, cached_tokens
 from router.routing import ROUTED_MEMORY_S, RequestShape, Routed, register, shape_of
 
 logger = logging.getLogger(__name__)
@@ -92,8 +92,7 @@ class LoadAwareRouter(RequestRouter):
         sent before (so likely holds in its prefix cache), as ingress admission takes them."""
         with self._lock:
             matched = self.prefixes.matched_blocks(shape.prefix_hashes)
-        return [(snap, min(matched.get(rid, 0) * snap.block_size,
-                           max(0, shape.prompt_tokens - 1)))
+        return [(snap, cached_tokens(matched.get(rid, 0), snap.block_size, shape.prompt_tokens))
                 for rid, snap in self.snapshots().items()]
 
     # -- RequestRouter -------------------------------------------------------------------
@@ -122,8 +121,8 @@ class LoadAwareRouter(RequestRouter):
             snap = self.snapshot(r)
             if snap is None:
                 return [pair]  # no stats yet: Ray Serve's queue-length choice
-            cached = min(matched.get(r.replica_id, 0) * snap.block_size,
-                         max(0, shape.prompt_tokens - 1))
+            cached = cached_tokens(matched.get(r.replica_id, 0), snap.block_size,
+                                   shape.prompt_tokens)
             pred = self.admission.predict(snap, shape.traffic_class,
                                           shape.prompt_tokens - cached, shape.priority)
             load = snap.total_running + sum(snap.waiting_requests.values())
