@@ -16,6 +16,8 @@ from itertools import combinations
 DEFAULT_STEP_COEFFICIENTS = (0.05, 0.002, 0.002)
 """Prior (a s, b s/prefill token, c s/decode sequence): SmolLM2-135M on a slow CPU."""
 
+_FREE_SETS = [free for k in (1, 2, 3) for free in combinations(range(3), k)]
+
 LOCAL_RATIO_STEPS = 8
 """Steps over which :meth:`StepTimeModel.local_ratio` takes its median."""
 
@@ -78,6 +80,9 @@ class StepTimeModel:
         self.prior_weight = float(prior_weight)
         self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._coef: tuple[float, float, float] | None = self.prior  # None: refit needed
+        self._sums = [0.0] * 8
+        """Sums over the window, for the normal equations (:meth:`_add`)."""
+        self._since_resum = 0
         self._ratios: deque[float] = deque(maxlen=window)
         """Measured / predicted seconds of the window's steps, each predicted before it
         was observed; the last ``LOCAL_RATIO_STEPS`` are the recent ones."""
@@ -101,8 +106,25 @@ class StepTimeModel:
             predicted = self.predict(prefill_tokens, decode_seqs)
             if predicted > 0:
                 self._ratios.append(seconds / predicted)
-        self._obs.append((float(prefill_tokens), float(decode_seqs), float(seconds)))
+        if len(self._obs) == self._obs.maxlen:
+            self._add(*self._obs[0], sign=-1.0)
+        obs = (float(prefill_tokens), float(decode_seqs), float(seconds))
+        self._obs.append(obs)
+        self._add(*obs)
+        self._since_resum += 1
+        if self._since_resum >= len(self._obs):
+            # Adding and removing floats leaves rounding behind: start the sums afresh
+            # once per window (amortised O(1) per step).
+            self._sums = [0.0] * 8
+            for o in self._obs:
+                self._add(*o)
+            self._since_resum = 0
         self._coef = None
+
+    def _add(self, p: float, d: float, y: float, sign: float = 1.0) -> None:
+        """Update the window's sums (of p, d, pp, pd, dd, y, py, dy) by one step."""
+        for i, v in enumerate((p, d, p * p, p * d, d * d, y, p * y, d * y)):
+            self._sums[i] += sign * v
 
     def local_ratio(self) -> float:
         """Median of measured / predicted seconds over the last ``LOCAL_RATIO_STEPS``
@@ -139,10 +161,9 @@ class StepTimeModel:
 
     def _fit(self) -> tuple[float, float, float]:
         n = len(self._obs)
-        rows = [(1.0, p, d) for p, d, _ in self._obs]
-        ys = [y for _, _, y in self._obs]
-        xtx = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
-        xty = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(3)]
+        sp, sd, spp, spd, sdd, sy, spy, sdy = self._sums
+        xtx = [[n, sp, sd], [sp, spp, spd], [sd, spd, sdd]]
+        xty = [sy, spy, sdy]
         # Ridge weight per coefficient: prior_weight observations' worth of the feature's
         # variance (the information the data carry about a slope), at least 1 so that a
         # constant feature, which the data cannot separate from ``a``, stays at its prior.
@@ -151,21 +172,25 @@ class StepTimeModel:
         h = [[xtx[i][j] + (lam[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
         g = [xty[i] + lam[i] * self.prior[i] for i in range(3)]
 
+        # H is positive definite, so when the unconstrained optimum is feasible it is the
+        # constrained one (the usual case; the enumeration below finds the same point).
+        sol = _solve(h, g)
+        if sol is not None and min(sol) >= 0:
+            return (sol[0], sol[1], sol[2])
         # Minimise 0.5 x'Hx - g'x subject to x >= 0 by enumerating the free sets: the
         # constrained optimum is the unconstrained optimum on its own free set.
         best, best_obj = (0.0, 0.0, 0.0), 0.0  # x = 0 is feasible with objective 0
-        for k in (1, 2, 3):
-            for free in combinations(range(3), k):
-                sol = _solve([[h[i][j] for j in free] for i in free], [g[i] for i in free])
-                if sol is None or min(sol) < 0:
-                    continue
+        for free in _FREE_SETS:
+            sol = _solve([[h[i][j] for j in free] for i in free], [g[i] for i in free])
+            if sol is None or min(sol) < 0:
+                continue
+            # At the optimum on a free set H_F x_F = g_F, so the objective is -g_F.x_F / 2.
+            obj = -0.5 * sum(g[i] * v for i, v in zip(free, sol))
+            if obj < best_obj:
                 x = [0.0, 0.0, 0.0]
                 for i, v in zip(free, sol):
                     x[i] = v
-                obj = 0.5 * sum(x[i] * h[i][j] * x[j] for i in range(3) for j in range(3))
-                obj -= sum(g[i] * x[i] for i in range(3))
-                if obj < best_obj:
-                    best, best_obj = (x[0], x[1], x[2]), obj
+                best, best_obj = (x[0], x[1], x[2]), obj
         return best
 
 
@@ -177,19 +202,22 @@ def predict_step(coefficients: tuple[float, float, float], prefill_tokens: float
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Solve ``m x = v`` (n <= 3) by Gaussian elimination with partial pivoting."""
+    """Solve ``m x = v`` for n <= 3 by Cramer's rule; None when ``m`` is singular."""
     n = len(v)
-    aug = [row[:] + [v[i]] for i, row in enumerate(m)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(aug[r][col]))
-        if abs(aug[piv][col]) < 1e-300:
+    if n == 1:
+        return [v[0] / m[0][0]] if abs(m[0][0]) > 1e-300 else None
+    if n == 2:
+        (a, b), (c, d) = m
+        det = a * d - b * c
+        if abs(det) < 1e-300:
             return None
-        aug[col], aug[piv] = aug[piv], aug[col]
-        for r in range(col + 1, n):
-            f = aug[r][col] / aug[col][col]
-            for c in range(col, n + 1):
-                aug[r][c] -= f * aug[col][c]
-    x = [0.0] * n
-    for i in reversed(range(n)):
-        x[i] = (aug[i][n] - sum(aug[i][j] * x[j] for j in range(i + 1, n))) / aug[i][i]
-    return x
+        return [(v[0] * d - b * v[1]) / det, (a * v[1] - c * v[0]) / det]
+    (a, b, c), (d, e, f), (g, h, i) = m
+    co = (e * i - f * h, f * g - d * i, d * h - e * g)  # cofactors of the first row
+    det = a * co[0] + b * co[1] + c * co[2]
+    if abs(det) < 1e-300:
+        return None
+    x, y, z = v
+    return [(x * co[0] + b * (f * z - y * i) + c * (y * h - e * z)) / det,
+            (a * (y * i - f * z) + x * co[1] + c * (d * z - y * g)) / det,
+            (a * (e * z - y * h) + b * (y * g - d * z) + x * co[2]) / det]

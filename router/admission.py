@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from policies import (
     AdmissionController,
     Admit,
+    Decision,
     LoadSnapshot,
     Reject,
     SchedulingPolicy,
@@ -82,36 +83,60 @@ class IngressAdmission:
         """
         if not self.enabled:
             return 0.0
-        token = next(self._tokens)
-        self._held[token] = (traffic_class, arrival_s, prompt_tokens)
+        token = self.hold(traffic_class, arrival_s, prompt_tokens)
         held_for: str | None = None  # why it was first held, for the 429 message
         try:
             while True:
                 snaps = loads()
                 if not snaps:
                     break
-                waited = max(0.0, self.clock() - arrival_s)
-                decisions = [
-                    self.controller.decide(self._with_held(s, arrival_s), traffic_class,
-                                           prompt_tokens - cached, max_tokens, priority, waited)
-                    for s, cached in snaps
-                ]
-                if any(isinstance(d, Admit) for d in decisions):
+                d = self.decide(snaps, traffic_class, prompt_tokens, max_tokens, priority,
+                                arrival_s)
+                if isinstance(d, Admit):
                     break
-                if all(isinstance(d, Reject) for d in decisions):
-                    best = min(decisions, key=lambda d: d.retry_after_s)
-                    reason = best.reason
+                if isinstance(d, Reject):
+                    reason = d.reason
                     if held_for is not None:
                         # After a long hold the last failure is often only that the
                         # budget ran out; the first says what held it.
-                        reason += f" (held {waited:.1f} s; first held because {held_for})"
-                    raise AdmissionRejected(best.retry_after_s, reason, best.kind)
+                        reason += (f" (held {self.clock() - arrival_s:.1f} s; first held "
+                                   f"because {held_for})")
+                    raise AdmissionRejected(d.retry_after_s, reason, d.kind)
                 if held_for is None:
-                    held_for = decisions[0].reason
+                    held_for = d.reason
                 await asyncio.sleep(POLL_S)
         finally:
-            del self._held[token]
+            self.release(token)
         return max(0.0, self.clock() - arrival_s)
+
+    def hold(self, traffic_class: str, arrival_s: float, prompt_tokens: int) -> int:
+        """Count a request as held here (queued ahead of later arrivals) until
+        :meth:`release` with the returned token."""
+        token = next(self._tokens)
+        self._held[token] = (traffic_class, arrival_s, prompt_tokens)
+        return token
+
+    def release(self, token: int) -> None:
+        del self._held[token]
+
+    def decide(self, snaps: list[tuple[LoadSnapshot, int]], traffic_class: str,
+               prompt_tokens: int, max_tokens: int, priority: int,
+               arrival_s: float) -> Decision:
+        """One decision over every replica's load (``(snapshot, cached tokens)`` pairs):
+        Admit when any replica admits, Reject (the soonest retry) when all reject, else
+        the first replica's Wait. The caller holds the request meanwhile (:meth:`hold`)."""
+        waited = max(0.0, self.clock() - arrival_s)
+        decisions = [
+            self.controller.decide(self._with_held(s, arrival_s), traffic_class,
+                                   prompt_tokens - cached, max_tokens, priority, waited)
+            for s, cached in snaps
+        ]
+        for d in decisions:
+            if isinstance(d, Admit):
+                return d
+        if all(isinstance(d, Reject) for d in decisions):
+            return min(decisions, key=lambda d: d.retry_after_s)
+        return decisions[0]
 
     def _with_held(self, snap: LoadSnapshot, arrival_s: float) -> LoadSnapshot:
         """Count the requests held here since before this one as queued ahead of it.

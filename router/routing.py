@@ -11,7 +11,9 @@ tokens and running decodes instead of counting requests.
 Snapshots are at most a stats period old (plus the controller's broadcast delay), so a
 burst routed between two snapshots would all pick the same "idle" replica. The router
 therefore remembers what it routed since each replica's snapshot was taken and counts it
-as waiting on that replica (:class:`router.request_router.LoadAwareRouter`).
+as waiting on that replica. The decisions themselves are Ray-free
+(:class:`router.choice.ReplicaChooser`, :class:`router.choice.RoutedSince`), so the
+simulator runs them too; :class:`router.request_router.LoadAwareRouter` wraps them.
 
 A router lives in every process that holds a handle to the model deployment (the
 ingress). The ingress reads the same adjusted snapshots for admission through
@@ -21,35 +23,16 @@ ingress). The ingress reads the same adjusted snapshots for admission through
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ray.serve.request_router import PendingRequest
 
+from router.choice import RequestShape
+
+__all__ = ["RequestShape", "load_view", "register", "shape_of"]
+
 if TYPE_CHECKING:
     from router.request_router import LoadAwareRouter
-
-ROUTED_MEMORY_S = 5.0
-"""Seconds a routed request is remembered when no newer snapshot has counted it."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestShape:
-    """What routing and admission need to know of a request (sent as the call's kwargs)."""
-
-    prompt_tokens: int
-    traffic_class: str
-    priority: int
-    prefix_hashes: tuple[int, ...] = ()
-    """:func:`router.prefix.prefix_hashes` of the prompt; empty: no prefix affinity."""
-
-
-@dataclass(frozen=True, slots=True)
-class Routed:
-    time_s: float
-    """``time.time()`` when routed (snapshots carry ``time.time()`` too)."""
-    shape: RequestShape
-
 
 def shape_of(pending: PendingRequest | None) -> RequestShape | None:
     """The shape the ingress attached to a call (``shape=`` keyword), if any."""

@@ -1,0 +1,264 @@
+"""N replicas, the ingress's admission and the router, in virtual time, with the real code.
+
+Each replica is an :class:`engine.LLMEngine` whose runner advances a virtual clock by a
+cost model (:mod:`engine.sim`): its scheduler, block manager, policy and TPOT guard are
+production's. The ingress side runs :class:`router.admission.IngressAdmission` (held
+requests re-decided every ``router.admission.POLL_S``) and
+:class:`router.choice.ReplicaChooser` on snapshots each replica publishes every
+``routing_stats_period_s``, adjusted by what was routed since
+(:class:`router.choice.RoutedSince`), as in Serve.
+
+A discrete-event loop orders arrivals, re-decisions, snapshot publications and replica
+steps by virtual time. A step runs whole when it starts, so a snapshot published during it
+already shows its result (at most one step early); the network and Serve's own hops cost
+nothing here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+
+from deploy.config import ServiceConfig
+from deploy.sim.trace import SimRequest
+from engine import RequestOutputKind, SamplingParams
+from engine.sim import SimClock, sim_engine
+from policies import Admit, LoadSnapshot, Reject
+from router.admission import POLL_S, IngressAdmission
+from router.choice import ReplicaChooser, RequestShape, RoutedSince
+from router.prefix import cached_tokens, prefix_hashes
+
+IDLE_STEP_S = 0.005
+"""Virtual seconds before an engine that scheduled nothing while it has work steps again
+(the static policy filling a batch, or every request blocked on KV)."""
+ROUTING = ("load-aware", "queue-length")
+"""``load-aware``: the router's own choice (:class:`router.choice.ReplicaChooser`);
+``queue-length``: Ray Serve's default, two random replicas, the one with fewer requests."""
+
+_SNAPSHOT, _ARRIVAL, _STEP = 0, 1, 2  # order of events at the same instant
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to one request. Times are virtual seconds from the run's start."""
+
+    request: SimRequest
+    status: str = "pending"
+    """``ok``, ``refused`` (admission's 429), or ``rejected`` (too long for a replica)."""
+    replica: int = -1
+    routed_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    reason: str = ""
+    shape: RequestShape | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.request.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        n = self.request.output_tokens
+        if self.finish_s is None or self.first_token_s is None:
+            return None
+        return (self.finish_s - self.first_token_s) / (n - 1) if n > 1 else 0.0
+
+
+@dataclass(slots=True)
+class KvSample:
+    """One replica's load when it published a snapshot."""
+
+    t: float
+    replica: int
+    kv_usage: float
+    running: int
+    waiting: int
+
+
+@dataclass(slots=True)
+class SimRun:
+    outcomes: list[Outcome]
+    timeline: list[KvSample]
+    preemptions: int
+    steps: int
+    busy_s: list[float]
+    """Each replica's virtual seconds spent in steps."""
+    end_s: float
+
+
+@dataclass(slots=True)
+class _Replica:
+    engine: object
+    clock: SimClock
+    snap: LoadSnapshot | None = None
+    stepping: bool = False
+    live: dict[str, Outcome] = field(default_factory=dict)
+
+
+class Fleet:
+    """Replays requests through ``config.num_replicas`` simulated replicas.
+
+    Args:
+        config: the service as it would be deployed (engine, classes, admission,
+            prefix affinity, routing stats period).
+        cost: the replicas' step-time model (:mod:`engine.sim.cost`).
+        routing: one of :data:`ROUTING`.
+        seed: the router's pair draws; a run is a pure function of its inputs and seed.
+        timeline_period_s: how often a replica's KV usage is kept for the report.
+
+    Raises:
+        ValueError: unknown routing.
+    """
+
+    def __init__(self, config: ServiceConfig, cost, *, routing: str = "load-aware",
+                 seed: int = 0, timeline_period_s: float = 1.0) -> None:
+        if routing not in ROUTING:
+            raise ValueError(f"routing {routing!r}: one of {ROUTING}")
+        self.config = config
+        self.routing = routing
+        self.now = 0.0
+        econfig = config.engine_config()
+        engines = [sim_engine(econfig, cost, SimClock()) for _ in range(config.num_replicas)]
+        self.replicas = [_Replica(e, e.clock) for e in engines]
+        classes = config.traffic_classes()
+        policy = econfig.make_policy()
+        self.admission = IngressAdmission(classes, policy=policy, enabled=config.admission,
+                                          clock=lambda: self.now)
+        self.chooser = ReplicaChooser(self.admission.controller, random.Random(seed))
+        self.routed = RoutedSince()
+        self.block_size = econfig.block_size
+        self.timeline_period_s = timeline_period_s
+        self._events: list = []
+        self._order = itertools.count()
+        self._held: dict[str, int] = {}
+        self._timeline: list[KvSample] = []
+        self._pending = 0
+
+    def run(self, requests: list[SimRequest]) -> SimRun:
+        """Replay ``requests`` (sorted by arrival) to the end; every request's outcome."""
+        outcomes = [Outcome(r) for r in requests]
+        for o in outcomes:
+            self._push(o.request.arrival_s, _ARRIVAL, o)
+        self._pending = len(outcomes)
+        self._publish()  # snapshots at time 0
+        self._push(self.config.routing_stats_period_s, _SNAPSHOT, None)
+        while self._events:
+            self.now, kind, _, payload = heapq.heappop(self._events)
+            if kind == _STEP:
+                self._step(payload)
+            elif kind == _ARRIVAL:
+                self._decide(payload)
+            elif self._busy():
+                self._publish()
+                self._push(self.now + self.config.routing_stats_period_s, _SNAPSHOT, None)
+        return SimRun(outcomes, self._timeline,
+                      sum(r.engine.scheduler.num_preemptions for r in self.replicas),
+                      sum(r.engine.runner.steps for r in self.replicas),
+                      [r.engine.runner.busy_s for r in self.replicas], self.now)
+
+    def _push(self, t: float, kind: int, payload) -> None:
+        heapq.heappush(self._events, (t, kind, next(self._order), payload))
+
+    def _busy(self) -> bool:
+        return self._pending > 0 or any(r.stepping for r in self.replicas)
+
+    def _publish(self) -> None:
+        keep = self.now // self.timeline_period_s != (
+            (self.now - self.config.routing_stats_period_s) // self.timeline_period_s)
+        for i, r in enumerate(self.replicas):
+            r.snap = dataclasses.replace(r.engine.load_snapshot(), timestamp=self.now)
+            if keep or self.now == 0:
+                self._timeline.append(KvSample(self.now, i, r.snap.kv_usage,
+                                               r.snap.total_running,
+                                               sum(r.snap.waiting_requests.values())))
+
+    def _shape(self, req: SimRequest) -> RequestShape:
+        cls = self.admission.controller.classes[req.traffic_class]
+        hashes = (prefix_hashes(_prompt(req), self.block_size) if self.config.prefix_affinity
+                  else ())
+        return RequestShape(req.prompt_tokens, req.traffic_class, cls.default_priority, hashes)
+
+    def _loads(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
+        matched = self.chooser.prefixes.matched_blocks(shape.prefix_hashes)
+        return [(self.routed.adjust(i, r.snap, self.now),
+                 cached_tokens(matched.get(i, 0), r.snap.block_size, shape.prompt_tokens))
+                for i, r in enumerate(self.replicas)]
+
+    def _decide(self, o: Outcome) -> None:
+        """An arrival, or a held request's re-decision (as ``IngressAdmission.admit``)."""
+        req = o.request
+        shape = o.shape = o.shape or self._shape(req)
+        if self.admission.enabled:
+            if req.id not in self._held:
+                self._held[req.id] = self.admission.hold(req.traffic_class, req.arrival_s,
+                                                         req.prompt_tokens)
+            d = self.admission.decide(self._loads(shape), req.traffic_class, req.prompt_tokens,
+                                      req.output_tokens, shape.priority, req.arrival_s)
+            if not isinstance(d, Admit | Reject):
+                self._push(self.now + POLL_S, _ARRIVAL, o)
+                return
+            self.admission.release(self._held.pop(req.id))
+            if isinstance(d, Reject):
+                o.status, o.reason = "refused", d.reason
+                self._pending -= 1
+                return
+        self._route(o, shape)
+
+    def _route(self, o: Outcome, shape: RequestShape) -> None:
+        i = self._choose(shape)
+        r = self.replicas[i]
+        req = o.request
+        self.routed.record(i, self.now, shape)
+        self.chooser.prefixes.record(shape.prefix_hashes, i)
+        params = SamplingParams(max_tokens=req.output_tokens, ignore_eos=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        try:
+            r.engine.add_request(req.id, _prompt(req), params, traffic_class=req.traffic_class,
+                                 arrival_time=self.now)
+        except ValueError as e:  # RequestRejectedError: too long for any replica
+            o.status, o.reason = "rejected", str(e)
+            self._pending -= 1
+            return
+        o.replica, o.routed_s = i, self.now
+        r.live[req.id] = o
+        self._pending -= 1
+        if not r.stepping:
+            r.stepping = True
+            r.clock.t = max(r.clock.t, self.now)
+            self._push(r.clock.t, _STEP, i)
+
+    def _choose(self, shape: RequestShape) -> int:
+        ids = range(len(self.replicas))
+        if self.routing == "queue-length":
+            pair = self.chooser.rng.sample(ids, min(2, len(ids)))
+            return min(pair, key=lambda i: len(self.replicas[i].engine.scheduler.waiting)
+                       + len(self.replicas[i].engine.scheduler.running))
+        ranks = self.chooser.choose(ids, shape, lambda i: self.routed.adjust(
+            i, self.replicas[i].snap, self.now), key=lambda i: i)
+        return ranks[0][0]
+
+    def _step(self, i: int) -> None:
+        r = self.replicas[i]
+        r.clock.t = self.now
+        for out in r.engine.step():
+            if out.finished:
+                o = r.live.pop(out.request_id)
+                o.status = "ok"
+                o.first_token_s, o.finish_s = out.metrics.first_token_time, out.metrics.finish_time
+        if r.engine.has_unfinished_requests():
+            if r.engine.last_step_num_tokens == 0:
+                r.clock.t = self.now + IDLE_STEP_S
+            self._push(r.clock.t, _STEP, i)
+        else:
+            r.stepping = False
+
+
+def _prompt(req: SimRequest) -> list[int]:
+    """Token ids unique to the request in their first block (no prefix is shared: the
+    traces have lengths only), built without drawing a random number per token."""
+    n = int(req.id.lstrip("r") or 0) if req.id[1:].isdigit() else hash(req.id) % 10**9
+    head = [1000 + n % 30000, 1000 + n // 30000 % 30000, 1000 + n // 900_000_000]
+    return (head + [5] * req.prompt_tokens)[:req.prompt_tokens]

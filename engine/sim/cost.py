@@ -1,0 +1,224 @@
+"""Step-time cost models for the simulator: how long one scheduled step takes.
+
+A step's cost depends on its composition (:class:`StepShape`): prefill tokens, decode
+sequences, and the context each attends. Two models:
+
+* :class:`LinearCost`, calibrated on this machine: seconds are linear in the shape's five
+  features (:meth:`StepShape.features`), fitted by non-negative least squares to steps the
+  real engine ran (:mod:`engine.sim.calibrate`). Unlike the admission model's
+  ``a + b * prefill + c * decodes`` (:mod:`policies.step_time`), it sees attention, whose
+  cost grows with the context.
+* :class:`RooflineCost`, for GPUs the project cannot measure: each step takes the longer
+  of its FLOPs at the GPU's peak and its bytes at the GPU's memory bandwidth, each derated
+  by an efficiency factor per phase (:mod:`engine.sim.hardware` holds the figures).
+
+Both are pure functions of the shape, so a simulated run is deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from engine.schedule_output import SchedulerOutput
+from engine.sim.hardware import GPUS, MODELS, GpuSpec, ModelSpec
+
+FEATURES = ("step", "prefill_tokens", "decode_seqs", "decode_context_tokens",
+            "prefill_attention_ktokens")
+"""The names of :meth:`StepShape.features`, in order (``LinearCost`` coefficients too)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a step computes.
+
+    ``decode_context_tokens`` is the sum over decodes of the tokens each attends (its
+    context, the new token included). ``prefill_attention_pairs`` is the sum over prefill
+    chunks of query-key pairs under the causal mask: a chunk of ``n`` tokens starting at
+    position ``s`` attends ``n * s + n * (n + 1) / 2`` pairs.
+    """
+
+    prefill_tokens: int
+    decode_seqs: int
+    decode_context_tokens: int
+    prefill_attention_pairs: float
+    prefill_seqs: int
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> StepShape:
+        """The shape of a scheduler's step (decodes come first in ``out.seqs``)."""
+        decodes = out.seqs[:out.num_decodes]
+        prefills = out.seqs[out.num_decodes:]
+        return cls(
+            prefill_tokens=sum(s.num_tokens for s in prefills),
+            decode_seqs=len(decodes),
+            decode_context_tokens=sum(s.start + 1 for s in decodes),
+            prefill_attention_pairs=sum(s.num_tokens * s.start + s.num_tokens
+                                        * (s.num_tokens + 1) / 2 for s in prefills),
+            prefill_seqs=len(prefills),
+        )
+
+    @classmethod
+    def of_record(cls, seqs: tuple[tuple[str, int, int], ...], num_decodes: int) -> StepShape:
+        """The shape from a :class:`engine.interfaces.StepRecord`'s ``seqs`` (id, start,
+        tokens), decodes first."""
+        decodes, prefills = seqs[:num_decodes], seqs[num_decodes:]
+        return cls(
+            prefill_tokens=sum(n for _, _, n in prefills),
+            decode_seqs=len(decodes),
+            decode_context_tokens=sum(s + 1 for _, s, _ in decodes),
+            prefill_attention_pairs=sum(n * s + n * (n + 1) / 2 for _, s, n in prefills),
+            prefill_seqs=len(prefills),
+        )
+
+    def features(self) -> tuple[float, ...]:
+        """``(1, prefill tokens, decodes, decode context tokens, prefill attention pairs /
+        1000)``: the regressors of :class:`LinearCost`."""
+        return (1.0, float(self.prefill_tokens), float(self.decode_seqs),
+                float(self.decode_context_tokens), self.prefill_attention_pairs / 1000.0)
+
+
+class CostModel(Protocol):
+    """Seconds one step of a given shape takes."""
+
+    def step_seconds(self, shape: StepShape) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LinearCost:
+    """``seconds = coefficients . shape.features()``, fitted on one machine.
+
+    ``num_kv_blocks``, ``block_size``, ``max_model_len`` and ``vocab_size`` are those of the
+    engine it was measured on, so a simulated replica has the same KV capacity.
+    """
+
+    coefficients: tuple[float, ...]
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    source: str = ""
+    """Where the fit came from (model, host, steps, fit error), for reports."""
+
+    def step_seconds(self, shape: StepShape) -> float:
+        return float(sum(c * f for c, f in zip(self.coefficients, shape.features())))
+
+    def save(self, path: str | Path) -> None:
+        data = asdict(self) | {"kind": "linear", "features": list(FEATURES)}
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> LinearCost:
+        """Read a fit written by :meth:`save` (``iterserve calibrate``).
+
+        Raises:
+            ValueError: not a linear cost model file, or its features differ.
+        """
+        data = json.loads(Path(path).read_text())
+        if data.get("kind") != "linear" or tuple(data.get("features", ())) != FEATURES:
+            raise ValueError(f"{path}: not a calibrated cost model (iterserve calibrate)")
+        return cls(tuple(data["coefficients"]), data["num_kv_blocks"], data["block_size"],
+                    data["max_model_len"], data["vocab_size"], data.get("source", ""))
+
+
+def fit_linear(shapes: list[StepShape], seconds: list[float]) -> tuple[float, ...]:
+    """Non-negative least squares of ``seconds`` on the shapes' features.
+
+    Exact for five features: ordinary least squares on every subset of free coefficients
+    (the rest held at 0), keeping the feasible one with the least squared error.
+
+    Raises:
+        ValueError: fewer steps than features, or lengths differ.
+    """
+    if len(shapes) != len(seconds) or len(shapes) < len(FEATURES):
+        raise ValueError(f"{len(shapes)} shapes and {len(seconds)} times: need equal "
+                         f"counts of at least {len(FEATURES)}")
+    x = np.array([s.features() for s in shapes])
+    y = np.array(seconds)
+    best, best_err = np.zeros(len(FEATURES)), float(np.sum(y * y))
+    for k in range(1, len(FEATURES) + 1):
+        for cols in itertools.combinations(range(len(FEATURES)), k):
+            coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            err = float(np.sum((x[:, cols] @ coef - y) ** 2))
+            if err < best_err:
+                best = np.zeros(len(FEATURES))
+                best[list(cols)] = coef
+                best_err = err
+    return tuple(float(c) for c in best)
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineCost:
+    """A step on a GPU: ``max(FLOPs / (peak x eff), bytes / (bandwidth x eff)) + overhead``.
+
+    FLOPs: ``2 x (non-embedding parameters) x tokens`` for the matmuls, ``2 x vocabulary x
+    hidden`` per sampled sequence for the LM head, and ``4 x layers x heads x head_dim``
+    per attended query-key pair (QK^T and PV). Bytes: the weights once
+    per step, plus the KV cache each decode reads, plus the KV each token writes. The
+    efficiencies are per phase: a step with prefill tokens uses ``prefill_efficiency``
+    (compute-bound GEMMs reach a fraction of peak), a decode-only step uses
+    ``decode_efficiency`` (bandwidth-bound). ``step_overhead_s`` is the host's time per step
+    (scheduling, launches, sampling) that the GPU does not overlap; 4 ms is an assumption
+    in the range vLLM's V1 scheduler was reworked to reach (its 2025 blog), not a measure.
+    """
+
+    model: ModelSpec
+    gpu: GpuSpec
+    prefill_efficiency: float = 0.6
+    decode_efficiency: float = 0.7
+    step_overhead_s: float = 0.004
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel: int = 1
+    """GPUs per replica: each computes and reads ``1 / tensor_parallel`` of the step, and
+    their memory adds up (the all-reduces between them are not modelled)."""
+
+    @classmethod
+    def named(cls, model: str, gpu: str, **kw) -> RooflineCost:
+        """By names in :data:`engine.sim.hardware.MODELS` and ``GPUS``.
+
+        Raises:
+            ValueError: an unknown name.
+        """
+        if model not in MODELS or gpu not in GPUS:
+            raise ValueError(f"unknown model {model!r} or GPU {gpu!r}; models: "
+                             f"{sorted(MODELS)}, GPUs: {sorted(GPUS)}")
+        return cls(MODELS[model], GPUS[gpu], **kw)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks that fit in the GPU's memory after the weights (vLLM's
+        ``gpu_memory_utilization`` rule, activations ignored)."""
+        memory = self.gpu.memory_bytes * self.tensor_parallel
+        free = memory * self.gpu_memory_utilization - self.model.weight_bytes
+        per_block = self.model.kv_bytes_per_token * self.block_size
+        return max(0, int(free // per_block))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def step_seconds(self, shape: StepShape) -> float:
+        m = self.model
+        tokens = shape.prefill_tokens + shape.decode_seqs
+        pairs = shape.prefill_attention_pairs + shape.decode_context_tokens
+        sampled = shape.decode_seqs + shape.prefill_seqs  # logits only where a chunk ends
+        flops = (2 * m.matmul_params * tokens + 2 * m.vocab_size * m.hidden * sampled
+                 + 4 * m.layers * m.heads * m.head_dim * pairs)
+        kv_read = shape.decode_context_tokens * m.kv_bytes_per_token
+        nbytes = m.weight_bytes + kv_read + tokens * m.kv_bytes_per_token
+        eff = self.prefill_efficiency if shape.prefill_tokens else self.decode_efficiency
+        compute = flops / (self.gpu.peak_flops * eff * self.tensor_parallel)
+        memory = nbytes / (self.gpu.bandwidth_bytes_s * eff * self.tensor_parallel)
+        return max(compute, memory) + self.step_overhead_s

@@ -1,0 +1,131 @@
+"""The router's decisions without Ray: which of two replicas, and what was routed since.
+
+:class:`router.request_router.LoadAwareRouter` (inside Ray Serve) and the simulator
+(:mod:`deploy.sim`) both call these, so what the simulator predicts is what the router
+does. The method is in :mod:`router.routing`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from policies import AdmissionController, LoadSnapshot
+from router.prefix import PrefixMap, cached_tokens
+
+R = TypeVar("R")
+
+ROUTED_MEMORY_S = 5.0
+"""Seconds a routed request is remembered when no newer snapshot has counted it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestShape:
+    """What routing and admission need to know of a request (sent as the call's kwargs)."""
+
+    prompt_tokens: int
+    traffic_class: str
+    priority: int
+    prefix_hashes: tuple[int, ...] = ()
+    """:func:`router.prefix.prefix_hashes` of the prompt; empty: no prefix affinity."""
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    time_s: float
+    """When routed, on the snapshots' clock."""
+    shape: RequestShape
+
+
+class RoutedSince:
+    """What was routed to each replica, to count as queued there until a snapshot has.
+
+    Times are whatever clock the snapshots' ``timestamp`` uses (``time.time()`` in Serve).
+    Not thread-safe: the router calls it under its lock.
+    """
+
+    def __init__(self) -> None:
+        self._routed: dict[Hashable, deque[Routed]] = {}
+
+    def record(self, replica: Hashable, now: float, shape: RequestShape) -> None:
+        self._routed.setdefault(replica, deque()).append(Routed(now, shape))
+
+    def adjust(self, replica: Hashable, snap: LoadSnapshot, now: float) -> LoadSnapshot:
+        """``snap`` with the requests routed to ``replica`` since it was taken as queued."""
+        routed = self._routed.get(replica, ())
+        while routed and routed[0].time_s < min(snap.timestamp, now - ROUTED_MEMORY_S):
+            routed.popleft()
+        since = [r.shape for r in routed if r.time_s >= snap.timestamp]
+        return snap.with_queued((s.traffic_class, s.prompt_tokens) for s in since)
+
+    def forget(self, replica: Hashable) -> None:
+        self._routed.pop(replica, None)
+
+
+class ReplicaChooser:
+    """Power of two choices on predicted TTFT, with prefix affinity as a tie-breaker.
+
+    Args:
+        admission: predicts a request's TTFT on a replica's snapshot.
+        rng: draws the pair (seeded in the simulator; the module's own in Serve).
+    """
+
+    def __init__(self, admission: AdmissionController, rng: random.Random | None = None) -> None:
+        self.admission = admission
+        self.rng = rng or random._inst  # the module-level generator, as random.sample uses
+        self.prefixes = PrefixMap()
+        """Which replicas were sent which prompt prefixes (:mod:`router.prefix`)."""
+
+    def choose(self, candidates: Sequence[R], shape: RequestShape,
+               snapshot: Callable[[R], LoadSnapshot | None],
+               key: Callable[[R], Hashable]) -> list[list[R]]:
+        """Ranks of replicas to try, best first (one replica per rank).
+
+        ``snapshot`` gives a replica's adjusted load (None: it has not published one: the
+        pair is returned as drawn, for Ray Serve's queue-length choice); ``key`` its id in
+        the prefix map.
+        """
+        if not candidates:
+            return []
+        pair = self.rng.sample(list(candidates), min(2, len(candidates)))
+        matched = self.prefixes.matched_blocks(shape.prefix_hashes)
+        # A replica that was sent a longer prefix of this prompt competes with the pair.
+        affine = max(candidates, key=lambda r: matched.get(key(r), 0))
+        if matched.get(key(affine), 0) > max(matched.get(key(r), 0) for r in pair):
+            pair = [affine, *(r for r in pair if r is not affine)][:2]
+        if len(pair) == 1:
+            return [pair]
+        keys = []
+        for r in pair:
+            snap = snapshot(r)
+            if snap is None:
+                return [pair]
+            cached = cached_tokens(matched.get(key(r), 0), snap.block_size, shape.prompt_tokens)
+            pred = self.admission.predict(snap, shape.traffic_class,
+                                          shape.prompt_tokens - cached, shape.priority)
+            load = snap.total_running + sum(snap.waiting_requests.values())
+            keys.append((pred.ttft_s, load, snap.step_time(0, snap.total_running + 1), cached))
+        first, second = pair if self.first_is_better(shape, *keys) else pair[::-1]
+        # The other replica stays as a second rank, used if the first refuses (full queue).
+        return [[first], [second]]
+
+    def first_is_better(self, shape: RequestShape, key0: tuple, key1: tuple) -> bool:
+        """Whether the first of two replicas, keyed ``(predicted TTFT, requests, step
+        seconds, cached prompt tokens)``, should take the request."""
+        (t0, n0, step0, c0), (t1, n1, step1, c1) = key0, key1
+        if c0 != c1:
+            # Prefix affinity breaks ties within the SLO: the replica that holds more of
+            # the prompt, unless only the other meets the class's TTFT SLO.
+            slo = self.admission.classes[shape.traffic_class].ttft_slo_s
+            more, other = (t0, t1) if c0 > c1 else (t1, t0)
+            return (c0 > c1) == (more <= slo or more <= other)
+        if abs(t0 - t1) <= max(step0, step1):
+            # The same number of steps either way (short prompts all fit one step, so TTFT
+            # does not see them queue): balance the decode load by request count instead,
+            # or every burst would go to the replica whose fitted step time is lower.
+            return n0 <= n1
+        return t0 < t1
+
