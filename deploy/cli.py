@@ -73,6 +73,18 @@ def _batch_run(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from deploy.sim.cli import run_command
+
+    return run_command(args)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from deploy.sim.cli import calibrate_command
+
+    return calibrate_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="answer every line of a batch file; rerun to resume after a kill")
     batch_arguments(batch_run)
     batch_run.set_defaults(func=_batch_run)
+
+    from deploy.sim.cli import add_arguments as simulate_arguments
+
+    sim = sub.add_parser("simulate", help="replay a trace through simulated replicas in "
+                                          "virtual time (the real scheduler and router)")
+    simulate_arguments(sim)
+    sim.set_defaults(func=_simulate)
+    cal = sub.add_parser("calibrate", help="fit the simulator's step-time model to the real "
+                                           "engine on this machine")
+    cal.add_argument("--output", default="sim_cost.json", help="where to write the fit")
+    cal.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    cal.add_argument("--steps-per-level", type=int, default=40,
+                     help="steps measured at each concurrency level")
+    cal.set_defaults(func=_calibrate)
 
     dash = sub.add_parser("dashboard", help="the Grafana dashboard")
     dash_sub = dash.add_subparsers(dest="action", required=True)

@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies import SchedulingPolicy, policy_from_spec
 
+GuardRule = Literal["shed", "cap", "credit", "owed", "lend", "sit_out", "last_gap", "deadline"]
+"""``policies.slo_guard.RULES`` (a test keeps the two equal)."""
+
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
 
@@ -52,6 +55,10 @@ class EngineConfig(BaseModel):
         0.85, gt=0, le=1, description="the TPOT guard aims the predicted step time at this "
                                       "fraction of the tightest TPOT SLO (headroom for "
                                       "step-time jitter, which is about 10-15% on a shared CPU)",
+    )
+    tpot_slo_guard_rules_off: list[GuardRule] = Field(
+        default_factory=list, description="TPOT guard rules to switch off, for ablation "
+                                          "studies (iterserve simulate --ablate)",
     )
     batch_wait_timeout_s: float = Field(
         0.5, ge=0, description="static policy: wait this long to fill a batch"

@@ -52,6 +52,7 @@ class Scheduler:
             policy, self.step_time, target=config.tpot_slo_guard_target,
             block_size=block_manager.block_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            rules_off=frozenset(config.tpot_slo_guard_rules_off),
         ) if config.tpot_slo_guard else None
         """The TPOT SLO guard (:mod:`policies.slo_guard`), or None when it is off."""
         self.block_manager = block_manager

@@ -26,8 +26,8 @@ deadline           in the step that ends the first owed prompt's prefill, later 
                    only what still ends the step by its TTFT deadline
 =================  ==========================================================================
 
-Measured together in ``bench/scheduling.py`` (guard on against off); no rule's benefit was
-measured on its own, which the simulator issue is to do in virtual time.
+Each rule can be switched off alone (``rules_off``, by the names in :data:`RULES`), so
+that ``iterserve simulate --ablate`` can measure what each one earns.
 """
 
 from __future__ import annotations
@@ -39,6 +39,14 @@ from typing import Any
 
 from policies.base import SchedulingPolicy
 from policies.step_time import StepTimeModel
+
+RULES = ("shed", "cap", "credit", "owed", "lend", "sit_out", "last_gap", "deadline")
+"""The rules of the table above, as ``rules_off`` names them. Off: ``shed`` never sheds;
+``cap`` leaves prefill uncapped; ``credit`` counts no banked time or debt (every decode's
+limit is its share); ``owed`` owes no prompt its TTFT (so nothing is lent, sits out or is
+held to a deadline); ``lend`` lends no later headroom; ``sit_out`` keeps every decode;
+``last_gap`` treats the last gap like the others; ``deadline`` lets later prompts fill the
+step that ends the first owed prompt's prefill."""
 
 OWED_BORROW = 0.5
 """Fraction of a decode's later gaps' jitter headroom (``tpot_slo_s`` minus its share, per
@@ -121,10 +129,19 @@ class TpotGuard:
         target: ``tpot_slo_guard_target``, the fraction of a TPOT SLO steps aim at.
         block_size: KV block size; at least one block of prefill runs per step.
         max_num_batched_tokens: the step's token budget.
+        rules_off: names from :data:`RULES` to switch off (ablation studies).
+
+    Raises:
+        ValueError: an unknown rule name.
     """
 
     def __init__(self, policy: SchedulingPolicy, model: StepTimeModel, *, target: float,
-                 block_size: int, max_num_batched_tokens: int) -> None:
+                 block_size: int, max_num_batched_tokens: int,
+                 rules_off: frozenset[str] = frozenset()) -> None:
+        unknown = set(rules_off) - set(RULES)
+        if unknown:
+            raise ValueError(f"unknown TPOT guard rules {sorted(unknown)}; known: {RULES}")
+        self.off = frozenset(rules_off)
         self.policy = policy
         self.model = model
         self.target = target
@@ -181,7 +198,8 @@ class TpotGuard:
             is_decoding = req.num_pending_tokens == 1
             if req.tpot_slo_s * target < slo and is_decoding:
                 slo, owner = req.tpot_slo_s * target, req
-            if (owner is not req and model.predict(0, len(decoding) + 1) * ratio > slo
+            if ("shed" not in self.off and owner is not req
+                    and model.predict(0, len(decoding) + 1) * ratio > slo
                     and self.policy.outranks(owner, req)):
                 shed.append(req)
                 continue
@@ -195,8 +213,10 @@ class TpotGuard:
                            lambda r: r.request_id not in shed_ids and prefilling(r))
         owed = [r for urgent, req in line for r in (*urgent, req)
                 if r is not None and not r.output_token_ids
-                and not self.policy.outranks(limits.binder, r)]
+                and not self.policy.outranks(limits.binder, r)] if "owed" not in self.off else []
         cap, owed_cap, deferred = self._caps(decoding, owed, limits, slo, now)
+        if "cap" in self.off:
+            cap = owed_cap = math.inf
         return GuardPlan(cap=cap, owed=owed_cap, slo=slo, binder=limits.binder,
                          deferred=frozenset(deferred), shed=tuple(shed))
 
@@ -219,7 +239,7 @@ class TpotGuard:
         kept, deferred = len(decoding), set()
         for req in reversed(decoding):  # least urgent first
             # Sitting out frees step time and a budget token: it helps while either binds.
-            if not owed or need <= min(max_tokens - kept,
+            if "sit_out" in self.off or not owed or need <= min(max_tokens - kept,
                                        self._tokens_within(limits.owed, kept)):
                 break
             if not self.policy.preempts(owed[0], req, now):
@@ -231,7 +251,8 @@ class TpotGuard:
         # Sitting out is sized by the owed limit alone: a shorter step serves a prompt
         # that ends its prefill in it sooner. What the step still lacks is borrowed.
         owed_cap = max(cap, min(need, self._tokens_within(limits.lent, kept)))
-        if owed and owed[0].num_pending_tokens <= min(owed_cap, max_tokens - kept):
+        if ("deadline" not in self.off and owed
+                and owed[0].num_pending_tokens <= min(owed_cap, max_tokens - kept)):
             # The first prompt in line samples its first token when this step ends: the
             # prompts behind it (later deadlines) may add only what still ends the step
             # by its deadline.
@@ -267,7 +288,7 @@ class TpotGuard:
         """Seconds a decode's steps so far have banked (> 0) or owe (< 0) against its
         share of its TPOT SLO (``target * tpot_slo_s`` per token after the first); 0
         before its first token."""
-        if req.first_token_time is None:
+        if req.first_token_time is None or "credit" in self.off:
             return 0.0
         share = req.tpot_slo_s * self.target
         return share * (len(req.output_token_ids) - 1) - (now - req.first_token_time)
@@ -307,10 +328,10 @@ class TpotGuard:
             own = max(share + credit / max(1, gaps), 2 * share - req.tpot_slo_s)
             stretch_own = max(own, share + credit)
             stretch = min(stretch, stretch_own)
+            borrow = 0.0 if "lend" in self.off else OWED_BORROW
             lent = min(lent, max(stretch_own, min(
-                req.tpot_slo_s,
-                share + credit + OWED_BORROW * (req.tpot_slo_s - share) * (gaps - 1))))
-            if gaps <= 1 and req.first_token_time is not None:
+                req.tpot_slo_s, share + credit + borrow * (req.tpot_slo_s - share) * (gaps - 1))))
+            if gaps <= 1 and req.first_token_time is not None and "last_gap" not in self.off:
                 left = req.tpot_slo_s * len(req.output_token_ids) - (now - req.first_token_time)
                 if left > 0:  # else it has missed its SLO already: no step saves it
                     # No floor: a step held short for one gap costs one step's prefill,

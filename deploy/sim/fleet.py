@@ -23,6 +23,7 @@ import random
 from dataclasses import dataclass, field
 
 from deploy.config import ServiceConfig
+from deploy.sim import ROUTING
 from deploy.sim.trace import SimRequest
 from engine import RequestOutputKind, SamplingParams
 from engine.sim import SimClock, sim_engine
@@ -34,9 +35,6 @@ from router.prefix import cached_tokens, prefix_hashes
 IDLE_STEP_S = 0.005
 """Virtual seconds before an engine that scheduled nothing while it has work steps again
 (the static policy filling a batch, or every request blocked on KV)."""
-ROUTING = ("load-aware", "queue-length")
-"""``load-aware``: the router's own choice (:class:`router.choice.ReplicaChooser`);
-``queue-length``: Ray Serve's default, two random replicas, the one with fewer requests."""
 
 _SNAPSHOT, _ARRIVAL, _STEP = 0, 1, 2  # order of events at the same instant
 

@@ -1,0 +1,206 @@
+"""``iterserve simulate`` and ``iterserve calibrate``: arguments, runs, output."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from deploy.sim import ROUTING
+from deploy.sim.trace import TraceSpec, load_requests, parse_mix
+
+if TYPE_CHECKING:
+    from deploy.config import ServiceConfig
+
+DEFAULT_COST_MODEL = "cpu_smollm2_135m.json"
+"""Shipped in ``deploy/sim``: ``iterserve calibrate`` on the project's 2-core CPU host
+(SmolLM2-135M-Instruct, fp32). Calibrate on your own machine for its figures."""
+ENGINE_FLAGS = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
+                "policy", "block_size", "num_kv_blocks")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", required=True,
+                   help="an Azure trace CSV (../shared/traces/) or JSONL of {arrival_s, "
+                        "prompt_tokens, output_tokens, class?}")
+    p.add_argument("--replicas", type=int, default=None, help="model replicas (default: "
+                   "the config's num_replicas, else 1)")
+    p.add_argument("--config", default=None, help="a ServiceConfig YAML (iterserve serve's)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON")
+    p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
+    w = p.add_argument_group("trace window")
+    w.add_argument("--window-start", type=float, default=0.0, help="trace seconds to skip")
+    w.add_argument("--duration", type=float, default=None, help="trace seconds to replay")
+    w.add_argument("--rate-scale", default="1", help="arrival rate multiplier; a comma "
+                   "list sweeps rates and reports goodput (e.g. 0.5,1,2)")
+    w.add_argument("--length-scale", type=float, default=1.0,
+                   help="divide prompt and output lengths by this")
+    w.add_argument("--class-mix", default=None, help="e.g. interactive=0.7,batch=0.3 "
+                   "(CSV traces; JSONL lines may carry their own class)")
+    w.add_argument("--default-class", default="standard")
+    s = p.add_argument_group("service")
+    s.add_argument("--slo", action="append", default=[], metavar="CLASS=TTFT,TPOT",
+                   help="a class's SLOs in seconds (repeatable)")
+    s.add_argument("--admission", choices=("on", "off"), default=None)
+    s.add_argument("--routing", choices=ROUTING, default="load-aware")
+    s.add_argument("--tpot-slo-guard", choices=("on", "off"), default=None)
+    for flag in ENGINE_FLAGS:
+        kind = str if flag == "policy" else int
+        s.add_argument("--" + flag.replace("_", "-"), type=kind, default=None)
+    c = p.add_argument_group("cost model (default: the shipped CPU calibration)")
+    c.add_argument("--cost-model", default=None, help="a file from iterserve calibrate")
+    c.add_argument("--gpu", default=None, help="roofline on a GPU: h100-sxm or h200")
+    c.add_argument("--model-size", default=None, help="with --gpu: 0.5b, 8b or 70b")
+    c.add_argument("--tensor-parallel", type=int, default=1, help="with --gpu: GPUs per replica")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--search", action="store_true", help="find the fewest replicas and the "
+                   "engine settings that meet the SLOs (at the first --rate-scale)")
+    p.add_argument("--max-replicas", type=int, default=64, help="--search's upper bound")
+    p.add_argument("--ablate", action="store_true",
+                   help="switch each TPOT guard rule off in turn and report its effect")
+
+
+def cost_model(args: argparse.Namespace):
+    """The cost model the flags name.
+
+    Raises:
+        ValueError: --gpu without --model-size (or the reverse), or unknown names.
+    """
+    from engine.sim import LinearCost, RooflineCost
+
+    if args.gpu or args.model_size:
+        if not (args.gpu and args.model_size):
+            raise ValueError("--gpu and --model-size go together")
+        return RooflineCost.named(args.model_size, args.gpu,
+                                  tensor_parallel=args.tensor_parallel)
+    if args.cost_model:
+        return LinearCost.load(args.cost_model)
+    with resources.as_file(resources.files("deploy.sim") / DEFAULT_COST_MODEL) as path:
+        return LinearCost.load(path)
+
+
+def service_config(args: argparse.Namespace) -> ServiceConfig:
+    """The config file with the flags applied.
+
+    Raises:
+        ValueError: a malformed --slo; pydantic.ValidationError: a bad value.
+    """
+    from deploy.config import ServiceConfig
+
+    config = ServiceConfig.load(args.config, num_replicas=args.replicas)
+    engine = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    if args.tpot_slo_guard is not None:
+        engine["tpot_slo_guard"] = args.tpot_slo_guard == "on"
+    classes = {k: dict(v) for k, v in (config.engine.traffic_classes or {}).items()}
+    for item in args.slo:
+        name, _, values = item.partition("=")
+        try:
+            ttft, tpot = (float(x) for x in values.split(","))
+        except ValueError:
+            raise ValueError(f"--slo {item!r}: expected CLASS=TTFT,TPOT in seconds") from None
+        classes.setdefault(name, {}).update(ttft_slo_s=ttft, tpot_slo_s=tpot)
+    engine["traffic_classes"] = classes or None
+    top = {} if args.admission is None else {"admission": args.admission == "on"}
+    return with_engine(config, top, **engine)
+
+
+def with_engine(config: ServiceConfig, top: dict[str, Any] | None = None,
+                **engine: Any) -> ServiceConfig:
+    """``config`` with engine fields and top-level fields replaced, validated again.
+
+    Raises:
+        pydantic.ValidationError: a bad value.
+    """
+    from deploy.config import ServiceConfig
+
+    data = config.model_dump(exclude={"engine": {"model"}}) | (top or {})
+    data["engine"] = data["engine"] | engine
+    return ServiceConfig(**data)
+
+
+def trace_spec(args: argparse.Namespace, rate_scale: float) -> TraceSpec:
+    return TraceSpec(args.trace, args.window_start, args.duration, rate_scale,
+                     args.length_scale, parse_mix(args.class_mix), args.default_class, args.seed)
+
+
+def trace_info(args: argparse.Namespace) -> dict[str, Any]:
+    """The trace window the flags select (rates aside), for reports."""
+    info = dataclasses.asdict(trace_spec(args, 1.0))
+    del info["rate_scale"]
+    return info
+
+
+def rates(args: argparse.Namespace) -> list[float]:
+    try:
+        out = [float(x) for x in args.rate_scale.split(",")]
+    except ValueError:
+        raise ValueError(f"--rate-scale {args.rate_scale!r}: numbers, comma-separated") from None
+    if not out or min(out) <= 0:
+        raise ValueError("--rate-scale values must be > 0")
+    return out
+
+
+def simulate(config: ServiceConfig, cost, spec: TraceSpec, routing: str, seed: int):
+    """One run: ``(run, summary)``."""
+    from deploy.sim.fleet import Fleet
+    from deploy.sim.report import summarize
+
+    run = Fleet(config, cost, routing=routing, seed=seed).run(load_requests(spec))
+    return run, summarize(run, config.traffic_classes())
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from deploy.sim.report import ATTAINMENT, all_classes_meet, plot, table
+
+    config, cost = service_config(args), cost_model(args)
+    if args.search or args.ablate:
+        from deploy.sim.search import ablate_command, search_command
+
+        return (search_command if args.search else ablate_command)(args, config, cost)
+    runs, summaries = [], []
+    for k in rates(args):
+        t0 = time.perf_counter()
+        run, summary = simulate(config, cost, trace_spec(args, k), args.routing, args.seed)
+        summary["rate_scale"], summary["wall_s"] = k, time.perf_counter() - t0
+        runs.append((k, run))
+        summaries.append(summary)
+        print(f"\n## rate x{k:g}: {config.num_replicas} replica(s), simulated in "
+              f"{summary['wall_s']:.1f} s\n")
+        print(table(summary))
+    report: dict[str, Any] = {"trace": trace_info(args), "config": config.model_dump(mode="json"),
+                              "cost_model": describe(cost), "runs": summaries}
+    if len(summaries) > 1:
+        good = [s["offered_rps"] for s in summaries if all_classes_meet(s)]
+        report["goodput_rps"] = max(good, default=None)
+        print(f"\ngoodput (every class >= {ATTAINMENT:.0%} attainment): "
+              (f"{report['goodput_rps']:.3f} req/s" if good else "none of these rates"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if args.plots:
+        for path in plot(runs, summaries, args.plots):
+            print(f"wrote {path}")
+    return 0
+
+
+def describe(cost) -> dict[str, Any]:
+    """The cost model, for reports."""
+    return {"kind": type(cost).__name__, **dataclasses.asdict(cost)}
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    from engine.config import EngineConfig
+    from engine.sim.calibrate import CONCURRENCY, calibrate
+
+    print(f"calibrating: {len(CONCURRENCY)} concurrency levels x {args.steps_per_level} "
+          "steps of the real engine (about 2 minutes on a 2-core CPU)", file=sys.stderr)
+    cost, summary = calibrate(EngineConfig(model=args.model), args.steps_per_level,
+                              progress=lambda m: print(m, file=sys.stderr))
+    cost.save(args.output)
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
