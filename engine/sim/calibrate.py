@@ -1,15 +1,21 @@
 """Calibrate :class:`engine.sim.cost.LinearCost` on this machine: run the real engine, fit.
 
-The sweep keeps ``c`` requests in flight for ``c`` in :data:`CONCURRENCY` (closed loop,
-stepped back to back), with prompt lengths log-uniform over ``[8, 1024]`` tokens and
-outputs uniform over ``[4, 48]``, so steps mix prefill chunks of every size, decodes of
-every context length, and both together. Every step's wall time (``StepRecord.seconds``:
-schedule, execute, detokenize) and shape are kept; the fit is over all but a warm-up, and
-its error is reported on alternate steps held out of a second fit.
+The engine runs as a replica runs it, an :class:`engine.async_engine.AsyncLLMEngine`
+streaming to clients on the same event loop. The sweep keeps ``c`` requests in flight
+for ``c`` in :data:`CONCURRENCY` (closed loop), with prompt lengths log-uniform over
+``[8, 1024]`` tokens and outputs uniform over ``[4, 48]``, so steps mix prefill chunks of
+every size, decodes of every context length, and both together. A step's cost is its
+period (:func:`periods`): the step itself (schedule, execute, detokenize) and the serving
+loop's work before the next (a bare ``LLMEngine.step`` loop measured about 30% less than
+served steps here, so a fit on it under-predicted TTFT and TPOT by about as much). The fit
+is over all but a warm-up; its error is reported on alternate steps held out of a second
+fit.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import math
 import platform
 import random
@@ -22,6 +28,9 @@ from engine.sim.cost import FEATURES, LinearCost, StepShape, fit_linear
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 WARMUP_STEPS = 5
+IDLE_GAP_S = 0.02
+"""A gap between steps longer than this is idleness (the serving loop polls every
+``engine.async_engine.IDLE_TICK_S``), not work."""
 
 
 def _request(rng: random.Random, vocab: int) -> tuple[list[int], int]:
@@ -30,33 +39,60 @@ def _request(rng: random.Random, vocab: int) -> tuple[list[int], int]:
 
 
 def sweep(config: EngineConfig, steps_per_level: int, seed: int = 0,
-          progress=print) -> tuple[list[StepRecord], object]:
-    """Run the real engine over the sweep; its step records (warm-up dropped) and engine.
+          progress=print) -> tuple[list[StepRecord], list[float], object]:
+    """Run the real engine over the sweep: its step records (warm-up dropped), each
+    step's period (seconds until the next step started, see :func:`periods`) and the
+    engine.
 
     Raises:
         ModelLoadError: the model cannot be loaded.
     """
-    from engine import LLMEngine, SamplingParams
+    from engine.async_engine import AsyncLLMEngine
 
-    engine = LLMEngine.from_config(config)
-    rng = random.Random(seed)
+    aeng = AsyncLLMEngine.from_config(config)
     records: list[StepRecord] = []
-    engine.on_step = records.append
-    n = 0
-    for level in CONCURRENCY:
-        start, t0 = len(records), time.perf_counter()
+    aeng.engine.on_step = records.append  # on the engine's thread; list.append is atomic
+    asyncio.run(_closed_loops(aeng, records, steps_per_level, random.Random(seed), progress))
+    return records[WARMUP_STEPS:], periods(records)[WARMUP_STEPS:], aeng.engine
+
+
+async def _closed_loops(aeng, records: list, steps_per_level: int, rng: random.Random,
+                        progress) -> None:
+    """Each level's clients stream requests back to back until the level has its steps
+    (the requests in flight then finish)."""
+    from engine import RequestOutputKind, SamplingParams
+
+    ids = itertools.count()
+
+    async def client(start: int) -> None:
         while len(records) - start < steps_per_level:
-            while len(engine.scheduler.waiting) + len(engine.scheduler.running) < level:
-                ids, out = _request(rng, engine.vocab_size)
-                engine.add_request(f"cal-{n}", ids, SamplingParams(max_tokens=out,
-                                                                   ignore_eos=True))
-                n += 1
-            engine.step()
-        progress(f"  {level:>2} in flight: {len(records) - start} steps, "
-                 f"{time.perf_counter() - t0:.1f} s")
-    engine.abort([r.request_id for r in list(engine.scheduler.running)
-                  + list(engine.scheduler.waiting)])
-    return records[WARMUP_STEPS:], engine
+            prompt, out = _request(rng, aeng.engine.vocab_size)
+            params = SamplingParams(max_tokens=out, ignore_eos=True,
+                                    output_kind=RequestOutputKind.DELTA)
+            async for _ in aeng.generate({"prompt_token_ids": prompt}, params,
+                                         request_id=f"cal-{next(ids)}"):
+                pass
+
+    try:
+        for level in CONCURRENCY:
+            start, t0 = len(records), time.perf_counter()
+            await asyncio.gather(*(client(start) for _ in range(level)))
+            progress(f"  {level:>2} in flight: {len(records) - start} steps, "
+                     f"{time.perf_counter() - t0:.1f} s")
+    finally:
+        await aeng.shutdown()
+
+
+def periods(records: list[StepRecord]) -> list[float]:
+    """Seconds from each step's start to the next one's, which adds what the serving loop
+    spends between steps (new requests, outputs to their streams) to the step itself;
+    a step followed by more than :data:`IDLE_GAP_S` of idleness, and the last, count
+    their own ``seconds`` only."""
+    out = []
+    for r, nxt in zip(records, records[1:] + [None]):
+        gap = None if nxt is None else nxt.start - (r.start + r.seconds)
+        out.append(r.seconds + gap if gap is not None and 0 <= gap < IDLE_GAP_S else r.seconds)
+    return out
 
 
 def _mape(cost: LinearCost, shapes: list[StepShape], seconds: list[float]) -> float:
@@ -69,9 +105,8 @@ def calibrate(config: EngineConfig, steps_per_level: int = 40, seed: int = 0,
 
     The hold-out: a fit on even steps, its mean absolute percentage error on odd ones.
     """
-    records, engine = sweep(config, steps_per_level, seed, progress)
+    records, seconds, engine = sweep(config, steps_per_level, seed, progress)
     shapes = [StepShape.of_record(r.seqs, r.num_decodes) for r in records]
-    seconds = [r.seconds for r in records]
     coef = fit_linear(shapes, seconds)
     kw = dict(num_kv_blocks=engine.block_manager.num_blocks, block_size=config.block_size,
               max_model_len=engine.max_model_len, vocab_size=engine.vocab_size)

@@ -1,0 +1,205 @@
+"""Validate ``iterserve simulate`` against the real engine on this machine, in one run.
+
+Run from the repository root::
+
+    .venv/bin/python bench/sim_validate.py            # ~13 min
+    .venv/bin/python bench/sim_validate.py --quick    # ~4 min
+
+1. Calibrate: ``engine.sim.calibrate`` runs the real engine over its sweep and fits the
+   step-time model (in this run, so host drift between fit and replay stays small).
+2. Real: a window of the conversation trace (lengths / 8, 70% interactive / 30% batch,
+   fixed per row), replayed open loop at three rates (light, near and past capacity)
+   through the in-process ``AsyncLLMEngine`` with the server's engine settings (priority
+   policy, TPOT guard), no admission; new prompt token ids at each rate. Requests still
+   running ``--drain`` s after the last arrival are cut off (misses).
+3. Simulated: the same requests (arrival times, lengths, classes) through
+   :class:`deploy.sim.fleet.Fleet` with one replica, the fitted model and admission off.
+
+Report: per rate, mean and p99 TTFT and TPOT, real against simulated, and their errors;
+SLO attainment; goodput (highest rate with >= 90% of requests within both SLOs). Output:
+``bench/results/sim_validation.md`` and ``.json`` (``_quick`` with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import report as rp
+from inprocess import run_open, start_engine, stop_engine
+from workload import ATTRIBUTION, REPO, TRACE, Lengths, Window
+
+from deploy.config import SERVER_ENGINE_DEFAULTS, ServiceConfig
+from deploy.sim.fleet import Fleet
+from deploy.sim.trace import SimRequest
+from engine.config import EngineConfig
+from engine.sim import StepShape
+from engine.sim.calibrate import calibrate, periods
+from policies import DEFAULT_CLASSES
+
+RESULTS = REPO / "bench" / "results"
+MIX = {"interactive": 0.7, "batch": 0.3}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--window-start", type=int, default=3000, help="first trace row")
+    ap.add_argument("--rates", default=None, help="req/s, comma-separated (default 0.4,0.8,1.4)")
+    ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate")
+    ap.add_argument("--drain", type=float, default=60.0)
+    ap.add_argument("--steps-per-level", type=int, default=None)
+    args = ap.parse_args(argv)
+    args.rates = [float(x) for x in (args.rates or ("0.4,0.8" if args.quick
+                                                     else "0.4,0.8,1.4")).split(",")]
+    args.duration = args.duration or (60.0 if args.quick else 150.0)
+    args.steps_per_level = args.steps_per_level or (15 if args.quick else 40)
+    return args
+
+
+def estimate_s(args: argparse.Namespace) -> float:
+    return 20 + args.steps_per_level * 2.2 + len(args.rates) * (args.duration + 40)
+
+
+def sim_requests(reqs) -> list[SimRequest]:
+    return [SimRequest(r.id, r.arrival_s, r.prompt_tokens, r.max_tokens, r.cls) for r in reqs]
+
+
+def real_latencies(records: list[dict]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for r in records:
+        cls = DEFAULT_CLASSES[r["class"]]
+        rp.judge(r, cls.ttft_slo_s, cls.tpot_slo_s)
+        out[r["id"]] = {"ttft": r["ttft_s"] if r["ok"] else None,
+                        "tpot": r["tpot_s"] if r["ok"] and r["output_tokens"] > 1 else None,
+                        "met": r["slo_met"]}
+    return out
+
+
+def sim_latencies(run, cutoff_s: float) -> dict[str, dict[str, Any]]:
+    out = {}
+    for o in run.outcomes:
+        cls = DEFAULT_CLASSES[o.request.traffic_class]
+        done = o.status == "ok" and o.finish_s <= cutoff_s
+        out[o.request.id] = {
+            "ttft": o.ttft_s if done else None,
+            "tpot": o.tpot_s if done and o.request.output_tokens > 1 else None,
+            "met": done and o.ttft_s <= cls.ttft_slo_s and o.tpot_s <= cls.tpot_slo_s}
+    return out
+
+
+def compare(real: dict, sim: dict) -> dict[str, Any]:
+    """Mean and p99 of TTFT and TPOT over the requests both finished, and attainment."""
+    both = [k for k in real if real[k]["ttft"] is not None and sim[k]["ttft"] is not None]
+    row: dict[str, Any] = {"requests": len(real), "compared": len(both)}
+    for m in ("ttft", "tpot"):
+        xs = [k for k in both if real[k][m] is not None and sim[k][m] is not None]
+        for stat, f in (("mean", statistics.fmean), ("p99", lambda v: rp.percentile(v, 99))):
+            a, b = f([real[k][m] for k in xs]), f([sim[k][m] for k in xs])
+            row[f"{m}_{stat}"] = {"real": a, "sim": b, "error": (b - a) / a if a else None}
+    for name, d in (("real", real), ("sim", sim)):
+        row[f"attainment_{name}"] = sum(v["met"] for v in d.values()) / len(d)
+    return row
+
+
+async def amain(args: argparse.Namespace, cost, fit: dict) -> dict[str, Any]:
+    engine_cfg = dict(SERVER_ENGINE_DEFAULTS)
+    need = max(round(r * args.duration) for r in args.rates) + 2
+    target, _ = await start_engine(engine_cfg)
+    steps: list = []
+    target.engine.on_step = steps.append
+    service = ServiceConfig(num_replicas=1, admission=False, engine=engine_cfg)
+    rows = []
+    try:
+        for i, rate in enumerate(args.rates):
+            # A seed per rate: new prompt ids, so no rate hits the prefix cache of another.
+            window = Window(TRACE, args.window_start, need, Lengths(max_output=128), MIX, seed=i)
+            reqs, _ = window.at_rate(rate, args.duration, f"v{rate:g}")
+            cutoff = args.duration + args.drain
+            steps.clear()
+            run, info = await run_open(target, reqs, cutoff_s=cutoff)
+            step_err = step_errors(cost, steps)
+            sim = Fleet(service, cost).run(sim_requests(reqs))
+            row = compare(real_latencies(run.records), sim_latencies(sim, cutoff))
+            row.update(step_error=step_err, rate=rate, cut_off=info["cut_off"],
+                       preemptions_real=info["preemptions"], preemptions_sim=sim.preemptions)
+            rows.append(row)
+            print(f"rate {rate}: attainment real {row['attainment_real']:.1%} sim "
+                  f"{row['attainment_sim']:.1%}; TTFT mean {row['ttft_mean']['real']:.2f} / "
+                  f"{row['ttft_mean']['sim']:.2f} s", flush=True)
+    finally:
+        await stop_engine(target)
+    return {"fit": fit, "rows": rows, "args": vars(args), "host": platform.node(),
+            "trace": f"{TRACE.name} rows {args.window_start}+{need}, lengths / 8; {ATTRIBUTION}"}
+
+
+def step_errors(cost, records: list) -> dict[str, Any]:
+    """How the cost model predicts the replay's own steps (period against prediction),
+    overall and for decode-only steps: separates cost-model error from schedule error."""
+    out: dict[str, Any] = {}
+    pers = periods(records)
+    for name, keep in (("all", lambda r: True),
+                       ("decode_only", lambda r: r.num_prefill_tokens == 0)):
+        ratios = [cost.step_seconds(StepShape.of_record(r.seqs, r.num_decodes)) / p
+                  for r, p in zip(records, pers) if keep(r) and p > 0]
+        out[name] = {"steps": len(ratios),
+                     "median_predicted_over_real": statistics.median(ratios) if ratios else None}
+    return out
+
+
+def goodput(rows: list[dict], key: str) -> float | None:
+    return max((r["rate"] for r in rows if r[key] >= rp.GOODPUT_ATTAINMENT), default=None)
+
+
+def markdown(rep: dict[str, Any]) -> str:
+    lines = ["# The simulator against the real engine (one run)", "",
+             f"Trace: {rep['trace']}. Calibration: {rep['fit']['steps']} steps, held-out "
+             f"MAPE {rep['fit']['held_out_mape']:.1%}. One replica, the server's engine "
+             "settings, admission off.", "",
+             "| rate (req/s) | metric | real | simulated | error |", "|---:|---|---:|---:|---:|"]
+    for r in rep["rows"]:
+        for m in ("ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99"):
+            v = r[m]
+            lines.append(f"| {r['rate']:g} | {m.replace('_', ' ')} (s) | {v['real']:.3f} | "
+                         f"{v['sim']:.3f} | {v['error']:+.1%} |")
+        lines.append(f"| {r['rate']:g} | attainment | {r['attainment_real']:.1%} | "
+                     f"{r['attainment_sim']:.1%} | |")
+    g_real, g_sim = goodput(rep["rows"], "attainment_real"), goodput(rep["rows"], "attainment_sim")
+    lines += ["", f"Goodput (>= 90% attainment): real {g_real} req/s, simulated {g_sim} req/s.",
+              f"Requests compared per rate: {[r['compared'] for r in rep['rows']]}; cut off "
+              f"(real): {[r['cut_off'] for r in rep['rows']]}; preemptions real / simulated: "
+              f"{[(r['preemptions_real'], r['preemptions_sim']) for r in rep['rows']]}.",
+              "Cost model on the replay's own steps, median predicted / real period (all steps; "
+              "decode-only): " + ", ".join(
+                  f"{r['rate']:g} req/s: {r['step_error']['all']['median_predicted_over_real']:.2f}"
+                  f"; {r['step_error']['decode_only']['median_predicted_over_real']:.2f}"
+                  for r in rep["rows"]) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    print(f"expected duration: about {estimate_s(args) / 60:.0f} min", flush=True)
+    t0 = time.perf_counter()
+    cost, fit = calibrate(EngineConfig(**SERVER_ENGINE_DEFAULTS), args.steps_per_level,
+                          progress=lambda m: print(m, flush=True))
+    print(f"calibrated in {time.perf_counter() - t0:.0f} s: held-out MAPE "
+          f"{fit['held_out_mape']:.1%}", flush=True)
+    rep = asyncio.run(amain(args, cost, fit))
+    md = markdown(rep)
+    print(md)
+    stem = "sim_validation_quick" if args.quick else "sim_validation"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{stem}.md").write_text(md)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(rep, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
