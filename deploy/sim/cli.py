@@ -177,8 +177,8 @@ def run_command(args: argparse.Namespace) -> int:
     if len(summaries) > 1:
         good = [s["offered_rps"] for s in summaries if all_classes_meet(s)]
         report["goodput_rps"] = max(good, default=None)
-        print(f"\ngoodput (every class >= {ATTAINMENT:.0%} attainment): "
-              (f"{report['goodput_rps']:.3f} req/s" if good else "none of these rates"))
+        best = f"{report['goodput_rps']:.3f} req/s" if good else "none of these rates"
+        print(f"\ngoodput (every class >= {ATTAINMENT:.0%} attainment): {best}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     if args.plots:

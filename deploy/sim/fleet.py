@@ -128,6 +128,7 @@ class Fleet:
         self.chooser = ReplicaChooser(self.admission.controller, random.Random(seed))
         self.routed = RoutedSince()
         self.block_size = econfig.block_size
+        self.vocab_size = engines[0].vocab_size
         self.timeline_period_s = timeline_period_s
         self._events: list = []
         self._order = itertools.count()
@@ -175,8 +176,8 @@ class Fleet:
 
     def _shape(self, req: SimRequest) -> RequestShape:
         cls = self.admission.controller.classes[req.traffic_class]
-        hashes = (prefix_hashes(_prompt(req), self.block_size) if self.config.prefix_affinity
-                  else ())
+        hashes = (prefix_hashes(_prompt(req, self.vocab_size), self.block_size)
+                  if self.config.prefix_affinity else ())
         return RequestShape(req.prompt_tokens, req.traffic_class, cls.default_priority, hashes)
 
     def _loads(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
@@ -214,8 +215,8 @@ class Fleet:
         params = SamplingParams(max_tokens=req.output_tokens, ignore_eos=True,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         try:
-            r.engine.add_request(req.id, _prompt(req), params, traffic_class=req.traffic_class,
-                                 arrival_time=self.now)
+            r.engine.add_request(req.id, _prompt(req, self.vocab_size), params,
+                                 traffic_class=req.traffic_class, arrival_time=self.now)
         except ValueError as e:  # RequestRejectedError: too long for any replica
             o.status, o.reason = "rejected", str(e)
             self._pending -= 1
@@ -254,9 +255,10 @@ class Fleet:
             r.stepping = False
 
 
-def _prompt(req: SimRequest) -> list[int]:
+def _prompt(req: SimRequest, vocab_size: int) -> list[int]:
     """Token ids unique to the request in their first block (no prefix is shared: the
     traces have lengths only), built without drawing a random number per token."""
-    n = int(req.id.lstrip("r") or 0) if req.id[1:].isdigit() else hash(req.id) % 10**9
-    head = [1000 + n % 30000, 1000 + n // 30000 % 30000, 1000 + n // 900_000_000]
-    return (head + [5] * req.prompt_tokens)[:req.prompt_tokens]
+    n = int(req.id[1:]) if req.id[1:].isdigit() else int.from_bytes(req.id.encode()[-8:])
+    m = vocab_size - 2
+    head = [2 + n % m, 2 + n // m % m, 2 + n // (m * m) % m]
+    return (head + [1] * req.prompt_tokens)[:req.prompt_tokens]

@@ -140,7 +140,10 @@ def search_command(args: argparse.Namespace, config: ServiceConfig, cost) -> int
     print(f"searching: up to {args.max_replicas} replicas, then {len(grid(config.engine))} "
           "engine settings per replica count")
     r = Runner(config, cost, spec, args.routing, args.seed)
-    found = search(r, args.max_replicas)
+    try:
+        found = search(r, args.max_replicas)
+    finally:
+        r.pool.shutdown()
     if found is None:
         print(f"no plan: {args.max_replicas} replicas miss {ATTAINMENT:.0%} attainment")
         return 1

@@ -1,0 +1,219 @@
+"""The simulator: the real scheduler, admission and router in virtual time."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from deploy.cli import main as cli_main
+from deploy.config import ServiceConfig
+from deploy.sim.fleet import Fleet, _prompt
+from deploy.sim.report import summarize
+from deploy.sim.trace import SimRequest, TraceSpec, load_requests, parse_mix
+from engine import LLMEngine, RequestOutputKind, SamplingParams
+from engine.config import EngineConfig, GuardRule
+from engine.sim import LinearCost, RooflineCost, SimClock, SimRunner, SimTokenizer, StepShape
+from engine.sim.cost import fit_linear
+from policies.slo_guard import RULES
+
+CLASSES = {"interactive": {"ttft_slo_s": 1.0, "tpot_slo_s": 0.1},
+           "batch": {"ttft_slo_s": 20.0, "tpot_slo_s": 1.0}}
+
+
+@dataclass(frozen=True)
+class FixedCost:
+    """``a + b * prefill tokens + c * decodes`` seconds a step, a small KV cache."""
+
+    a: float = 0.03
+    b: float = 0.001
+    c: float = 0.004
+    num_kv_blocks: int = 128
+    max_model_len: int = 2048
+    vocab_size: int = 1000
+
+    def step_seconds(self, shape: StepShape) -> float:
+        return self.a + self.b * shape.prefill_tokens + self.c * shape.decode_seqs
+
+
+def trace(n: int = 40, gap: float = 0.05) -> list[SimRequest]:
+    return [SimRequest(f"r{i}", i * gap, 8 + 37 * i % 200, 2 + 11 * i % 30,
+                       "interactive" if i % 3 else "batch") for i in range(n)]
+
+
+def service(**kw) -> ServiceConfig:
+    engine = {"block_size": 4, "max_num_batched_tokens": 64, "max_num_seqs": 8,
+              "traffic_classes": CLASSES} | kw.pop("engine", {})
+    return ServiceConfig(**({"num_replicas": 1, "admission": False, "engine": engine} | kw))
+
+
+def direct_steps(config: EngineConfig, cost, requests: list[SimRequest]) -> list:
+    """The engine alone on a fake clock, requests added at their arrivals."""
+    clock = SimClock()
+    engine = LLMEngine(config, runner=SimRunner(cost, clock), tokenizer=SimTokenizer(),
+                       clock=clock)
+    records: list = []
+    engine.on_step = records.append
+    todo = list(requests)
+    while todo or engine.has_unfinished_requests():
+        while todo and todo[0].arrival_s <= clock.t:
+            r = todo.pop(0)
+            engine.add_request(r.id, _prompt(r, cost.vocab_size), SamplingParams(
+                max_tokens=r.output_tokens, ignore_eos=True,
+                output_kind=RequestOutputKind.FINAL_ONLY), traffic_class=r.traffic_class,
+                arrival_time=r.arrival_s)
+        if not engine.has_unfinished_requests():
+            clock.t = todo[0].arrival_s
+            continue
+        engine.step()
+    return records
+
+
+def test_the_simulator_makes_the_engines_decisions_step_for_step():
+    requests = trace()
+    config = service()
+    fleet = Fleet(config, FixedCost())
+    simulated: list = []
+    fleet.replicas[0].engine.on_step = simulated.append
+    run = fleet.run(requests)
+    direct = direct_steps(config.engine_config(), FixedCost(), requests)
+    assert len(direct) > 50
+    assert simulated == direct  # every step: shape, times, guard plan, preemptions
+    assert all(o.status == "ok" for o in run.outcomes)
+    assert run.preemptions > 0  # the small cache makes the comparison cover preemption
+    bm = fleet.replicas[0].engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    bm.check()
+
+
+def test_a_run_is_deterministic_and_spreads_over_replicas():
+    config = service(num_replicas=3, admission=True)
+    first = Fleet(config, FixedCost(), seed=7).run(trace(90, 0.02))
+    second = Fleet(config, FixedCost(), seed=7).run(trace(90, 0.02))
+    key = [(o.status, o.replica, o.first_token_s, o.finish_s) for o in first.outcomes]
+    assert key == [(o.status, o.replica, o.first_token_s, o.finish_s) for o in second.outcomes]
+    assert {o.replica for o in first.outcomes if o.status == "ok"} == {0, 1, 2}
+
+
+def test_overload_is_refused_by_admission_and_no_request_is_lost():
+    heavy = [SimRequest(f"r{i}", i * 0.01, 200, 20, "interactive") for i in range(120)]
+    on = Fleet(service(admission=True), FixedCost()).run(heavy)
+    off = Fleet(service(admission=False), FixedCost()).run(heavy)
+    classes = service().traffic_classes()
+    s_on, s_off = summarize(on, classes), summarize(off, classes)
+    assert {o.status for o in on.outcomes} == {"ok", "refused"}
+    assert all(o.status == "ok" for o in off.outcomes)
+    refused = s_on["classes"]["interactive"]["refused"]
+    assert 0 < refused < 120
+    # What admission let in met its SLOs far more often than the unguarded queue did.
+    admitted_met = s_on["classes"]["interactive"]["goodput_rps"]
+    assert admitted_met > s_off["classes"]["interactive"]["goodput_rps"]
+
+
+def test_requests_too_long_for_a_replica_are_rejected_not_lost():
+    reqs = [SimRequest("r0", 0.0, 4000, 10, "batch"), SimRequest("r1", 0.1, 10, 5, "batch")]
+    run = Fleet(service(), FixedCost()).run(reqs)
+    assert [o.status for o in run.outcomes] == ["rejected", "ok"]
+
+
+def test_the_linear_fit_recovers_known_coefficients_and_stays_non_negative():
+    truth = (0.04, 0.0015, 0.002, 0.00002, 0.0008)
+    shapes = [StepShape(p, d, d * ctx, p * ctx + p * (p + 1) / 2, 1 if p else 0)
+              for p in (0, 16, 128, 512) for d in (1, 4, 16) for ctx in (50, 400)]
+    seconds = [sum(t * f for t, f in zip(truth, s.features())) for s in shapes]
+    fitted = fit_linear(shapes, seconds)
+    assert fitted == pytest.approx(truth, rel=1e-6)
+    # A feature that only lowers the error with a negative slope is held at 0.
+    noisy = [t - 0.0001 * s.decode_context_tokens for t, s in zip(seconds, shapes)]
+    assert min(fit_linear(shapes, noisy)) >= 0
+
+
+def test_a_calibration_file_round_trips(tmp_path):
+    cost = LinearCost((0.04, 0.001, 0.002, 0.0, 0.0005), 1000, 16, 8192, 49152, "test")
+    cost.save(tmp_path / "c.json")
+    assert LinearCost.load(tmp_path / "c.json") == cost
+    (tmp_path / "bad.json").write_text(json.dumps({"kind": "other"}))
+    with pytest.raises(ValueError, match="not a calibrated cost model"):
+        LinearCost.load(tmp_path / "bad.json")
+
+
+def test_the_roofline_is_bandwidth_bound_in_decode_and_compute_bound_in_prefill():
+    h200 = RooflineCost.named("8b", "h200", step_overhead_s=0.0)
+    m = h200.model
+    assert m.params == pytest.approx(8.03e9, rel=0.01)
+    decode = h200.step_seconds(StepShape(0, 8, 8 * 1000, 0, 0))
+    weights_s = m.weight_bytes / (h200.gpu.bandwidth_bytes_s * h200.decode_efficiency)
+    assert weights_s < decode < 1.2 * weights_s
+    prefill = h200.step_seconds(StepShape(8192, 0, 0, 8192 * 8193 / 2, 1))
+    assert prefill == pytest.approx(2 * m.matmul_params * 8192 / (989e12 * 0.6), rel=0.3)
+    h100 = RooflineCost.named("8b", "h100-sxm", step_overhead_s=0.0)
+    assert h100.step_seconds(StepShape(0, 8, 8000, 0, 0)) > decode  # less bandwidth
+    assert h200.num_kv_blocks > RooflineCost.named("8b", "h100-sxm").num_kv_blocks > 0
+    assert RooflineCost.named("70b", "h100-sxm").num_kv_blocks == 0  # weights do not fit
+    assert RooflineCost.named("70b", "h100-sxm", tensor_parallel=4).num_kv_blocks > 0
+    with pytest.raises(ValueError, match="unknown model"):
+        RooflineCost.named("13b", "h200")
+
+
+def test_each_guard_rule_can_be_switched_off_alone():
+    assert set(GuardRule.__args__) == set(RULES)
+    # Batch decodes fill the replica, then interactive requests arrive: their TPOT limit
+    # binds, and the guard sheds batch decodes for them.
+    burst = ([SimRequest(f"r{i}", 0.0, 20, 80, "batch") for i in range(24)]
+             + [SimRequest(f"r{24 + i}", 1.0 + 0.05 * i, 30, 20, "interactive")
+                for i in range(8)])
+    runs = {}
+    for off in ((), ("cap",), ("shed",)):
+        config = service(engine={"policy": "priority", "tpot_slo_guard": True,
+                                 "max_num_seqs": 32, "tpot_slo_guard_rules_off": list(off)})
+        fleet = Fleet(config, FixedCost(num_kv_blocks=1024))
+        steps: list = []
+        fleet.replicas[0].engine.on_step = steps.append
+        fleet.run(burst)
+        runs[off] = steps
+    assert any(r.prefill_cap < math.inf for r in runs[()])
+    assert all(r.prefill_cap == math.inf for r in runs[("cap",)])
+    assert any(r.shed for r in runs[()]) and not any(r.shed for r in runs[("shed",)])
+    with pytest.raises(ValueError):
+        EngineConfig(tpot_slo_guard_rules_off=["nonsense"])
+
+
+def test_traces_are_windowed_rescaled_and_classed(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"arrival_s": t, "prompt_tokens": 80,
+                                        "output_tokens": 9}) + "\n" for t in range(10)))
+    reqs = load_requests(TraceSpec(str(path), window_start_s=2, duration_s=4, rate_scale=2,
+                                   length_scale=8, mix=parse_mix("interactive=1,batch=1")))
+    assert [r.arrival_s for r in reqs] == [0.0, 0.5, 1.0, 1.5]
+    assert {(r.prompt_tokens, r.output_tokens) for r in reqs} == {(10, 1)}
+    assert {r.traffic_class for r in reqs} <= {"interactive", "batch"}
+    path.write_text('{"arrival_s": 1}\n')
+    with pytest.raises(ValueError, match="t.jsonl:1"):
+        load_requests(TraceSpec(str(path)))
+    with pytest.raises(ValueError, match="name=weight"):
+        parse_mix("interactive")
+
+
+def test_the_command_line_reports_a_sweep_and_a_search(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"arrival_s": i * 0.2, "prompt_tokens": 40 + i % 50,
+                                        "output_tokens": 5 + i % 7, "class": "interactive"})
+                            + "\n" for i in range(60)))
+    cost = tmp_path / "cost.json"
+    LinearCost((0.03, 0.001, 0.004, 0.0, 0.0), 512, 16, 2048, 1000).save(cost)
+    out = tmp_path / "r.json"
+    assert cli_main(["simulate", "--trace", str(path), "--cost-model", str(cost),
+                     "--rate-scale", "1,8", "--slo", "interactive=0.5,0.1",
+                     "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    first, second = report["runs"]
+    assert first["classes"]["interactive"]["attainment"] == 1.0
+    assert second["classes"]["interactive"]["attainment"] < 0.9
+    assert report["goodput_rps"] == pytest.approx(first["offered_rps"])
+    assert cli_main(["simulate", "--trace", str(path), "--cost-model", str(cost),
+                     "--rate-scale", "8", "--slo", "interactive=0.5,0.1", "--search",
+                     "--max-replicas", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "num_replicas:" in text and "config:\n  num_replicas:" in text
