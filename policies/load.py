@@ -68,7 +68,12 @@ class LoadSnapshot:
         for cls, n in queued:
             waiting[cls] = waiting.get(cls, 0) + 1
             tokens[cls] = tokens.get(cls, 0) + n
-        return dataclasses.replace(self, waiting_requests=waiting, waiting_prefill_tokens=tokens)
+        # A shallow copy of the fields, not dataclasses.replace (which re-runs __init__):
+        # admission re-decides held requests against every replica many times a second.
+        out = object.__new__(LoadSnapshot)
+        out.__dict__.update(self.__dict__, waiting_requests=waiting,
+                            waiting_prefill_tokens=tokens)
+        return out
 
     @property
     def total_running(self) -> int:

@@ -8,6 +8,8 @@ predict with it. Pure Python, no torch.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import statistics
 from collections import deque
@@ -84,6 +86,8 @@ class StepTimeModel:
         """Sums over the window, for the normal equations (:meth:`_add`)."""
         self._since_resum = 0
         self._ratios: deque[float] = deque(maxlen=window)
+        self._ranked: list[float] = []
+        """``_ratios`` in ascending order (for :meth:`worst_ratio`'s quantile)."""
         """Measured / predicted seconds of the window's steps, each predicted before it
         was observed; the last ``LOCAL_RATIO_STEPS`` are the recent ones."""
 
@@ -105,7 +109,10 @@ class StepTimeModel:
         if len(self._obs) >= self.min_samples:
             predicted = self.predict(prefill_tokens, decode_seqs)
             if predicted > 0:
+                if len(self._ratios) == self._ratios.maxlen:
+                    del self._ranked[bisect.bisect_left(self._ranked, self._ratios[0])]
                 self._ratios.append(seconds / predicted)
+                bisect.insort(self._ranked, seconds / predicted)
         if len(self._obs) == self._obs.maxlen:
             self._add(*self._obs[0], sign=-1.0)
         obs = (float(prefill_tokens), float(decode_seqs), float(seconds))
@@ -123,8 +130,15 @@ class StepTimeModel:
 
     def _add(self, p: float, d: float, y: float, sign: float = 1.0) -> None:
         """Update the window's sums (of p, d, pp, pd, dd, y, py, dy) by one step."""
-        for i, v in enumerate((p, d, p * p, p * d, d * d, y, p * y, d * y)):
-            self._sums[i] += sign * v
+        s = self._sums
+        s[0] += sign * p
+        s[1] += sign * d
+        s[2] += sign * p * p
+        s[3] += sign * p * d
+        s[4] += sign * d * d
+        s[5] += sign * y
+        s[6] += sign * p * y
+        s[7] += sign * d * y
 
     def local_ratio(self) -> float:
         """Median of measured / predicted seconds over the last ``LOCAL_RATIO_STEPS``
@@ -142,12 +156,12 @@ class StepTimeModel:
         steps need not show: 2x on a shared CPU), clamped to [0.5, 3]; 1.0 before any."""
         if not self._ratios:
             return 1.0
-        ranked = sorted(self._ratios)
+        ranked = self._ranked
         tail = ranked[int(TAIL_RATIO_QUANTILE * (len(ranked) - 1))]
         return min(3.0, max(0.5, max(self._recent_ratios()), tail))
 
     def _recent_ratios(self) -> list[float]:
-        return list(self._ratios)[-LOCAL_RATIO_STEPS:]
+        return list(itertools.islice(reversed(self._ratios), LOCAL_RATIO_STEPS))
 
     def coefficients(self) -> tuple[float, float, float]:
         """(a s, b s/prefill token, c s/decode sequence), each >= 0."""
@@ -177,21 +191,41 @@ class StepTimeModel:
         sol = _solve(h, g)
         if sol is not None and min(sol) >= 0:
             return (sol[0], sol[1], sol[2])
+        if sol is not None:
+            # Usually one coefficient goes negative (no prefill in the window, say):
+            # clamp it to 0 and check the optimality conditions before enumerating.
+            free = tuple(i for i in range(3) if sol[i] > 0)
+            x = _on_free_set(h, g, free)
+            if x is not None and all(sum(h[i][j] * x[j] for j in range(3)) - g[i] >= 0
+                                     for i in range(3) if i not in free):
+                return x
         # Minimise 0.5 x'Hx - g'x subject to x >= 0 by enumerating the free sets: the
         # constrained optimum is the unconstrained optimum on its own free set.
         best, best_obj = (0.0, 0.0, 0.0), 0.0  # x = 0 is feasible with objective 0
         for free in _FREE_SETS:
-            sol = _solve([[h[i][j] for j in free] for i in free], [g[i] for i in free])
-            if sol is None or min(sol) < 0:
+            x = _on_free_set(h, g, free)
+            if x is None:
                 continue
             # At the optimum on a free set H_F x_F = g_F, so the objective is -g_F.x_F / 2.
-            obj = -0.5 * sum(g[i] * v for i, v in zip(free, sol))
+            obj = -0.5 * sum(g[i] * x[i] for i in free)
             if obj < best_obj:
-                x = [0.0, 0.0, 0.0]
-                for i, v in zip(free, sol):
-                    x[i] = v
-                best, best_obj = (x[0], x[1], x[2]), obj
+                best, best_obj = x, obj
         return best
+
+
+def _on_free_set(h: list[list[float]], g: list[float],
+                 free: tuple[int, ...]) -> tuple[float, float, float] | None:
+    """The minimiser of ``0.5 x'Hx - g'x`` with the coefficients outside ``free`` at 0;
+    None when it is not >= 0 (or the system is singular)."""
+    if not free:
+        return None
+    sol = _solve([[h[i][j] for j in free] for i in free], [g[i] for i in free])
+    if sol is None or min(sol) < 0:
+        return None
+    x = [0.0, 0.0, 0.0]
+    for i, v in zip(free, sol):
+        x[i] = v
+    return (x[0], x[1], x[2])
 
 
 def predict_step(coefficients: tuple[float, float, float], prefill_tokens: float,
