@@ -64,9 +64,19 @@ class LoadSnapshot:
 
         Requests that reached (or are on their way to) the replica after the snapshot was
         taken; the snapshot itself is left unchanged."""
-        waiting, tokens = dict(self.waiting_requests), dict(self.waiting_prefill_tokens)
+        totals: dict[str, tuple[int, int]] = {}
         for cls, n in queued:
-            waiting[cls] = waiting.get(cls, 0) + 1
+            count, tokens = totals.get(cls, (0, 0))
+            totals[cls] = (count + 1, tokens + n)
+        return self.with_queued_totals(totals)
+
+    def with_queued_totals(self, totals: Mapping[str, tuple[int, int]]) -> LoadSnapshot:
+        """A copy with, per traffic class, ``(requests, prompt tokens)`` more waiting."""
+        if not totals:
+            return self
+        waiting, tokens = dict(self.waiting_requests), dict(self.waiting_prefill_tokens)
+        for cls, (count, n) in totals.items():
+            waiting[cls] = waiting.get(cls, 0) + count
             tokens[cls] = tokens.get(cls, 0) + n
         # A shallow copy of the fields, not dataclasses.replace (which re-runs __init__):
         # admission re-decides held requests against every replica many times a second.

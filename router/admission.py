@@ -11,6 +11,7 @@ is refused only at its hard queue cap).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import time
 from collections import Counter
@@ -60,6 +61,9 @@ class IngressAdmission:
         self._held: dict[int, tuple[str, float, int]] = {}
         """Requests held now: a token -> (class, arrival, prompt tokens)."""
         self._tokens = itertools.count()
+        self._index: tuple[list[float], list[dict[str, tuple[int, int]]]] | None = None
+        """Arrival times of the held requests, sorted, and per-class totals before each
+        (:meth:`_ahead`); None: rebuild."""
 
     @property
     def held(self) -> dict[str, int]:
@@ -114,10 +118,12 @@ class IngressAdmission:
         :meth:`release` with the returned token."""
         token = next(self._tokens)
         self._held[token] = (traffic_class, arrival_s, prompt_tokens)
+        self._index = None
         return token
 
     def release(self, token: int) -> None:
         del self._held[token]
+        self._index = None
 
     def decide(self, snaps: list[tuple[LoadSnapshot, int]], traffic_class: str,
                prompt_tokens: int, max_tokens: int, priority: int,
@@ -145,4 +151,21 @@ class IngressAdmission:
         block each other for ever. Conservative across replicas: each replica counts
         all of them (requests and prompt tokens), as any may go there.
         """
-        return snap.with_queued((cls, n) for cls, t, n in self._held.values() if t < arrival_s)
+        return snap.with_queued_totals(self._ahead(arrival_s))
+
+    def _ahead(self, arrival_s: float) -> dict[str, tuple[int, int]]:
+        """Held requests that arrived before ``arrival_s``: per class, (requests, prompt
+        tokens). From running totals over the held requests in arrival order, rebuilt
+        only when the held set changes: every held request is re-decided 20 times a
+        second, and summing the held set each time grows with its square."""
+        if self._index is None:
+            entries = sorted((t, cls, n) for cls, t, n in self._held.values())
+            totals: list[dict[str, tuple[int, int]]] = [{}]
+            for _, cls, n in entries:
+                row = dict(totals[-1])
+                count, tokens = row.get(cls, (0, 0))
+                row[cls] = (count + 1, tokens + n)
+                totals.append(row)
+            self._index = ([t for t, _, _ in entries], totals)
+        times, totals = self._index
+        return totals[bisect.bisect_left(times, arrival_s)]

@@ -99,12 +99,13 @@ async def test_earlier_held_requests_count_ahead_with_their_prompts():
     assert await adm.admit(uncached(loads), "standard", 10, 16, 1, adm.clock()) < 0.1
     # Requests held since earlier with 1800 prompt tokens would go first: over the SLO
     # together (TTFT 5.07 s), so a later one is held too ...
-    adm._held.update({-1: ("standard", 0.0, 900), -2: ("standard", 0.0, 900)})
+    earlier = [adm.hold("standard", 0.0, 900), adm.hold("standard", 0.0, 900)]
     task = asyncio.create_task(adm.admit(uncached(loads), "standard", 10, 16, 1, adm.clock()))
     await asyncio.sleep(0.2)
     assert not task.done()
     # ... until they are sent on.
-    del adm._held[-1], adm._held[-2]
+    for token in earlier:
+        adm.release(token)
     assert await asyncio.wait_for(task, 2) >= 0.2
 
 

@@ -217,3 +217,19 @@ def test_the_command_line_reports_a_sweep_and_a_search(tmp_path, capsys):
                      "--max-replicas", "8"]) == 0
     text = capsys.readouterr().out
     assert "num_replicas:" in text and "config:\n  num_replicas:" in text
+
+
+def test_held_requests_re_decided_only_on_change_get_the_same_answers():
+    heavy = [SimRequest(f"r{i}", i * 0.01, 100 + i % 150, 20, ("interactive", "batch")[i % 2])
+             for i in range(150)]
+    config = service(num_replicas=2, admission=True)
+    runs = []
+    for fast in (True, False):
+        fleet = Fleet(config, FixedCost(), seed=1)
+        fleet.fast_holds = fast
+        outcomes = fleet.run(heavy).outcomes
+        runs.append([(o.status, o.replica, o.routed_s, o.finish_s) for o in outcomes])
+    assert runs[0] == runs[1]
+    assert {s for s, *_ in runs[0]} == {"ok", "refused"}
+    held = [o for o in outcomes if o.routed_s is not None and o.routed_s > o.request.arrival_s]
+    assert len(held) > 10  # admitted after a hold: the polls were exercised

@@ -52,6 +52,8 @@ class Outcome:
     finish_s: float | None = None
     reason: str = ""
     shape: RequestShape | None = None
+    seen: int = -1
+    """The fleet's load version at this request's last admission decision."""
 
     @property
     def ttft_s(self) -> float | None:
@@ -135,6 +137,11 @@ class Fleet:
         self._held: dict[str, int] = {}
         self._timeline: list[KvSample] = []
         self._pending = 0
+        self._version = 0
+        """Bumped whenever what admission reads changes: a snapshot, a routing, a held
+        request leaving; held requests are re-decided in full only after a change."""
+        self.fast_holds = True
+        """False: re-decide every held request in full at every poll (tests compare)."""
 
     def run(self, requests: list[SimRequest]) -> SimRun:
         """Replay ``requests`` (sorted by arrival) to the end; every request's outcome."""
@@ -165,6 +172,7 @@ class Fleet:
         return self._pending > 0 or any(r.stepping for r in self.replicas)
 
     def _publish(self) -> None:
+        self._version += 1
         keep = self.now // self.timeline_period_s != (
             (self.now - self.config.routing_stats_period_s) // self.timeline_period_s)
         for i, r in enumerate(self.replicas):
@@ -194,23 +202,45 @@ class Fleet:
             if req.id not in self._held:
                 self._held[req.id] = self.admission.hold(req.traffic_class, req.arrival_s,
                                                          req.prompt_tokens)
+            elif self.fast_holds and o.seen == self._version and self._waits_on(o):
+                self._push(self.now + POLL_S, _ARRIVAL, o)
+                return
+            o.seen = self._version
             d = self.admission.decide(self._loads(shape), req.traffic_class, req.prompt_tokens,
                                       req.output_tokens, shape.priority, req.arrival_s)
             if not isinstance(d, Admit | Reject):
                 self._push(self.now + POLL_S, _ARRIVAL, o)
                 return
             self.admission.release(self._held.pop(req.id))
+            self._version += 1  # one held ahead of others fewer
             if isinstance(d, Reject):
                 o.status, o.reason = "refused", d.reason
                 self._pending -= 1
                 return
         self._route(o, shape)
 
+    def _waits_on(self, o: Outcome) -> bool:
+        """Whether a held request, re-decided on the same loads as its last decision (a
+        Wait), would get Wait again: time alone only shrinks its TTFT budget, so it is
+        not admitted; it is refused once every replica says it waited its class's
+        ``max_queue_wait_s`` or is past reach (``AdmissionController._lost``)."""
+        req = o.request
+        cls = self.admission.controller.classes[req.traffic_class]
+        waited = self.now - req.arrival_s
+        if not cls.rejectable:
+            return True
+        if waited >= cls.max_queue_wait_s:
+            return False
+        lost = self.admission.controller._lost
+        return not all(lost(s, cls, req.prompt_tokens - cached, waited)
+                       for s, cached in self._loads(o.shape))
+
     def _route(self, o: Outcome, shape: RequestShape) -> None:
         i = self._choose(shape)
         r = self.replicas[i]
         req = o.request
         self.routed.record(i, self.now, shape)
+        self._version += 1
         self.chooser.prefixes.record(shape.prefix_hashes, i)
         params = SamplingParams(max_tokens=req.output_tokens, ignore_eos=True,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
