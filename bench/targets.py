@@ -1,6 +1,7 @@
 """The load generator's targets: iterserve's engine in this process, or any OpenAI endpoint.
 
-Both implement :class:`loadgen.Target`; the simulator will be a third.
+Both implement :class:`loadgen.Target`; the simulator (``deploy/sim``) takes the same
+requests directly (``bench/sim_validate.py``).
 """
 
 from __future__ import annotations
