@@ -207,18 +207,25 @@ class TpotGuard:
                 decoding.append(req)
         if math.isinf(slo):
             return GuardPlan(shed=tuple(shed))
-        shed_ids = {r.request_id for r in shed}
         limits = self._decode_limits(decoding, now, ratio / model.worst_ratio())
-        line = prompt_line(order, waiting_order, now, self.policy,
-                           lambda r: r.request_id not in shed_ids and prefilling(r))
-        owed = [r for urgent, req in line for r in (*urgent, req)
-                if r is not None and not r.output_token_ids
-                and not self.policy.outranks(limits.binder, r)] if "owed" not in self.off else []
+        owed = self._owed(order, waiting_order, now, prefilling, shed, limits.binder)
         cap, owed_cap, deferred = self._caps(decoding, owed, limits, slo, now)
         if "cap" in self.off:
             cap = owed_cap = math.inf
         return GuardPlan(cap=cap, owed=owed_cap, slo=slo, binder=limits.binder,
                          deferred=frozenset(deferred), shed=tuple(shed))
+
+    def _owed(self, order: Sequence[Req], waiting_order: Sequence[Req], now: float,
+              prefilling: Callable[[Req], bool], shed: list[Req], binder: Req) -> list[Req]:
+        """Prompts owed their TTFT SLO, in line: those ``binder`` does not outrank."""
+        if "owed" in self.off:
+            return []
+        shed_ids = {r.request_id for r in shed}
+        line = prompt_line(order, waiting_order, now, self.policy,
+                           lambda r: r.request_id not in shed_ids and prefilling(r))
+        return [r for urgent, req in line for r in (*urgent, req)
+                if r is not None and not r.output_token_ids
+                and not self.policy.outranks(binder, r)]
 
     def _tokens_within(self, limit: float, decodes: int) -> float:
         """Prefill tokens that keep a step with ``decodes`` decodes within ``limit`` s."""
