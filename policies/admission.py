@@ -258,7 +258,7 @@ class AdmissionController:
         (:meth:`_lost`): Wait for the rest of it. Else Reject a rejectable class,
         with a Retry-After of the predicted time until the queue ahead has drained enough
         to admit a fresh request (at least 1 s, whole seconds; assumes nothing more urgent
-        arrives meanwhile); a non-rejectable class Waits again, for at most that long.
+        arrives meanwhile); a non-rejectable class Waits again, for its ``max_queue_wait_s``.
 
         Args:
             prompt_tokens: the request's prompt length in tokens.
@@ -287,10 +287,11 @@ class AdmissionController:
                           f"{cls.name}: queue at its cap of {cap} requests", "queue_cap")
         if waited_s < cls.max_queue_wait_s and not self._lost(s, cls, prompt_tokens, waited_s):
             return Wait(cls.max_queue_wait_s - waited_s, reason)
-        retry = self._retry_after(s, cls, load, prompt_tokens)
         if cls.rejectable:
-            return Reject(retry, reason, failed[0][0])
-        return Wait(min(cls.max_queue_wait_s, retry), reason)
+            return Reject(self._retry_after(s, cls, load, prompt_tokens), reason, failed[0][0])
+        # Held again and re-decided as loads change: a drain estimate would only bound the
+        # hold, and its search cost grew with every held request's every re-decision.
+        return Wait(cls.max_queue_wait_s, reason)
 
     def _lost(self, s: LoadSnapshot, cls: TrafficClass, prompt_tokens: int,
               waited_s: float) -> bool:
