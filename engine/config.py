@@ -8,9 +8,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies import SchedulingPolicy, policy_from_spec
+from policies.slo_guard import RULES
 
-GuardRule = Literal["shed", "cap", "credit", "owed", "lend", "sit_out", "last_gap", "deadline"]
-"""``policies.slo_guard.RULES`` (a test keeps the two equal)."""
+GuardRule = Literal[RULES]
+"""A name in ``policies.slo_guard.RULES``."""
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 

@@ -70,12 +70,12 @@ class ReplicaChooser:
 
     Args:
         admission: predicts a request's TTFT on a replica's snapshot.
-        rng: draws the pair (seeded in the simulator; the module's own in Serve).
+        rng: draws the pair (seeded in the simulator; None: a generator seeded by the OS).
     """
 
     def __init__(self, admission: AdmissionController, rng: random.Random | None = None) -> None:
         self.admission = admission
-        self.rng = rng or random._inst  # the module-level generator, as random.sample uses
+        self.rng = rng or random.Random()
         self.prefixes = PrefixMap()
         """Which replicas were sent which prompt prefixes (:mod:`router.prefix`)."""
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from deploy.config import ServiceConfig
 from deploy.sim import ROUTING
 from deploy.sim.trace import SimRequest
-from engine import RequestOutputKind, SamplingParams
+from engine import LLMEngine, RequestOutputKind, SamplingParams
 from engine.sim import SimClock, sim_engine
 from policies import Admit, LoadSnapshot, Reject
 from router.admission import POLL_S, IngressAdmission
@@ -91,8 +91,7 @@ class SimRun:
 
 @dataclass(slots=True)
 class _Replica:
-    engine: object
-    clock: SimClock
+    engine: LLMEngine
     snap: LoadSnapshot | None = None
     stepping: bool = False
     live: dict[str, Outcome] = field(default_factory=dict)
@@ -122,7 +121,7 @@ class Fleet:
         self.now = 0.0
         econfig = config.engine_config()
         engines = [sim_engine(econfig, cost, SimClock()) for _ in range(config.num_replicas)]
-        self.replicas = [_Replica(e, e.clock) for e in engines]
+        self.replicas = [_Replica(e) for e in engines]
         classes = config.traffic_classes()
         policy = econfig.make_policy()
         self.admission = IngressAdmission(classes, policy=policy, enabled=config.admission,
@@ -256,8 +255,9 @@ class Fleet:
         self._pending -= 1
         if not r.stepping:
             r.stepping = True
-            r.clock.t = max(r.clock.t, self.now)
-            self._push(r.clock.t, _STEP, i)
+            clock = r.engine.clock
+            clock.t = max(clock.t, self.now)
+            self._push(clock.t, _STEP, i)
 
     def _choose(self, shape: RequestShape) -> int:
         ids = range(len(self.replicas))
@@ -271,7 +271,8 @@ class Fleet:
 
     def _step(self, i: int) -> None:
         r = self.replicas[i]
-        r.clock.t = self.now
+        clock = r.engine.clock
+        clock.t = self.now
         for out in r.engine.step():
             if out.finished:
                 o = r.live.pop(out.request_id)
@@ -279,8 +280,8 @@ class Fleet:
                 o.first_token_s, o.finish_s = out.metrics.first_token_time, out.metrics.finish_time
         if r.engine.has_unfinished_requests():
             if r.engine.last_step_num_tokens == 0:
-                r.clock.t = self.now + IDLE_STEP_S
-            self._push(r.clock.t, _STEP, i)
+                clock.t = self.now + IDLE_STEP_S
+            self._push(clock.t, _STEP, i)
         else:
             r.stepping = False
 

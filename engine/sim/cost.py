@@ -52,27 +52,24 @@ class StepShape:
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepShape:
         """The shape of a scheduler's step (decodes come first in ``out.seqs``)."""
-        decodes = out.seqs[:out.num_decodes]
-        prefills = out.seqs[out.num_decodes:]
-        return cls(
-            prefill_tokens=sum(s.num_tokens for s in prefills),
-            decode_seqs=len(decodes),
-            decode_context_tokens=sum(s.start + 1 for s in decodes),
-            prefill_attention_pairs=sum(s.num_tokens * s.start + s.num_tokens
-                                        * (s.num_tokens + 1) / 2 for s in prefills),
-            prefill_seqs=len(prefills),
-        )
+        return cls.of_spans([(s.start, s.num_tokens) for s in out.seqs], out.num_decodes)
 
     @classmethod
     def of_record(cls, seqs: tuple[tuple[str, int, int], ...], num_decodes: int) -> StepShape:
         """The shape from a :class:`engine.interfaces.StepRecord`'s ``seqs`` (id, start,
         tokens), decodes first."""
-        decodes, prefills = seqs[:num_decodes], seqs[num_decodes:]
+        return cls.of_spans([(start, n) for _, start, n in seqs], num_decodes)
+
+    @classmethod
+    def of_spans(cls, spans: list[tuple[int, int]], num_decodes: int) -> StepShape:
+        """The shape of ``(first position, tokens)`` per scheduled sequence, the
+        ``num_decodes`` decodes first."""
+        decodes, prefills = spans[:num_decodes], spans[num_decodes:]
         return cls(
-            prefill_tokens=sum(n for _, _, n in prefills),
+            prefill_tokens=sum(n for _, n in prefills),
             decode_seqs=len(decodes),
-            decode_context_tokens=sum(s + 1 for _, s, _ in decodes),
-            prefill_attention_pairs=sum(n * s + n * (n + 1) / 2 for _, s, n in prefills),
+            decode_context_tokens=sum(start + 1 for start, _ in decodes),
+            prefill_attention_pairs=sum(n * start + n * (n + 1) / 2 for start, n in prefills),
             prefill_seqs=len(prefills),
         )
 
