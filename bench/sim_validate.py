@@ -51,13 +51,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--window-start", type=int, default=3000, help="first trace row")
-    ap.add_argument("--rates", default=None, help="req/s, comma-separated (default 0.4,0.8,1.4)")
+    ap.add_argument("--rates", default=None,
+                    help="req/s, comma-separated (default 0.4,1.2,2.4: light, near and past "
+                         "capacity)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate")
     ap.add_argument("--drain", type=float, default=60.0)
     ap.add_argument("--steps-per-level", type=int, default=None)
     args = ap.parse_args(argv)
     args.rates = [float(x) for x in (args.rates or ("0.4,0.8" if args.quick
-                                                     else "0.4,0.8,1.4")).split(",")]
+                                                     else "0.4,1.2,2.4")).split(",")]
     args.duration = args.duration or (60.0 if args.quick else 150.0)
     args.steps_per_level = args.steps_per_level or (15 if args.quick else 40)
     return args

@@ -125,8 +125,25 @@ def test_the_linear_fit_recovers_known_coefficients_and_stays_non_negative():
     fitted = fit_linear(shapes, seconds)
     assert fitted == pytest.approx(truth, rel=1e-6)
     # A feature that only lowers the error with a negative slope is held at 0.
-    noisy = [t - 0.0001 * s.decode_context_tokens for t, s in zip(seconds, shapes)]
+    noisy = [t - 0.00003 * s.decode_context_tokens for t, s in zip(seconds, shapes)]
     assert min(fit_linear(shapes, noisy)) >= 0
+
+
+def test_the_linear_fit_weighs_errors_relative_to_each_step():
+    # One long step measured 30% slow must not pull the short decodes' fit off by as much
+    # in absolute terms: the fit is judged by relative error, as the simulator is.
+    truth = (0.04, 0.0015, 0.002, 0.00002, 0.0008)
+    shapes = [StepShape(p, d, d * ctx, p * ctx + p * (p + 1) / 2, 1 if p else 0)
+              for p in (0, 16, 128, 512) for d in (1, 4, 16) for ctx in (50, 400)]
+    seconds = [sum(t * f for t, f in zip(truth, s.features())) for s in shapes]
+    longest = max(range(len(seconds)), key=seconds.__getitem__)
+    seconds[longest] *= 1.3
+    cost = LinearCost(fit_linear(shapes, seconds), 1000, 16, 8192, 49152)
+    short = [i for i, s in enumerate(shapes) if s.prefill_tokens == 0 and s.decode_seqs == 1]
+    for i in short:
+        assert cost.step_seconds(shapes[i]) == pytest.approx(seconds[i], rel=0.02)
+    with pytest.raises(ValueError, match="positive"):
+        fit_linear(shapes, [0.0] * len(shapes))
 
 
 def test_a_calibration_file_round_trips(tmp_path):
