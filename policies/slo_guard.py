@@ -153,8 +153,9 @@ class TpotGuard:
     def sheds_at_once(self, req: Req, num_running: int, slo: float) -> bool:
         """Whether admitting waiting ``req`` now would only have it shed next step: its
         SLO is no tighter than this step's shedding limit ``slo`` and one more decode
-        already breaks that limit."""
-        return (req.tpot_slo_s * self.target >= slo
+        already breaks that limit. Never with ``shed`` off: the gate is the admission
+        side of shedding, and without it nothing would shed the request."""
+        return ("shed" not in self.off and req.tpot_slo_s * self.target >= slo
                 and self.model.predict(0, num_running + 1) * self.ratio > slo)
 
     def plan(self, order: Sequence[Req], waiting_order: Sequence[Req], now: float,

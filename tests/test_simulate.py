@@ -248,3 +248,24 @@ def test_held_requests_re_decided_only_on_change_get_the_same_answers():
     assert {s for s, *_ in runs[0]} == {"ok", "refused"}
     held = [o for o in outcomes if o.routed_s is not None and o.routed_s > o.request.arrival_s]
     assert len(held) > 10  # admitted after a hold: the polls were exercised
+
+
+def test_with_shed_off_admission_no_longer_holds_back_what_would_be_shed():
+    # The admission gate (sheds_at_once) is the other half of shedding: with the rule off
+    # nothing sheds, so a request that breaks the limit must not be held back for it.
+    from types import SimpleNamespace
+
+    from policies.priority import PriorityPolicy
+    from policies.slo_guard import TpotGuard
+    from policies.step_time import StepTimeModel
+
+    def guard(off):
+        return TpotGuard(PriorityPolicy(), StepTimeModel(prior=(0.04, 0.001, 0.004)),
+                         target=0.85, block_size=16, max_num_batched_tokens=512,
+                         rules_off=frozenset(off))
+
+    batch = SimpleNamespace(tpot_slo_s=5.0)
+    # 43 decodes predict 0.04 + 43 * 0.004 = 0.212 s, past the 0.2 s limit.
+    assert guard(()).sheds_at_once(batch, 42, 0.2)
+    assert not guard(()).sheds_at_once(batch, 10, 0.2)
+    assert not guard(("shed",)).sheds_at_once(batch, 42, 0.2)
