@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import platform
 import statistics
@@ -129,7 +130,8 @@ async def amain(args: argparse.Namespace, cost, fit: dict) -> dict[str, Any]:
             step_err = step_errors(cost, steps)
             sim = Fleet(service, cost).run(sim_requests(reqs))
             row = compare(real_latencies(run.records), sim_latencies(sim, cutoff))
-            row.update(step_error=step_err, rate=rate, cut_off=info["cut_off"],
+            row.update(step_error=step_err, sensitivity=sensitivity(service, cost, reqs, cutoff),
+                       rate=rate, cut_off=info["cut_off"],
                        preemptions_real=info["preemptions"], preemptions_sim=sim.preemptions)
             rows.append(row)
             print(f"rate {rate}: attainment real {row['attainment_real']:.1%} sim "
@@ -152,6 +154,26 @@ def step_errors(cost, records: list) -> dict[str, Any]:
                   for r, p in zip(records, pers) if keep(r) and p > 0]
         out[name] = {"steps": len(ratios),
                      "median_predicted_over_real": statistics.median(ratios) if ratios else None}
+    return out
+
+
+SCALES = (0.95, 1.0, 1.05)
+"""Cost-model scales for :func:`sensitivity`."""
+
+
+def sensitivity(service: ServiceConfig, cost, reqs: list, cutoff_s: float) -> dict[str, Any]:
+    """The same requests simulated with every cost coefficient scaled by each of
+    :data:`SCALES`: mean TTFT and TPOT (s) and attainment per scale, to show how much a
+    step-time error moves the latencies at this load (queueing amplifies it)."""
+    out = {}
+    for f in SCALES:
+        scaled = dataclasses.replace(cost, coefficients=tuple(c * f for c in cost.coefficients))
+        lat = sim_latencies(Fleet(service, scaled).run(sim_requests(reqs)), cutoff_s)
+        done = [v for v in lat.values() if v["ttft"] is not None]
+        out[f"{f:g}"] = {
+            "ttft_mean": statistics.fmean(v["ttft"] for v in done),
+            "tpot_mean": statistics.fmean(v["tpot"] for v in done if v["tpot"] is not None),
+            "attainment": sum(v["met"] for v in lat.values()) / len(lat)}
     return out
 
 
@@ -181,7 +203,13 @@ def markdown(rep: dict[str, Any]) -> str:
               "decode-only): " + ", ".join(
                   f"{r['rate']:g} req/s: {r['step_error']['all']['median_predicted_over_real']:.2f}"
                   f"; {r['step_error']['decode_only']['median_predicted_over_real']:.2f}"
-                  for r in rep["rows"]) + "."]
+                  for r in rep["rows"]) + ".", "",
+              "The simulation with every cost coefficient scaled (mean TTFT / mean TPOT, s; "
+              "attainment):", ""]
+    for r in rep["rows"]:
+        lines.append(f"- {r['rate']:g} req/s: " + "; ".join(
+                         f"x{f} {v['ttft_mean']:.3f} / {v['tpot_mean']:.4f}, {v['attainment']:.1%}"
+                         for f, v in r["sensitivity"].items()))
     return "\n".join(lines) + "\n"
 
 
