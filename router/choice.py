@@ -38,6 +38,9 @@ class Routed:
     time_s: float
     """When routed, on the snapshots' clock."""
     shape: RequestShape
+    matched_blocks: int = 0
+    """Leading blocks of the prompt the replica was sent before (:class:`PrefixMap`), so
+    likely holds: they are not queued as prefill work there."""
 
 
 class RoutedSince:
@@ -50,16 +53,25 @@ class RoutedSince:
     def __init__(self) -> None:
         self._routed: dict[Hashable, deque[Routed]] = {}
 
-    def record(self, replica: Hashable, now: float, shape: RequestShape) -> None:
-        self._routed.setdefault(replica, deque()).append(Routed(now, shape))
+    def record(self, replica: Hashable, now: float, shape: RequestShape,
+               matched_blocks: int = 0) -> None:
+        """``shape`` was routed to ``replica`` at ``now``; ``matched_blocks``: leading
+        blocks of its prompt the prefix map said ``replica`` was sent before (read before
+        recording this request's own prefix)."""
+        self._routed.setdefault(replica, deque()).append(Routed(now, shape, matched_blocks))
 
     def adjust(self, replica: Hashable, snap: LoadSnapshot, now: float) -> LoadSnapshot:
-        """``snap`` with the requests routed to ``replica`` since it was taken as queued."""
+        """``snap`` with the requests routed to ``replica`` since it was taken as queued,
+        each with only the prompt tokens it will compute there (a request that follows
+        its prefix to this replica would otherwise count its whole prompt, and make the
+        replica holding the prefix look busier than an idle one)."""
         routed = self._routed.get(replica, ())
         while routed and routed[0].time_s < min(snap.timestamp, now - ROUTED_MEMORY_S):
             routed.popleft()
-        since = [r.shape for r in routed if r.time_s >= snap.timestamp]
-        return snap.with_queued((s.traffic_class, s.prompt_tokens) for s in since)
+        return snap.with_queued(
+            (r.shape.traffic_class, r.shape.prompt_tokens
+             - cached_tokens(r.matched_blocks, snap.block_size, r.shape.prompt_tokens))
+            for r in routed if r.time_s >= snap.timestamp)
 
     def forget(self, replica: Hashable) -> None:
         self._routed.pop(replica, None)

@@ -113,7 +113,8 @@ class LoadAwareRouter(RequestRouter):
         if shape is None:
             return
         with self._lock:
-            self._routed.record(replica_id, time.time(), shape)
+            matched = self.prefixes.matched_blocks(shape.prefix_hashes).get(replica_id, 0)
+            self._routed.record(replica_id, time.time(), shape, matched)
             self.prefixes.record(shape.prefix_hashes, replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:

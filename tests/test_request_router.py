@@ -133,3 +133,17 @@ async def test_affinity_replica_goes_first_within_the_slo(router):
     router._replicas = {r.replica_id: r for r in (a, b, c)}
     cached = [n for _, n in router.loads_for(_prefixed(turn).kwargs["shape"])]
     assert sorted(cached) == [0, 0, 592]
+
+
+async def test_routed_request_that_follows_its_prefix_queues_only_its_suffix(router):
+    a, b = FakeReplica("a", _stats(0.05)), FakeReplica("b", _stats(0.05))
+    conversation = list(range(1000, 1600))
+    router.on_request_routed(_prefixed(conversation), "a", None)
+    assert router.snapshot(a).waiting_prefill_tokens["standard"] == 600  # nothing cached
+    turn = conversation + list(range(50))
+    router.on_request_routed(_prefixed(turn), "a", None)
+    # 592 of the turn's 650 tokens are whole blocks a was sent: only 58 are queued work,
+    # so a stays first for the next turn until a snapshot shows otherwise.
+    assert router.snapshot(a).waiting_prefill_tokens["standard"] == 600 + 58
+    ranks = await router.choose_replicas([a, b], _prefixed(turn + list(range(9))))
+    assert ranks[0][0].replica_id == "a"

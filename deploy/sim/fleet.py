@@ -238,7 +238,8 @@ class Fleet:
         i = self._choose(shape)
         r = self.replicas[i]
         req = o.request
-        self.routed.record(i, self.now, shape)
+        matched = self.chooser.prefixes.matched_blocks(shape.prefix_hashes).get(i, 0)
+        self.routed.record(i, self.now, shape, matched)
         self._version += 1
         self.chooser.prefixes.record(shape.prefix_hashes, i)
         params = SamplingParams(max_tokens=req.output_tokens, ignore_eos=True,
