@@ -52,6 +52,8 @@ class _Load:
     """KV blocks of running requests of classes served after it (preemptible)."""
     tpot_slos: tuple[float, ...]
     """TPOT SLOs of the classes with running requests (known classes only)."""
+    owed: bool
+    """No running class outranks the request: the TPOT guard owes it its TTFT SLO."""
 
 
 class AdmissionController:
@@ -68,7 +70,11 @@ class AdmissionController:
       ``m = min(budget - d, cap)`` tokens (at least 1), where ``cap`` is what the
       replica's TPOT guard allows (``LoadSnapshot.tpot_slo_guard``, priority scheduling:
       the prefill that keeps ``a + c * d + b * m`` within the tightest running TPOT SLO
-      times ``tpot_slo_guard_target``), else unbounded. Prefilling ``x`` tokens ahead
+      times ``tpot_slo_guard_target``), else unbounded. A request that no running class
+      outranks is owed its TTFT SLO by the guard (``policies.slo_guard``), which lets
+      its prefill fill steps up to the full TPOT SLO (target 1), and under a policy that
+      orders by priority makes less urgent decodes sit steps out for it, so its ``d``
+      counts only the running requests served before it. Prefilling ``x`` tokens ahead
       plus the prompt ``P`` takes ``n = ceil((x + P) / m)`` steps, and
       ``TTFT = r + n * (a + c * d) + b * min(n * m, max(x + P, X))``: ``r`` is the step
       in flight (``LoadSnapshot.recent_step_s``; a request joins the next step), and
@@ -169,7 +175,8 @@ class AdmissionController:
         """Prefill tokens per step that the replica's TPOT guard allows (inf: no guard)."""
         if not (s.tpot_slo_guard and load.tpot_slos):
             return math.inf
-        limit = min(load.tpot_slos) * s.tpot_slo_guard_target
+        target = 1.0 if load.owed else s.tpot_slo_guard_target
+        limit = min(load.tpot_slos) * target
         return max(s.block_size, prefill_within(s.step_coefficients, limit, d))
 
     def _kv_fits(self, s: LoadSnapshot, tokens: int, reclaimable: int) -> bool:
@@ -187,12 +194,18 @@ class AdmissionController:
             reclaimable_blocks=sum(n for k, n in s.kv_blocks_used.items() if k not in before),
             tpot_slos=tuple(self.classes[k].tpot_slo_s for k, n in s.running_seqs.items()
                             if n > 0 and k in self.classes),
+            owed=not any(self.policy.outranks(_Rank(self.classes[k].default_priority),
+                                              _Rank(priority))
+                         for k, n in s.running_seqs.items() if n > 0 and k in self.classes),
         )
 
     def _predict_at(self, s: LoadSnapshot, cls: TrafficClass, load: _Load, tokens_ahead: int,
                     prompt_tokens: int) -> Prediction:
         """The prediction with ``tokens_ahead`` queued ahead instead of the snapshot's."""
         d = s.total_running
+        if s.tpot_slo_guard and self.policy.by_priority and load.owed:
+            # The guard's sit-out rule: less urgent decodes skip steps for an owed prompt.
+            d = load.running_before
         tokens = tokens_ahead + prompt_tokens
         cap = self._guard_cap(s, load, d)
         total = load.tokens_total - load.tokens_ahead + tokens

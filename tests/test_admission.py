@@ -277,13 +277,39 @@ def test_ttft_follows_the_tpot_guards_prefill_cap():
     guarded = snap(running=running, tpot_slo_guard=True, tpot_slo_guard_target=0.8)
     # Unguarded: 500 tokens fit one step of the 502-token budget.
     assert ac.predict(plain, "interactive", 500).steps == 1
-    # Guarded: steps stay within 0.8 x 0.5 s with 10 decodes, so they prefill
-    # floor((0.4 - a - 10c) / b) = 165 tokens each: 4 steps.
-    pred = ac.predict(guarded, "interactive", 500)
+    # A batch prompt, outranked by the running interactive decodes: steps stay within
+    # 0.8 x 0.5 s with 10 decodes, so they prefill floor((0.4 - a - 10c) / b) = 165
+    # tokens each: 4 steps.
+    pred = ac.predict(guarded, "batch", 500)
     assert pred.steps == 4
     assert pred.ttft_s == pytest.approx(4 * (a + 10 * c) + 500 * b)
+    # An interactive prompt is owed its TTFT SLO: the guard lets its steps run to the
+    # full 0.5 s, floor((0.5 - a - 10c) / b) = 215 tokens each: 3 steps.
+    pred = ac.predict(guarded, "interactive", 500)
+    assert pred.steps == 3
+    assert pred.ttft_s == pytest.approx(3 * (a + 10 * c) + 500 * b)
     # Nothing decoding under a TPOT SLO: no cap.
     assert ac.predict(snap(tpot_slo_guard=True), "interactive", 500).steps == 1
+
+
+def test_less_urgent_decodes_sit_out_for_an_owed_prompt():
+    a, b, c = COEFS
+    guarded = snap(running={"interactive": 2, "batch": 20}, tpot_slo_guard=True,
+                   tpot_slo_guard_target=0.8)
+    # Priority: the 20 batch decodes sit steps out for the owed interactive prompt, so
+    # its steps carry 2 decodes and floor((0.5 - a - 2c) / b) = 223 tokens: 3 steps.
+    pred = AdmissionController().predict(guarded, "interactive", 500)
+    assert pred.steps == 3
+    assert pred.ttft_s == pytest.approx(3 * (a + 2 * c) + 500 * b)
+    # FCFS sheds nothing: all 22 decodes stay, floor((0.5 - a - 22c) / b) = 203 tokens.
+    pred = AdmissionController(policy=FCFSPolicy()).predict(guarded, "interactive", 500)
+    assert pred.steps == 3
+    assert pred.ttft_s == pytest.approx(3 * (a + 22 * c) + 500 * b)
+    # A batch prompt is not owed while interactive decodes run: every decode stays and
+    # the 0.8 target holds, floor((0.4 - a - 22c) / b) = 153 tokens: 4 steps.
+    pred = AdmissionController().predict(guarded, "batch", 500)
+    assert pred.steps == 4
+    assert pred.ttft_s == pytest.approx(4 * (a + 22 * c) + 500 * b)
 
 
 def test_fcfs_behind_the_guard_is_capped_but_sheds_nothing():
@@ -293,9 +319,10 @@ def test_fcfs_behind_the_guard_is_capped_but_sheds_nothing():
                    recent_step_s=0.6)
     fcfs = AdmissionController(policy=FCFSPolicy())
     pred = fcfs.predict(guarded, "interactive", 500)
-    # The interactive SLO caps steps with all 30 decodes kept: floor((0.4 - a - 30c) / b)
-    # = 145 tokens, so 4 steps; the TPOT counts all 31 decodes and no measured floor.
-    assert pred.steps == 4
+    # Owed its TTFT (FCFS outranks nothing), the prompt's steps may run to the full
+    # 0.5 s SLO with all 30 decodes kept: floor((0.5 - a - 30c) / b) = 195 tokens, so 3
+    # steps; the TPOT counts all 31 decodes and no measured floor.
+    assert pred.steps == 3
     assert pred.tpot_s == pytest.approx(a + b * 500 / 32 + c * 31)
     # Priority scheduling would shed the 20 batch decodes for it.
     prio = AdmissionController().predict(guarded, "interactive", 500)
