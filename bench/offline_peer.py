@@ -51,14 +51,14 @@ class Engine:
         if name == "vllm":
             from vllm import LLM, SamplingParams
 
-            # No prefix caching: the repeats send the same prompts, and iterserve has
-            # none yet, so it would measure cache hits rather than the engine.
+            # No prefix caching in either engine: the warm-up and the repeats send the
+            # same prompts, so a cache would measure hits rather than the engine.
             self.llm = LLM(model=model, dtype="float32", max_model_len=2048,
                            max_num_seqs=64, seed=0, enable_prefix_caching=False)
         else:
             from engine import LLM, SamplingParams
 
-            self.llm = LLM(model=model)
+            self.llm = LLM(model=model, enable_prefix_caching=False)
         self.sampling = SamplingParams
 
     def run(self, reqs: list[tuple[list[int], int]]) -> float:
