@@ -53,7 +53,8 @@ class _Load:
     tpot_slos: tuple[float, ...]
     """TPOT SLOs of the classes with running requests (known classes only)."""
     owed: bool
-    """No running class outranks the request: the TPOT guard owes it its TTFT SLO."""
+    """No running class outranks the request (unknown classes might): the TPOT guard owes
+    it its TTFT SLO."""
 
 
 class AdmissionController:
@@ -194,9 +195,10 @@ class AdmissionController:
             reclaimable_blocks=sum(n for k, n in s.kv_blocks_used.items() if k not in before),
             tpot_slos=tuple(self.classes[k].tpot_slo_s for k, n in s.running_seqs.items()
                             if n > 0 and k in self.classes),
-            owed=not any(self.policy.outranks(_Rank(self.classes[k].default_priority),
-                                              _Rank(priority))
-                         for k, n in s.running_seqs.items() if n > 0 and k in self.classes),
+            # A running class unknown here might outrank it (conservative, as above).
+            owed=not any(k not in self.classes or self.policy.outranks(
+                             _Rank(self.classes[k].default_priority), _Rank(priority))
+                         for k, n in s.running_seqs.items() if n > 0),
         )
 
     def _predict_at(self, s: LoadSnapshot, cls: TrafficClass, load: _Load, tokens_ahead: int,

@@ -305,6 +305,10 @@ def test_less_urgent_decodes_sit_out_for_an_owed_prompt():
     pred = AdmissionController(policy=FCFSPolicy()).predict(guarded, "interactive", 500)
     assert pred.steps == 3
     assert pred.ttft_s == pytest.approx(3 * (a + 22 * c) + 500 * b)
+    # A running class unknown to the controller might outrank it: not owed.
+    unknown = snap(running={"interactive": 2, "batch": 20, "mystery": 1},
+                   tpot_slo_guard=True, tpot_slo_guard_target=0.8)
+    assert AdmissionController().predict(unknown, "interactive", 500).steps == 4
     # A batch prompt is not owed while interactive decodes run: every decode stays and
     # the 0.8 target holds, floor((0.4 - a - 22c) / b) = 153 tokens: 4 steps.
     pred = AdmissionController().predict(guarded, "batch", 500)
