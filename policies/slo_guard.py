@@ -174,11 +174,12 @@ class TpotGuard:
         engine runs now, in both directions.
 
         TTFT: prompts the binding decode does not outrank are owed their TTFT SLOs too.
-        When the capped steps cannot serve them, in line, by their deadlines
-        (:meth:`_owed_need`, counting steps at the full TPOT SLO, since steps run over
-        their predictions, or at a full token budget's time where that is shorter), they
-        may take more than the cap, up to the lent limit. If that, or the token budget,
-        is still short, decodes that the first owed prompt could preempt sit the step out,
+        They may take more than the cap, up to the lent limit, all of it rather than
+        what just meets their deadlines. When that, or the token budget, cannot serve
+        them, in line, by their deadlines (:meth:`_owed_need`, counting steps at the full
+        TPOT SLO, since steps run over their predictions, or at a full token budget's
+        time where that is shorter), decodes that the first owed prompt could preempt
+        sit the step out,
         least urgent first, when their TPOT credit covers a step without a token. In the
         step that ends the first owed prompt's prefill, the prompts behind it take only
         what still ends the step by its TTFT deadline, unless it has already missed its
@@ -257,8 +258,12 @@ class TpotGuard:
                 kept -= 1
         cap = max(self.block_size, self._tokens_within(limits.tightest, kept))
         # Sitting out is sized by the owed limit alone: a shorter step serves a prompt
-        # that ends its prefill in it sooner. What the step still lacks is borrowed.
-        owed_cap = max(cap, min(need, self._tokens_within(limits.lent, kept)))
+        # that ends its prefill in it sooner. Owed prompts take all the decodes lend, not
+        # just what meets their deadlines: an earlier first token leaves margin for steps
+        # that run over, and clears the queue that later arrivals (and admission's
+        # predictions for them) wait behind.
+        # (need is 0 when no owed prompt can still meet a TTFT SLO: none is stretched for.)
+        owed_cap = max(cap, self._tokens_within(limits.lent, kept)) if need > 0 else cap
         if ("deadline" not in self.off and owed
                 and owed[0].num_pending_tokens <= min(owed_cap, max_tokens - kept)):
             # The first prompt in line samples its first token when this step ends: the

@@ -464,11 +464,11 @@ def test_a_decode_running_past_the_aging_step_still_owes_a_fresh_peer_its_ttft()
                         ttft_slo=1.3)
     sched.add(fresh)
     # The old decode has aged more than a level past the fresh prompt, yet its SLO is no
-    # more urgent: the prompt is owed its TTFT and spends the decode's credit, 500 tokens
-    # a step (the budget less the decode, rounded down to its need). On f0a923a it got
-    # only the cap (418, 418, 164 tokens: its first token at 1.36 s).
+    # more urgent: the prompt is owed its TTFT and spends the decode's credit, 511 tokens
+    # (the budget less the decode). On f0a923a it got only the cap (418, 418, 164 tokens:
+    # its first token at 1.36 s).
     out = model_step(sched, clock, model)
-    assert {s.request.request_id: s.num_tokens for s in out.seqs}["fresh"] == 500
+    assert {s.request.request_id: s.num_tokens for s in out.seqs}["fresh"] == 511
     while not fresh.output_token_ids:
         model_step(sched, clock, model)
     assert fresh.first_token_time - fresh.arrival_time <= 1.3
@@ -609,7 +609,7 @@ def test_the_step_that_ends_an_owed_prompts_prefill_keeps_to_its_ttft_deadline(
     assert inter.first_token_time - inter.arrival_time <= ttft_slo
 
 
-def test_an_owed_prompts_ttft_plan_counts_steps_at_the_full_tpot_slo():
+def test_an_owed_prompt_takes_all_the_credit_the_decodes_lend_not_just_its_need():
     sched, clock, model = _guarded(target=0.8)  # the guard aims steps at 0.4 s
     peers = [guarded_req(f"i{i}", 0.0, priority=0, slo=0.5) for i in range(12)]
     for r in peers:
@@ -620,15 +620,18 @@ def test_an_owed_prompts_ttft_plan_counts_steps_at_the_full_tpot_slo():
                          ttft_slo=2.1)  # deadline 0.8 x 2.1 = 1.68 s
     sched.add(prompt)
     out = model_step(sched, clock, model)
-    # Steps may run up to the SLO (the guard's headroom is for their jitter), so the plan
-    # counts floor(1.68 / 0.5) = 3 of them: 200 tokens a step, within what the peers'
-    # credit allows ((0.4 + 0.3 - 0.1 - 12 x 0.02) / 0.001 = 360). Steps of 0.4 s would
-    # give 4 steps of 150, and finish late whenever steps run 25% over.
-    assert {s.request.request_id: s.num_tokens for s in out.seqs}["prompt"] == 200
+    # Its deadline needs 200 tokens a step (3 steps of 0.5 s by 1.68 s). It takes all the
+    # peers' credit allows, (0.4 + 0.3 - 0.1 - 12 x 0.02) / 0.001 = 360, so its first
+    # token comes a step earlier; on f6b2baf it took 200. The peers' mean TPOT holds.
+    assert {s.request.request_id: s.num_tokens for s in out.seqs}["prompt"] == 360
+    assert all(mean_tpot(r, clock()) <= 0.5 + 1e-9 for r in peers)
+    while not prompt.output_token_ids:
+        model_step(sched, clock, model)
+    assert prompt.first_token_time - prompt.arrival_time <= 2.1
 
 
 @pytest.mark.parametrize("max_tokens,ttft_slo,chunk", [
-    (500, 2.0, 334),  # decodes with 499 gaps left lend up to their full 0.5 s SLO
+    (500, 2.0, 360),  # decodes with 499 gaps left lend up to their full 0.5 s SLO
     (3, 2.0, 310),    # 2 gaps left: half of one later gap's 0.1 s headroom, 0.45 s
     (500, float("inf"), 260),  # no TTFT to meet: the share's cap
 ])
@@ -644,9 +647,10 @@ def test_decodes_with_later_gaps_lend_jitter_headroom_to_a_prompt_owed_its_ttft(
                          ttft_slo=ttft_slo)
     sched.add(prompt)
     out = model_step(sched, clock, model)
-    # The plan counts 0.5 s steps: 3 by the 1.6 s guard deadline, ceil(1000 / 3) = 334
-    # tokens a step. The share allows (0.4 - 0.1 - 2 x 0.02) / 0.001 = 260; on a1eba16
-    # that was all the prompt could take (the same-class decodes cannot sit out).
+    # The full SLO allows (0.5 - 0.1 - 2 x 0.02) / 0.001 = 360 tokens, more than the 334 a
+    # step its 1.6 s deadline needs; it takes them all. The share allows (0.4 - 0.1 - 2 x
+    # 0.02) / 0.001 = 260; on a1eba16 that was all the prompt could take (the same-class
+    # decodes cannot sit out).
     assert {s.request.request_id: s.num_tokens for s in out.seqs}["p"] == chunk
     assert len(out.seqs) == 3
     predicted = model.predict(out.num_batched_tokens - out.num_decodes, out.num_decodes)
