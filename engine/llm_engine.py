@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -353,10 +354,16 @@ class LLMEngine:
             step_coefficients=self.step_time_model.coefficients(),
             tpot_slo_guard=self.config.tpot_slo_guard,
             tpot_slo_guard_target=self.config.tpot_slo_guard_target,
+            owed_step_s=self._owed_step_s(),
             recent_step_s=(statistics.fmean(self._recent_step_s)
                            if self._recent_step_s and self.has_unfinished_requests() else 0.0),
             timestamp=time.time(),
         )
+
+    def _owed_step_s(self) -> float:
+        """``LoadSnapshot.owed_step_s``: the last plan's lent limit while requests run."""
+        lent = self.scheduler.last_guard.lent_s
+        return lent if self.scheduler.running and math.isfinite(lent) else 0.0
 
     def _stop_reason(self, req: Request, token: int, stop_str: str | None) -> FinishReason | None:
         params = req.params

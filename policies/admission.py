@@ -75,9 +75,12 @@ class AdmissionController:
       outranks is owed its TTFT SLO by the guard (``policies.slo_guard``), which lets
       its prefill fill steps up to the full TPOT SLO (target 1), and under a policy that
       orders by priority makes less urgent decodes sit steps out for it, so its ``d``
-      counts only the running requests served before it. Prefilling ``x`` tokens ahead
-      plus the prompt ``P`` takes ``n = ceil((x + P) / m)`` steps, and
-      ``TTFT = r + n * (a + c * d) + b * min(n * m, max(x + P, X))``: ``r`` is the step
+      counts only the running requests served before it. Its first step may also take
+      what the guard lends owed prompts from the decodes' banked TPOT credit
+      (``LoadSnapshot.owed_step_s``): ``m1 >= m`` tokens, the prefill that fits that
+      time; otherwise ``m1 = m``. Prefilling ``x`` tokens ahead plus the prompt ``P``
+      takes ``n = 1 + ceil((x + P - m1) / m)`` steps, and ``TTFT = r + n * (a + c * d)
+      + b * min(m1 + (n - 1) * m, max(x + P, X))``: ``r`` is the step
       in flight (``LoadSnapshot.recent_step_s``; a request joins the next step), and
       ``X``, the queued tokens of every class, fills those steps' budgets (under the
       priority policy less urgent prefill does not go first, but it shares each step).
@@ -154,31 +157,38 @@ class AdmissionController:
     # -- the model ---------------------------------------------------------------------
 
     def _ttft(self, s: LoadSnapshot, tokens: int, d: int, *, total: int = 0,
-              cap: float = math.inf, residual_s: float = 0.0) -> tuple[float, int]:
+              cap: tuple[float, float] = (math.inf, math.inf),
+              residual_s: float = 0.0) -> tuple[float, int]:
         """(seconds, steps) to prefill ``tokens`` alongside ``d`` decodes.
 
-        Steps take at most ``cap`` prefill tokens (the TPOT guard's) and are filled up to
-        their budget from ``total`` queued tokens (less urgent work included: it shares
-        the steps it does not delay). ``residual_s``: the step in flight, which a new
-        request cannot join.
+        Steps take at most ``cap`` prefill tokens (the TPOT guard's: the first step's,
+        then each later one's) and are filled up to their budget from ``total`` queued
+        tokens (less urgent work included: it shares the steps it does not delay).
+        ``residual_s``: the step in flight, which a new request cannot join.
         """
         a, b, c = s.step_coefficients
-        per_step = max(1, min(s.max_num_batched_tokens - d, cap))
-        steps = max(1, math.ceil(tokens / per_step))
-        executed = min(steps * per_step, max(tokens, total))
+        first, per_step = (max(1, min(s.max_num_batched_tokens - d, m)) for m in cap)
+        steps = 1 + max(0, math.ceil((tokens - first) / per_step))
+        executed = min(first + (steps - 1) * per_step, max(tokens, total))
         return residual_s + steps * (a + c * d) + b * executed, steps
 
-    def _tpot(self, s: LoadSnapshot, tokens: int, d: int, cap: float = math.inf) -> float:
+    def _tpot(self, s: LoadSnapshot, tokens: int, d: int,
+              cap: tuple[float, float] = (math.inf, math.inf)) -> float:
         _, steps = self._ttft(s, tokens, d, cap=cap)
         return s.step_time(tokens / max(steps, self.tpot_horizon_steps), d + 1)
 
-    def _guard_cap(self, s: LoadSnapshot, load: _Load, d: int) -> float:
-        """Prefill tokens per step that the replica's TPOT guard allows (inf: no guard)."""
+    def _guard_cap(self, s: LoadSnapshot, load: _Load, d: int) -> tuple[float, float]:
+        """Prefill tokens the replica's TPOT guard allows in the first step and in each
+        later one (inf: no guard)."""
         if not (s.tpot_slo_guard and load.tpot_slos):
-            return math.inf
+            return math.inf, math.inf
         target = 1.0 if load.owed else s.tpot_slo_guard_target
         limit = min(load.tpot_slos) * target
-        return max(s.block_size, prefill_within(s.step_coefficients, limit, d))
+        cap = max(s.block_size, prefill_within(s.step_coefficients, limit, d))
+        if not load.owed or s.owed_step_s <= limit:
+            return cap, cap
+        # The decodes lend an owed prompt their banked credit, which one long step spends.
+        return max(cap, prefill_within(s.step_coefficients, s.owed_step_s, d)), cap
 
     def _kv_fits(self, s: LoadSnapshot, tokens: int, reclaimable: int) -> bool:
         return math.ceil(tokens / s.block_size) + 1 <= s.num_kv_blocks_free + reclaimable

@@ -49,6 +49,11 @@ class LoadSnapshot:
     """The replica sheds less urgent decodes to hold the tightest TPOT SLO running."""
     tpot_slo_guard_target: float = 1.0
     """The guard holds the predicted step time at this fraction of that SLO."""
+    owed_step_s: float = 0.0
+    """The longest step, in the step-time model's seconds, that the TPOT guard would run
+    now for a prompt it owes its TTFT SLO (``GuardPlan.lent_s`` of the last step: the
+    running decodes' banked TPOT credit and part of their later headroom); 0 when no
+    running decode has a TPOT SLO or the guard is off."""
     recent_step_s: float = 0.0
     """Mean wall time of the replica's last few steps, seconds; 0 when it is idle."""
     timestamp: float = 0.0

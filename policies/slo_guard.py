@@ -69,6 +69,10 @@ class GuardPlan:
     take, to meet their TTFT SLOs."""
     slo: float = math.inf
     """Tightest shedding limit, seconds."""
+    lent_s: float = math.inf
+    """The lent limit of :meth:`TpotGuard._decode_limits` in the step-time model's own
+    seconds (before the measured / predicted correction): the longest step the decodes
+    lend prompts owed their TTFT. The replica reports it to admission."""
     binder: Req | None = None
     """The decode whose step-time limit binds; None when no decode has a TPOT SLO."""
     deferred: frozenset[str] = frozenset()
@@ -215,6 +219,7 @@ class TpotGuard:
         if "cap" in self.off:
             cap = owed_cap = math.inf
         return GuardPlan(cap=cap, owed=owed_cap, slo=slo, binder=limits.binder,
+                         lent_s=limits.lent / ratio,
                          deferred=frozenset(deferred), shed=tuple(shed))
 
     def _owed(self, order: Sequence[Req], waiting_order: Sequence[Req], now: float,
