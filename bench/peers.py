@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # 1.15 instead of 5: in the run of 8e5ec77 vLLM already missed 90% at the lowest rate
     # (82% at 1.5 / k), so neither goodput was on the grid, and at 5 / k all were <= 40%.
     p.add_argument("--num-requests", type=int, default=50, help="requests per rate")
-    p.add_argument("--rates", default="1.15,1.5,2,2.5,3,3.75", help="offered rates (req/s), one class")
+    p.add_argument("--rates", default="1.15,1.5,2,2.5,3,3.75",
+                   help="offered rates (req/s), one class")
     # vLLM's interactive limit and 1.5x it are both on this grid for a limit of 2-3.
     p.add_argument("--mix-rates", default="2,2.5,3,3.75,4.5",
                    help="offered rates of the class mix")

@@ -316,6 +316,27 @@ def test_less_urgent_decodes_sit_out_for_an_owed_prompt():
     assert pred.ttft_s == pytest.approx(4 * (a + 22 * c) + 500 * b)
 
 
+def test_an_owed_prompts_first_step_may_take_what_the_guard_lends():
+    a, b, c = COEFS
+    ac = AdmissionController()
+
+    def guarded(owed_step_s):
+        return snap(running={"interactive": 10}, tpot_slo_guard=True,
+                    tpot_slo_guard_target=0.8, owed_step_s=owed_step_s)
+
+    # The decodes' credit lets the guard run a 1 s step for an owed prompt: the first
+    # takes floor((1.0 - a - 10c) / b) = 465 tokens, the rest 35 at the full-SLO cap.
+    pred = ac.predict(guarded(1.0), "interactive", 500)
+    assert pred.steps == 2
+    assert pred.ttft_s == pytest.approx(2 * (a + 10 * c) + 500 * b)
+    # Without a loan, or one no longer than the full SLO, every step has the 215 cap.
+    for lent in (0.0, 0.4):
+        assert ac.predict(guarded(lent), "interactive", 500).steps == 3
+    # A batch prompt is not owed while interactive decodes run: no loan for it.
+    assert (ac.predict(guarded(1.0), "batch", 500)
+            == ac.predict(guarded(0.0), "batch", 500))
+
+
 def test_fcfs_behind_the_guard_is_capped_but_sheds_nothing():
     a, b, c = COEFS
     running = {"interactive": 10, "batch": 20}

@@ -653,6 +653,8 @@ def test_decodes_with_later_gaps_lend_jitter_headroom_to_a_prompt_owed_its_ttft(
     # decodes cannot sit out).
     assert {s.request.request_id: s.num_tokens for s in out.seqs}["p"] == chunk
     assert len(out.seqs) == 3
+    if ttft_slo < float("inf"):  # the plan reports the lent step time (for admission)
+        assert sched.last_guard.lent_s == pytest.approx(0.1 + 2 * 0.02 + chunk * 0.001)
     predicted = model.predict(out.num_batched_tokens - out.num_decodes, out.num_decodes)
     assert predicted <= 0.5 + 1e-9
 
