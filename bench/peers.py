@@ -66,7 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # 1.15 instead of 5: in the run of 8e5ec77 vLLM already missed 90% at the lowest rate
     # (82% at 1.5 / k), so neither goodput was on the grid, and at 5 / k all were <= 40%.
     # 3.75: in the run of 46ef4a1 vLLM still met 92% at 3 / k, the grid's top then.
-    # 3.75: in the run of 46ef4a1 vLLM still met 92% at 3 / k, the grid's top then.
     p.add_argument("--num-requests", type=int, default=50, help="requests per rate")
     p.add_argument("--rates", default="1.15,1.5,2,2.5,3,3.75",
                    help="offered rates (req/s), one class")
