@@ -184,10 +184,9 @@ class TpotGuard:
         TPOT SLO, since steps run over their predictions, or at a full token budget's
         time where that is shorter), decodes that the first owed prompt could preempt
         sit the step out, least urgent first, when their TPOT credit covers a step
-        without a token. In the
-        step that ends the first owed prompt's prefill, the prompts behind it take only
-        what still ends the step by its TTFT deadline, unless it has already missed its
-        TTFT SLO.
+        without a token. In the step that ends the first owed prompt's prefill, the
+        prompts behind it take only what still ends the step by its TTFT deadline,
+        unless it has already missed its TTFT SLO.
 
         Args:
             order: running requests, most urgent first.
