@@ -94,6 +94,10 @@ async def engine_items(engine: AsyncLLMEngine, replica_id: str, request_id: str,
     first step that scheduled the request, and ``cached_tokens``: prompt tokens whose KV
     the prefix cache supplied.
 
+    Any item may also carry ``load``: the engine's load snapshot (``LoadSnapshot.to_dict``)
+    when it changed since the replica last sent one (``AsyncLLMEngine.load_update``), so
+    the ingress's admission and routing see the replica's load step by step.
+
     Closing or cancelling the iteration aborts the engine request before its next step.
     """
     try:
@@ -107,7 +111,7 @@ async def engine_items(engine: AsyncLLMEngine, replica_id: str, request_id: str,
         yield {"error": {"message": str(e), "status": 400,
                          "param": getattr(e, "param", None), "code": "invalid_value"}}
         return
-    yield {"accepted": True, "prompt_tokens": len(ids), "replica": replica_id}
+    yield _with_load(engine, {"accepted": True, "prompt_tokens": len(ids), "replica": replica_id})
     first = True
     async for out in engine.generate(ids, sampling, request_id=request_id,
                                      priority=shape.priority,
@@ -124,4 +128,11 @@ async def engine_items(engine: AsyncLLMEngine, replica_id: str, request_id: str,
                 item["queue_s"] = m.first_scheduled_time - m.arrival_time
         if out.prompt_logprobs is not None:
             item["prompt_logprobs"] = out.prompt_logprobs
-        yield item
+        yield _with_load(engine, item)
+
+
+def _with_load(engine: AsyncLLMEngine, item: dict) -> dict:
+    load = engine.load_update()
+    if load is not None:
+        item["load"] = load.to_dict()
+    return item

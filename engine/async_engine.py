@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import dataclasses
 import itertools
 import logging
 import time
@@ -54,7 +55,11 @@ class AsyncLLMEngine:
         # prompts on the event loop thread.
         self._tokenizer = copy.deepcopy(engine.tokenizer)
         self._snapshot = engine.load_snapshot()
-        """The load as of the end of the last step; read by the event loop."""
+        """The load as of the end of the last step, or as after the step in flight while
+        one runs (``LLMEngine.on_scheduled``); read by the event loop."""
+        engine.on_scheduled = self._step_scheduled
+        self._sent: LoadSnapshot | None = None
+        """The snapshot :meth:`load_update` last returned a copy of."""
         self.admission = AdmissionController(
             engine.traffic_classes, policy=engine.scheduler.policy
         )
@@ -174,10 +179,11 @@ class AsyncLLMEngine:
     def load_snapshot(self) -> LoadSnapshot:
         """The replica's load (queues per class, KV usage, fitted step-time model).
 
-        The engine's state as of its last step or its last batch of additions (a step may
-        be running in the worker thread, so the live queues are not read); requests queued
-        for the next step count as waiting, so back-to-back admissions see each other.
-        ``timestamp`` is the time of this call.
+        The engine's state as of its last step or its last batch of additions, or as after
+        the step running in the worker thread (the live queues are not read); requests
+        queued for the next step count as waiting, so back-to-back admissions see each
+        other. ``timestamp`` is the time of this call, and ``step_left_s`` what is left
+        then of the running step's predicted time.
         """
         # Every request is counted exactly once: _snapshot was taken after the last
         # additions were applied (or after the last step), and _to_add holds the rest.
@@ -186,8 +192,18 @@ class AsyncLLMEngine:
         snap = self._snapshot.with_queued(
             (p.traffic_class or DEFAULT_CLASS, len(p.prompt["prompt_token_ids"]))
             for p in self._to_add)
-        snap.timestamp = time.time()
-        return snap
+        now = time.time()
+        return dataclasses.replace(
+            snap, timestamp=now, step_left_s=max(0.0, snap.step_left_s - (now - snap.timestamp)))
+
+    def load_update(self) -> LoadSnapshot | None:
+        """:meth:`load_snapshot` when the engine's load changed since the last call that
+        returned one (a step was scheduled or ran, or requests were added), else None.
+        The replica sends it with its stream items: about one per step."""
+        if self._snapshot is self._sent:
+            return None
+        self._sent = self._snapshot
+        return self.load_snapshot()
 
     def admission_decision(self, prompt_tokens: int, max_tokens: int | None,
                            traffic_class: str = DEFAULT_CLASS, priority: int | None = None,
@@ -230,6 +246,9 @@ class AsyncLLMEngine:
                 if queue is not None:
                     queue.put_nowait(e)
         self._to_add.clear()
+
+    def _step_scheduled(self, snapshot: LoadSnapshot) -> None:
+        self._snapshot = snapshot  # on the worker thread; replaced whole, never mutated
 
     def _step(self) -> list[RequestOutput]:
         """One engine step, then the load snapshot, both on the worker thread."""

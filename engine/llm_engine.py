@@ -73,6 +73,10 @@ class LLMEngine:
         self.on_step: Callable[[StepRecord], None] | None = None
         """Called after every step that ran, with its :class:`StepRecord` (step logs,
         metrics); on the thread that steps the engine."""
+        self.on_scheduled: Callable[[LoadSnapshot], None] | None = None
+        """Called in every step between scheduling and running it, with the load as after
+        the step (``load_snapshot(in_flight=...)``): the replica publishes that while the
+        step runs. On the thread that steps the engine."""
         self._recent_step_s: deque[float] = deque(maxlen=RECENT_STEPS)
         self._groups: dict[str, RequestGroup] = {}
         self._num_steps = 0
@@ -264,6 +268,8 @@ class LLMEngine:
         if out.is_empty:
             return []
         predicted = self._predict(out) if self.on_step is not None else 0.0
+        if self.on_scheduled is not None:
+            self.on_scheduled(self.load_snapshot(out))
         samples = self.runner.execute(out)
         got = self.scheduler.update(out, {rid: s.token_id for rid, s in samples.items()})
         now = self.clock()
@@ -321,8 +327,13 @@ class LLMEngine:
             shed=tuple(r.request_id for r in plan.shed),
         )
 
-    def load_snapshot(self) -> LoadSnapshot:
-        """This replica's load, per traffic class, for admission control and routing."""
+    def load_snapshot(self, in_flight: SchedulerOutput | None = None) -> LoadSnapshot:
+        """This replica's load, per traffic class, for admission control and routing.
+
+        ``in_flight``: a step scheduled and not run yet; the snapshot is then as after it
+        (its prefill chunks done) and ``step_left_s`` is its predicted duration.
+        """
+        chunks = {} if in_flight is None else {s.request.request_id: s for s in in_flight.seqs}
         waiting_tokens: dict[str, int] = {}
         waiting: dict[str, int] = {}
         running: dict[str, int] = {}
@@ -336,8 +347,11 @@ class LLMEngine:
         for req in self.scheduler.running:
             c = req.traffic_class
             running[c] = running.get(c, 0) + 1
-            if req.num_pending_tokens > 1:  # still prefilling
-                waiting_tokens[c] = waiting_tokens.get(c, 0) + req.num_pending_tokens
+            chunk = chunks.get(req.request_id)
+            left = req.num_pending_tokens if chunk is None else (
+                0 if chunk.samples else req.num_pending_tokens - chunk.num_tokens)
+            if left > 1 or (chunk is not None and left > 0):  # still prefilling
+                waiting_tokens[c] = waiting_tokens.get(c, 0) + left
             blocks[c] = blocks.get(c, 0) + len(bm.block_table(req.request_id))
         return LoadSnapshot(
             max_num_batched_tokens=self.config.max_num_batched_tokens,
@@ -357,6 +371,7 @@ class LLMEngine:
             owed_step_s=self._owed_step_s(),
             recent_step_s=(statistics.fmean(self._recent_step_s)
                            if self._recent_step_s and self.has_unfinished_requests() else 0.0),
+            step_left_s=0.0 if in_flight is None else self._predict(in_flight),
             timestamp=time.time(),
         )
 

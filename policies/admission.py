@@ -80,8 +80,8 @@ class AdmissionController:
       (``LoadSnapshot.owed_step_s``): ``m1 >= m`` tokens, the prefill that fits that
       time; otherwise ``m1 = m``. Prefilling ``x`` tokens ahead plus the prompt ``P``
       takes ``n = 1 + ceil((x + P - m1) / m)`` steps, and ``TTFT = r + n * (a + c * d)
-      + b * min(m1 + (n - 1) * m, max(x + P, X))``: ``r`` is the step
-      in flight (``LoadSnapshot.recent_step_s``; a request joins the next step), and
+      + b * min(m1 + (n - 1) * m, max(x + P, X))``: ``r`` is what is left of the step
+      in flight (``LoadSnapshot.step_left_s``; a request joins the next step), and
       ``X``, the queued tokens of every class, fills those steps' budgets (under the
       priority policy less urgent prefill does not go first, but it shares each step).
     * TPOT of the running requests (and of the new one): the mean step time while that
@@ -222,7 +222,7 @@ class AdmissionController:
         cap = self._guard_cap(s, load, d)
         total = load.tokens_total - load.tokens_ahead + tokens
         ttft, steps = self._ttft(s, tokens, d, total=total, cap=cap,
-                                 residual_s=s.recent_step_s)
+                                 residual_s=s.step_left_s)
         if s.tpot_slo_guard and self.policy.by_priority:
             # The replica's TPOT guard sheds less urgent decodes for this request's SLO
             # and sheds this request's decodes for more urgent ones' SLOs: only the

@@ -56,6 +56,11 @@ class LoadSnapshot:
     running decode has a TPOT SLO or the guard is off."""
     recent_step_s: float = 0.0
     """Mean wall time of the replica's last few steps, seconds; 0 when it is idle."""
+    step_left_s: float = 0.0
+    """Seconds the step in flight is predicted to run on after ``timestamp``; 0 when none
+    is. While a step runs, the queues, running counts and KV blocks are as after it: its
+    prefill chunks count as done, so a request that arrives meanwhile waits for what is
+    left of that step, not for the work in it again."""
     timestamp: float = 0.0
     """When the snapshot was taken, seconds since the epoch (``time.time()``: it crosses
     processes, so not a monotonic clock)."""

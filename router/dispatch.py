@@ -15,8 +15,9 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from policies import LoadSnapshot
 from router.errors import ApiError
-from router.routing import RequestShape
+from router.routing import RequestShape, load_view
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class Dispatch:
             if "error" in first:
                 self.done = True
             self.prompt_tokens, self.replica = accepted(first)
+            self._load(first)
             return
 
     async def items(self) -> AsyncIterator[dict]:
@@ -115,7 +117,16 @@ class Dispatch:
                 logger.warning("replica lost before the first token; re-sending: %s", e)
                 await self.start()
 
+    def _load(self, item: dict) -> None:
+        """Hand a load the replica sent with ``item`` to this process's router."""
+        if "load" not in item:
+            return
+        view = load_view(self.handle.app_name, self.handle.deployment_name)
+        if view is not None:
+            view.observe_load(self.replica, LoadSnapshot.from_dict(item["load"]))
+
     def _observe(self, item: dict) -> None:
+        self._load(item)
         self.cached_tokens = item.get("cached_tokens", self.cached_tokens)
         r = self.record
         if r is None:

@@ -51,20 +51,34 @@ class LoadAwareRouter(RequestRouter):
         self.prefixes = self.chooser.prefixes
         """Which replicas were sent which prompt prefixes (:mod:`router.prefix`)."""
         self._routed = RoutedSince()
+        self._streamed: dict[str, LoadSnapshot] = {}
+        """The latest load each replica sent with a stream item, by its unique id."""
         self._lock = threading.RLock()  # the router runs on its own loop thread
         register(self)
 
     # -- the load view -------------------------------------------------------------------
 
+    def observe_load(self, replica_unique_id: str, snap: LoadSnapshot) -> None:
+        """A load the replica sent with a stream item (:class:`router.dispatch.Dispatch`).
+
+        Serve's own path is slow: its controller polls ``record_routing_stats`` in its
+        control loop and broadcasts the result, so a published load is often half a
+        second to a second old, while a TTFT SLO is a few seconds. A replica that streams
+        sends its load once per change, about once per step."""
+        with self._lock:
+            self._streamed[replica_unique_id] = snap
+
     def snapshot(self, replica: RunningReplica) -> LoadSnapshot | None:
-        """The replica's last published load plus what was routed to it since."""
+        """The replica's latest load (published through Serve, or sent with a stream
+        item, whichever is newer) plus what was routed to it since."""
+        snap = self._streamed.get(replica.replica_id.unique_id)
         stats = replica.routing_stats
-        if not stats:
-            return None
-        try:
-            snap = LoadSnapshot.from_dict(stats)
-        except (TypeError, ValueError, KeyError):
-            logger.warning("replica %s published unreadable stats", replica.replica_id)
+        if stats and (snap is None or stats.get("timestamp", 0.0) > snap.timestamp):
+            try:
+                snap = LoadSnapshot.from_dict(stats)
+            except (TypeError, ValueError, KeyError):
+                logger.warning("replica %s published unreadable stats", replica.replica_id)
+        if snap is None:
             return None
         with self._lock:
             return self._routed.adjust(replica.replica_id, snap, time.time())
@@ -122,3 +136,4 @@ class LoadAwareRouter(RequestRouter):
         with self._lock:
             self._routed.forget(replica_id)
             self.prefixes.forget(replica_id)
+            self._streamed.pop(replica_id.unique_id, None)

@@ -263,7 +263,7 @@ def test_ttft_counts_the_step_in_flight_and_less_urgent_prefill_sharing_its_step
     # A step is running (0.3 s) and batch prefill fills the rest of the 500-token budget:
     # under priority the batch tokens do not go first, but they lengthen the shared step.
     busy = snap({"interactive": 300, "batch": 5000}, {"interactive": 12},
-                {"interactive": 1, "batch": 25}, recent_step_s=0.3)
+                {"interactive": 1, "batch": 25}, step_left_s=0.3)
     pred = ac.predict(busy, "interactive", 100)
     assert pred.tokens_ahead == 300 and pred.steps == 1
     assert pred.ttft_s == pytest.approx(0.3 + (a + 12 * c) + 500 * b)

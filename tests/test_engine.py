@@ -200,6 +200,10 @@ async def test_async_arrival_time_is_when_generate_was_called():
         assert abs(outs[-1].metrics.arrival_time - called) < 0.05
         snap = engine.load_snapshot()
         assert snap.num_kv_blocks_free == 64 and not snap.running_seqs
+        # The replica streams its load once per change: once, then not again while idle.
+        update = engine.load_update()
+        assert update is not None and not update.running_seqs and update.step_left_s == 0
+        assert engine.load_update() is None
     finally:
         await engine.shutdown()
 

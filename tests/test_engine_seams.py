@@ -114,6 +114,31 @@ def test_the_runners_own_phases_reach_the_step_record():
                                            (("forward", 2.5),)]
 
 
+def test_while_a_step_runs_the_published_load_is_as_after_it():
+    clock = FakeClock()
+    config = EngineConfig(block_size=4, max_num_batched_tokens=64)
+    engine = LLMEngine(config, runner=CostModelRunner(clock), tokenizer=FakeTokenizer(),
+                       clock=clock)
+    seen = []
+    engine.on_scheduled = seen.append
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("long", list(range(1, 101)), params)  # 100 tokens: two chunks
+    engine.add_request("short", list(range(1, 11)), params)
+    before = engine.load_snapshot()
+    assert before.waiting_prefill_tokens == {"standard": 110} and before.step_left_s == 0
+    engine.step()
+    # The first step prefills 64 of the long prompt: 36 tokens of it and the short prompt
+    # are left after it, and the step's predicted time is what remains of it.
+    first = seen[0]
+    assert first.waiting_prefill_tokens == {"standard": 46}
+    assert first.running_seqs == {"standard": 1}
+    assert first.step_left_s == pytest.approx(engine.step_time_model.predict(64, 0))
+    assert engine.load_snapshot().step_left_s == 0  # after the step: none in flight
+    engine.step()
+    # The second ends both prefills (36 + 10 tokens): nothing is left to prefill.
+    assert seen[1].waiting_prefill_tokens == {} and seen[1].running_seqs == {"standard": 2}
+
+
 def test_the_guard_is_switched_on_by_config_and_shapes_the_steps():
     off, _, _ = run("priority", False)
     on, _, _ = run("priority", True)

@@ -18,10 +18,21 @@ from router.request_router import LoadAwareRouter  # noqa: E402
 from router.routing import RequestShape, load_view  # noqa: E402
 
 
+class FakeId(str):
+    """Stands in for Serve's ``ReplicaID``: equal to its name, which is its ``unique_id``."""
+
+    @property
+    def unique_id(self) -> str:
+        return str(self)
+
+
 @dataclass
 class FakeReplica:
     replica_id: str
     routing_stats: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.replica_id = FakeId(self.replica_id)
 
 
 def _stats(a: float, running: int = 0, waiting_tokens: int = 0, waiting: int = 0) -> dict:
@@ -50,6 +61,19 @@ def router():
 async def test_registered_for_the_ingress(router):
     assert load_view("app-test", "ModelReplica") is router
     assert load_view("app-test", "Other") is None
+
+
+async def test_a_load_streamed_by_the_replica_counts_until_serve_publishes_a_newer_one(router):
+    # Serve's published stats (polled by its controller) lag; the replica streams its load.
+    a = FakeReplica("a", _stats(0.05, waiting_tokens=5000, waiting=10))
+    b = FakeReplica("b", _stats(0.05, waiting_tokens=2000, waiting=4))
+    router.observe_load("a", LoadSnapshot.from_dict(_stats(0.05)))  # a has drained
+    for _ in range(5):
+        ranks = await router.choose_replicas([a, b], _pending(100))
+        assert [[r.replica_id for r in rank] for rank in ranks] == [["a"], ["b"]]
+    a.routing_stats = _stats(0.05, waiting_tokens=9000, waiting=20)  # newer than the stream
+    ranks = await router.choose_replicas([a, b], _pending(100))
+    assert [[r.replica_id for r in rank] for rank in ranks] == [["b"], ["a"]]
 
 
 async def test_lower_predicted_ttft_first(router):

@@ -175,7 +175,11 @@ class Fleet:
         keep = self.now // self.timeline_period_s != (
             (self.now - self.config.routing_stats_period_s) // self.timeline_period_s)
         for i, r in enumerate(self.replicas):
-            r.snap = dataclasses.replace(r.engine.load_snapshot(), timestamp=self.now)
+            # The engine has run its current step at once (the fake clock is at its end):
+            # its state is as after the step in flight, as a real replica publishes it.
+            left = max(0.0, r.engine.clock.t - self.now) if r.stepping else 0.0
+            r.snap = dataclasses.replace(r.engine.load_snapshot(), timestamp=self.now,
+                                         step_left_s=left)
             if keep or self.now == 0:
                 self._timeline.append(KvSample(self.now, i, r.snap.kv_usage,
                                                r.snap.total_running,
