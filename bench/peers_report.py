@@ -87,7 +87,9 @@ def sweep_section(report: dict) -> tuple[list[str], list[dict]]:
         ratio = (i or 0) / v if v else None
         targets.append({"target": "served goodput, iterserve / vLLM", "value":
                         f"{i} / {v} req/s" + (f" = {ratio:.2f}x" if ratio is not None else ""),
-                        "bar": ">= 1.2x", "met": ratio is not None and ratio >= 1.2})
+                        # The rates are rounded to 3 decimals after scaling by k, so the
+                        # ratio of two grid rates is off its nominal value by up to ~5e-4.
+                        "bar": ">= 1.2x", "met": ratio is not None and ratio >= 1.2 - 1e-3})
     return lines, targets
 
 
