@@ -251,9 +251,13 @@ class AsyncLLMEngine:
         self._snapshot = snapshot  # on the worker thread; replaced whole, never mutated
 
     def _step(self) -> list[RequestOutput]:
-        """One engine step, then the load snapshot, both on the worker thread."""
-        outputs = self.engine.step()
-        self._snapshot = self.engine.load_snapshot()
+        """One engine step on the worker thread, and the load after it when no next step
+        follows at once (while one does, its ``on_scheduled`` publishes the load, and a
+        second snapshot per step would walk the queues twice for nothing)."""
+        engine = self.engine
+        outputs = engine.step()
+        if not engine.has_unfinished_requests() or engine.last_step_num_tokens == 0:
+            self._snapshot = engine.load_snapshot()
         return outputs
 
     async def _run(self) -> None:
