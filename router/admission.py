@@ -42,6 +42,16 @@ class AdmissionRejected(Exception):
         """``policies.Reject.kind``: a bounded label for metrics."""
 
 
+def computed_tokens(prompt_tokens: int, snaps: list[tuple[LoadSnapshot, int]]) -> int:
+    """The prompt tokens a request would compute on the replica that holds least of its
+    prompt in its prefix cache (``snaps``: ``(snapshot, cached tokens)`` per replica).
+
+    A held request counts as queued ahead of later arrivals at every replica, so it
+    counts what it costs where it costs most, not its whole prompt: with a shared system
+    prompt cached everywhere, its prefill is only the rest."""
+    return prompt_tokens - min((cached for _, cached in snaps), default=0)
+
+
 class IngressAdmission:
     """Holds or refuses requests that no replica could serve within their SLOs.
 
@@ -59,7 +69,7 @@ class IngressAdmission:
         self.enabled = enabled
         self.clock = clock
         self._held: dict[int, tuple[str, float, int]] = {}
-        """Requests held now: a token -> (class, arrival, prompt tokens)."""
+        """Requests held now: a token -> (class, arrival, prompt tokens to compute)."""
         self._tokens = itertools.count()
         self._index: tuple[list[float], list[dict[str, tuple[int, int]]]] | None = None
         """Arrival times of the held requests, sorted, and per-class totals before each
@@ -94,6 +104,7 @@ class IngressAdmission:
                 snaps = loads()
                 if not snaps:
                     break
+                self.recount(token, computed_tokens(prompt_tokens, snaps))
                 d = self.decide(snaps, traffic_class, prompt_tokens, max_tokens, priority,
                                 arrival_s)
                 if isinstance(d, Admit):
@@ -120,6 +131,16 @@ class IngressAdmission:
         self._held[token] = (traffic_class, arrival_s, prompt_tokens)
         self._index = None
         return token
+
+    def recount(self, token: int, tokens: int) -> bool:
+        """Count held request ``token`` as ``tokens`` prompt tokens from now on (what a
+        replica would compute of it: :func:`computed_tokens`); True if that changed."""
+        cls, arrival_s, old = self._held[token]
+        if tokens == old:
+            return False
+        self._held[token] = (cls, arrival_s, tokens)
+        self._index = None
+        return True
 
     def release(self, token: int) -> None:
         del self._held[token]
@@ -149,7 +170,8 @@ class IngressAdmission:
 
         Only earlier arrivals: counting every held request would make held requests
         block each other for ever. Conservative across replicas: each replica counts
-        all of them (requests and prompt tokens), as any may go there.
+        all of them, as any may go there, each with the prompt tokens that the replica
+        caching least of it would compute (:meth:`recount`).
         """
         return snap.with_queued_totals(self._ahead(arrival_s))
 

@@ -109,6 +109,33 @@ async def test_earlier_held_requests_count_ahead_with_their_prompts():
     assert await asyncio.wait_for(task, 2) >= 0.2
 
 
+async def test_held_requests_count_ahead_only_the_prompt_tokens_a_replica_would_compute():
+    adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy())
+    # Two earlier requests held behind ~200 s of queue; every replica holds 800 of their
+    # 900 prompt tokens in its prefix cache.
+    busy = [(_snap(waiting_tokens=100_000), 800)]
+    earlier = [asyncio.create_task(adm.admit(lambda: list(busy), "standard",
+                                             900, 16, 1, adm.clock() - 0.5))
+               for _ in range(2)]
+    await asyncio.sleep(0.1)
+    assert adm.held == {"standard": 2}
+    # A later request where 600 tokens are queued: 2 x 100 tokens held ahead of it fit
+    # its SLO, where 2 x 900 would not (the test above).
+    assert await adm.admit(uncached([_snap(waiting_tokens=600)]), "standard", 10, 16, 1,
+                           adm.clock()) < 0.1
+    # Where one replica caches none of their prompts, they count whole again.
+    busy.append((_snap(waiting_tokens=100_000), 0))
+    await asyncio.sleep(0.1)
+    later = asyncio.create_task(adm.admit(uncached([_snap(waiting_tokens=600)]), "standard",
+                                          10, 16, 1, adm.clock()))
+    await asyncio.sleep(0.2)
+    assert not later.done()
+    for task in (*earlier, later):
+        task.cancel()
+    await asyncio.gather(*earlier, later, return_exceptions=True)
+    assert adm.held == {}
+
+
 async def test_rejected_after_max_queue_wait_with_retry_after_but_batch_waits():
     clock = FakeClock()
     adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy(), clock=clock)

@@ -28,7 +28,7 @@ from deploy.sim.trace import SimRequest
 from engine import LLMEngine, RequestOutputKind, SamplingParams
 from engine.sim import SimClock, sim_engine
 from policies import Admit, LoadSnapshot, Reject
-from router.admission import POLL_S, IngressAdmission
+from router.admission import POLL_S, IngressAdmission, computed_tokens
 from router.choice import ReplicaChooser, RequestShape, RoutedSince
 from router.prefix import cached_tokens, prefix_hashes
 
@@ -202,14 +202,19 @@ class Fleet:
         req = o.request
         shape = o.shape = o.shape or self._shape(req)
         if self.admission.enabled:
-            if req.id not in self._held:
-                self._held[req.id] = self.admission.hold(req.traffic_class, req.arrival_s,
-                                                         req.prompt_tokens)
-            elif self.fast_holds and o.seen == self._version and self._waits_on(o):
+            if req.id in self._held and self.fast_holds and o.seen == self._version \
+                    and self._waits_on(o):
                 self._push(self.now + POLL_S, _ARRIVAL, o)
                 return
+            loads = self._loads(shape)
+            computed = computed_tokens(req.prompt_tokens, loads)
+            if req.id not in self._held:
+                self._held[req.id] = self.admission.hold(req.traffic_class, req.arrival_s,
+                                                         computed)
+            elif self.admission.recount(self._held[req.id], computed):
+                self._version += 1  # what it counts ahead of later arrivals changed
             o.seen = self._version
-            d = self.admission.decide(self._loads(shape), req.traffic_class, req.prompt_tokens,
+            d = self.admission.decide(loads, req.traffic_class, req.prompt_tokens,
                                       req.output_tokens, shape.priority, req.arrival_s)
             if not isinstance(d, Admit | Reject):
                 self._push(self.now + POLL_S, _ARRIVAL, o)
