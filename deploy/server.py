@@ -153,8 +153,9 @@ def run_server(config: ServiceConfig, address: str | None = None) -> int:
     name = config.model_name()
     key = next(iter(config.api_keys), None)
     auth = f' -H "Authorization: Bearer {key}"' if key else ""
+    n = config.num_replicas
     print(
-        f"\niterserve is ready: {url}/v1 (model {name!r}, {config.num_replicas} replicas, "
+        f"\niterserve is ready: {url}/v1 (model {name!r}, {n} replica{'s' * (n != 1)}, "
         f"pid {os.getpid()})\n"
         f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
         f"    -d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", "
