@@ -29,11 +29,12 @@ from pathlib import Path
 
 import report as rp
 from inprocess import run_open, start_engine, stop_engine
-from workload import TRACE, Lengths, Window
+from sim_validate import MIX
+from workload import REPO, TRACE, Lengths, Window
 
 from deploy.config import SERVER_ENGINE_DEFAULTS
 
-MIX = {"interactive": 0.7, "batch": 0.3}
+OUT = REPO / "bench" / "results" / "guard_probe.jsonl"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mix", action="store_true", help="70%% interactive / 30%% batch")
     p.add_argument("--admission", action="store_true", help="the ingress's admission loop")
     p.add_argument("--step-log", type=Path, default=None, help="one JSON line per step")
-    p.add_argument("--out", type=Path, default=Path("guard_probe.jsonl"))
+    p.add_argument("--out", type=Path, default=OUT, help="JSON lines, appended")
     return p.parse_args(argv)
 
 
@@ -68,7 +69,9 @@ async def replay(args: argparse.Namespace, requests: list):
 
 
 def summarize(args: argparse.Namespace, records: list[dict], wall_s: float) -> dict:
-    """Attainment and latency of the SLO-bound requests (all, or the mix's interactive)."""
+    """Attainment (refused and unfinished requests are misses) and latency of the
+    SLO-bound requests: all of them, or the mix's interactive ones; the mix's batch output
+    tokens per second of ``wall_s``."""
     for r in records:
         rp.judge(r, args.slo_ttft_s, args.slo_tpot_s)
     batch_tokens = sum(r["output_tokens"] for r in records if r["class"] == "batch")
