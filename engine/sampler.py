@@ -8,6 +8,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine import logits_processors, structured
 from engine.request import Request
@@ -52,14 +53,8 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            sub = self._filter(logits[rows], [params[i] for i in rows])
-            probs = sub.softmax(dim=-1)
-            # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) is a draw from
-            # p, and each row's noise comes from its own generator.
-            noise = torch.empty_like(probs)
-            for j, i in enumerate(rows):
-                noise[j].exponential_(generator=self._generator(requests[i]))
-            token_ids[rows] = (probs / noise).argmax(dim=-1)
+            sub = _filter(logits[rows], [params[i] for i in rows])
+            token_ids[rows] = self._draw(sub, [requests[i] for i in rows])
         ids = token_ids.tolist()
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs: list[dict[int, float] | None] = [None] * len(ids)
@@ -81,30 +76,121 @@ class Sampler:
             req.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
         return req.generator
 
-    @staticmethod
-    def _filter(logits: torch.Tensor, params) -> torch.Tensor:
-        """Apply temperature, then min-p, top-k, top-p (nucleus; Holtzman et al., ICLR 2020)."""
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
-        logits = logits / temps.unsqueeze(1)
-        if any(p.min_p > 0 for p in params):
-            probs = logits.softmax(dim=-1)
-            min_ps = torch.tensor([p.min_p for p in params], device=logits.device)
-            floor = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
-            logits = logits.masked_fill(probs < floor, float("-inf"))
-        vocab = logits.shape[-1]
-        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        top_ps = [p.top_p for p in params]
-        if all(k == vocab for k in top_ks) and all(p >= 1.0 for p in top_ps):
-            return logits
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device)
-        cut = ranks.unsqueeze(0) >= torch.tensor(top_ks, device=logits.device).unsqueeze(1)
-        probs = sorted_logits.masked_fill(cut, float("-inf")).softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-        mass_before = probs.cumsum(dim=-1) - probs
-        cut |= mass_before >= torch.tensor(top_ps, device=logits.device).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
-        return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """One token per row of ``logits`` (``[R, V]``, removed tokens at -inf) from its
+        softmax, by inverse transform sampling: one uniform draw per row, from the row's
+        generator, located in the row's cumulative distribution (:func:`_locate`). An
+        exponential race over the whole vocabulary, the method before, drew ``V`` numbers
+        a row: about 1 ms a row for 49,152 tokens on the 2-core CPU. Returns ``[R]`` int64.
+        """
+        u = torch.stack([torch.rand((), dtype=torch.float64, device=logits.device,
+                                    generator=self._generator(r)) for r in requests])
+        # 1 - u lies in (0, 1]: the target mass is never 0, so the token found has
+        # positive probability.
+        return _locate(logits.softmax(dim=-1), 1.0 - u)
+
+
+DRAW_BLOCK = 1024
+"""Tokens per block of :func:`_locate`'s two-level cumulative sum."""
+
+
+def _locate(probs: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs`` (``[R, V]``), the first token at which the cumulative
+    probability reaches ``frac`` (``[R]`` float64 in (0, 1]) of the row's total.
+
+    Two levels, so the running sum stays accurate without a float64 sum over the whole
+    vocabulary (about 0.25 ms a row at 49,152 tokens on the 2-core CPU): float32 sums
+    within blocks of :data:`DRAW_BLOCK` tokens, float64 sums across blocks.
+    """
+    rows, vocab = probs.shape
+    pad = -vocab % DRAW_BLOCK
+    within = F.pad(probs, (0, pad)).view(rows, -1, DRAW_BLOCK).cumsum(dim=-1)
+    across = within[:, :, -1].double().cumsum(dim=-1)  # [R, blocks]
+    target = frac * across[:, -1]
+    block = torch.searchsorted(across, target.unsqueeze(1)).squeeze(1)
+    block = block.clamp_(max=across.shape[1] - 1)
+    before = torch.where(block > 0, across.gather(1, (block - 1).clamp(min=0).unsqueeze(1))
+                         .squeeze(1), 0.0)
+    inner = within[torch.arange(rows, device=probs.device), block].double()  # [R, BLOCK]
+    # Capped at the block's total: then the first index reaching it is the block's last
+    # token of positive probability, never padding.
+    rest = torch.minimum(target - before, inner[:, -1])
+    return block * DRAW_BLOCK + torch.searchsorted(inner, rest.unsqueeze(1)).squeeze(1)
+
+
+TOP_CANDIDATES = 1024
+"""Tokens :func:`torch.topk` ranks for top-k and top-p rows, instead of a sort of the whole
+vocabulary (about 3 ms a row for 49,152 tokens on the 2-core CPU). A top-p row whose
+candidates hold less than its ``top_p`` of the probability falls back to the sort."""
+
+
+def _filter(logits: torch.Tensor, params) -> torch.Tensor:
+    """Apply temperature, then min-p, top-k, top-p (nucleus; Holtzman et al., ICLR 2020)
+    to ``[R, V]`` logits, one row per request's params; removed tokens become -inf."""
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temps.unsqueeze(1)
+    if any(p.min_p > 0 for p in params):
+        probs = logits.softmax(dim=-1)
+        min_ps = torch.tensor([p.min_p for p in params], device=logits.device)
+        floor = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    vocab = logits.shape[-1]
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_ps = [p.top_p for p in params]
+    todo = [i for i, (k, p) in enumerate(zip(top_ks, top_ps)) if k < vocab or p < 1.0]
+    if not todo:
+        return logits
+    out = logits.clone()
+    sub, ks, ps = logits[todo], [top_ks[i] for i in todo], [top_ps[i] for i in todo]
+    kept, covered = _top_k_top_p_candidates(sub, ks, ps)
+    if not all(covered):
+        rest = [j for j, c in enumerate(covered) if not c]
+        kept[rest] = _top_k_top_p_sorted(sub[rest], [ks[j] for j in rest],
+                                         [ps[j] for j in rest])
+    out[todo] = kept
+    return out
+
+
+def _top_k_top_p_candidates(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]
+                            ) -> tuple[torch.Tensor, list[bool]]:
+    """Top-k then top-p over each row's :data:`TOP_CANDIDATES` (or ``max(top_ks)``) best
+    tokens. Returns the filtered ``[R, V]`` logits and, per row, whether the candidates
+    held the whole kept set; rows that did not need :func:`_top_k_top_p_sorted`."""
+    vocab, dev = logits.shape[-1], logits.device
+    # Enough candidates for every row's top-k; TOP_CANDIDATES for a row without one.
+    n = max((k for k in top_ks if k < vocab), default=0)
+    n = min(vocab, max(n, TOP_CANDIDATES if vocab in top_ks else 0))
+    vals, idx = logits.topk(n, dim=-1)  # sorted, largest first
+    has_k = torch.tensor([k < vocab for k in top_ks], device=dev)
+    cut = torch.arange(n, device=dev).unsqueeze(0) >= torch.tensor(
+        [min(k, n) for k in top_ks], device=dev).unsqueeze(1)
+    kept_vals = vals.masked_fill(cut, float("-inf"))
+    # Top-p applies to the distribution after top-k: renormalised over the top k, or over
+    # the whole vocabulary for a row without top-k.
+    lse = torch.where(has_k, kept_vals.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    probs = (kept_vals - lse.unsqueeze(1)).exp()
+    mass_before = probs.cumsum(dim=-1) - probs
+    p = torch.tensor(top_ps, device=dev)
+    cut |= mass_before >= p.unsqueeze(1)
+    covered = (has_k | (probs.sum(dim=-1) >= p)).tolist()
+    out = torch.full_like(logits, float("-inf"))
+    out.scatter_(-1, idx, vals.masked_fill(cut, float("-inf")))
+    return out, covered
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]
+                        ) -> torch.Tensor:
+    """Top-k then top-p by a sort of each whole row (``[R, V]`` in and out)."""
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)
+    cut = ranks.unsqueeze(0) >= torch.tensor(top_ks, device=logits.device).unsqueeze(1)
+    probs = sorted_logits.masked_fill(cut, float("-inf")).softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    cut |= mass_before >= torch.tensor(top_ps, device=logits.device).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
 def prompt_logprob_rows(seqs, query_start_loc: list[int]

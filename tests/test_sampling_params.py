@@ -1,12 +1,13 @@
-"""Penalties, logit bias, min-p and min_tokens: each checked against a reference, per request
-inside a mixed batch, and refused with the field's name when out of range."""
+"""Penalties, logit bias, min-p, top-k, top-p, the random draw and min_tokens: each checked
+against a reference, per request inside a mixed batch, and refused with the field's name
+when out of range."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine import LLM, ParamError, RequestOutputKind
+from engine import LLM, ParamError, RequestOutputKind, sampler
 from engine import SamplingParams as SP
 from engine.logits_processors import apply
 from engine.request import Request
@@ -64,6 +65,57 @@ def test_min_p_keeps_tokens_within_a_fraction_of_the_top_probability():
     reqs = [_req([1], [], temperature=1.0, min_p=0.35, seed=s) for s in range(200)]
     drawn = {r.token_id for r in sampler.sample(probs.log().repeat(200, 1), reqs)}
     assert drawn == {0, 1}
+
+
+def _sorted_reference(logits: torch.Tensor, params: list[SP]) -> torch.Tensor:
+    """Temperature, then top-k and top-p by sorting every row whole (a row with neither
+    is left as it is)."""
+    logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    vocab = logits.shape[-1]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    out = sampler._top_k_top_p_sorted(logits, ks, [p.top_p for p in params])
+    plain = [i for i, p in enumerate(params) if ks[i] == vocab and p.top_p >= 1]
+    out[plain] = logits[plain]
+    return out
+
+
+def test_top_k_and_top_p_keep_what_a_full_sort_keeps():
+    # Peaked rows are decided on the top-ranked candidates; the flat last row's top-p set
+    # is larger than the candidates, so it takes the full sort.
+    vocab = 4 * sampler.TOP_CANDIDATES
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, vocab, generator=gen) * 4
+    logits[-1] = torch.rand(vocab, generator=gen) * 0.01
+    params = [SP(temperature=0.8, top_p=0.9), SP(top_k=50), SP(top_k=7, top_p=0.5),
+              SP(temperature=1.3, top_k=sampler.TOP_CANDIDATES + 500, top_p=0.97),
+              SP(temperature=0.7), SP(top_p=0.3), SP(top_p=0.99)]
+    got = sampler._filter(logits, params)
+    want = _sorted_reference(logits, params)
+    kept = got.isfinite()
+    assert torch.equal(kept, want.isfinite())
+    assert torch.equal(got[kept], want[kept])
+    assert kept[1].sum() == 50 and kept[2].sum() <= 7 and kept[4].all()
+    assert kept[-1].sum() > sampler.TOP_CANDIDATES
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_removed_token():
+    # Mass in both of two blocks of the two-level search, and a vocabulary that is not a
+    # whole number of blocks.
+    vocab = sampler.DRAW_BLOCK + 300
+    probs = torch.zeros(vocab)
+    tokens, mass = [3, sampler.DRAW_BLOCK - 1, sampler.DRAW_BLOCK, vocab - 2], [.5, .3, .15, .05]
+    probs[tokens] = torch.tensor(mass)
+    n = 4000
+    reqs = [_req([1], [], temperature=1.0, seed=s) for s in range(n)]
+    drawn = [r.token_id for r in Sampler(torch.device("cpu"), 0).sample(
+        probs.log().repeat(n, 1), reqs)]
+    for t, p in zip(tokens, mass):
+        share = drawn.count(t) / n
+        assert abs(share - p) < 4 * (p * (1 - p) / n) ** 0.5, (t, share, p)
+    assert set(drawn) == set(tokens)
+    # The ends of the uniform draw land on the first and the last token of positive mass.
+    ends = sampler._locate(probs.repeat(2, 1), torch.tensor([1e-12, 1.0], dtype=torch.float64))
+    assert ends.tolist() == [3, vocab - 2]
 
 
 def test_out_of_range_values_name_the_field():

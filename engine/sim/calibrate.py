@@ -4,7 +4,12 @@ The engine runs as a replica runs it, an :class:`engine.async_engine.AsyncLLMEng
 streaming to clients on the same event loop. The sweep keeps ``c`` requests in flight
 for ``c`` in :data:`CONCURRENCY` (closed loop), with prompt lengths log-uniform over
 ``[8, 1024]`` tokens and outputs uniform over ``[4, 48]``, so steps mix prefill chunks of
-every size, decodes of every context length, and both together. A step's cost is its
+every size, decodes of every context length, and both together. Closed loops start a new
+prompt whenever one finishes, so few of their steps are decode-only at high concurrency,
+the steps a replay under open-loop load runs most; a decode phase per level
+(:func:`_decode_phase`) adds them. On four replays of 2026-12-04, a fit without it
+predicted the decode-only steps of 4 or more sequences 1.16-1.23x too long, with it
+1.03-1.15x. Requests sample at the default temperature, 1. A step's cost is its
 period (:func:`periods`): the step itself (schedule, execute, detokenize) and the serving
 loop's work before the next (a bare ``LLMEngine.step`` loop measured about 30% less than
 served steps here, so a fit on it under-predicted TTFT and TPOT by about as much). The fit
@@ -28,14 +33,19 @@ from engine.sim.cost import FEATURES, LinearCost, StepShape, fit_linear
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 WARMUP_STEPS = 5
+DECODE_PROMPT_TOKENS = (8, 256)
+DECODE_OUTPUT_TOKENS = (24, 64)
+"""The decode phase's prompt (log-uniform) and output (uniform) token ranges: short
+prompts, so most of its steps are decode-only."""
 IDLE_GAP_S = 0.02
 """A gap between steps longer than this is idleness (the serving loop polls every
 ``engine.async_engine.IDLE_TICK_S``), not work."""
 
 
-def _request(rng: random.Random, vocab: int) -> tuple[list[int], int]:
-    n = int(math.exp(rng.uniform(math.log(8), math.log(1024))))
-    return [rng.randrange(1000, min(vocab, 40000)) for _ in range(n)], rng.randint(4, 48)
+def _request(rng: random.Random, vocab: int, prompt: tuple[int, int] = (8, 1024),
+             output: tuple[int, int] = (4, 48)) -> tuple[list[int], int]:
+    n = int(math.exp(rng.uniform(math.log(prompt[0]), math.log(prompt[1]))))
+    return [rng.randrange(1000, min(vocab, 40000)) for _ in range(n)], rng.randint(*output)
 
 
 def sweep(config: EngineConfig, steps_per_level: int, seed: int = 0,
@@ -64,23 +74,33 @@ async def _closed_loops(aeng, records: list, steps_per_level: int, rng: random.R
 
     ids = itertools.count()
 
+    async def one(prompt: list[int], out: int) -> None:
+        params = SamplingParams(max_tokens=out, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        async for _ in aeng.generate({"prompt_token_ids": prompt}, params,
+                                     request_id=f"cal-{next(ids)}"):
+            pass
+
     async def client(start: int) -> None:
         while len(records) - start < steps_per_level:
-            prompt, out = _request(rng, aeng.engine.vocab_size)
-            params = SamplingParams(max_tokens=out, ignore_eos=True,
-                                    output_kind=RequestOutputKind.DELTA)
-            async for _ in aeng.generate({"prompt_token_ids": prompt}, params,
-                                         request_id=f"cal-{next(ids)}"):
-                pass
+            await one(*_request(rng, aeng.engine.vocab_size))
 
     try:
         for level in CONCURRENCY:
             start, t0 = len(records), time.perf_counter()
             await asyncio.gather(*(client(start) for _ in range(level)))
+            await _decode_phase(one, level, rng, aeng.engine.vocab_size)
             progress(f"  {level:>2} in flight: {len(records) - start} steps, "
                      f"{time.perf_counter() - t0:.1f} s")
     finally:
         await aeng.shutdown()
+
+
+async def _decode_phase(one, level: int, rng: random.Random, vocab: int) -> None:
+    """``level`` requests at once with short prompts and longer outputs: after their
+    prefill, mostly decode-only steps of ``level`` sequences and falling."""
+    await asyncio.gather(*(one(*_request(rng, vocab, DECODE_PROMPT_TOKENS,
+                                         DECODE_OUTPUT_TOKENS)) for _ in range(level)))
 
 
 def periods(records: list[StepRecord]) -> list[float]:
