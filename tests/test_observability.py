@@ -54,9 +54,13 @@ def _prometheus_binaries() -> tuple[str, str]:
 def server():
     config = ServiceConfig(
         num_replicas=1, replica_num_cpus=1, port=app.free_port(), api_keys=KEYS,
-        engine={"max_num_seqs": 8, "traffic_classes": {
+        engine={"max_num_seqs": 6, "traffic_classes": {
             "interactive": {"ttft_slo_s": 5.0},
-            # Never meets its SLO under load: admission refuses it (429).
+            # Out of reach even on an idle replica, and last in priority: while the load
+            # holds every seat, admission refuses it (429). (On seats, not on predicted
+            # latency alone: admission does not refuse a request for missing an SLO that
+            # an idle replica would miss too, unless the load makes it worse, which
+            # depends on the step-time fit's slope per decode after a few steps.)
             "tight": {"ttft_slo_s": 0.01, "tpot_slo_s": 0.01, "default_priority": 3,
                       "max_queue_wait_s": 0.3}}})
     with app.running_app(config, replicas=1) as url:
@@ -101,8 +105,8 @@ def _scraped(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def loaded(server):
-    """The server after a short load: two classes, three refusals (class `tight` under
-    load) and two aborts."""
+    """The server after a short load: two classes, three refusals (class `tight` while the
+    load holds every seat) and two aborts."""
     _load(server)
     return server
 
@@ -122,7 +126,8 @@ def _load(url: str) -> None:
                 if line.startswith("data:"):
                     break  # the client leaves after its first chunk
 
-    jobs = [(complete, ("sk-i", 24))] * 4 + [(complete, ("sk-b", 48))] * 3 + [(abort, ())] * 2
+    # Seven requests for six seats for the first ~2.5 s (the interactive ones' 48 tokens).
+    jobs = [(complete, ("sk-i", 48))] * 4 + [(complete, ("sk-b", 96))] * 3 + [(abort, ())] * 2
     threads = [threading.Thread(target=f, args=a) for f, a in jobs]
     for t in threads:
         t.start()
@@ -187,7 +192,9 @@ def test_metrics_under_load_reach_prometheus_and_drain(prometheus, loaded):
     refused = {s["metric"]["reason"] for s in got[
         'sum by (reason) (rate(iterserve:admission_rejections_total{model=~".*"}[1m]))']
         if float(s["value"][1]) > 0}
-    assert refused == {"ttft"}
+    # The first condition each refusal failed: its predicted TTFT or TPOT when the load
+    # makes them worse than an idle replica's, else the seats.
+    assert refused and refused <= {"ttft", "tpot", "seats"}, refused
 
 
 def test_top_once_shows_what_metrics_say(loaded):
