@@ -61,9 +61,11 @@ class Engine:
             self.llm = LLM(model=model, enable_prefix_caching=False)
         self.sampling = SamplingParams
 
-    def run(self, reqs: list[tuple[list[int], int]]) -> float:
+    def run(self, reqs: list[tuple[list[int], int]], **sampling) -> float:
+        """``sampling``: SamplingParams fields over greedy (``temperature=0``)."""
         prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
-        params = [self.sampling(max_tokens=n, temperature=0, ignore_eos=True) for _, n in reqs]
+        params = [self.sampling(max_tokens=n, ignore_eos=True, **({"temperature": 0} | sampling))
+                  for _, n in reqs]
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0

@@ -23,7 +23,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,17 +43,12 @@ def measure(engine: str, model: str, streams: int, tokens: int, repeats: int) ->
     eng = Engine(engine, model)
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 40000) for _ in range(32)] for _ in range(streams)]
-
-    def wall(n: int, params: dict) -> float:
-        sp = eng.sampling(max_tokens=n, ignore_eos=True, **params)
-        t0 = time.perf_counter()
-        eng.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        return time.perf_counter() - t0
-
     out = {}
     for name, params in SETTINGS.items():
-        long = median_of(functools.partial(wall, tokens, params), repeats)
-        short = median_of(functools.partial(wall, 1, params), repeats)
+        long = median_of(functools.partial(eng.run, [(p, tokens) for p in prompts], **params),
+                         repeats)
+        short = median_of(functools.partial(eng.run, [(p, 1) for p in prompts], **params),
+                          repeats)
         out[name] = 1000 * (long - short) / (tokens - 1)
     return out
 
