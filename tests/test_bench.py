@@ -181,3 +181,23 @@ def test_guard_probe_judges_refusals_as_misses_and_in_the_mix_only_interactive()
     row = guard_probe.summarize(args, records, wall_s=10.0)
     assert row["requests"] == 4 and row["attainment"] == pytest.approx(1 / 4)
     assert row["batch_tok_s"] is None
+
+
+def test_contention_slope_split_and_explained_share():
+    import contention
+
+    # ms rise 13% per 0.1 core of a burner: the slope is 1.3 per core, through the origin.
+    assert contention.slope([(0.1, 113.0), (0.2, 126.0)], 100.0) == pytest.approx(1.3)
+    assert contention.slope([], 100.0) == 0.0
+    # The replica's busiest threads (torch's) are the engine; the rest count as foreign.
+    before = {1: 10.0, 2: 10.0, 3: 1.0, 4: 1.0}
+    after = {1: 19.0, 2: 18.5, 3: 1.4, 4: 1.1, 5: 0.5}
+    engine, other = contention.replica_split(before, after, 10.0, engine_threads=2)
+    assert (engine, other) == pytest.approx((1.75, 0.1))
+    offline = {str(n): {"ms_at_0": 40.0, "slope": 1.5} for n in contention.STREAMS}
+    served = {str(n): {"ms_per_token": 46.0, "foreign": {"ingress": 0.06, "ray": 0.04}}
+              for n in contention.STREAMS}
+    row = contention.explain(offline, served)[0]
+    assert row["foreign_cores"] == pytest.approx(0.1)
+    assert row["predicted_ms"] == pytest.approx(46.0)
+    assert (row["explained"], row["overhead"]) == pytest.approx((0.15, 0.15))
