@@ -7,6 +7,7 @@ publishes its load snapshot for routing and admission.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -44,6 +45,7 @@ class ModelReplica:
         self.step_metrics = StepMetrics()
         self.engine.engine.on_step = self.step_metrics.record
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._outboxes: dict[str, Outbox] = {}
         logger.info("replica ready (pid %d, %d torch threads)", os.getpid(), num_threads)
 
     def info(self) -> dict[str, Any]:
@@ -55,14 +57,43 @@ class ModelReplica:
         }
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: dict[str, Any], shape: RequestShape) -> AsyncIterator[dict]:
+                       params: dict[str, Any], shape: RequestShape,
+                       ingress: str | None = None) -> AsyncIterator[dict]:
         """Run one request; stream the dicts of :func:`engine_items`.
 
-        Cancelling the call (client gone) aborts the engine request before its next step.
+        With ``ingress`` (the calling ingress's id) only the first item comes back on
+        this call; the later ones go to that ingress's :meth:`step_items` stream, and the
+        call stays open until the request ends. Cancelling the call (client gone) aborts
+        the engine request before its next step, either way.
         """
-        async for item in engine_items(self.engine, self.replica_id, request_id,
-                                       prompt_token_ids, params, shape):
-            yield item
+        items = engine_items(self.engine, self.replica_id, request_id, prompt_token_ids,
+                             params, shape)
+        if ingress is None:
+            async for item in items:
+                yield item
+            return
+        outbox = self._outboxes.setdefault(ingress, Outbox())
+        async for item in items:
+            if "outputs" not in item:  # "accepted" or a refusal: this call answers it
+                yield item
+                continue
+            outbox.put(request_id, item)
+            if item["finished"]:
+                return
+
+    async def step_items(self, ingress: str, pin: str) -> AsyncIterator[list]:
+        """Every item of ``ingress``'s requests on this replica, one list of
+        ``(request id, item)`` per engine step (first an empty list: the stream is open).
+
+        One message per step instead of one per request per step: at 8 streams on 2 cores
+        that cut the ingress's CPU by 44% and the cost per token by 9-11%
+        (``docs/served-overhead.md``). ``pin`` is this replica's id; the ingress's
+        request router routes the call by it.
+        """
+        outbox = self._outboxes.setdefault(ingress, Outbox())
+        yield []
+        while True:
+            yield await outbox.take()
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this; the routers and the ingress's admission read it, and the
@@ -136,3 +167,24 @@ def _with_load(engine: AsyncLLMEngine, item: dict) -> dict:
     if load is not None:
         item["load"] = load.to_dict()
     return item
+
+
+class Outbox:
+    """One ingress's items waiting for its :meth:`ModelReplica.step_items` stream."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[str, dict]] = []
+        self._ready = asyncio.Event()
+
+    def put(self, request_id: str, item: dict) -> None:
+        self._items.append((request_id, item))
+        self._ready.set()
+
+    async def take(self) -> list[tuple[str, dict]]:
+        """Everything put since the last take; waits for at least one item. The engine
+        hands a step's outputs to every request's stream in one event-loop pass, so one
+        take gets the whole step."""
+        await self._ready.wait()
+        self._ready.clear()
+        items, self._items = self._items, []
+        return items

@@ -42,6 +42,7 @@ from router.responses import PromptCall
 from router.routing import RequestShape, load_view
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import IngressSettings
+from router.step_streams import StepStreams
 from router.tenants import CLASS_HEADER, check_key_classes, resolve_caller
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class OpenAIIngress:
         self.settings = IngressSettings(**settings)
         ConfiguredCORS.origins = self.settings.allowed_origins
         self.replicas = replicas.options(stream=True)
+        self.step_streams = StepStreams(self.replicas)
         self._info_handle = replicas
         self.classes = classes_from_fields(self.settings.traffic_classes)
         self.api_keys = self.settings.all_api_keys()
@@ -202,7 +204,8 @@ class OpenAIIngress:
         if info.limits.fits(len(ids), params["max_tokens"]):
             held_s = await self._admit(caller, shape, params["max_tokens"], arrival)
         record = self.metrics.request(caller.traffic_class, arrival, len(ids), held_s)
-        dispatch = Dispatch(self.replicas, (rid, ids, params), shape, record)
+        dispatch = Dispatch(self.replicas, (rid, ids, params), shape, record,
+                            self.step_streams)
         try:
             await dispatch.start()
         except BaseException:  # refused, or the client left while it was sent

@@ -18,6 +18,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from policies import LoadSnapshot
 from router.errors import ApiError
 from router.routing import RequestShape, load_view
+from router.step_streams import StepStreams, StreamLost
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +49,18 @@ class Dispatch:
     """One request's call to a replica, re-sent elsewhere if its replica dies early.
 
     ``record`` (``deploy.metrics.RequestRecord``) is told of every item and of how the
-    call ended.
+    call ended. With ``streams`` the request's items after the first come on its
+    replica's step stream (:mod:`router.step_streams`), not on its own call.
     """
 
     def __init__(self, handle: DeploymentHandle, args: tuple, shape: RequestShape,
-                 record: Any = None) -> None:
+                 record: Any = None, streams: StepStreams | None = None) -> None:
         self.handle = handle
         self.args = args
         self.shape = shape
         self.record = record
+        self.streams = streams
+        self.request_id: str = args[0]
         self.gen: DeploymentResponseGenerator | None = None
         self.produced = False
         self.done = False
@@ -76,7 +80,11 @@ class Dispatch:
         """
         while True:
             self.attempts += 1
-            self.gen = self.handle.generate.remote(*self.args, shape=self.shape)
+            extra = {}
+            if self.streams is not None:
+                self.streams.register(self.request_id)
+                extra["ingress"] = self.streams.ingress_id
+            self.gen = self.handle.generate.remote(*self.args, shape=self.shape, **extra)
             try:
                 first = await self.gen.__anext__()
             except REPLICA_LOST as e:
@@ -89,6 +97,8 @@ class Dispatch:
                 self.done = True
             self.prompt_tokens, self.replica = accepted(first)
             self._load(first)
+            if self.streams is not None:
+                self.streams.assign(self.request_id, self.replica)
             return
 
     async def items(self) -> AsyncIterator[dict]:
@@ -98,6 +108,10 @@ class Dispatch:
             ReplicaLost: the replica died after the request had produced tokens.
             ApiError: a re-sent request was refused (see :meth:`start`).
         """
+        if self.streams is not None:
+            async for item in self._streamed_items():
+                yield item
+            return
         while True:
             try:
                 async for item in self.gen:
@@ -116,6 +130,30 @@ class Dispatch:
                     raise ReplicaLost(f"the replica serving this request died: {e}") from e
                 logger.warning("replica lost before the first token; re-sending: %s", e)
                 await self.start()
+
+    async def _streamed_items(self) -> AsyncIterator[dict]:
+        """:meth:`items` when they come on the replica's step stream."""
+        queue = self.streams.register(self.request_id)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, StreamLost):
+                    self.gen.cancel()  # in case only the stream failed, not the replica
+                    if self.produced or self.attempts >= MAX_DISPATCH_ATTEMPTS:
+                        self._failed()
+                        raise ReplicaLost(f"the replica serving this request died: {item}")
+                    logger.warning("replica lost before the first token; re-sending: %s", item)
+                    await self.start()
+                    continue
+                if item["outputs"]:
+                    self.produced = True
+                self._observe(item)
+                yield item
+                if item["finished"]:
+                    self.done = True
+                    return
+        finally:
+            self.streams.forget(self.request_id)
 
     def _load(self, item: dict) -> None:
         """Hand a load the replica sent with ``item`` to this process's router."""
@@ -144,6 +182,8 @@ class Dispatch:
 
     def cancel(self) -> None:
         """Abort the replica call (the engine frees the request's blocks next step)."""
+        if self.streams is not None:
+            self.streams.forget(self.request_id)
         if self.gen is not None and not self.done:
             self.gen.cancel()
             self.done = True

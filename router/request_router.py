@@ -18,7 +18,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from policies import AdmissionController, LoadSnapshot, classes_from_fields, policy_from_spec
 from router.choice import ReplicaChooser, RoutedSince
 from router.prefix import cached_tokens
-from router.routing import RequestShape, register, shape_of
+from router.routing import RequestShape, pinned_replica, register, shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,9 @@ class LoadAwareRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        pin = pinned_replica(pending_request)
+        if pin is not None:
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == pin]]
         shape = shape_of(pending_request)
         if shape is None:
             return [self.chooser.rng.sample(candidate_replicas, min(2, len(candidate_replicas)))]

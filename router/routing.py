@@ -42,6 +42,13 @@ def shape_of(pending: PendingRequest | None) -> RequestShape | None:
     return shape if isinstance(shape, RequestShape) else None
 
 
+def pinned_replica(pending: PendingRequest | None) -> str | None:
+    """The replica id a call names with its ``pin=`` keyword (a replica's step-items
+    stream, which must reach that replica), if any."""
+    pin = None if pending is None else pending.kwargs.get("pin")
+    return pin if isinstance(pin, str) else None
+
+
 _routers: weakref.WeakSet[LoadAwareRouter] = weakref.WeakSet()
 """Live routers in this process; the ingress finds its handle's router here."""
 

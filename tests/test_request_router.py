@@ -115,6 +115,18 @@ async def test_no_stats_or_no_shape_falls_back_to_queue_length(router):
     assert [[r.replica_id for r in rank] for rank in ranks] == [["b"]]
 
 
+
+async def test_a_pinned_call_goes_to_its_replica_alone(router):
+    # A replica's step-items stream must reach that replica, however loaded it is.
+    a, b = FakeReplica("a", _stats(0.01)), FakeReplica("b", _stats(0.5, running=40))
+    pinned = PendingRequest(args=[], kwargs={"pin": "b"}, metadata=None,
+                            future=asyncio.Future())
+    ranks = await router.choose_replicas([a, b], pinned)
+    assert [[r.replica_id for r in rank] for rank in ranks] == [["b"]]
+    gone = PendingRequest(args=[], kwargs={"pin": "c"}, metadata=None, future=asyncio.Future())
+    assert await router.choose_replicas([a, b], gone) == [[]]
+
+
 # -- prefix affinity ------------------------------------------------------------------------
 
 def _prefixed(tokens: list[int]) -> PendingRequest:

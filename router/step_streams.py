@@ -1,0 +1,90 @@
+"""One stream per replica carrying every step's items for this ingress's requests.
+
+Each request's call to a replica (:class:`router.dispatch.Dispatch`) returns only its
+first item ("accepted" or a refusal) and stays open until the request ends, so that
+cancelling it still aborts the request. The tokens of all of this ingress's requests on a
+replica come back on one ``step_items`` stream from that replica: one message per engine
+step instead of one per request per step. On a 2-core host at 8 streams that cut the
+ingress's CPU by 44% and the cost per token by 9-11% (``docs/served-overhead.md``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from ray.serve.handle import DeploymentHandle
+
+logger = logging.getLogger(__name__)
+
+OPEN_TIMEOUT_S = 30.0
+"""Seconds to wait for a replica's stream to open (the replica may have died meanwhile)."""
+
+
+class StreamLost(Exception):
+    """The stream of the replica serving a request ended or failed."""
+
+
+class StepStreams:
+    """This ingress's per-replica streams, and a queue per request for its items.
+
+    A queue receives the request's item dicts in order, or a :class:`StreamLost` when
+    its replica's stream fails.
+    """
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self.ingress_id = uuid.uuid4().hex
+        self._handle = handle
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._replica_of: dict[str, str] = {}
+        self._streams: dict[str, asyncio.Task] = {}
+
+    def register(self, request_id: str) -> asyncio.Queue:
+        """The request's queue (a new one, or the one it has: a re-sent request keeps it)."""
+        return self._queues.setdefault(request_id, asyncio.Queue())
+
+    def assign(self, request_id: str, replica: str) -> None:
+        """The replica accepted the request: open that replica's stream if none is open."""
+        self._replica_of[request_id] = replica
+        task = self._streams.get(replica)
+        if task is None or task.done():
+            self._streams[replica] = asyncio.get_running_loop().create_task(
+                self._consume(replica))
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's queue; its later items, if any, are discarded."""
+        self._queues.pop(request_id, None)
+        self._replica_of.pop(request_id, None)
+
+    def deliver(self, batch: list[tuple[str, dict]]) -> None:
+        """Route one step's items to their requests' queues."""
+        for request_id, item in batch:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(item)
+
+    def fail(self, replica: str, error: BaseException) -> None:
+        """Tell every request on ``replica`` that its stream is gone."""
+        for request_id, r in list(self._replica_of.items()):
+            if r == replica and request_id in self._queues:
+                self._queues[request_id].put_nowait(StreamLost(str(error)))
+
+    async def _consume(self, replica: str) -> None:
+        gen = self._handle.step_items.remote(self.ingress_id, pin=replica)
+        try:
+            async with asyncio.timeout(OPEN_TIMEOUT_S):  # not wait_for: it can swallow a cancel
+                await gen.__anext__()
+            async for batch in gen:
+                self.deliver(batch)
+            raise StreamLost("the replica ended its step stream")
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+        except Exception as e:  # the replica died or its stream could not open
+            gen.cancel()
+            logger.warning("step stream of replica %s ended: %s", replica, e)
+            self.fail(replica, e)
+        finally:
+            if self._streams.get(replica) is asyncio.current_task():
+                del self._streams[replica]

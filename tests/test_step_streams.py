@@ -1,0 +1,133 @@
+"""One stream per replica for every step's items: the replica's outbox, the ingress's
+routing of batches to requests, and what a lost stream does to them (fakes, no cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deploy.replica import Outbox
+from router.dispatch import Dispatch, ReplicaLost
+from router.routing import RequestShape
+from router.step_streams import StepStreams, StreamLost
+
+
+class FakeCall:
+    """A streaming call: yields ``first`` (if any), then whatever is fed to it."""
+
+    def __init__(self, first=None) -> None:
+        self.first, self.fed, self.cancelled = first, asyncio.Queue(), False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.first is not None:
+            first, self.first = self.first, None
+            return first
+        item = await self.fed.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeReplicas:
+    """The replica deployment's handle: ``generate`` answers "accepted" from the replica
+    named in ``replicas`` (one per call, in turn); ``step_items`` opens a stream."""
+
+    def __init__(self, replicas: list[str]) -> None:
+        self.replicas, self.calls, self.streams = list(replicas), [], {}
+        self.generate, self.step_items = self._Method(self._generate), self._Method(self._stream)
+
+    class _Method:
+        def __init__(self, fn) -> None:
+            self.remote = fn
+
+    def _generate(self, rid, ids, params, shape, ingress=None):
+        call = FakeCall({"accepted": True, "prompt_tokens": len(ids),
+                         "replica": self.replicas.pop(0)})
+        self.calls.append((rid, ingress, call))
+        return call
+
+    def _stream(self, ingress, pin):
+        call = self.streams[pin] = FakeCall([])
+        return call
+
+
+def item(text: str, finished: bool = False) -> dict:
+    return {"outputs": [{"index": 0, "text": text, "token_ids": [1], "logprobs": None,
+                         "finish_reason": "stop" if finished else None, "stop_reason": None}],
+            "finished": finished}
+
+
+async def test_outbox_gives_one_step_of_every_request_in_one_take():
+    box = Outbox()
+    take = asyncio.create_task(box.take())
+    await asyncio.sleep(0)
+    assert not take.done()  # nothing put yet: the stream waits
+    box.put("a", item("x"))
+    box.put("b", item("y"))  # the same event-loop pass, as the engine hands out a step
+    assert [rid for rid, _ in await take] == ["a", "b"]
+    box.put("a", item("z"))
+    assert [rid for rid, _ in await box.take()] == ["a"]
+
+
+async def test_batches_reach_their_requests_and_a_lost_stream_fails_only_its_own():
+    handle = FakeReplicas([])
+    streams = StepStreams(handle)
+    qa, qb, qc = (streams.register(r) for r in ("a", "b", "c"))
+    streams.assign("a", "r1")
+    streams.assign("b", "r1")
+    streams.assign("c", "r2")
+    await asyncio.sleep(0)  # the stream tasks start
+    assert set(handle.streams) == {"r1", "r2"}  # one stream per replica, not per request
+    handle.streams["r1"].fed.put_nowait([("a", item("1")), ("gone", item("?")),
+                                         ("b", item("2"))])
+    assert (await qa.get())["outputs"][0]["text"] == "1"
+    assert (await qb.get())["outputs"][0]["text"] == "2"
+    streams.forget("b")
+    handle.streams["r1"].fed.put_nowait(RuntimeError("replica died"))
+    assert isinstance(await asyncio.wait_for(qa.get(), 1), StreamLost)
+    assert qb.empty() and qc.empty()  # forgotten, and on another replica
+    old = handle.streams["r1"]
+    streams.assign("a", "r1")  # the failed stream is replaced on the next acceptance
+    await asyncio.sleep(0)
+    assert handle.streams["r1"] is not old
+
+
+async def test_dispatch_reads_its_stream_and_resends_when_lost_before_a_token():
+    handle = FakeReplicas(["r1", "r2"])
+    streams = StepStreams(handle)
+    shape = RequestShape(3, "standard", 1)
+    d = Dispatch(handle, ("req", [1, 2, 3], {}), shape, streams=streams)
+    await d.start()
+    assert (d.replica, handle.calls[0][1]) == ("r1", streams.ingress_id)
+    await asyncio.sleep(0)
+    got = d.items()
+    handle.streams["r1"].fed.put_nowait(RuntimeError("replica died"))
+    handle_r2_ready = asyncio.create_task(got.__anext__())
+    await asyncio.sleep(0.05)  # re-sent to r2, whose stream opened
+    assert handle.calls[0][2].cancelled and d.replica == "r2" and d.attempts == 2
+    handle.streams["r2"].fed.put_nowait([("req", item("ok", finished=True))])
+    assert (await asyncio.wait_for(handle_r2_ready, 1))["finished"]
+    with pytest.raises(StopAsyncIteration):
+        await got.__anext__()
+    assert streams.register("req").empty()  # a new queue: the finished one was dropped
+
+
+async def test_dispatch_lost_after_a_token_is_replica_lost():
+    handle = FakeReplicas(["r1"])
+    streams = StepStreams(handle)
+    d = Dispatch(handle, ("req", [1], {}), RequestShape(1, "standard", 1), streams=streams)
+    await d.start()
+    await asyncio.sleep(0)
+    got = d.items()
+    handle.streams["r1"].fed.put_nowait([("req", item("t"))])
+    assert (await got.__anext__())["outputs"][0]["text"] == "t"
+    handle.streams["r1"].fed.put_nowait(RuntimeError("replica died"))
+    with pytest.raises(ReplicaLost):
+        await asyncio.wait_for(got.__anext__(), 1)
