@@ -204,8 +204,8 @@ class OpenAIIngress:
         if info.limits.fits(len(ids), params["max_tokens"]):
             held_s = await self._admit(caller, shape, params["max_tokens"], arrival)
         record = self.metrics.request(caller.traffic_class, arrival, len(ids), held_s)
-        dispatch = Dispatch(self.replicas, (rid, ids, params), shape, record,
-                            self.step_streams)
+        dispatch = Dispatch(self.replicas, (rid, ids, params), shape, self.step_streams,
+                            record)
         try:
             await dispatch.start()
         except BaseException:  # refused, or the client left while it was sent

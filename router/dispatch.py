@@ -1,8 +1,9 @@
 """One request's call to a model replica, re-sent elsewhere if its replica dies early.
 
-The replica answers first "accepted" (or a length error, which becomes a 400 before any
-stream starts), then one item per step that produced tokens. If the replica dies before
-the request produced a token the request is sent again, to the replica the router picks;
+The replica's call answers "accepted" (or a length error, which becomes a 400 before any
+stream starts); then one item per step that produced tokens comes on the replica's step
+stream (:mod:`router.step_streams`). If the replica dies (or its engine fails) before the
+request produced a token the request is sent again, to the replica the router picks;
 once tokens were streamed, :class:`ReplicaLost` ends the stream.
 """
 
@@ -49,12 +50,12 @@ class Dispatch:
     """One request's call to a replica, re-sent elsewhere if its replica dies early.
 
     ``record`` (``deploy.metrics.RequestRecord``) is told of every item and of how the
-    call ended. With ``streams`` the request's items after the first come on its
-    replica's step stream (:mod:`router.step_streams`), not on its own call.
+    call ended. The call itself answers only the first item; the rest come on its
+    replica's step stream (:mod:`router.step_streams`).
     """
 
     def __init__(self, handle: DeploymentHandle, args: tuple, shape: RequestShape,
-                 record: Any = None, streams: StepStreams | None = None) -> None:
+                 streams: StepStreams, record: Any = None) -> None:
         self.handle = handle
         self.args = args
         self.shape = shape
@@ -80,11 +81,9 @@ class Dispatch:
         """
         while True:
             self.attempts += 1
-            extra = {}
-            if self.streams is not None:
-                self.streams.register(self.request_id)
-                extra["ingress"] = self.streams.ingress_id
-            self.gen = self.handle.generate.remote(*self.args, shape=self.shape, **extra)
+            self.streams.register(self.request_id)
+            self.gen = self.handle.generate.remote(*self.args, shape=self.shape,
+                                                   ingress=self.streams.ingress_id)
             try:
                 first = await self.gen.__anext__()
             except REPLICA_LOST as e:
@@ -97,8 +96,7 @@ class Dispatch:
                 self.done = True
             self.prompt_tokens, self.replica = accepted(first)
             self._load(first)
-            if self.streams is not None:
-                self.streams.assign(self.request_id, self.replica)
+            self.streams.assign(self.request_id, self.replica)
             return
 
     async def items(self) -> AsyncIterator[dict]:
@@ -108,40 +106,15 @@ class Dispatch:
             ReplicaLost: the replica died after the request had produced tokens.
             ApiError: a re-sent request was refused (see :meth:`start`).
         """
-        if self.streams is not None:
-            async for item in self._streamed_items():
-                yield item
-            return
-        while True:
-            try:
-                async for item in self.gen:
-                    if item["outputs"]:
-                        self.produced = True
-                    self._observe(item)
-                    yield item
-                    if item["finished"]:
-                        self.done = True
-                        return
-                self._failed()
-                raise ReplicaLost("the replica ended the stream early")
-            except REPLICA_LOST as e:
-                if self.produced or self.attempts >= MAX_DISPATCH_ATTEMPTS:
-                    self._failed()
-                    raise ReplicaLost(f"the replica serving this request died: {e}") from e
-                logger.warning("replica lost before the first token; re-sending: %s", e)
-                await self.start()
-
-    async def _streamed_items(self) -> AsyncIterator[dict]:
-        """:meth:`items` when they come on the replica's step stream."""
         queue = self.streams.register(self.request_id)
         try:
             while True:
                 item = await queue.get()
-                if isinstance(item, StreamLost):
+                if isinstance(item, StreamLost) or "lost" in item:
                     self.gen.cancel()  # in case only the stream failed, not the replica
                     if self.produced or self.attempts >= MAX_DISPATCH_ATTEMPTS:
                         self._failed()
-                        raise ReplicaLost(f"the replica serving this request died: {item}")
+                        raise ReplicaLost(f"the replica serving this request failed: {item}")
                     logger.warning("replica lost before the first token; re-sending: %s", item)
                     await self.start()
                     continue
@@ -182,8 +155,7 @@ class Dispatch:
 
     def cancel(self) -> None:
         """Abort the replica call (the engine frees the request's blocks next step)."""
-        if self.streams is not None:
-            self.streams.forget(self.request_id)
+        self.streams.forget(self.request_id)
         if self.gen is not None and not self.done:
             self.gen.cancel()
             self.done = True

@@ -47,7 +47,7 @@ class FakeReplicas:
         def __init__(self, fn) -> None:
             self.remote = fn
 
-    def _generate(self, rid, ids, params, shape, ingress=None):
+    def _generate(self, rid, ids, params, shape, ingress):
         call = FakeCall({"accepted": True, "prompt_tokens": len(ids),
                          "replica": self.replicas.pop(0)})
         self.calls.append((rid, ingress, call))
@@ -103,7 +103,7 @@ async def test_dispatch_reads_its_stream_and_resends_when_lost_before_a_token():
     handle = FakeReplicas(["r1", "r2"])
     streams = StepStreams(handle)
     shape = RequestShape(3, "standard", 1)
-    d = Dispatch(handle, ("req", [1, 2, 3], {}), shape, streams=streams)
+    d = Dispatch(handle, ("req", [1, 2, 3], {}), shape, streams)
     await d.start()
     assert (d.replica, handle.calls[0][1]) == ("r1", streams.ingress_id)
     await asyncio.sleep(0)
@@ -122,7 +122,7 @@ async def test_dispatch_reads_its_stream_and_resends_when_lost_before_a_token():
 async def test_dispatch_lost_after_a_token_is_replica_lost():
     handle = FakeReplicas(["r1"])
     streams = StepStreams(handle)
-    d = Dispatch(handle, ("req", [1], {}), RequestShape(1, "standard", 1), streams=streams)
+    d = Dispatch(handle, ("req", [1], {}), RequestShape(1, "standard", 1), streams)
     await d.start()
     await asyncio.sleep(0)
     got = d.items()
@@ -130,4 +130,20 @@ async def test_dispatch_lost_after_a_token_is_replica_lost():
     assert (await got.__anext__())["outputs"][0]["text"] == "t"
     handle.streams["r1"].fed.put_nowait(RuntimeError("replica died"))
     with pytest.raises(ReplicaLost):
+        await asyncio.wait_for(got.__anext__(), 1)
+
+
+async def test_dispatch_told_its_engine_failed_is_replica_lost_after_a_token():
+    # The replica's own call is not read after "accepted": an engine failure must come
+    # on the stream, or the request would wait forever.
+    handle = FakeReplicas(["r1"])
+    streams = StepStreams(handle)
+    d = Dispatch(handle, ("req", [1], {}), RequestShape(1, "standard", 1), streams)
+    await d.start()
+    await asyncio.sleep(0)
+    got = d.items()
+    handle.streams["r1"].fed.put_nowait([("req", item("t")),
+                                         ("req", {"lost": "EngineDeadError: loop failed"})])
+    await got.__anext__()
+    with pytest.raises(ReplicaLost, match="EngineDeadError"):
         await asyncio.wait_for(got.__anext__(), 1)
