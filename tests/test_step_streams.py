@@ -119,31 +119,27 @@ async def test_dispatch_reads_its_stream_and_resends_when_lost_before_a_token():
     assert streams.register("req").empty()  # a new queue: the finished one was dropped
 
 
-async def test_dispatch_lost_after_a_token_is_replica_lost():
+async def _one_token_then(failure) -> None:
+    """A request on replica r1 gets one token, then ``failure`` on r1's stream: a raised
+    exception (the stream is lost) or a batch (what the replica reports)."""
     handle = FakeReplicas(["r1"])
-    streams = StepStreams(handle)
-    d = Dispatch(handle, ("req", [1], {}), RequestShape(1, "standard", 1), streams)
+    d = Dispatch(handle, ("req", [1], {}), RequestShape(1, "standard", 1), StepStreams(handle))
     await d.start()
     await asyncio.sleep(0)
     got = d.items()
     handle.streams["r1"].fed.put_nowait([("req", item("t"))])
     assert (await got.__anext__())["outputs"][0]["text"] == "t"
-    handle.streams["r1"].fed.put_nowait(RuntimeError("replica died"))
-    with pytest.raises(ReplicaLost):
-        await asyncio.wait_for(got.__anext__(), 1)
+    handle.streams["r1"].fed.put_nowait(failure)
+    await asyncio.wait_for(got.__anext__(), 1)
+
+
+async def test_dispatch_lost_after_a_token_is_replica_lost():
+    with pytest.raises(ReplicaLost, match="replica died"):
+        await _one_token_then(RuntimeError("replica died"))
 
 
 async def test_dispatch_told_its_engine_failed_is_replica_lost_after_a_token():
     # The replica's own call is not read after "accepted": an engine failure must come
     # on the stream, or the request would wait forever.
-    handle = FakeReplicas(["r1"])
-    streams = StepStreams(handle)
-    d = Dispatch(handle, ("req", [1], {}), RequestShape(1, "standard", 1), streams)
-    await d.start()
-    await asyncio.sleep(0)
-    got = d.items()
-    handle.streams["r1"].fed.put_nowait([("req", item("t")),
-                                         ("req", {"lost": "EngineDeadError: loop failed"})])
-    await got.__anext__()
     with pytest.raises(ReplicaLost, match="EngineDeadError"):
-        await asyncio.wait_for(got.__anext__(), 1)
+        await _one_token_then([("req", {"lost": "EngineDeadError: loop failed"})])
