@@ -5,7 +5,8 @@ first item ("accepted" or a refusal) and stays open until the request ends, so t
 cancelling it still aborts the request. The tokens of all of this ingress's requests on a
 replica come back on one ``step_items`` stream from that replica: one message per engine
 step instead of one per request per step. On a 2-core host at 8 streams that cut the
-ingress's CPU by 44% and the cost per token by 9-11% (``docs/served-overhead.md``).
+ingress's CPU by 41-43% and the cost per token by 4-7% (alternating server starts,
+``docs/served-overhead.md``).
 """
 
 from __future__ import annotations

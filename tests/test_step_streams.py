@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from deploy.replica import Outbox
+from deploy.replica import Outbox, Outboxes
 from router.dispatch import Dispatch, ReplicaLost
 from router.routing import RequestShape
 from router.step_streams import StepStreams, StreamLost
@@ -75,6 +75,24 @@ async def test_outbox_gives_one_step_of_every_request_in_one_take():
     box.put("a", item("z"))
     assert [rid for rid, _ in await box.take()] == ["a"]
 
+
+
+async def test_a_reopened_stream_takes_over_its_ingress_outbox():
+    # The ingress's stream failed while the replica lived and it opened another: items
+    # must go to the new stream, and the old one ending must not drop them.
+    boxes = Outboxes()
+    old = boxes.open("ing")
+    boxes.put("ing", "a", item("1"))  # not taken by the old stream yet
+    new = boxes.open("ing")
+    boxes.put("ing", "a", item("2"))
+    boxes.close("ing", old)
+    boxes.put("ing", "b", item("3"))
+    assert [(rid, i["outputs"][0]["text"]) for rid, i in await new.take()] == [
+        ("a", "1"), ("a", "2"), ("b", "3")]
+    assert old.drain() == []
+    boxes.close("ing", new)
+    boxes.put("ing", "c", item("4"))  # a stream opened later still gets it
+    assert [rid for rid, _ in boxes.open("ing").drain()] == ["c"]
 
 async def test_batches_reach_their_requests_and_a_lost_stream_fails_only_its_own():
     handle = FakeReplicas([])
