@@ -25,8 +25,10 @@ from pathlib import Path
 
 import torch
 
+from engine.cpu_kernels import load as load_kernels
 from engine.cpu_linear import prepack_linears, prepack_supported
 from engine.fused_layers import fuse_layers
+from engine.kernel_layers import use_kernel_layers
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +170,9 @@ def load_model(
         prepack: replace the linear layers by oneDNN-prepacked ones where that applies
             (fp32 on CPU; :mod:`engine.cpu_linear`).
 
+    fp32 models on CPU run their decoder layers through :mod:`engine.cpu_kernels` where
+    those build (:mod:`engine.kernel_layers`; ``ITERSERVE_CPU_KERNELS=0`` turns them off).
+
     Raises:
         ModelLoadError: missing path, or an architecture the engine cannot run.
     """
@@ -189,4 +194,6 @@ def load_model(
     fuse_layers(hf_model)
     if prepack and prepack_supported(device, dtype):
         prepack_linears(hf_model)
+    if device.type == "cpu" and dtype == torch.float32 and (kernels := load_kernels()):
+        use_kernel_layers(hf_model, kernels)
     return hf_model, tokenizer, model_dir

@@ -20,6 +20,7 @@ from engine.attention import (
     paged_attention,
 )
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.kernel_layers import KernelDecoderLayer
 from engine.model_loader import load_model
 from engine.request import Request
 from engine.sampler import Sampler, SampleResult, prompt_logprob_rows, record_prompt_logprobs
@@ -74,6 +75,8 @@ class TorchModelRunner:
             device.type == "cuda" and flash_attn_available()
             and block_size % FLASH_BLOCK_MULTIPLE == 0
         )
+        self.kernel_decode = any(isinstance(m, KernelDecoderLayer) for m in model.modules())
+        """Decodes are attended by :mod:`engine.cpu_kernels` (no SDPA decode groups)."""
         if device.type == "cuda" and not self.use_flash:
             logger.warning(
                 "flash-attn path off (needs flash-attn and block_size %% %d == 0); using SDPA",
@@ -213,7 +216,8 @@ class TorchModelRunner:
                       block_tables: torch.Tensor, ctx: list[int], qsl: list[int]) -> None:
         """Gather indices and masks for the SDPA backend, shared by every layer."""
         bs, dev = self.block_size, self.device
-        for start, end in decode_groups(ctx[:nd]):
+        # Kernel layers attend decodes on the paged cache in place: no gather, no groups.
+        for start, end in decode_groups(ctx[:nd]) if not self.kernel_decode else ():
             n, max_ctx = end - start, ctx[start]
             p = torch.arange(max_ctx)
             lens = torch.tensor(ctx[start:end])

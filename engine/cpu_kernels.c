@@ -1,0 +1,123 @@
+/* Fused fp32 CPU kernels for decode-sized steps; loaded by engine/cpu_kernels.py.
+ *
+ * Each replaces several PyTorch ops whose fixed dispatch cost (3-10 us each on the 2-core
+ * host this was written on) dominates at the row counts of decode steps. All tensors are
+ * row-major fp32 (int32/int64 indices); rows may be strided, elements within a row are
+ * contiguous. Single-threaded: the work per call is microseconds, and a second OpenMP
+ * runtime beside PyTorch's would compete with it for the same cores.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (RMSNorm, Zhang and Sennrich 2019).
+ * With delta, x[r] += delta[r] first, in place (the residual add before the norm). */
+void add_rms_norm(float *x, int64_t x_stride, const float *delta, int64_t delta_stride,
+                  const float *w, float *out, int64_t rows, int64_t h, float eps) {
+  for (int64_t r = 0; r < rows; r++) {
+    float *xr = x + r * x_stride;
+    float *o = out + r * h;
+    if (delta) {
+      const float *dr = delta + r * delta_stride;
+      for (int64_t i = 0; i < h; i++) xr[i] += dr[i];
+    }
+    float ss = 0.f;
+    for (int64_t i = 0; i < h; i++) ss += xr[i] * xr[i];
+    const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    for (int64_t i = 0; i < h; i++) o[i] = xr[i] * inv * w[i];
+  }
+}
+
+/* out[r] = silu(gate) * up, where gu[r] = [gate (n) | up (n)]. */
+void silu_mul(const float *gu, float *out, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float *g = gu + r * 2 * n, *u = g + n;
+    float *o = out + r * n;
+    for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+  }
+}
+
+/* Rotary embedding in place, halves rotated as transformers' rotate_half (GPT-NeoX
+ * layout): with x = [x1 | x2] per head, x1' = x1 cos1 - x2 sin1, x2' = x2 cos2 + x1 sin2.
+ * x: [rows, heads, d] with row stride x_stride; cos, sin: [rows, d]. */
+void rope(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t d,
+          const float *cos, const float *sin) {
+  const int64_t half = d / 2;
+  for (int64_t r = 0; r < rows; r++) {
+    const float *c = cos + r * d, *s = sin + r * d;
+    for (int64_t hd = 0; hd < heads; hd++) {
+      float *x1 = x + r * x_stride + hd * d, *x2 = x1 + half;
+      for (int64_t i = 0; i < half; i++) {
+        const float a = x1[i], b = x2[i];
+        x1[i] = a * c[i] - b * s[i];
+        x2[i] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+/* cache[slots[r]] = src[r] for K and V: caches [num_slots, width], sources row-strided. */
+void cache_write(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                 const int64_t *slots, int64_t rows, int64_t width, float *k_cache,
+                 float *v_cache) {
+  for (int64_t r = 0; r < rows; r++) {
+    memcpy(k_cache + slots[r] * width, k + r * k_stride, width * sizeof(float));
+    memcpy(v_cache + slots[r] * width, v + r * v_stride, width * sizeof(float));
+  }
+}
+
+/* One query token per sequence against its paged context (softmax(q K^T * scale) V).
+ * q: [n, H, D], row stride q_stride; caches: [num_blocks * bs, KVH, D]; tables: [n,
+ * table_stride] block ids; lens: [n] context tokens (>= 1); out: [n, H, D], row stride
+ * out_stride. Query head h reads KV head h / (H / KVH) (grouped-query attention). Each
+ * token's K and V rows (all KV heads, contiguous, and a block's tokens contiguous) are
+ * read once, in cache order, for every head: the cache streams from memory at long
+ * contexts, so its order of access sets the speed. Returns 0, or -1 without memory. */
+int decode_attention(const float *q, int64_t q_stride, const float *k_cache,
+                     const float *v_cache, const int32_t *tables, int64_t table_stride,
+                     const int32_t *lens, int64_t n, int64_t H, int64_t KVH, int64_t D,
+                     int64_t bs, float scale, float *out, int64_t out_stride) {
+  const int64_t G = H / KVH, row = KVH * D;
+  int64_t max_len = 0;
+  for (int64_t s = 0; s < n; s++) max_len = lens[s] > max_len ? lens[s] : max_len;
+  float *scores = malloc(sizeof(float) * H * (max_len > 0 ? max_len : 1));
+  if (!scores) return -1;
+  for (int64_t s = 0; s < n; s++) {
+    const int64_t L = lens[s];
+    const int32_t *table = tables + s * table_stride;
+    const float *qs = q + s * q_stride;
+    for (int64_t j = 0; j < L; j++) {
+      const float *k = k_cache + ((int64_t)table[j / bs] * bs + j % bs) * row;
+      for (int64_t h = 0; h < H; h++) {
+        const float *qh = qs + h * D, *kh = k + (h / G) * D;
+        float dot = 0.f;
+        for (int64_t i = 0; i < D; i++) dot += qh[i] * kh[i];
+        scores[h * L + j] = dot * scale;
+      }
+    }
+    for (int64_t h = 0; h < H; h++) {
+      float *sc = scores + h * L, m = -FLT_MAX, z = 0.f;
+      for (int64_t j = 0; j < L; j++) m = sc[j] > m ? sc[j] : m;
+      for (int64_t j = 0; j < L; j++) {
+        sc[j] = expf(sc[j] - m);
+        z += sc[j];
+      }
+      const float inv = 1.0f / z;
+      for (int64_t j = 0; j < L; j++) sc[j] *= inv;
+    }
+    float *o = out + s * out_stride;
+    memset(o, 0, sizeof(float) * H * D);
+    for (int64_t j = 0; j < L; j++) {
+      const float *v = v_cache + ((int64_t)table[j / bs] * bs + j % bs) * row;
+      for (int64_t h = 0; h < H; h++) {
+        const float p = scores[h * L + j], *vh = v + (h / G) * D;
+        float *oh = o + h * D;
+        for (int64_t i = 0; i < D; i++) oh[i] += p * vh[i];
+      }
+    }
+  }
+  free(scores);
+  return 0;
+}

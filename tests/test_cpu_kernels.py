@@ -1,0 +1,151 @@
+"""The C kernels (engine.cpu_kernels) and the decoder layers built on them
+(engine.kernel_layers) against PyTorch's ops and the fused PyTorch layers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from engine.cpu_kernels import load
+from engine.fused_layers import fuse_layers
+from engine.kernel_layers import KernelDecoderLayer, use_kernel_layers
+from tests.test_fused_layers import BLOCK, tiny_model
+
+kernels = load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler for engine.cpu_kernels")
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_rms_norm_with_and_without_the_residual_add(rows):
+    x, delta, w = torch.randn(rows, 48), torch.randn(rows, 48), torch.randn(48)
+    close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (48,), w, 1e-5))
+    summed = x + delta
+    close(kernels.rms_norm(x, w, 1e-6, delta=delta), F.rms_norm(summed, (48,), w, 1e-6))
+    close(x, summed)  # the residual stream was updated in place
+
+
+def test_silu_mul():
+    gu = torch.randn(3, 40)
+    close(kernels.silu_mul(gu), F.silu(gu[:, :20]) * gu[:, 20:])
+
+
+def test_rope_on_a_strided_view_matches_rotate_half():
+    qkv = torch.randn(5, 3 * 16 + 8)
+    q = qkv[:, :48].view(5, 3, 16)
+    cos, sin = torch.randn(5, 16), torch.randn(5, 16)
+    half = torch.cat([-q[..., 8:], q[..., :8]], dim=-1)
+    expected = q * cos[:, None] + half * sin[:, None]
+    tail = qkv[:, 48:].clone()
+    kernels.rope_(q, cos, sin)
+    close(q, expected)
+    assert torch.equal(qkv[:, 48:], tail)  # the rest of each row is untouched
+
+
+def test_cache_write_puts_each_row_at_its_slot():
+    k, v = torch.randn(3, 24)[:, :8], torch.randn(3, 8)
+    kc, vc = torch.zeros(10, 8), torch.zeros(10, 8)
+    slots = torch.tensor([7, 2, 4])
+    kernels.cache_write(k, v, slots, kc, vc)
+    close(kc[slots], k)
+    close(vc[slots], v)
+    assert kc.abs().sum(1).nonzero().flatten().tolist() == [2, 4, 7]
+
+
+def test_decode_attention_matches_dense_attention_over_paged_blocks():
+    torch.manual_seed(0)
+    heads, kv_heads, d, bs = 6, 2, 8, 4
+    kc, vc = torch.randn(12, bs, kv_heads, d), torch.randn(12, bs, kv_heads, d)
+    tables = torch.tensor([[9, 2, 5, 0], [3, 11, 0, 0], [7, 0, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([14, 5, 1], dtype=torch.int32)
+    q = torch.randn(3, heads, d)
+    out = torch.empty_like(q)
+    kernels.decode_attention(q, kc, vc, tables, lens, 0.3, out)
+    for i, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        slots = tables[i, pos // bs].long() * bs + pos % bs
+        k = kc.view(-1, kv_heads, d)[slots].transpose(0, 1)  # [KVH, n, d]
+        v = vc.view(-1, kv_heads, d)[slots].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=0.3, enable_gqa=True)
+        close(out[i], ref[:, 0])
+
+
+def step_metadata(caches, decodes, prefills, tables) -> AttentionMetadata:
+    """A step of single-token ``decodes`` (context lengths after it, longest first) and
+    first-chunk ``prefills`` (lengths); ``tables`` holds every sequence's blocks in order."""
+    qsl, slots, ctx = [0], [], []
+    for i, n in enumerate(decodes):
+        slots.append(tables[i][(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK)
+        qsl.append(qsl[-1] + 1)
+        ctx.append(n)
+    for j, n in enumerate(prefills):
+        table = tables[len(decodes) + j]
+        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)]
+        qsl.append(qsl[-1] + n)
+        ctx.append(n)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    md = AttentionMetadata(
+        kv_caches=caches, slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        context_lens=torch.tensor(ctx, dtype=torch.int32), block_tables=block_tables,
+        max_query_len=max(prefills, default=1), max_context_len=max(ctx),
+        num_decodes=len(decodes), use_flash=False,
+        prefills=[PrefillChunk(qsl[len(decodes) + j], qsl[len(decodes) + j + 1], None, None)
+                  for j in range(len(prefills))])
+    if decodes:
+        p = torch.arange(decodes[0])
+        md.decode_groups.append(DecodeGroup(
+            0, len(decodes), slots=block_tables[:len(decodes), p // BLOCK].long() * BLOCK
+            + p % BLOCK, mask=(p[None] < torch.tensor(decodes)[:, None]).view(-1, 1, 1, len(p))))
+    return md
+
+
+def run_steps(model, steps) -> list[torch.Tensor]:
+    """Logits of each ``(ids, positions, metadata builder)`` step, one shared KV cache."""
+    cfg = model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = (24, BLOCK, cfg.num_key_value_heads, d)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+    out = []
+    with torch.inference_mode():
+        for ids, pos, md in steps:
+            out.append(model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
+                             attn_metadata=md(caches)).logits[0])
+    return out
+
+
+@pytest.mark.parametrize(("arch", "c_len"), [("llama", 6), ("qwen2", 6), ("qwen3", 6),
+                                             ("llama", 40)])  # 42 rows: SiLU in PyTorch
+def test_kernel_layers_equal_the_fused_pytorch_layers_in_a_mixed_step(arch, c_len):
+    fused = tiny_model(arch)
+    fuse_layers(fused)
+    kernel = copy.deepcopy(fused)
+    assert use_kernel_layers(kernel, kernels) == 2
+    assert isinstance(kernel.model.layers[1], KernelDecoderLayer)
+    torch.manual_seed(1)
+    a, b, c = (torch.randint(0, 64, (n,)) for n in (7, 5, c_len))
+    # scattered blocks; A's and B's second block partly full
+    tables = [[5, 1], [0, 3], [2, 4, *range(8, 8 + -(-c_len // BLOCK) - 2)]]
+    steps = [
+        (torch.cat([a, b]), torch.cat([torch.arange(7), torch.arange(5)]),
+         lambda caches: step_metadata(caches, [], [7, 5], tables[:2])),
+        # A and B decode (contexts 8 and 6) while C's prompt is prefilled in the same step
+        (torch.cat([torch.tensor([3, 9]), c]),
+         torch.cat([torch.tensor([7, 5]), torch.arange(c_len)]),
+         lambda caches: step_metadata(caches, [8, 6], [c_len], tables)),
+    ]
+    for got, want in zip(run_steps(kernel, steps), run_steps(fused, steps)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_unfused_layer_is_refused():
+    with pytest.raises(ValueError, match="fused"):
+        KernelDecoderLayer(tiny_model("llama").model.layers[0], kernels)
