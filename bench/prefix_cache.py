@@ -155,7 +155,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--systems", type=lambda s: s.split(","),
                    default=[s for s in SYSTEMS if s != "iterserve-one-replica"])
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")],
-                   default=[0.5, 1.0], help="requests/s (all turns), comma-separated")
+                   default=[1.0, 2.0, 3.0], help="requests/s (all turns), comma-separated")
     p.add_argument("--conversations", type=int, default=24)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--think-s", type=float, default=6.0,
