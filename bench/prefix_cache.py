@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/prefix_cache.py            # about 25 minutes; prints its estimate
+    .venv/bin/python bench/prefix_cache.py            # about 15-20 minutes; prints its estimate
 
 Workload
     Multi-turn conversations: every request starts with one shared 500-token system prompt,
