@@ -16,13 +16,14 @@ from engine.kernel_layers import KernelDecoderLayer, use_kernel_layers
 from tests.test_fused_layers import BLOCK, tiny_model
 
 kernels = load()
-pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler for engine.cpu_kernels")
+needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler for engine.cpu_kernels")
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 5])
 def test_rms_norm_with_and_without_the_residual_add(rows):
     x, delta, w = torch.randn(rows, 48), torch.randn(rows, 48), torch.randn(48)
@@ -32,11 +33,13 @@ def test_rms_norm_with_and_without_the_residual_add(rows):
     close(x, summed)  # the residual stream was updated in place
 
 
+@needs_kernels
 def test_silu_mul():
     gu = torch.randn(3, 40)
     close(kernels.silu_mul(gu), F.silu(gu[:, :20]) * gu[:, 20:])
 
 
+@needs_kernels
 def test_rope_on_a_strided_view_matches_rotate_half():
     qkv = torch.randn(5, 3 * 16 + 8)
     q = qkv[:, :48].view(5, 3, 16)
@@ -49,6 +52,7 @@ def test_rope_on_a_strided_view_matches_rotate_half():
     assert torch.equal(qkv[:, 48:], tail)  # the rest of each row is untouched
 
 
+@needs_kernels
 def test_cache_write_puts_each_row_at_its_slot():
     k, v = torch.randn(3, 24)[:, :8], torch.randn(3, 8)
     kc, vc = torch.zeros(10, 8), torch.zeros(10, 8)
@@ -59,6 +63,7 @@ def test_cache_write_puts_each_row_at_its_slot():
     assert kc.abs().sum(1).nonzero().flatten().tolist() == [2, 4, 7]
 
 
+@needs_kernels
 def test_decode_attention_matches_dense_attention_over_paged_blocks():
     torch.manual_seed(0)
     heads, kv_heads, d, bs = 6, 2, 8, 4
@@ -122,6 +127,7 @@ def run_steps(model, steps) -> list[torch.Tensor]:
     return out
 
 
+@needs_kernels
 @pytest.mark.parametrize(("arch", "c_len"), [("llama", 6), ("qwen2", 6), ("qwen3", 6),
                                              ("llama", 40)])  # 42 rows: SiLU in PyTorch
 def test_kernel_layers_equal_the_fused_pytorch_layers_in_a_mixed_step(arch, c_len):
@@ -146,6 +152,16 @@ def test_kernel_layers_equal_the_fused_pytorch_layers_in_a_mixed_step(arch, c_le
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@needs_kernels
 def test_an_unfused_layer_is_refused():
     with pytest.raises(ValueError, match="fused"):
         KernelDecoderLayer(tiny_model("llama").model.layers[0], kernels)
+
+
+def test_without_a_compiler_the_engine_falls_back_to_pytorch_ops(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no cc on it
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path / "cache"))  # nothing built there
+    assert load.__wrapped__() is None
+    assert "CPU kernels unavailable" in caplog.text
+    monkeypatch.setenv("ITERSERVE_CPU_KERNELS", "0")
+    assert load.__wrapped__() is None
