@@ -177,7 +177,7 @@ def paged_attention(
 
     out = torch.empty_like(q)
     _attend_decodes(md, q, k_flat, v_flat, scaling, out)
-    _attend_prefills(md, q, k_new, v_new, k_flat, v_flat, scaling, out)
+    attend_prefills(md, q, k_new, v_new, k_flat, v_flat, scaling, out)
     return out.unsqueeze(0), None
 
 
@@ -198,11 +198,16 @@ def _attend_decodes(md: AttentionMetadata, q: torch.Tensor, k_flat: torch.Tensor
         out[g.start:g.end] = o.squeeze(2)
 
 
-def _attend_prefills(md: AttentionMetadata, q: torch.Tensor, k_new: torch.Tensor,
-                     v_new: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                     scaling: float | None, out: torch.Tensor) -> None:
+def attend_prefills(md: AttentionMetadata, q: torch.Tensor, k_new: torch.Tensor,
+                    v_new: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                    scaling: float | None, out: torch.Tensor) -> None:
     """Prefill rows of ``out``: one SDPA call per chunk, against the chunk's own K/V for a
-    first chunk (plain causal), else its whole cached context with the offset mask."""
+    first chunk (plain causal), else its whole cached context with the offset mask.
+
+    Shapes: ``q`` and ``out`` ``[T, H, D]``; ``k_new``, ``v_new`` ``[T, KVH, D]`` (this
+    step's tokens, already written to the cache); ``k_flat``, ``v_flat``
+    ``[num_slots, KVH, D]``. Used by :func:`paged_attention` and
+    :class:`engine.kernel_layers.KernelDecoderLayer`."""
     for p in md.prefills:
         qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
         if p.context_slots is None:

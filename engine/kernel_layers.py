@@ -4,7 +4,7 @@ A pre-norm Llama-family layer at decode row counts spends about a quarter of its
 outside the four GEMMs, in some 40 small PyTorch ops (norms, residual adds, RoPE, the
 q/k/v split, the KV-cache write, the gather and padded SDPA call of decode attention,
 SiLU-and-multiply), each with a fixed dispatch cost. :class:`KernelDecoderLayer` runs the
-same layer as four GEMMs (the fused projections of :mod:`engine.fused_layers`) and six
+same layer as four GEMMs (the fused projections of :mod:`engine.fused_layers`) and seven
 kernel calls:
 
     x = rms_norm(h)                      # kernel
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, _attend_prefills
+from engine.attention import AttentionMetadata, attend_prefills
 from engine.cpu_kernels import CpuKernels
 from engine.fused_layers import FusedAttention, FusedMLP, RMSNorm
 
@@ -102,7 +102,7 @@ class KernelDecoderLayer(nn.Module):
             k.decode_attention(q[:nd], k_cache, v_cache, md.block_tables[:nd],
                                md.context_lens[:nd], a.scaling, out[:nd])
         if md.prefills:
-            _attend_prefills(md, q, key, value.view(t, -1, d), k_flat, v_flat, a.scaling, out)
+            attend_prefills(md, q, key, value.view(t, -1, d), k_flat, v_flat, a.scaling, out)
         return a.o_proj(out.view(t, -1))
 
 
