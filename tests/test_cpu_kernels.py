@@ -163,5 +163,10 @@ def test_without_a_compiler_the_engine_falls_back_to_pytorch_ops(monkeypatch, tm
     monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path / "cache"))  # nothing built there
     assert load.__wrapped__() is None
     assert "CPU kernels unavailable" in caplog.text
+
+
+@needs_kernels
+def test_the_kernels_can_be_turned_off(monkeypatch):
+    assert load.__wrapped__() is not None  # a compiler is here: they would load
     monkeypatch.setenv("ITERSERVE_CPU_KERNELS", "0")
     assert load.__wrapped__() is None
