@@ -11,7 +11,8 @@ kernel calls:
     qkv = qkv_proj(x)                    # GEMM; Qwen3's per-head q/k norms stay in PyTorch
     rope(q), rope(k), cache_write(k, v)  # kernels, in place
     decodes: decode_attention(q)         # kernel, reads the paged cache in place
-    prefill chunks: SDPA                 # engine.attention, as before
+    prefill chunks: prefill_attention(q) # kernel, the same, on all threads; SDPA
+                                         # (engine.attention) where head_dim % 64 != 0
     x = rms_norm(h += o_proj(attn))      # GEMM, then one kernel for add and norm
     h += down_proj(silu_mul(gate_up_proj(x)))   # silu_mul: kernel up to 32 rows
 
@@ -57,6 +58,9 @@ class KernelDecoderLayer(nn.Module):
         self.kernels = kernels
         self.self_attn, self.mlp = attn, mlp
         self.input_layernorm, self.post_attention_layernorm = norms
+        self.prefill_kernel = attn.head_dim % 64 == 0
+        """Prefill chunks are attended by the kernel (else by SDPA, with the step's
+        ``AttentionMetadata.prefills``)."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None,
                 attn_metadata: AttentionMetadata | None = None, **kwargs) -> torch.Tensor:
@@ -101,7 +105,10 @@ class KernelDecoderLayer(nn.Module):
         if nd:
             k.decode_attention(q[:nd], k_cache, v_cache, md.block_tables[:nd],
                                md.context_lens[:nd], a.scaling, out[:nd])
-        if md.prefills:
+        if self.prefill_kernel and len(md.context_lens) > nd:
+            k.prefill_attention(q, k_cache, v_cache, md.block_tables, md.query_start_loc,
+                                md.context_lens, nd, a.scaling, out)
+        elif md.prefills:
             attend_prefills(md, q, key, value.view(t, -1, d), k_flat, v_flat, a.scaling, out)
         return a.o_proj(out.view(t, -1))
 

@@ -75,8 +75,11 @@ class TorchModelRunner:
             device.type == "cuda" and flash_attn_available()
             and block_size % FLASH_BLOCK_MULTIPLE == 0
         )
-        self.kernel_decode = any(isinstance(m, KernelDecoderLayer) for m in model.modules())
+        kernel_layers = [m for m in model.modules() if isinstance(m, KernelDecoderLayer)]
+        self.kernel_decode = bool(kernel_layers)
         """Decodes are attended by :mod:`engine.cpu_kernels` (no SDPA decode groups)."""
+        self.kernel_prefill = self.kernel_decode and all(m.prefill_kernel for m in kernel_layers)
+        """Prefill chunks too (no SDPA gather indices or masks)."""
         if device.type == "cuda" and not self.use_flash:
             logger.warning(
                 "flash-attn path off (needs flash-attn and block_size %% %d == 0); using SDPA",
@@ -226,7 +229,7 @@ class TorchModelRunner:
                 slots=(block_tables[start:end, p // bs].to(torch.int64) * bs + p % bs).to(dev),
                 mask=(p[None, :] < lens[:, None]).view(n, 1, 1, max_ctx).to(dev),
             ))
-        for i in range(nd, len(seqs)):
+        for i in range(nd, len(seqs)) if not self.kernel_prefill else ():
             seq = seqs[i]
             chunk = PrefillChunk(qsl[i], qsl[i + 1], None, None)
             if seq.start > 0:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_kernels
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from engine.cpu_kernels import load
 from engine.fused_layers import fuse_layers
@@ -82,6 +83,52 @@ def test_decode_attention_matches_dense_attention_over_paged_blocks():
         close(out[i], ref[:, 0])
 
 
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_attention_matches_causal_attention_over_paged_blocks(threads):
+    """Three chunks in one step: a first chunk longer than one work unit (16 tokens), a later
+    chunk after 21 cached tokens, and a one-token chunk; scattered blocks."""
+    torch.manual_seed(0)
+    heads, kv_heads, d, bs = 6, 2, 64, 4
+    chunks, before = [37, 9, 1], [0, 21, 3]  # query tokens, tokens cached before the chunk
+    lens = [c + b for c, b in zip(chunks, before)]
+    need = [-(-n // bs) for n in lens]
+    perm = torch.randperm(sum(need) + 3).int()
+    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    for i, off in enumerate([0, need[0], need[0] + need[1]]):
+        tables[i, :need[i]] = perm[off:off + need[i]]
+    kc, vc = (torch.randn(len(perm), bs, kv_heads, d) for _ in range(2))
+    qsl = torch.tensor([0, 37, 46, 47], dtype=torch.int32)
+    q = torch.randn(47, heads, d)
+    out = torch.zeros_like(q)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels.prefill_attention(q, kc, vc, tables, qsl, torch.tensor(lens, dtype=torch.int32),
+                                  0, 0.3, out)
+    finally:
+        torch.set_num_threads(saved)
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots = tables[i, pos // bs].long() * bs + pos % bs
+        k = kc.view(-1, kv_heads, d)[slots].transpose(0, 1)  # [KVH, n, d]
+        v = vc.view(-1, kv_heads, d)[slots].transpose(0, 1)
+        rows = slice(qsl[i].item(), qsl[i + 1].item())
+        mask = pos[None] <= torch.arange(before[i], n)[:, None]  # [chunk, n]
+        ref = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k, v, attn_mask=mask,
+                                             scale=0.3, enable_gqa=True)
+        close(out[rows], ref.transpose(0, 1))
+
+
+@needs_kernels
+def test_prefill_attention_refuses_a_head_dim_it_does_not_tile():
+    kc, q = torch.zeros(2, 4, 1, 32), torch.zeros(1, 2, 32)
+    one, table = torch.ones(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        kernels.prefill_attention(q, kc, kc, table, torch.tensor([0, 1], dtype=torch.int32),
+                                  one, 0, 1.0, torch.zeros_like(q))
+
+
 def step_metadata(caches, decodes, prefills, tables) -> AttentionMetadata:
     """A step of single-token ``decodes`` (context lengths after it, longest first) and
     first-chunk ``prefills`` (lengths); ``tables`` holds every sequence's blocks in order."""
@@ -128,14 +175,18 @@ def run_steps(model, steps) -> list[torch.Tensor]:
 
 
 @needs_kernels
-@pytest.mark.parametrize(("arch", "c_len"), [("llama", 6), ("qwen2", 6), ("qwen3", 6),
-                                             ("llama", 40)])  # 42 rows: SiLU in PyTorch
-def test_kernel_layers_equal_the_fused_pytorch_layers_in_a_mixed_step(arch, c_len):
-    fused = tiny_model(arch)
+@pytest.mark.parametrize(("arch", "c_len", "head_dim"), [
+    ("llama", 6, None), ("qwen2", 6, None), ("qwen3", 6, None),
+    ("llama", 40, None),  # 42 rows: SiLU in PyTorch
+    ("llama", 40, 64),  # prefills in the prefill_attention kernel (head_dim 8: SDPA)
+])
+def test_kernel_layers_equal_the_fused_pytorch_layers_in_a_mixed_step(arch, c_len, head_dim):
+    fused = tiny_model(arch, head_dim)
     fuse_layers(fused)
     kernel = copy.deepcopy(fused)
     assert use_kernel_layers(kernel, kernels) == 2
     assert isinstance(kernel.model.layers[1], KernelDecoderLayer)
+    assert kernel.model.layers[1].prefill_kernel == (head_dim == 64)
     torch.manual_seed(1)
     a, b, c = (torch.randint(0, 64, (n,)) for n in (7, 5, c_len))
     # scattered blocks; A's and B's second block partly full
@@ -170,3 +221,19 @@ def test_the_kernels_can_be_turned_off(monkeypatch):
     assert load.__wrapped__() is not None  # a compiler is here: they would load
     monkeypatch.setenv("ITERSERVE_CPU_KERNELS", "0")
     assert load.__wrapped__() is None
+
+
+@needs_kernels
+def test_without_openmp_the_kernels_build_and_run_on_one_thread(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_kernels, "OPENMP_FLAG", "-fno-such-option")
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    single = load.__wrapped__()
+    assert single is not None and not single.parallel
+    assert "without OpenMP" in caplog.text
+    q, kc = torch.randn(3, 2, 64), torch.randn(1, 4, 1, 64)
+    out, want = torch.zeros_like(q), torch.zeros_like(q)
+    args = (kc, kc, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32),
+            torch.tensor([3], dtype=torch.int32), 0, 0.5)
+    single.prefill_attention(q, *args, out)
+    kernels.prefill_attention(q, *args, want)
+    close(out, want)

@@ -14,12 +14,14 @@ from engine.fused_layers import FusedAttention, FusedMLP, RMSNorm, fuse_layers
 BLOCK = 4
 
 
-def tiny_model(arch: str):
+def tiny_model(arch: str, head_dim: int | None = None):
+    """Two random layers of ``arch``; ``head_dim`` (Llama) overrides hidden / heads (8)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=64, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
-    cfg = {"llama": lambda: LlamaConfig(**common),
+    extra = {} if head_dim is None else {"head_dim": head_dim}
+    cfg = {"llama": lambda: LlamaConfig(**common, **extra),
            "qwen2": lambda: Qwen2Config(**common),  # q/k/v with bias
            "qwen3": lambda: Qwen3Config(head_dim=8, **common)}[arch]()  # per-head q/k norms
     cfg._attn_implementation = ATTN_IMPLEMENTATION
