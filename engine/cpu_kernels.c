@@ -13,6 +13,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Context tokens in a decode step from which decode attention is shared among threads; below,
+ * waking them costs about what they save. */
+#define DECODE_PARALLEL_MIN 1024
+
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (RMSNorm, Zhang and Sennrich 2019).
  * With delta, x[r] += delta[r] first, in place (the residual add before the norm). */
 void add_rms_norm(float *x, int64_t x_stride, const float *delta, int64_t delta_stride,
@@ -69,58 +73,74 @@ void cache_write(const float *k, int64_t k_stride, const float *v, int64_t v_str
   }
 }
 
+/* Decode attention of one sequence: query q ([H, D]) against its L context tokens, read
+ * through its block table; scores: [H, L] scratch. */
+static void decode_one(const float *q, const float *k_cache, const float *v_cache,
+                       const int32_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D,
+                       int64_t bs, float scale, float *scores, float *o) {
+  const int64_t G = H / KVH, row = KVH * D;
+  for (int64_t j = 0; j < L; j++) {
+    const float *k = k_cache + ((int64_t)table[j / bs] * bs + j % bs) * row;
+    for (int64_t h = 0; h < H; h++) {
+      const float *qh = q + h * D, *kh = k + (h / G) * D;
+      float dot = 0.f;
+      for (int64_t i = 0; i < D; i++) dot += qh[i] * kh[i];
+      scores[h * L + j] = dot * scale;
+    }
+  }
+  for (int64_t h = 0; h < H; h++) {
+    float *sc = scores + h * L, m = -FLT_MAX, z = 0.f;
+    for (int64_t j = 0; j < L; j++) m = sc[j] > m ? sc[j] : m;
+    for (int64_t j = 0; j < L; j++) {
+      sc[j] = expf(sc[j] - m);
+      z += sc[j];
+    }
+    const float inv = 1.0f / z;
+    for (int64_t j = 0; j < L; j++) sc[j] *= inv;
+  }
+  memset(o, 0, sizeof(float) * H * D);
+  for (int64_t j = 0; j < L; j++) {
+    const float *v = v_cache + ((int64_t)table[j / bs] * bs + j % bs) * row;
+    for (int64_t h = 0; h < H; h++) {
+      const float p = scores[h * L + j], *vh = v + (h / G) * D;
+      float *oh = o + h * D;
+      for (int64_t i = 0; i < D; i++) oh[i] += p * vh[i];
+    }
+  }
+}
+
 /* One query token per sequence against its paged context (softmax(q K^T * scale) V).
  * q: [n, H, D], row stride q_stride; caches: [num_blocks * bs, KVH, D]; tables: [n,
  * table_stride] block ids; lens: [n] context tokens (>= 1); out: [n, H, D], row stride
  * out_stride. Query head h reads KV head h / (H / KVH) (grouped-query attention). Each
  * token's K and V rows (all KV heads, contiguous, and a block's tokens contiguous) are
  * read once, in cache order, for every head: the cache streams from memory at long
- * contexts, so its order of access sets the speed. Returns 0, or -1 without memory. */
+ * contexts, so its order of access sets the speed. Sequences are shared among `threads`
+ * OpenMP threads once the step holds DECODE_PARALLEL_MIN context tokens. Returns 0, or -1
+ * without memory. */
 int decode_attention(const float *q, int64_t q_stride, const float *k_cache,
                      const float *v_cache, const int32_t *tables, int64_t table_stride,
                      const int32_t *lens, int64_t n, int64_t H, int64_t KVH, int64_t D,
-                     int64_t bs, float scale, float *out, int64_t out_stride) {
-  const int64_t G = H / KVH, row = KVH * D;
-  int64_t max_len = 0;
-  for (int64_t s = 0; s < n; s++) max_len = lens[s] > max_len ? lens[s] : max_len;
-  float *scores = malloc(sizeof(float) * H * (max_len > 0 ? max_len : 1));
-  if (!scores) return -1;
+                     int64_t bs, float scale, float *out, int64_t out_stride,
+                     int64_t threads) {
+  int64_t max_len = 1, total = 0;
+  int err = 0;
   for (int64_t s = 0; s < n; s++) {
-    const int64_t L = lens[s];
-    const int32_t *table = tables + s * table_stride;
-    const float *qs = q + s * q_stride;
-    for (int64_t j = 0; j < L; j++) {
-      const float *k = k_cache + ((int64_t)table[j / bs] * bs + j % bs) * row;
-      for (int64_t h = 0; h < H; h++) {
-        const float *qh = qs + h * D, *kh = k + (h / G) * D;
-        float dot = 0.f;
-        for (int64_t i = 0; i < D; i++) dot += qh[i] * kh[i];
-        scores[h * L + j] = dot * scale;
-      }
-    }
-    for (int64_t h = 0; h < H; h++) {
-      float *sc = scores + h * L, m = -FLT_MAX, z = 0.f;
-      for (int64_t j = 0; j < L; j++) m = sc[j] > m ? sc[j] : m;
-      for (int64_t j = 0; j < L; j++) {
-        sc[j] = expf(sc[j] - m);
-        z += sc[j];
-      }
-      const float inv = 1.0f / z;
-      for (int64_t j = 0; j < L; j++) sc[j] *= inv;
-    }
-    float *o = out + s * out_stride;
-    memset(o, 0, sizeof(float) * H * D);
-    for (int64_t j = 0; j < L; j++) {
-      const float *v = v_cache + ((int64_t)table[j / bs] * bs + j % bs) * row;
-      for (int64_t h = 0; h < H; h++) {
-        const float p = scores[h * L + j], *vh = v + (h / G) * D;
-        float *oh = o + h * D;
-        for (int64_t i = 0; i < D; i++) oh[i] += p * vh[i];
-      }
-    }
+    max_len = lens[s] > max_len ? lens[s] : max_len;
+    total += lens[s];
   }
-  free(scores);
-  return 0;
+#pragma omp parallel num_threads(total >= DECODE_PARALLEL_MIN ? threads : 1)
+  {
+    float *scores = malloc(sizeof(float) * H * max_len);
+    if (!scores) __atomic_store_n(&err, 1, __ATOMIC_RELAXED);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t s = 0; s < n; s++)
+      if (scores)
+        decode_one(q + s * q_stride, k_cache, v_cache, tables + s * table_stride, lens[s], H,
+                   KVH, D, bs, scale, scores, out + s * out_stride);
+    free(scores);
+  }
+  return err ? -1 : 0;
 }
 
 /* ---- Prefill attention: causal, on the paged cache in place, across threads. ---- */

@@ -51,7 +51,7 @@ _SIGNATURES = {
     "rope": (None, [_P, _I, _I, _I, _I, _P, _P]),
     "cache_write": (None, [_P, _I, _P, _I, _P, _I, _I, _P, _P]),
     "decode_attention": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F,
-                                        _P, _I]),
+                                        _P, _I, _I]),
     "prefill_attention": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I,
                                          _I, _F, _P, _I, _I]),
 }
@@ -131,9 +131,12 @@ class CpuKernels:
         rc = self._lib.decode_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), n,
-            heads, kv_heads, d, bs, scale, out.data_ptr(), out.stride(0))
+            heads, kv_heads, d, bs, scale, out.data_ptr(), out.stride(0), self._threads())
         if rc:
             raise MemoryError("decode_attention: no memory for the attention scores")
+
+    def _threads(self) -> int:
+        return torch.get_num_threads() if self.parallel else 1
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
@@ -159,8 +162,7 @@ class CpuKernels:
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(),
             context_lens.data_ptr(), first, len(context_lens) - first, heads, kv_heads, d, bs,
-            scale, out.data_ptr(), out.stride(0),
-            torch.get_num_threads() if self.parallel else 1)
+            scale, out.data_ptr(), out.stride(0), self._threads())
         if rc == -2:
             raise ValueError(f"prefill_attention: head_dim {d} is not a multiple of 64")
         if rc:

@@ -65,15 +65,25 @@ def test_cache_write_puts_each_row_at_its_slot():
 
 
 @needs_kernels
-def test_decode_attention_matches_dense_attention_over_paged_blocks():
+@pytest.mark.parametrize("lens", [[14, 5, 1], [700, 333, 1]])  # the second: 1034 tokens, on
+def test_decode_attention_matches_dense_attention_over_paged_blocks(lens):  # two threads
     torch.manual_seed(0)
     heads, kv_heads, d, bs = 6, 2, 8, 4
-    kc, vc = torch.randn(12, bs, kv_heads, d), torch.randn(12, bs, kv_heads, d)
-    tables = torch.tensor([[9, 2, 5, 0], [3, 11, 0, 0], [7, 0, 0, 0]], dtype=torch.int32)
-    lens = torch.tensor([14, 5, 1], dtype=torch.int32)
+    need = [-(-n // bs) for n in lens]
+    kc, vc = (torch.randn(sum(need) + 2, bs, kv_heads, d) for _ in range(2))
+    perm = torch.randperm(len(kc)).int()
+    tables = torch.zeros(3, max(need), dtype=torch.int32)
+    for i, off in enumerate([0, need[0], need[0] + need[1]]):
+        tables[i, :need[i]] = perm[off:off + need[i]]
+    lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(3, heads, d)
     out = torch.empty_like(q)
-    kernels.decode_attention(q, kc, vc, tables, lens, 0.3, out)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        kernels.decode_attention(q, kc, vc, tables, lens, 0.3, out)
+    finally:
+        torch.set_num_threads(saved)
     for i, n in enumerate(lens.tolist()):
         pos = torch.arange(n)
         slots = tables[i, pos // bs].long() * bs + pos % bs
