@@ -2,8 +2,9 @@
  *
  * The small ones replace several PyTorch ops whose fixed dispatch cost (3-10 us each on the
  * 2-core host this was written on) dominates at the row counts of decode steps; they run on
- * the calling thread, their work being microseconds. Prefill attention is real work and
- * shares it among OpenMP threads (torch's own pool: see OPENMP_FLAG in cpu_kernels.py).
+ * the calling thread, their work being microseconds. Attention is real work (prefills
+ * always, decodes from DECODE_PARALLEL_MIN context tokens) and shares it among OpenMP
+ * threads (torch's own pool: see OPENMP_FLAG in cpu_kernels.py).
  * All tensors are row-major fp32 (int32/int64 indices); rows may be strided, elements
  * within a row are contiguous.
  */

@@ -7,7 +7,8 @@ on, ``F.rms_norm`` took 10.5 us at one row where the C loop takes 1-2 us includi
 ctypes call. vLLM's CPU build closes the same gap with its own C++ ops and a compiled
 graph; this module does it with a few plain C loops, built with the system C compiler
 (``cc``) into ``$ITERSERVE_CACHE/kernels`` (default ``~/.cache/iterserve/kernels``) once
-per source, compiler and CPU, in about a second.
+per source, compiler and CPU, in about a second. Attention, decode and prefill, runs here
+too, on the paged cache in place and on torch's OpenMP threads (see ``OPENMP_FLAG``).
 
 Without a C compiler, or with ``ITERSERVE_CPU_KERNELS=0``, :func:`load` returns None and
 the engine runs its PyTorch ops instead (:mod:`engine.fused_layers`).
@@ -36,7 +37,7 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
 between PyTorch's own kernels) and ``expf`` (glibc's vector math, which assumes finite
 inputs: the softmax starts from -FLT_MAX, not -inf)."""
 OPENMP_FLAG = "-fopenmp"
-"""Prefill attention shares its work among OpenMP threads. The library then needs
+"""The attention kernels share their work among OpenMP threads. The library then needs
 ``libgomp.so.1``; loaded after torch, whose CPU wheels ship their own libgomp under that
 name, the dynamic linker binds it to torch's copy, so the kernel runs on torch's thread
 pool: its threads are already awake after the GEMM before it. A second runtime would keep
@@ -70,7 +71,7 @@ class CpuKernels:
             fn.restype, fn.argtypes = restype, argtypes
         self._lib = lib
         self.parallel = parallel
-        """Prefill attention runs on ``torch.get_num_threads()`` threads, else on one."""
+        """The attention kernels run on ``torch.get_num_threads()`` threads, else on one."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  delta: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,7 +195,7 @@ def build(out_dir: Path) -> tuple[Path, bool]:
     try:
         return _build(out_dir, (*FLAGS, OPENMP_FLAG)), True
     except subprocess.CalledProcessError as e:
-        logger.warning("CPU kernels without OpenMP (prefill attention on one thread): %s",
+        logger.warning("CPU kernels without OpenMP (attention on one thread): %s",
                        e.stderr)
         return _build(out_dir, FLAGS), False
 
@@ -232,8 +233,8 @@ def load() -> CpuKernels | None:
         return None
     runtimes = openmp_runtimes()
     if openmp and len(runtimes) > 1:
-        logger.warning("two OpenMP runtimes in this process (%s): prefill attention runs on "
-                       "one thread", ", ".join(sorted(runtimes)))
+        logger.warning("two OpenMP runtimes in this process (%s): the attention kernels run "
+                       "on one thread", ", ".join(sorted(runtimes)))
     return CpuKernels(lib, parallel=openmp and len(runtimes) <= 1)
 
 
