@@ -163,7 +163,7 @@ struct prefill_job {
   const float *q, *k_cache, *v_cache;
   const int32_t *tables, *qsl, *lens;
   float *out;
-  int64_t q_stride, table_stride, out_stride, H, KVH, D, bs, s0, n_seqs, n_units;
+  int64_t q_stride, table_stride, out_stride, H, KVH, D, bs, s0, n_units;
   int64_t max_keys; /* longest context of any sequence, rounded up to VL */
   float scale;
   int64_t next; /* next work unit, taken atomically */
@@ -278,8 +278,8 @@ static void prefill_unit(const struct prefill_job *j, struct prefill_scratch *w,
   pv_rows(j, w->s, rows_pad, nk, nk_pad, w->slots, g, w->inv, w->dst);
 }
 
-static void *prefill_worker(void *arg) {
-  struct prefill_job *j = arg;
+/* One thread's share: work units taken one at a time until none is left. */
+static void prefill_worker(struct prefill_job *j) {
   const int64_t G = j->H / j->KVH;
   const int64_t rmax = (TILE_Q * G + ROWS_QK - 1) / ROWS_QK * ROWS_QK;
   struct prefill_scratch w = {
@@ -305,7 +305,6 @@ static void *prefill_worker(void *arg) {
     }
   }
   free(w.qt), free(w.kt), free(w.s), free(w.inv), free(w.slots), free(w.valid), free(w.dst);
-  return NULL;
 }
 
 /* Causal attention of sequences [s0, s0 + n_seqs) of a step, each query token against its
@@ -315,7 +314,7 @@ static void *prefill_worker(void *arg) {
  * tokens after the step. Query token t of sequence s sits at position
  * lens[s] - (qsl[s+1] - qsl[s]) + t. D must be a multiple of 64. Exact softmax per row
  * (scores in memory, not online), so no rescaling. Work units (16 query tokens x one KV
- * head) are shared among `threads` threads (the caller's and threads - 1 new ones).
+ * head) are shared among `threads` OpenMP threads.
  * Returns 0, -1 without memory, -2 for an unsupported D. */
 int prefill_attention(const float *q, int64_t q_stride, const float *k_cache,
                       const float *v_cache, const int32_t *tables, int64_t table_stride,
@@ -324,7 +323,7 @@ int prefill_attention(const float *q, int64_t q_stride, const float *k_cache,
                       int64_t out_stride, int64_t threads) {
   if (D % (4 * VL) != 0) return -2;
   struct prefill_job j = {q, k_cache, v_cache, tables, qsl, lens, out, q_stride, table_stride,
-                          out_stride, H, KVH, D, bs, s0, n_seqs, 0, 0, scale, 0, 0};
+                          out_stride, H, KVH, D, bs, s0, 0, 0, scale, 0, 0};
   for (int64_t s = s0; s < s0 + n_seqs; s++) {
     j.n_units += (qsl[s + 1] - qsl[s] + TILE_Q - 1) / TILE_Q * KVH;
     j.max_keys = lens[s] > j.max_keys ? lens[s] : j.max_keys;

@@ -4,13 +4,14 @@ A pre-norm Llama-family layer at decode row counts spends about a quarter of its
 outside the four GEMMs, in some 40 small PyTorch ops (norms, residual adds, RoPE, the
 q/k/v split, the KV-cache write, the gather and padded SDPA call of decode attention,
 SiLU-and-multiply), each with a fixed dispatch cost. :class:`KernelDecoderLayer` runs the
-same layer as four GEMMs (the fused projections of :mod:`engine.fused_layers`) and seven
-kernel calls:
+same layer as four GEMMs (the fused projections of :mod:`engine.fused_layers`) and up to
+eight kernel calls:
 
     x = rms_norm(h)                      # kernel
     qkv = qkv_proj(x)                    # GEMM; Qwen3's per-head q/k norms stay in PyTorch
     rope(q), rope(k), cache_write(k, v)  # kernels, in place
-    decodes: decode_attention(q)         # kernel, reads the paged cache in place
+    decodes: decode_attention(q)         # kernel, reads the paged cache in place (on all
+                                         # threads from 1024 context tokens)
     prefill chunks: prefill_attention(q) # kernel, the same, on all threads; SDPA
                                          # (engine.attention) where head_dim % 64 != 0
     x = rms_norm(h += o_proj(attn))      # GEMM, then one kernel for add and norm
