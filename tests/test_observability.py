@@ -126,8 +126,10 @@ def _load(url: str) -> None:
                 if line.startswith("data:"):
                     break  # the client leaves after its first chunk
 
-    # Seven requests for six seats for the first ~2.5 s (the interactive ones' 48 tokens).
-    jobs = [(complete, ("sk-i", 48))] * 4 + [(complete, ("sk-b", 96))] * 3 + [(abort, ())] * 2
+    # Seven requests for six seats for the first ~3-5 s (the interactive ones' 96 tokens):
+    # well past the three `tight` attempts below, however fast the engine decodes (with 48
+    # tokens, a faster engine freed a seat before the third attempt).
+    jobs = [(complete, ("sk-i", 96))] * 4 + [(complete, ("sk-b", 192))] * 3 + [(abort, ())] * 2
     threads = [threading.Thread(target=f, args=a) for f, a in jobs]
     for t in threads:
         t.start()
