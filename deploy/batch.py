@@ -79,7 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=_positive(int), default=None,
                    help="running requests per engine step (default: the engine's, 64)")
     p.add_argument("--max-num-batched-tokens", type=_positive(int), default=None,
-                   help="token budget of one step (default: the engine's, 512)")
+                   help="token budget of one step (default: the offline engine's, "
+                        "engine.llm.OFFLINE_MAX_NUM_BATCHED_TOKENS)")
     p.add_argument("--address", default=None,
                    help="Ray cluster (default: the job's cluster, else a local one)")
     p.add_argument("--via-service", metavar="URL", default=None,
@@ -155,11 +156,13 @@ def apply_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _engine_config(args: argparse.Namespace, section: dict[str, Any]) -> dict:
     from engine import EngineConfig
+    from engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
     fields = {"model": args.model, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens}
     given = {k: v for k, v in fields.items() if v is not None}
-    return EngineConfig(**{**section, **given}).model_dump()
+    offline = {"max_num_batched_tokens": OFFLINE_MAX_NUM_BATCHED_TOKENS}
+    return EngineConfig(**{**offline, **section, **given}).model_dump()
 
 
 def _model_name(args: argparse.Namespace) -> str:

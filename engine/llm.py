@@ -12,16 +12,26 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.request import RequestOutput, RequestOutputKind, SamplingParams
 
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
+"""The offline token budget where none is given. Offline, no step has a TPOT to keep, so
+prefills run in larger steps than the server's 512 (``EngineConfig``'s default): on the
+2-core host a 2048-token step ran prefills 6-9% faster per token than 512-token steps
+(``docs/served-overhead.md``, seventeenth session). vLLM does the same by usage context: on
+CPU its ``LLM`` class defaults to 4096 and its API server to 2048 (vLLM 0.32,
+``EngineArgs.get_batch_defaults``); 4096 measured no faster than 2048 here."""
+
 
 class LLM:
     """Generate completions for a list of prompts with continuous batching.
 
     ``LLM(model=None, **config)``: ``model`` None means the embedded SmolLM2-135M-Instruct;
-    ``config`` holds :class:`EngineConfig` fields (``max_num_seqs``, ``num_kv_blocks``, ...).
-    The underlying :class:`LLMEngine` is ``llm.llm_engine``.
+    ``config`` holds :class:`EngineConfig` fields (``max_num_seqs``, ``num_kv_blocks``, ...);
+    ``max_num_batched_tokens`` defaults to :data:`OFFLINE_MAX_NUM_BATCHED_TOKENS`. The
+    underlying :class:`LLMEngine` is ``llm.llm_engine``.
     """
 
     def __init__(self, model: str | None = None, **config) -> None:
+        config.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.llm_engine = LLMEngine.from_config(EngineConfig(model=model, **config))
         self._ids = itertools.count()
 

@@ -20,6 +20,7 @@ from deploy.batch_format import (
     record,
 )
 from deploy.batch_service import ServiceGaveUp, run_via_service
+from engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 from router.errors import ApiError
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -202,10 +203,13 @@ def test_config_file_fills_what_flags_leave_and_keeps_its_engine_section(tmp_pat
                               "--num-replicas", "2", "--max-num-seqs", "8"])
     engine = _engine_config(args, apply_config(args))
     # Flags win; the file fills the rest; its engine section is taken as written, over the
-    # engine's own defaults (FCFS, no TPOT guard), not the server's.
+    # offline engine's defaults (FCFS, no TPOT guard, its budget), not the server's.
     assert (args.num_replicas, args.replica_num_cpus, args.served_model_name) == (2, 4, "m1")
     assert (engine["max_num_seqs"], engine["block_size"], engine["dtype"]) == (8, 32, "float32")
     assert engine["policy"] == "fcfs" and not engine["tpot_slo_guard"]
+    assert engine["max_num_batched_tokens"] == OFFLINE_MAX_NUM_BATCHED_TOKENS != 512
+    cfg.write_text(yaml.safe_dump({"engine": {"max_num_batched_tokens": 256}}))
+    assert _engine_config(args, apply_config(args))["max_num_batched_tokens"] == 256
     cfg.write_text(yaml.safe_dump({"engine": {"max_num_seq": 16}}))
     with pytest.raises(ValueError, match="max_num_seq"):
         apply_config(args)

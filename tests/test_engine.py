@@ -6,7 +6,15 @@ import asyncio
 
 import pytest
 
-from engine import LLM, AsyncLLMEngine, RequestOutputKind, RequestRejectedError, SamplingParams
+from engine import (
+    LLM,
+    AsyncLLMEngine,
+    EngineConfig,
+    RequestOutputKind,
+    RequestRejectedError,
+    SamplingParams,
+)
+from engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 from engine.model_loader import ModelLoadError, load_model
 
 
@@ -23,6 +31,9 @@ def all_blocks_free(llm) -> bool:
 
 
 def test_offline_generate_default_prompt(llm):
+    # The offline class takes the larger offline budget; the engine's own stays the server's.
+    assert llm.llm_engine.config.max_num_batched_tokens == OFFLINE_MAX_NUM_BATCHED_TOKENS
+    assert EngineConfig().max_num_batched_tokens < OFFLINE_MAX_NUM_BATCHED_TOKENS
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0),
                        use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
@@ -191,8 +202,6 @@ def test_without_chunking_a_request_over_the_budget_is_refused():
 
 
 async def test_async_arrival_time_is_when_generate_was_called():
-    from engine import EngineConfig
-
     engine = AsyncLLMEngine.from_config(EngineConfig(num_kv_blocks=64))
     try:
         called = engine.engine.clock()

@@ -50,7 +50,9 @@ CASES = {
     # other are still being prefilled in 24-token chunks, which end inside blocks, and
     # reuse the blocks those chunks have filled (never one they have only begun).
     "concurrent-chunked": dict(max_num_batched_tokens=24, long_prefill_token_threshold=24),
-    "concurrent": dict(),
+    # The server's budget: the prompts take three steps, and those admitted in a later
+    # step reuse the blocks of the earlier steps' prompts.
+    "concurrent": dict(max_num_batched_tokens=512),
 }
 
 
