@@ -79,6 +79,14 @@ class BenchConfig:
     seed: int = 0
     label: str = "server"
     extra_headers: dict[str, str] = field(default_factory=dict)
+    # Past the listed rates: up to ``extend_rates`` more, each ``extend_factor`` times the
+    # last, while the last met the attainment target (of ``extend_class``, else overall),
+    # so that a faster host still sees the system's limit; then, with ``limit_factor``,
+    # one rate at that factor times the highest passing rate, if above every rate run.
+    extend_rates: int = 0
+    extend_factor: float = 1.25
+    extend_class: str | None = None
+    limit_factor: float | None = None
 
     @property
     def lengths(self) -> Lengths:
@@ -158,8 +166,32 @@ def _window_info(cfg: BenchConfig, workload: list[LoadRequest]) -> dict[str, Any
             "tokenizer_special_tokens": maker.special}
 
 
+def next_rate(cfg: BenchConfig, summaries: list[dict[str, Any]]) -> float | None:
+    """The rate to replay after ``summaries`` (one per rate run, in order), or None: the
+    listed rates, then the extensions and the limit rate of :class:`BenchConfig`."""
+    done = len(summaries)
+    if done < len(cfg.rates):
+        return cfg.rates[done]
+    if done > len(cfg.rates) + cfg.extend_rates:  # the limit rate ran: stop
+        return None
+
+    def passed(s: dict[str, Any]) -> bool:
+        att = s["per_class"][cfg.extend_class]["attainment"] if cfg.extend_class \
+            else s["attainment"]
+        return att >= cfg.attainment_target
+
+    last, top = summaries[-1], max(s["rate"] for s in summaries)
+    if done < len(cfg.rates) + cfg.extend_rates and passed(last) and last["rate"] == top:
+        return round(top * cfg.extend_factor, 3)
+    good = [s["rate"] for s in summaries if passed(s)]
+    if cfg.limit_factor and good and (limit := round(max(good) * cfg.limit_factor, 3)) > top:
+        return limit
+    return None
+
+
 async def run(cfg: BenchConfig) -> dict[str, Any]:
-    """Warm up, replay every rate in ``cfg.rates``, compute goodput; the JSON-able report."""
+    """Warm up, replay every rate in ``cfg.rates`` (and the extensions :func:`next_rate`
+    asks for), compute goodput; the JSON-able report."""
     print(f"[serve_bench] {cfg.label}: expected duration ~{expected_duration_s(cfg):.0f} s "
           f"({len(cfg.rates)} rates x {cfg.num_requests} requests; N/R + "
           f"{RATE_ALLOWANCE_S:.0f} s each; cap {cfg.max_duration_s:.0f} s per rate)", flush=True)
@@ -168,7 +200,8 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
         if cfg.warmup and (failed := await _warmup(cfg, client)):
             print(f"[serve_bench] warning: {failed}/{cfg.warmup} warmup requests failed",
                   file=sys.stderr)
-        for i, rate in enumerate(cfg.rates):
+        rate, i = cfg.rates[0], 0
+        while rate is not None:
             if i:
                 await asyncio.sleep(cfg.cooldown_s)
             workload = build_workload(cfg, rate, replay=i)
@@ -180,6 +213,8 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
                 print(f"[serve_bench] warning: generator fell behind by up to "
                       f"{result['summary']['max_lag_s']:.3f} s", file=sys.stderr)
             records.extend(result["records"])
+            i += 1
+            rate = next_rate(cfg, summaries)
     classes = sorted(cfg.class_mix or {})
     good = rp.goodput(summaries, cfg.attainment_target)
     return {

@@ -201,3 +201,25 @@ def test_contention_slope_split_and_explained_share():
     assert row["foreign_cores"] == pytest.approx(0.1)
     assert row["predicted_ms"] == pytest.approx(46.0)
     assert (row["explained"], row["overhead"]) == pytest.approx((0.15, 0.15))
+
+
+def _summary(rate: float, overall: float, interactive: float | None = None) -> dict:
+    inter = overall if interactive is None else interactive
+    return {"rate": rate, "attainment": overall,
+            "per_class": {"interactive": {"attainment": inter}}}
+
+
+def test_rates_extend_past_the_grid_while_the_system_passes():
+    cfg = sb.BenchConfig(base_url="x", model="m", tokenizer="t", rates=[1.0, 2.0],
+                         extend_rates=2)
+    assert sb.next_rate(cfg, [_summary(1, 1.0)]) == 2.0
+    assert sb.next_rate(cfg, [_summary(1, 1.0), _summary(2, 0.95)]) == 2.5
+    assert sb.next_rate(cfg, [_summary(1, 1.0), _summary(2, 0.5)]) is None
+    passing = [_summary(r, 1.0) for r in (1, 2, 2.5, 3.125)]
+    assert sb.next_rate(cfg, passing) is None  # two extensions at most
+    # The mix: by the interactive class, then one rate at 1.5x the limit found.
+    cfg.extend_class, cfg.limit_factor = "interactive", 1.5
+    assert sb.next_rate(cfg, [_summary(1, 1.0), _summary(2, 0.5, 0.95)]) == 2.5
+    ran = [_summary(1, 1.0), _summary(2, 1.0, 0.95), _summary(2.5, 1.0, 0.8)]
+    assert sb.next_rate(cfg, ran) == 3.0
+    assert sb.next_rate(cfg, ran + [_summary(3.0, 1.0, 0.5)]) is None
