@@ -8,7 +8,8 @@ Run from the repository root::
 1. Calibrate: ``engine.sim.calibrate`` runs the real engine over its sweep and fits the
    step-time model (in this run, so host drift between fit and replay stays small).
 2. Real: a window of the conversation trace (lengths / 8, 70% interactive / 30% batch,
-   fixed per row), replayed open loop at three rates (light, near and past capacity)
+   fixed per row), replayed open loop at three rates (light, near and past capacity:
+   by default 1/3, 1 and 1.5 times the capacity the simulator finds with this run's fit)
    through the in-process ``AsyncLLMEngine`` with the server's engine settings (priority
    policy, TPOT guard), no admission; new prompt token ids at each rate. Requests still
    running ``--drain`` s after the last arrival are cut off (misses).
@@ -53,21 +54,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--window-start", type=int, default=3000, help="first trace row")
     ap.add_argument("--rates", default=None,
-                    help="req/s, comma-separated (default 0.4,1.2,2.4: light, near and past "
-                         "capacity)")
+                    help="req/s, comma-separated (default: light, near and past capacity, "
+                         "1/3, 1 and 1.5 times the simulated capacity on this host)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate")
     ap.add_argument("--drain", type=float, default=60.0)
     ap.add_argument("--steps-per-level", type=int, default=None)
     args = ap.parse_args(argv)
-    args.rates = [float(x) for x in (args.rates or ("0.4,0.8" if args.quick
-                                                     else "0.4,1.2,2.4")).split(",")]
+    rates = args.rates or ("0.4,0.8" if args.quick else None)
+    args.rates = [float(x) for x in rates.split(",")] if rates else None
     args.duration = args.duration or (60.0 if args.quick else 150.0)
     args.steps_per_level = args.steps_per_level or (15 if args.quick else 40)
     return args
 
 
 def estimate_s(args: argparse.Namespace) -> float:
-    return 20 + args.steps_per_level * 2.2 + len(args.rates) * (args.duration + 40)
+    return 20 + args.steps_per_level * 2.2 + len(args.rates or CAPACITY_MULTIPLES) * (
+        args.duration + 40)
+
+
+CAPACITY_MULTIPLES = (1 / 3, 1.0, 1.5)
+"""Default loads, in multiples of the simulated capacity: fixed rates (0.4, 1.2 and 2.4
+req/s, chosen on the AMD host of 2026-12-04) were all below capacity on a faster host."""
+
+
+def simulated_capacity(args: argparse.Namespace, cost) -> float:
+    """The highest rate (x1.25 steps from 0.4 req/s) at which the simulator, with this
+    run's fit, meets 90% attainment on the window: where to put the real loads."""
+    service = ServiceConfig(num_replicas=1, admission=False,
+                            engine=dict(SERVER_ENGINE_DEFAULTS))
+    rate, best = 0.4, 0.4
+    while rate < 50:
+        need = round(rate * args.duration) + 2
+        window = Window(TRACE, args.window_start, need, Lengths(max_output=128), MIX, seed=0)
+        reqs, _ = window.at_rate(rate, args.duration, "capacity")
+        cutoff = args.duration + args.drain
+        met = sim_latencies(Fleet(service, cost).run(sim_requests(reqs)), cutoff)
+        if sum(v["met"] for v in met.values()) / len(met) < rp.GOODPUT_ATTAINMENT:
+            break
+        best, rate = rate, rate * 1.25
+    return best
 
 
 def sim_requests(reqs) -> list[SimRequest]:
@@ -221,6 +246,10 @@ def main(argv=None) -> int:
                           progress=lambda m: print(m, flush=True))
     print(f"calibrated in {time.perf_counter() - t0:.0f} s: held-out MAPE "
           f"{fit['held_out_mape']:.1%}", flush=True)
+    if args.rates is None:
+        capacity = simulated_capacity(args, cost)
+        args.rates = [round(capacity * m, 2) for m in CAPACITY_MULTIPLES]
+        print(f"simulated capacity {capacity:.2f} req/s: rates {args.rates}", flush=True)
     rep = asyncio.run(amain(args, cost, fit))
     md = markdown(rep)
     print(md)
