@@ -138,9 +138,12 @@ async def run_rate(cfg: BenchConfig, workload: list[LoadRequest], rate: float,
 
 
 def expected_duration_s(cfg: BenchConfig) -> float:
-    """Rough wall time (s): N/R plus an allowance per rate, warmup and cooldowns."""
-    return (sum(cfg.num_requests / r + RATE_ALLOWANCE_S for r in cfg.rates)
-            + cfg.warmup * 1.0 + cfg.cooldown_s * max(0, len(cfg.rates) - 1))
+    """Rough wall time (s): N/R plus an allowance per rate, warmup and cooldowns; with
+    every extension of :func:`next_rate` run (at most)."""
+    rates = cfg.rates + [cfg.rates[-1] * cfg.extend_factor ** j
+                         for j in range(1, cfg.extend_rates + 1 + bool(cfg.limit_factor))]
+    return (sum(cfg.num_requests / r + RATE_ALLOWANCE_S for r in rates)
+            + cfg.warmup * 1.0 + cfg.cooldown_s * max(0, len(rates) - 1))
 
 
 async def _warmup(cfg: BenchConfig, client) -> int:
@@ -193,7 +196,8 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
     """Warm up, replay every rate in ``cfg.rates`` (and the extensions :func:`next_rate`
     asks for), compute goodput; the JSON-able report."""
     print(f"[serve_bench] {cfg.label}: expected duration ~{expected_duration_s(cfg):.0f} s "
-          f"({len(cfg.rates)} rates x {cfg.num_requests} requests; N/R + "
+          f"(at most {len(cfg.rates) + cfg.extend_rates + bool(cfg.limit_factor)} rates x "
+          f"{cfg.num_requests} requests; N/R + "
           f"{RATE_ALLOWANCE_S:.0f} s each; cap {cfg.max_duration_s:.0f} s per rate)", flush=True)
     summaries, records = [], []
     async with http_client(cfg.timeout_s) as client:
