@@ -77,16 +77,22 @@ CAPACITY_MULTIPLES = (1 / 3, 1.0, 1.5)
 req/s, chosen on the AMD host of 2026-12-04) were all below capacity on a faster host."""
 
 
+def window_requests(args: argparse.Namespace, rate: float, seed: int, tag: str) -> list:
+    """The window's requests at ``rate`` req/s over ``args.duration`` s (``seed``: which
+    prompt token ids, so that no rate hits the prefix cache of another)."""
+    need = round(rate * args.duration) + 2
+    window = Window(TRACE, args.window_start, need, Lengths(max_output=128), MIX, seed=seed)
+    return window.at_rate(rate, args.duration, tag)[0]
+
+
 def simulated_capacity(args: argparse.Namespace, cost) -> float:
-    """The highest rate (x1.25 steps from 0.4 req/s) at which the simulator, with this
-    run's fit, meets 90% attainment on the window: where to put the real loads."""
+    """The highest rate (x1.25 steps from 0.4 req/s; 0.4 if none) at which the simulator,
+    with this run's fit, meets 90% attainment on the window: where to put the real loads."""
     service = ServiceConfig(num_replicas=1, admission=False,
                             engine=dict(SERVER_ENGINE_DEFAULTS))
     rate, best = 0.4, 0.4
     while rate < 50:
-        need = round(rate * args.duration) + 2
-        window = Window(TRACE, args.window_start, need, Lengths(max_output=128), MIX, seed=0)
-        reqs, _ = window.at_rate(rate, args.duration, "capacity")
+        reqs = window_requests(args, rate, 0, "capacity")
         cutoff = args.duration + args.drain
         met = sim_latencies(Fleet(service, cost).run(sim_requests(reqs)), cutoff)
         if sum(v["met"] for v in met.values()) / len(met) < rp.GOODPUT_ATTAINMENT:
@@ -138,7 +144,7 @@ def compare(real: dict, sim: dict) -> dict[str, Any]:
 
 async def amain(args: argparse.Namespace, cost, fit: dict) -> dict[str, Any]:
     engine_cfg = dict(SERVER_ENGINE_DEFAULTS)
-    need = max(round(r * args.duration) for r in args.rates) + 2
+    rows = max(round(r * args.duration) for r in args.rates) + 2
     target, _ = await start_engine(engine_cfg)
     steps: list = []
     target.engine.on_step = steps.append
@@ -146,9 +152,7 @@ async def amain(args: argparse.Namespace, cost, fit: dict) -> dict[str, Any]:
     rows = []
     try:
         for i, rate in enumerate(args.rates):
-            # A seed per rate: new prompt ids, so no rate hits the prefix cache of another.
-            window = Window(TRACE, args.window_start, need, Lengths(max_output=128), MIX, seed=i)
-            reqs, _ = window.at_rate(rate, args.duration, f"v{rate:g}")
+            reqs = window_requests(args, rate, i, f"v{rate:g}")
             cutoff = args.duration + args.drain
             steps.clear()
             run, info = await run_open(target, reqs, cutoff_s=cutoff)
@@ -165,7 +169,7 @@ async def amain(args: argparse.Namespace, cost, fit: dict) -> dict[str, Any]:
     finally:
         await stop_engine(target)
     return {"fit": fit, "rows": rows, "args": vars(args), "host": platform.node(),
-            "trace": f"{TRACE.name} rows {args.window_start}+{need}, lengths / 8; {ATTRIBUTION}"}
+            "trace": f"{TRACE.name} rows {args.window_start}+{rows}, lengths / 8; {ATTRIBUTION}"}
 
 
 def step_errors(cost, records: list) -> dict[str, Any]:

@@ -50,8 +50,8 @@ CASES = {
     # other are still being prefilled in 24-token chunks, which end inside blocks, and
     # reuse the blocks those chunks have filled (never one they have only begun).
     "concurrent-chunked": dict(max_num_batched_tokens=24, long_prefill_token_threshold=24),
-    # The server's budget: the prompts take three steps, and those admitted in a later
-    # step reuse the blocks of the earlier steps' prompts.
+    # The server's budget: the prompts (728 tokens) take two steps, and those admitted in
+    # the second reuse the blocks of the first step's prompts.
     "concurrent": dict(max_num_batched_tokens=512),
 }
 
