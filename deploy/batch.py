@@ -77,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica-num-gpus", type=_positive(float), default=None,
                    help="GPUs per replica (default: none)")
     p.add_argument("--max-num-seqs", type=_positive(int), default=None,
-                   help="running requests per engine step (default: the engine's, 64)")
+                   help="running requests per engine step (default: the offline engine's, "
+                        "engine.llm.OFFLINE_MAX_NUM_SEQS)")
     p.add_argument("--max-num-batched-tokens", type=_positive(int), default=None,
                    help="token budget of one step (default: the offline engine's, "
                         "engine.llm.OFFLINE_MAX_NUM_BATCHED_TOKENS)")
@@ -156,13 +157,12 @@ def apply_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _engine_config(args: argparse.Namespace, section: dict[str, Any]) -> dict:
     from engine import EngineConfig
-    from engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+    from engine.llm import OFFLINE_DEFAULTS
 
     fields = {"model": args.model, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens}
     given = {k: v for k, v in fields.items() if v is not None}
-    offline = {"max_num_batched_tokens": OFFLINE_MAX_NUM_BATCHED_TOKENS}
-    return EngineConfig(**{**offline, **section, **given}).model_dump()
+    return EngineConfig(**{**OFFLINE_DEFAULTS, **section, **given}).model_dump()
 
 
 def _model_name(args: argparse.Namespace) -> str:

@@ -19,6 +19,16 @@ prefills run in larger steps than the server's 512 (``EngineConfig``'s default):
 (``docs/served-overhead.md``, seventeenth session). vLLM does the same by usage context: on
 CPU its ``LLM`` class defaults to 4096 and its API server to 2048 (vLLM 0.32,
 ``EngineArgs.get_batch_defaults``); 4096 measured no faster than 2048 here."""
+OFFLINE_MAX_NUM_SEQS = 128
+"""Offline running requests per step where none is given, twice the server's 64. Offline
+work is many short requests at once; wider decode steps make each weight pass feed more
+tokens. On a 2000-request batch file (``bench/batch_throughput.py``'s) one replica answered
+it 6-9% faster at 128 than at 64, and no faster at 256 (``docs/batch.md``, eighteenth
+session). vLLM's ``run_batch`` defaults to 128 (``SchedulerConfig.DEFAULT_MAX_NUM_SEQS``,
+vLLM 0.32), its ``LLM`` class on CPU to 256."""
+OFFLINE_DEFAULTS = {"max_num_batched_tokens": OFFLINE_MAX_NUM_BATCHED_TOKENS,
+                    "max_num_seqs": OFFLINE_MAX_NUM_SEQS}
+"""The :class:`EngineConfig` fields offline work defaults to (``LLM``, ``iterserve batch``)."""
 
 
 class LLM:
@@ -26,12 +36,12 @@ class LLM:
 
     ``LLM(model=None, **config)``: ``model`` None means the embedded SmolLM2-135M-Instruct;
     ``config`` holds :class:`EngineConfig` fields (``max_num_seqs``, ``num_kv_blocks``, ...);
-    ``max_num_batched_tokens`` defaults to :data:`OFFLINE_MAX_NUM_BATCHED_TOKENS`. The
+    ``max_num_batched_tokens`` and ``max_num_seqs`` default to :data:`OFFLINE_DEFAULTS`. The
     underlying :class:`LLMEngine` is ``llm.llm_engine``.
     """
 
     def __init__(self, model: str | None = None, **config) -> None:
-        config.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
+        config = {**OFFLINE_DEFAULTS, **config}
         self.llm_engine = LLMEngine.from_config(EngineConfig(model=model, **config))
         self._ids = itertools.count()
 

@@ -20,7 +20,8 @@ from deploy.batch_format import (
     record,
 )
 from deploy.batch_service import ServiceGaveUp, run_via_service
-from engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+from engine import EngineConfig
+from engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS, OFFLINE_MAX_NUM_SEQS
 from router.errors import ApiError
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -210,6 +211,10 @@ def test_config_file_fills_what_flags_leave_and_keeps_its_engine_section(tmp_pat
     assert engine["max_num_batched_tokens"] == OFFLINE_MAX_NUM_BATCHED_TOKENS != 512
     cfg.write_text(yaml.safe_dump({"engine": {"max_num_batched_tokens": 256}}))
     assert _engine_config(args, apply_config(args))["max_num_batched_tokens"] == 256
+    # With neither flag nor file, a step runs the offline engine's requests, not the server's.
+    args.max_num_seqs = None
+    assert _engine_config(args, apply_config(args))["max_num_seqs"] == OFFLINE_MAX_NUM_SEQS
+    assert OFFLINE_MAX_NUM_SEQS > EngineConfig().max_num_seqs
     cfg.write_text(yaml.safe_dump({"engine": {"max_num_seq": 16}}))
     with pytest.raises(ValueError, match="max_num_seq"):
         apply_config(args)

@@ -14,7 +14,7 @@ from engine import (
     RequestRejectedError,
     SamplingParams,
 )
-from engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+from engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS, OFFLINE_MAX_NUM_SEQS
 from engine.model_loader import ModelLoadError, load_model
 
 
@@ -34,6 +34,8 @@ def test_offline_generate_default_prompt(llm):
     # The offline class takes the larger offline budget; the engine's own stays the server's.
     assert llm.llm_engine.config.max_num_batched_tokens == OFFLINE_MAX_NUM_BATCHED_TOKENS
     assert EngineConfig().max_num_batched_tokens < OFFLINE_MAX_NUM_BATCHED_TOKENS
+    assert llm.llm_engine.config.max_num_seqs == 8  # given, so the offline 128 does not apply
+    assert EngineConfig().max_num_seqs < OFFLINE_MAX_NUM_SEQS
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0),
                        use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
