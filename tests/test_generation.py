@@ -61,7 +61,8 @@ def assert_matches_reference(outputs, reference):
 
 
 CONFIGS = {
-    "default-max_num_seqs-64": dict(max_num_seqs=64),
+    "offline-defaults": dict(),  # LLM's own: 128 requests, a 2048-token step
+    "server-step": dict(max_num_seqs=64, max_num_batched_tokens=512),  # EngineConfig's
     "budget-16-chunk-16": dict(max_num_batched_tokens=16, long_prefill_token_threshold=16),
     "max_num_seqs-1": dict(max_num_seqs=1),
     # 60 blocks of 16 tokens: the 720-token request fits alone, the whole batch does not.
