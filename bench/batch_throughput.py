@@ -12,7 +12,7 @@ Figures per run: output tokens / s over the batch's processing time (each system
 progress bar, from its first request to its last; model loading excluded) and over the
 command's whole wall time. The table gives each system's median of ``--repeats`` runs.
 
-    .venv/bin/python bench/batch_throughput.py            # 2 x 3 runs, about 30 minutes
+    .venv/bin/python bench/batch_throughput.py            # 2 x 3 runs, 11-30 minutes
     .venv/bin/python bench/batch_throughput.py --repeats 1 --requests 300   # a quick look
 """
 
@@ -34,9 +34,10 @@ from prompts import prompt_maker
 from workload import Lengths, read_trace
 
 TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
-REFERENCE_S = {"iterserve": 250.0, "vllm": 320.0}
-"""Seconds one whole command on the default file took on this 2-core host (2026-12-03),
-for the expected duration printed first."""
+REFERENCE_S = {"iterserve": 110.0, "vllm": 160.0}
+"""Seconds one whole command on the default file takes on this 2-core host, for the
+expected duration printed first: 86-91 s and 125-131 s on 2026-12-05 (Intel), plus a
+margin; the AMD host of 2026-12-03 took about 250 and 320 s."""
 SYSTEM = "Continue the text."
 """A short system message: without one the model's template adds its own 20-token one,
 which at these scaled lengths would be most of every prompt."""

@@ -113,21 +113,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def expected_s(args: argparse.Namespace, k: float = 1.0, offline: bool = True) -> float:
+def expected_s(args: argparse.Namespace, k: float = 1.0, offline: bool = True,
+               extend: bool = False) -> float:
     """Rough wall time at host factor ``k``: server starts, probes, replays (each rate at
-    most its cap); ``offline``: with the offline phase still to run."""
+    most its cap); ``offline``: with the offline phase still to run; ``extend``: as if
+    every grid ran all its extensions (they run only where a system passes the grid's
+    top). The allowances are from the run on 825b3a0 (22.2 min at k = 1, some grids
+    extended): its replays took N/R plus 2-4 s a rate, and the offline phase, the five
+    server starts and the probes about 460 s together."""
     cap = args.max_rate_s * k + 10
 
     def sweep(rates: list[float], more: int) -> float:
-        rates = rates + [rates[-1] * 1.25 ** j for j in range(1, more + 1)]
-        return sum(min(args.num_requests * k / r + 6, cap) for r in rates)
+        rates = rates + [rates[-1] * 1.25 ** j for j in range(1, more * extend + 1)]
+        return sum(min(args.num_requests * k / r + 4, cap) for r in rates)
 
-    # The extensions count at worst as if every system ran them all (they run only on a
-    # host fast enough to pass the grid's top, where every rate is short).
     per_rate = sweep(args.rates, args.extend_rates)
     per_mix = sweep(args.mix_rates, args.extend_rates + 1)
-    offline = 0 if args.skip_offline or not offline else (240 if args.quick else 420)
-    starts = 90 * (len(args.systems) + 1)
+    offline = 0 if args.skip_offline or not offline else (240 if args.quick else 300)
+    starts = 45 * (len(args.systems) + 1)
     served = len(args.systems) * (per_rate + 40)
     mixed = 2 * per_mix
     return offline + starts + served + mixed
@@ -236,7 +239,8 @@ def run_mix(args: argparse.Namespace, model_dir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    print(f"[peers] expected duration ~{expected_s(args) / 60:.0f} min at host factor 1, "
+    print(f"[peers] expected duration ~{expected_s(args) / 60:.0f} min at host factor 1 "
+          f"(at most ~{expected_s(args, extend=True) / 60:.0f} if every grid extends), "
           f"~{expected_s(args, 2.5) / 60:.0f} min at 2.5 (printed again once measured)",
           flush=True)
     t0 = time.monotonic()
