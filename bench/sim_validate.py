@@ -144,7 +144,7 @@ def compare(real: dict, sim: dict) -> dict[str, Any]:
 
 async def amain(args: argparse.Namespace, cost, fit: dict) -> dict[str, Any]:
     engine_cfg = dict(SERVER_ENGINE_DEFAULTS)
-    rows = max(round(r * args.duration) for r in args.rates) + 2
+    span = max(round(r * args.duration) for r in args.rates) + 2  # the highest rate's rows
     target, _ = await start_engine(engine_cfg)
     steps: list = []
     target.engine.on_step = steps.append
@@ -169,7 +169,7 @@ async def amain(args: argparse.Namespace, cost, fit: dict) -> dict[str, Any]:
     finally:
         await stop_engine(target)
     return {"fit": fit, "rows": rows, "args": vars(args), "host": platform.node(),
-            "trace": f"{TRACE.name} rows {args.window_start}+{rows}, lengths / 8; {ATTRIBUTION}"}
+            "trace": f"{TRACE.name} rows {args.window_start}+{span}, lengths / 8; {ATTRIBUTION}"}
 
 
 def step_errors(cost, records: list) -> dict[str, Any]:
