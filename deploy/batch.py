@@ -2,13 +2,14 @@
 
 Reads ``--input`` (:mod:`deploy.batch_format`), skips every ``custom_id`` already in
 ``--output``, answers bad lines with error records, and runs the rest either on engine
-replicas started as Ray actors (:mod:`deploy.batch_engine`; the default) or through a
-running service (``--via-service URL``, :mod:`deploy.batch_service`). Records are
-appended as they finish, so their order is completion order; ``--ordered`` also writes
+replicas (:mod:`deploy.batch_engine`; the default) or through a running service
+(``--via-service URL``, :mod:`deploy.batch_service`). Records are appended as they
+finish, so their order is completion order; ``--ordered`` also writes
 ``OUT.ordered.jsonl`` in input order at the end.
 
-Inside ``ray job submit`` the replicas start on the job's cluster; elsewhere on the
-cluster at ``--address``, or a local one started for the run.
+Inside ``ray job submit`` the replicas start as Ray actors on the job's cluster, and on the
+cluster at ``--address`` where one is named. Elsewhere one replica runs in this process
+without Ray; ``--num-replicas`` above 1 starts a local Ray cluster for the run.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the `model` the lines name (default: the model's name)")
     p.add_argument("--num-replicas", type=_positive(int), default=None,
-                   help="engine replicas (default: as many as the cluster can place)")
+                   help="engine replicas (default: on a cluster, as many as it can place; "
+                        "else 1, in this process)")
     p.add_argument("--replica-num-cpus", type=_positive(float), default=None,
                    help="CPUs per replica; torch uses as many threads (default: a node's; "
                         "1 with --replica-num-gpus)")
@@ -83,7 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (default: the offline engine's, "
                         "engine.llm.OFFLINE_MAX_NUM_BATCHED_TOKENS)")
     p.add_argument("--address", default=None,
-                   help="Ray cluster (default: the job's cluster, else a local one)")
+                   help="Ray cluster (default: the job's cluster; else none for one replica, a "
+                        "local one for more)")
     p.add_argument("--via-service", metavar="URL", default=None,
                    help="send the lines to a running iterserve service instead")
     p.add_argument("--max-concurrency", type=_positive(int), default=None,
@@ -191,27 +194,58 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def _run_engine(args: argparse.Namespace, todo: list[BatchLine], progress: _Progress) -> None:
-    import ray
-
     engine = _engine_config(args, apply_config(args))
+    work = [(line.custom_id, line.chat, line.body) for line in todo]
+    # Not inside a job and no --address: this machine alone, never the cluster that an
+    # `iterserve serve` on it runs, whose CPUs its replicas already hold.
+    local = args.address is None and "RAY_ADDRESS" not in os.environ
+    if local and (args.num_replicas or 1) == 1:
+        _run_here(args, engine, work, progress)
+    else:
+        _run_on_ray(args, engine, work, progress, local)
+
+
+def _starting(progress: _Progress, plan: Any, where: str) -> None:
+    progress.bar.write(f"iterserve batch: starting {plan.num_replicas} replica(s) of "
+                       f"{plan.num_cpus:g} CPUs, {plan.num_gpus:g} GPUs {where}",
+                       file=sys.stderr)
+
+
+def _run_here(args: argparse.Namespace, engine: dict[str, Any], work: list[tuple],
+              progress: _Progress) -> None:
+    from deploy.batch_engine import BatchReplica, plan_local, run_on_replicas
+
+    plan = plan_local(args.replica_num_cpus, args.replica_num_gpus or 0.0)
+    _starting(progress, plan, "in this process")
+    replica = BatchReplica(engine, _model_name(args), max(1, int(plan.num_cpus)))
+
+    async def run() -> None:
+        try:
+            await run_on_replicas([replica], work, progress.answered)
+        finally:
+            await replica.engine.shutdown()
+
+    progress.restart()
+    asyncio.run(run())
+
+
+def _run_on_ray(args: argparse.Namespace, engine: dict[str, Any], work: list[tuple],
+                progress: _Progress, local: bool) -> None:
+    import ray
 
     from deploy.batch_engine import plan_replicas, run_on_replicas, start_replicas
 
-    # Not inside a job and no --address: a new local cluster ("local"), never one that an
-    # `iterserve serve` on this machine runs, whose CPUs its replicas already hold.
-    own = args.address is None and "RAY_ADDRESS" not in os.environ
-    kwargs = {"address": "local", "include_dashboard": False} if own else {
+    # A local cluster of this run's own ("local"), unless a cluster was named.
+    kwargs = {"address": "local", "include_dashboard": False} if local else {
         "address": args.address}
     ray.init(logging_level=logging.WARNING, **kwargs)
     try:
         plan = plan_replicas(args.num_replicas, args.replica_num_cpus,
                              args.replica_num_gpus or 0.0)
-        progress.bar.write(f"iterserve batch: starting {plan.num_replicas} replica(s) of "
-                           f"{plan.num_cpus:g} CPUs, {plan.num_gpus:g} GPUs", file=sys.stderr)
-        actors = start_replicas(plan, engine, _model_name(args))
+        _starting(progress, plan, "as Ray actors")
+        replicas = start_replicas(plan, engine, _model_name(args))
         progress.restart()
-        work = [(line.custom_id, line.chat, line.body) for line in todo]
-        asyncio.run(run_on_replicas(actors, work, progress.answered))
+        asyncio.run(run_on_replicas(replicas, work, progress.answered))
     finally:
         ray.shutdown()
 

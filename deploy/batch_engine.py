@@ -1,4 +1,8 @@
-"""A batch on engine replicas run as Ray actors directly (no HTTP, no Serve).
+"""A batch on engine replicas, no HTTP, no Serve: one in this process, or Ray actors.
+
+A local run of one replica needs no cluster, so it runs the engine in the driver's
+process, as vLLM's ``run_batch`` does: a Ray actor on the same two cores ran the same
+batch about 10% slower (docs/batch.md). Several replicas, or a cluster, take actors.
 
 Each :class:`BatchReplica` owns one engine and answers whole requests with the API's own
 code (:mod:`router.openai_format`, :mod:`router.responses`), so a line's body is what
@@ -14,7 +18,7 @@ import logging
 import math
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +73,7 @@ class _LocalCall:
 
 
 class BatchReplica:
-    """One engine replica of a batch (instantiate through ``ray.remote``).
+    """One engine replica of a batch (in this process, or through ``ray.remote``).
 
     Args:
         engine_config: :class:`engine.EngineConfig` fields.
@@ -170,8 +174,8 @@ def plan_replicas(num_replicas: int | None, num_cpus: float | None,
 
 
 def start_replicas(plan: ReplicaPlan, engine_config: dict[str, Any],
-                   model_name: str) -> list[Any]:
-    """The replicas' actor handles, once every one has loaded the model."""
+                   model_name: str) -> list[ActorReplica]:
+    """The replicas as Ray actors, once every one has loaded the model."""
     import ray
 
     options: dict[str, Any] = {"num_cpus": plan.num_cpus, "max_restarts": 2,
@@ -181,26 +185,61 @@ def start_replicas(plan: ReplicaPlan, engine_config: dict[str, Any],
     cls = ray.remote(BatchReplica).options(**options)
     actors = [cls.remote(engine_config, model_name, max(1, math.floor(plan.num_cpus)))
               for _ in range(plan.num_replicas)]
-    ray.get([a.ready.remote() for a in actors])
-    return actors
+    seqs = ray.get([a.ready.remote() for a in actors])
+    return [ActorReplica(a, n) for a, n in zip(actors, seqs)]
 
 
-async def run_on_replicas(actors: list[Any], work: list[tuple[str, bool, dict]],
+class ActorReplica:
+    """A :class:`BatchReplica` Ray actor, called as the in-process one is."""
+
+    def __init__(self, actor: Any, max_num_seqs: int) -> None:
+        self.actor = actor
+        self.max_num_seqs = max_num_seqs
+
+    def ready(self) -> int:
+        return self.max_num_seqs
+
+    def answer(self, chat: bool, body: dict[str, Any]) -> Awaitable[Answer]:
+        return self.actor.answer.remote(chat, body)
+
+
+def plan_local(num_cpus: float | None, num_gpus: float) -> ReplicaPlan:
+    """One replica in this process: this process's CPUs unless ``num_cpus`` is given.
+
+    Raises:
+        ValueError: more CPUs or GPUs asked for than this machine has.
+    """
+    cpus = len(os.sched_getaffinity(0))
+    if num_cpus is None:
+        num_cpus = 1.0 if num_gpus else float(cpus)
+    gpus = 0
+    if num_gpus:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    if num_cpus > cpus or num_gpus > gpus:
+        raise ValueError(f"a replica of {num_cpus:g} CPUs and {num_gpus:g} GPUs does not fit "
+                         f"this machine ({cpus} CPUs, {gpus} GPUs): lower --replica-num-cpus "
+                         "or --replica-num-gpus")
+    return ReplicaPlan(1, num_cpus, num_gpus)
+
+
+async def run_on_replicas(replicas: list[BatchReplica | ActorReplica],
+                          work: list[tuple[str, bool, dict]],
                           done: Callable[[str, Answer], None]) -> None:
-    """Answer every ``(custom_id, chat, body)`` of ``work`` on ``actors``; ``done`` is
+    """Answer every ``(custom_id, chat, body)`` of ``work`` on ``replicas``; ``done`` is
     called (in this event loop) as each finishes, in completion order.
 
-    Each actor gets ``2 * max_num_seqs`` requests in flight, pulled from one queue, so a
+    Each replica gets ``2 * max_num_seqs`` requests in flight, pulled from one queue, so a
     faster replica takes more of the work.
     """
     queue: asyncio.Queue = asyncio.Queue()
     for item in work:
         queue.put_nowait(item)
 
-    async def feed(actor: Any) -> None:
+    async def feed(replica: BatchReplica | ActorReplica) -> None:
         while not queue.empty():
             cid, chat, body = queue.get_nowait()
-            done(cid, await actor.answer.remote(chat, body))
+            done(cid, await replica.answer(chat, body))
 
-    windows = await asyncio.gather(*(a.ready.remote() for a in actors))
-    await asyncio.gather(*(feed(a) for a, w in zip(actors, windows) for _ in range(2 * w)))
+    await asyncio.gather(*(feed(r) for r in replicas for _ in range(2 * r.ready())))

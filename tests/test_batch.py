@@ -12,6 +12,7 @@ import yaml
 
 from deploy.batch import _engine_config, add_arguments, apply_config
 from deploy.batch import main as batch_main
+from deploy.batch_engine import plan_local
 from deploy.batch_format import (
     BatchFileError,
     OutputFile,
@@ -190,6 +191,22 @@ def test_sizes_must_be_positive(tmp_path, capsys, flag):
     with pytest.raises(SystemExit):
         batch_main(["--input", "in", "--output", "out", flag, "0"])
     assert "must be positive, got 0" in capsys.readouterr().err
+
+
+def test_a_local_replica_must_fit_this_machine(tmp_path, capsys):
+    import os
+
+    import ray
+
+    cpus = len(os.sched_getaffinity(0))
+    assert plan_local(None, 0.0).num_cpus == cpus  # the whole machine, as serve gives it
+    assert plan_local(1, 0.0).num_cpus == 1
+    src = _write(tmp_path / "in.jsonl", [_line("a")])
+    out = tmp_path / "out.jsonl"
+    assert batch_main(["-i", src, "-o", str(out), "--replica-num-cpus", str(cpus + 1)]) == 2
+    assert f"does not fit this machine ({cpus} CPUs" in capsys.readouterr().err
+    assert not ray.is_initialized()  # one local replica never starts a cluster
+    assert not out.read_text()
 
 
 def test_config_file_fills_what_flags_leave_and_keeps_its_engine_section(tmp_path):

@@ -125,6 +125,7 @@ def test_killed_run_resumes_with_every_record_exactly_once(resumed):
     assert 7 <= killed_at < total
     _check_complete(out, good)
     assert f"{killed_at} already in" in log
+    assert "starting 1 replica(s) of" in log and "GPUs in this process" in log  # no Ray
     assert f"{total - killed_at}/{total - killed_at}" in log  # the progress bar finished
     ordered = [json.loads(t)["custom_id"] for t in
                out.with_name("out.ordered.jsonl").read_text().splitlines()]
@@ -178,6 +179,7 @@ def test_ray_job_submit_stop_and_resubmit_exactly_once(tmp_path):
         second = ray(*job, "--submission-id", "batch-2", *entry, env=env, timeout=300)
         assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
         assert f"{stopped_at} already in" in second.stdout + second.stderr
+        assert "GPUs as Ray actors" in second.stdout + second.stderr  # the job's cluster
         _check_complete(out, good)
     finally:
         stop_head(head)
