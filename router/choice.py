@@ -78,7 +78,7 @@ class RoutedSince:
 
 
 class ReplicaChooser:
-    """Power of two choices on predicted TTFT, with prefix affinity as a tie-breaker.
+    """Power of two choices on predicted TTFT, with prefix affinity as the tie-breaker.
 
     Args:
         admission: predicts a request's TTFT on a replica's snapshot.
@@ -120,24 +120,28 @@ class ReplicaChooser:
                                           shape.prompt_tokens - cached, shape.priority)
             load = snap.total_running + sum(snap.waiting_requests.values())
             keys.append((pred.ttft_s, load, snap.step_time(0, snap.total_running + 1), cached))
-        first, second = pair if self.first_is_better(shape, *keys) else pair[::-1]
+        first, second = pair if self.first_is_better(*keys) else pair[::-1]
         # The other replica stays as a second rank, used if the first refuses (full queue).
         return [[first], [second]]
 
-    def first_is_better(self, shape: RequestShape, key0: tuple, key1: tuple) -> bool:
+    @staticmethod
+    def first_is_better(key0: tuple, key1: tuple) -> bool:
         """Whether the first of two replicas, keyed ``(predicted TTFT, requests, step
-        seconds, cached prompt tokens)``, should take the request."""
+        seconds, cached prompt tokens)``, should take the request.
+
+        The lower predicted TTFT wins. Each prediction counts only the prompt tokens that
+        replica would compute, so it already credits a replica that holds the prompt's
+        prefix with the prefill it saves; preferring that replica further (up to the TTFT
+        SLO, as before 2026-12-05) loaded it while the other idled, and cost 10-21 points
+        of attainment at 2-3 req/s in ``bench/prefix_cache.py`` on two trace windows
+        (docs/prefix-caching.md). Within a step of each other, the replica holding more of
+        the prompt goes first (affinity breaks the tie), then the one with fewer requests.
+        """
         (t0, n0, step0, c0), (t1, n1, step1, c1) = key0, key1
-        if c0 != c1:
-            # Prefix affinity breaks ties within the SLO: the replica that holds more of
-            # the prompt, unless only the other meets the class's TTFT SLO.
-            slo = self.admission.classes[shape.traffic_class].ttft_slo_s
-            more, other = (t0, t1) if c0 > c1 else (t1, t0)
-            return (c0 > c1) == (more <= slo or more <= other)
         if abs(t0 - t1) <= max(step0, step1):
             # The same number of steps either way (short prompts all fit one step, so TTFT
-            # does not see them queue): balance the decode load by request count instead,
-            # or every burst would go to the replica whose fitted step time is lower.
-            return n0 <= n1
+            # does not see them queue): keep the prefix's replica, else balance the decode
+            # load by request count, or every burst would go to the replica whose fitted
+            # step time is lower.
+            return c0 > c1 if c0 != c1 else n0 <= n1
         return t0 < t1
-

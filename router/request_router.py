@@ -26,14 +26,13 @@ logger = logging.getLogger(__name__)
 class LoadAwareRouter(RequestRouter):
     """Two random replicas; the one with the lower predicted TTFT first.
 
-    When the two predictions are within one step's time of each other, the replica with
-    fewer running and queued requests goes first instead
-    (:meth:`router.choice.ReplicaChooser.first_is_better`).
-
     Prefix affinity: a replica that was sent a longer prefix of the prompt
     (:class:`router.prefix.PrefixMap`) replaces one of the two, and its prediction counts
-    only the prompt tokens it would compute; it goes first when it meets the class's TTFT
-    SLO or predicts no worse than the other, so affinity never costs the SLO.
+    only the prompt tokens it would compute.
+
+    When the two predictions are within one step's time of each other, the replica that
+    holds more of the prompt goes first, else the one with fewer running and queued
+    requests (:meth:`router.choice.ReplicaChooser.first_is_better`).
 
     Falls back to Ray Serve's queue-length choice between the two when either has not
     published a snapshot yet, or when the call carries no :class:`RequestShape`.

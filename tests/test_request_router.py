@@ -152,12 +152,25 @@ def test_prefix_hashes_chain_and_map_matches_longest_prefix():
     assert len(m) == 4
 
 
-async def test_affinity_replica_goes_first_within_the_slo(router):
+async def test_affinity_replica_goes_first_unless_another_predicts_a_lower_ttft(router):
     a, b, c = (FakeReplica(x, _stats(0.05)) for x in "abc")
     conversation = list(range(1000, 1600))
     router.on_request_routed(_prefixed(conversation), "c", None)
     # The next turn re-sends the history: c holds it and is never outside the pair.
     turn = conversation + list(range(50))
+    for _ in range(5):
+        ranks = await router.choose_replicas([a, b, c], _prefixed(turn))
+        assert ranks[0][0].replica_id == "c"
+    # A queue on c that costs more than the prefix saves (c predicts 1.21 s, an idle
+    # replica computing the whole prompt 0.75 s) sends the turn elsewhere, although c
+    # would meet the class's 5 s TTFT SLO.
+    c.routing_stats = _stats(0.05, waiting_tokens=1000, waiting=2)
+    for _ in range(5):
+        ranks = await router.choose_replicas([a, b, c], _prefixed(turn))
+        assert ranks[0][0].replica_id != "c"
+    # Within a step of the idle replicas (0.76 against 0.75 s), affinity breaks the tie,
+    # although c has more requests.
+    c.routing_stats = _stats(0.05, waiting_tokens=600, waiting=2)
     for _ in range(5):
         ranks = await router.choose_replicas([a, b, c], _prefixed(turn))
         assert ranks[0][0].replica_id == "c"
