@@ -197,9 +197,11 @@ class ActorReplica:
         self.max_num_seqs = max_num_seqs
 
     def ready(self) -> int:
+        """The actor engine's ``max_num_seqs``, read once when it started."""
         return self.max_num_seqs
 
     def answer(self, chat: bool, body: dict[str, Any]) -> Awaitable[Answer]:
+        """:meth:`BatchReplica.answer` on the actor; await the returned object ref."""
         return self.actor.answer.remote(chat, body)
 
 
