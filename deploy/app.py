@@ -13,7 +13,6 @@ from deploy.config import ServiceConfig
 from deploy.replica import ModelReplica
 from router.api import OpenAIIngress
 from router.request_router import LoadAwareRouter
-from router.settings import IngressOptions, IngressSettings
 
 APP_NAME = "iterserve"
 INGRESS_NAME = "OpenAIIngress"
@@ -57,13 +56,7 @@ def build_app(config: ServiceConfig) -> serve.Application:
         max_ongoing_requests=100_000,  # it holds requests for admission; replicas cap work
         ray_actor_options={"num_cpus": 0},
     )
-    settings = IngressSettings(
-        **config.model_dump(include=set(IngressOptions.model_fields)),
-        model_name=config.model_name(), traffic_classes=classes, policy=policy,
-        num_replicas=config.num_replicas,
-        prefix_block_size=(engine.block_size if config.prefix_affinity
-                           and engine.enable_prefix_caching else None))
-    return ingress.bind(replica, settings.model_dump())
+    return ingress.bind(replica, config.ingress_settings().model_dump())
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -27,8 +27,8 @@ from engine import AsyncLLMEngine, EngineConfig
 from policies import make_classes
 from router import openai_format as fmt
 from router import responses
-from router.dispatch import accepted
 from router.errors import ApiError
+from router.local import LocalCall
 from router.routing import RequestShape
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import IngressOptions
@@ -38,38 +38,6 @@ logger = logging.getLogger(__name__)
 
 MAX_N: int = IngressOptions.model_fields["max_n"].default
 """Cap on one request's choices (``n`` times its prompts): the server's default."""
-
-
-class _LocalCall:
-    """:class:`router.dispatch.Dispatch`'s interface over an in-process item stream."""
-
-    def __init__(self, items: Any) -> None:
-        self.gen = items
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-        self.replica = ""
-        self.done = False
-
-    async def start(self) -> None:
-        first = await self.gen.__anext__()
-        self.done = "error" in first
-        self.prompt_tokens, self.replica = accepted(first)
-
-    async def items(self) -> Any:
-        async for item in self.gen:
-            self.cached_tokens = item.get("cached_tokens", self.cached_tokens)
-            yield item
-            if item["finished"]:
-                self.done = True
-                return
-
-    def cancel(self) -> None:
-        # Closing the stream aborts its engine request (engine_items' contract). A stream
-        # being iterated is closed by the cancellation of the task iterating it.
-        if not self.done:
-            self.done = True
-            if not self.gen.ag_running:
-                asyncio.ensure_future(self.gen.aclose())
 
 
 class BatchReplica:
@@ -110,7 +78,7 @@ class BatchReplica:
                                              code="internal_error").body())
 
     async def _answer(self, rid: str, chat: bool, body: dict[str, Any]) -> Answer:
-        from deploy.replica import engine_items
+        from deploy.engine_replica import engine_items
 
         req = fmt.validate(body, ChatCompletionRequest if chat else CompletionRequest)
         fmt.check_served(req, chat, self.model_name, MAX_N)
@@ -122,7 +90,7 @@ class BatchReplica:
         try:
             for p, (ids, text) in enumerate(prompts):
                 shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
-                call = _LocalCall(engine_items(self.engine, self.replica_id,
+                call = LocalCall(engine_items(self.engine, self.replica_id,
                                                rid if len(prompts) == 1 else f"{rid}-{p}",
                                                ids, params, shape))
                 calls.append(responses.PromptCall(ids, text, call))

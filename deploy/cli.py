@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.set_defaults(func=_generate)
 
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (Ray Serve)")
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     srv.add_argument("--model", default=None,
                      help="transformers directory or .gguf file (default: embedded SmolLM2-135M)")
     srv.add_argument("--num-replicas", type=int, default=None, help="model replicas (default 1)")
@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--config", default=None,
                      help="YAML ServiceConfig; flags given here override it")
     srv.add_argument("--address", default=None,
-                     help="an existing Ray cluster (default: start an embedded local one)")
+                     help="a Ray cluster to serve on, or 'local' for an embedded one "
+                          "(default: one replica runs in this process without Ray; "
+                          "more replicas start an embedded cluster)")
     srv.set_defaults(func=_serve)
 
     top = sub.add_parser("top", help="live view of each class's SLOs, from /metrics")

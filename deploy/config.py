@@ -8,6 +8,7 @@ command line. Engine settings nest under ``engine`` (:class:`engine.EngineConfig
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
 from policies import TrafficClass, make_classes
-from router.settings import IngressOptions
+from router.settings import IngressOptions, IngressSettings
 from router.tenants import check_key_classes
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -114,6 +115,17 @@ class ServiceConfig(IngressOptions):
     def traffic_classes(self) -> dict[str, TrafficClass]:
         """Traffic classes by name: the defaults with ``engine.traffic_classes`` applied."""
         return make_classes(self.engine.traffic_classes)
+
+    def ingress_settings(self) -> IngressSettings:
+        """The ingress's settings: its own fields and what it derives from the rest."""
+        engine = self.engine_config()
+        classes = {name: asdict(c) for name, c in self.traffic_classes().items()}
+        return IngressSettings(
+            **self.model_dump(include=set(IngressOptions.model_fields)),
+            model_name=self.model_name(), traffic_classes=classes,
+            policy=engine.policy_spec(), num_replicas=self.num_replicas,
+            prefix_block_size=(engine.block_size if self.prefix_affinity
+                               and engine.enable_prefix_caching else None))
 
     def model_name(self) -> str:
         """The name the API serves the model under."""

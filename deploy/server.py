@@ -1,4 +1,10 @@
-"""``iterserve serve``: start (or join) Ray, deploy the application, wait for a signal."""
+"""``iterserve serve``: one replica in this process, or Ray Serve; serve until a signal.
+
+One replica on this machine (no ``--address``, no ``RAY_ADDRESS``, ``num_replicas`` 1)
+runs in this process without Ray (:mod:`deploy.local_server`), as ``vllm serve`` does.
+Otherwise: start an embedded Ray cluster (``--num-replicas`` above 1, or
+``--address local``) or join one (``--address``), deploy the application, wait.
+"""
 
 from __future__ import annotations
 
@@ -66,8 +72,8 @@ class ServeError(RuntimeError):
 
 
 def start_ray(address: str | None, config: ServiceConfig) -> None:
-    """Join ``address``, or start an embedded single-machine Ray with the dashboard off
-    and :func:`embedded_serve_env` set.
+    """Join ``address``, or start an embedded single-machine Ray (``address`` None or
+    ``"local"``) with the dashboard off and :func:`embedded_serve_env` set.
 
     Ray 2.60 turns on token authentication for new local clusters: ``ray.init`` writes
     a token to ``~/.ray/auth_token`` and this process uses it. Other clients of that
@@ -78,7 +84,7 @@ def start_ray(address: str | None, config: ServiceConfig) -> None:
         ServeError: the cluster cannot be reached or refuses our token.
     """
     try:
-        if address:
+        if address and address != "local":
             ray.init(address=address, logging_level=logging.WARNING)
         else:
             os.environ.update(embedded_serve_env(config))
@@ -137,35 +143,59 @@ def deploy(config: ServiceConfig, proxy_port: int | None = None) -> str:
     return f"http://{config.host}:{config.port}"
 
 
+def uses_ray(config: ServiceConfig, address: str | None) -> bool:
+    """Whether ``iterserve serve`` runs on Ray Serve (else in this process, without Ray)."""
+    return address is not None or "RAY_ADDRESS" in os.environ or config.num_replicas > 1
+
+
+def banner(config: ServiceConfig, url: str, where: str) -> str:
+    """What ``iterserve serve`` prints once it accepts requests."""
+    name = config.model_name()
+    key = next(iter(config.api_keys), None)
+    auth = f' -H "Authorization: Bearer {key}"' if key else ""
+    n = config.num_replicas
+    return (
+        f"\niterserve is ready: {url}/v1 (model {name!r}, {n} replica{'s' * (n != 1)} "
+        f"{where}, pid {os.getpid()})\n"
+        f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"    -d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", "
+        f"\"max_tokens\": 16, \"temperature\": 0}}'\n"
+        "Stop with Ctrl-C."
+    )
+
+
 def run_server(config: ServiceConfig, address: str | None = None) -> int:
-    """Serve until SIGINT or SIGTERM, then shut Serve and Ray down cleanly."""
+    """Serve until SIGINT or SIGTERM, then shut down cleanly; the exit status."""
+    if not uses_ray(config, address):
+        from deploy.local_server import PortInUse, run_local
+
+        try:
+            check_api_keys(config)
+            return run_local(config, banner(config, f"http://{config.host}:{config.port}",
+                                            "in this process"))
+        except (ServeError, PortInUse) as e:
+            print(f"iterserve: error: {e}", flush=True)
+            return 1
+    return _run_on_ray(config, address)
+
+
+def _run_on_ray(config: ServiceConfig, address: str | None) -> int:
     stop = threading.Event()
+    own_cluster = address in (None, "local")
     try:
         start_ray(address, config)
         # After ray.init, which installs its own SIGTERM handler (exit without cleanup).
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        url = deploy(config, proxy_port=None if address else spare_port(config.host))
+        url = deploy(config, proxy_port=spare_port(config.host) if own_cluster else None)
     except ServeError as e:
         print(f"iterserve: error: {e}", flush=True)
-        _shutdown(own_cluster=address is None)
+        _shutdown(own_cluster)
         return 1
-    name = config.model_name()
-    key = next(iter(config.api_keys), None)
-    auth = f' -H "Authorization: Bearer {key}"' if key else ""
-    n = config.num_replicas
-    print(
-        f"\niterserve is ready: {url}/v1 (model {name!r}, {n} replica{'s' * (n != 1)}, "
-        f"pid {os.getpid()})\n"
-        f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
-        f"    -d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", "
-        f"\"max_tokens\": 16, \"temperature\": 0}}'\n"
-        "Stop with Ctrl-C.",
-        flush=True,
-    )
+    print(banner(config, url, "on Ray Serve"), flush=True)
     stop.wait()
     print("iterserve: shutting down", flush=True)
-    _shutdown(own_cluster=address is None)
+    _shutdown(own_cluster)
     return 0
 
 

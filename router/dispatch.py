@@ -17,6 +17,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from policies import LoadSnapshot
+from router.calls import ReplicaLost, accepted, record_item
 from router.errors import ApiError
 from router.routing import RequestShape, load_view
 from router.step_streams import StepStreams, StreamLost
@@ -27,23 +28,6 @@ MAX_DISPATCH_ATTEMPTS = 3
 """Replicas tried for one request when they die before it produced a token."""
 
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
-
-
-class ReplicaLost(Exception):
-    """The replica serving a stream died after it had produced tokens."""
-
-
-def accepted(first: dict) -> tuple[int, str]:
-    """The prompt's length and the replica's id from a replica's first item.
-
-    Raises:
-        ApiError: the replica refused the request (its status, message and field).
-    """
-    if "error" in first:
-        err = first["error"]
-        raise ApiError(err["status"], err["message"], param=err.get("param"),
-                       code=err.get("code"))
-    return first["prompt_tokens"], first["replica"]
 
 
 class Dispatch:
@@ -139,15 +123,7 @@ class Dispatch:
     def _observe(self, item: dict) -> None:
         self._load(item)
         self.cached_tokens = item.get("cached_tokens", self.cached_tokens)
-        r = self.record
-        if r is None:
-            return
-        if "queue_s" in item:
-            r.scheduled(item["queue_s"])
-        r.tokens(sum(len(o["token_ids"]) for o in item["outputs"]),
-                 [o["finish_reason"] for o in item["outputs"] if o["finish_reason"]])
-        if item["finished"]:
-            r.finished()
+        record_item(self.record, item)
 
     def _failed(self) -> None:
         if self.record is not None:
@@ -161,3 +137,55 @@ class Dispatch:
             self.done = True
             if self.record is not None:
                 self.record.aborted()
+
+
+class RayReplicas:
+    """The model deployment's replicas through Ray Serve, as the ingress sees its replicas.
+
+    Args:
+        handle: the model deployment's handle.
+    """
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self.handle = handle.options(stream=True)
+        self.streams = StepStreams(self.handle)
+        self._info_handle = handle
+
+    async def info(self) -> dict[str, Any]:
+        """One replica's tokenizer and limits.
+
+        Raises:
+            ApiError: 503 when no replica answers.
+        """
+        try:
+            return await self._info_handle.info.remote()
+        except REPLICA_LOST as e:
+            raise ApiError(503, f"no model replica is ready: {e}", code="not_ready") from e
+
+    def call(self, args: tuple, shape: RequestShape, record: Any = None) -> Dispatch:
+        """The call of request ``args`` (id, prompt token ids, sampling fields)."""
+        return Dispatch(self.handle, args, shape, self.streams, record)
+
+    def _view(self) -> Any:
+        return load_view(self.handle.app_name, self.handle.deployment_name)
+
+    def loads(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
+        """Each replica's snapshot and the tokens of ``shape``'s prompt it likely holds."""
+        view = self._view()
+        return view.loads_for(shape) if view is not None else []
+
+    def snapshots(self) -> dict[str, LoadSnapshot]:
+        """Each replica's adjusted snapshot by its unique id."""
+        view = self._view()
+        snaps = view.snapshots() if view is not None else {}
+        return {rid.unique_id: s for rid, s in snaps.items()}
+
+    def count(self) -> int:
+        """Running replicas."""
+        view = self._view()
+        return len(view.curr_replicas) if view is not None else 0
+
+    def stats(self) -> dict[str, dict]:
+        """Each replica's last published routing stats by its unique id."""
+        view = self._view()
+        return view.replica_stats() if view is not None else {}

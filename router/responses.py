@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router import openai_format as fmt
-from router.dispatch import Dispatch, ReplicaLost
+from router.calls import ReplicaLost
 from router.errors import ApiError
 
 
@@ -27,7 +27,9 @@ class PromptCall:
 
     ids: list[int]
     text: str
-    dispatch: Dispatch
+    dispatch: Any
+    """Its call (:mod:`router.calls`): a :class:`router.dispatch.Dispatch` or a
+    :class:`router.local.LocalCall`."""
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
@@ -77,7 +79,7 @@ async def merged(calls: list[PromptCall]) -> AsyncIterator[tuple[int, dict]]:
     log-probabilities are kept on it.
 
     Raises:
-        ReplicaLost, ApiError: as :meth:`Dispatch.items` raises them.
+        ReplicaLost, ApiError: as the call's ``items()`` raises them.
     """
     queue: asyncio.Queue = asyncio.Queue()
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import openai
 import ray
+import yaml
 from ray import serve
 
 from deploy.config import ServiceConfig
@@ -41,6 +46,35 @@ def running_app(config: ServiceConfig, replicas: int) -> Iterator[str]:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@contextmanager
+def running_command(config: ServiceConfig, tmp: Path) -> Iterator[subprocess.Popen]:
+    """``iterserve serve --config`` with ``config``, in its own session; yields the process
+    once it printed that it is ready, and stops it with Ctrl-C's SIGINT after, which must
+    end it with status 0 within 30 s."""
+    path = tmp / "service.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    log = tmp / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "iterserve"), "serve",
+                                 "--config", str(path)], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "is ready" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        proc.log = log
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert code == 0, log.read_text()[-3000:]
 
 
 def client(url: str, key: str = "sk-standard") -> openai.OpenAI:

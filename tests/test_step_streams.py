@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from deploy.replica import Outbox, Outboxes
-from router.dispatch import Dispatch, ReplicaLost
+from router.calls import ReplicaLost
+from router.dispatch import Dispatch
 from router.routing import RequestShape
 from router.step_streams import StepStreams, StreamLost
 

@@ -1,0 +1,129 @@
+"""One engine replica without Ray: its engine, step metrics, limits and item stream.
+
+:class:`EngineReplica` is what a model replica is wherever it runs: inside Ray Serve
+(:class:`deploy.replica.ModelReplica` adds the Serve-facing calls) or in the server's own
+process (``iterserve serve`` with one local replica, :mod:`deploy.local_server`).
+:func:`engine_items` is the one format of a request's items for both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from deploy.metrics import StepMetrics
+from engine import (
+    AsyncLLMEngine,
+    EngineConfig,
+    RequestOutputKind,
+    RequestRejectedError,
+    SamplingParams,
+)
+from router.routing import RequestShape
+
+logger = logging.getLogger(__name__)
+
+
+class EngineReplica:
+    """One engine replica.
+
+    Args:
+        engine_config: :class:`engine.EngineConfig` fields.
+        num_threads: torch intra-op threads; the CPUs reserved for this replica, so
+            replicas sharing a machine do not oversubscribe it (on 2 cores, two replicas
+            of 2 threads each run several times slower than two of 1).
+        replica_id: the id the ingress knows this replica by.
+    """
+
+    def __init__(self, engine_config: dict[str, Any], num_threads: int,
+                 replica_id: str) -> None:
+        torch.set_num_threads(max(1, num_threads))
+        self.engine = AsyncLLMEngine.from_config(EngineConfig(**engine_config))
+        self.step_metrics = StepMetrics()
+        self.engine.engine.on_step = self.step_metrics.record
+        self.replica_id = replica_id
+        logger.info("replica ready (pid %d, %d torch threads)", os.getpid(), num_threads)
+
+    def info(self) -> dict[str, Any]:
+        """What the ingress needs once: the tokenizer and the limits."""
+        engine = self.engine.engine
+        return {"tokenizer": engine.tokenizer, "limits": engine.limits}
+
+    def items(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
+              shape: RequestShape) -> AsyncIterator[dict]:
+        """One request's items (:func:`engine_items`) on this replica's engine."""
+        return engine_items(self.engine, self.replica_id, request_id, prompt_token_ids,
+                            params, shape)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """The load snapshot and, under ``"metrics"``, :class:`deploy.metrics.StepMetrics`
+        plus the prefix cache's lookups and hits since start, in tokens. Ray Serve polls
+        it from a served replica; the ingress's admission, routing and ``/metrics`` read
+        it."""
+        bm = self.engine.engine.block_manager
+        metrics = {**self.step_metrics.to_dict(), "prefix_cache_queries": bm.num_queried_tokens,
+                   "prefix_cache_hits": bm.num_hit_tokens}
+        return {**self.engine.load_snapshot().to_dict(), "metrics": metrics}
+
+
+async def engine_items(engine: AsyncLLMEngine, replica_id: str, request_id: str,
+                       prompt_token_ids: list[int], params: dict[str, Any],
+                       shape: RequestShape) -> AsyncIterator[dict]:
+    """Run one request on ``engine``; yield dicts the ingress turns into OpenAI chunks.
+
+    The first item is ``{"accepted": True, "prompt_tokens": n, "replica": id}`` once the
+    request is queued, or ``{"error": {...}}`` (and nothing more) if the engine refuses it
+    (context or KV capacity, a bad parameter), so a 400 can be answered before any stream
+    starts. Then one item per step that produced tokens: ``{"outputs": [{"index", "text",
+    "token_ids", "logprobs", "finish_reason", "stop_reason"}], "finished": bool}`` with this
+    step's deltas; ``logprobs`` is a list (one per new token) of ``{token_id: logprob}`` or
+    None. The first of these also has ``queue_s``: seconds from the engine's arrival to the
+    first step that scheduled the request, and ``cached_tokens``: prompt tokens whose KV
+    the prefix cache supplied.
+
+    Any item may also carry ``load``: the engine's load snapshot (``LoadSnapshot.to_dict``)
+    when it changed since the replica last sent one (``AsyncLLMEngine.load_update``), so
+    the ingress's admission and routing see the replica's load step by step.
+
+    Closing or cancelling the iteration aborts the engine request before its next step.
+    """
+    try:
+        sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
+        ids = engine.validate(prompt_token_ids, sampling, shape.traffic_class)
+    except RequestRejectedError as e:
+        yield {"error": {"message": str(e), "status": 400, "param": "prompt",
+                         "code": "context_length_exceeded"}}
+        return
+    except ValueError as e:  # ParamError names the request field
+        yield {"error": {"message": str(e), "status": 400,
+                         "param": getattr(e, "param", None), "code": "invalid_value"}}
+        return
+    yield _with_load(engine, {"accepted": True, "prompt_tokens": len(ids), "replica": replica_id})
+    first = True
+    async for out in engine.generate(ids, sampling, request_id=request_id,
+                                     priority=shape.priority,
+                                     traffic_class=shape.traffic_class):
+        items = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                  "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+                 for c in out.outputs if c.text or c.token_ids or c.finish_reason]
+        item = {"outputs": items, "finished": out.finished}
+        if first:
+            first, m = False, out.metrics
+            item["cached_tokens"] = out.num_cached_tokens
+            if m.first_scheduled_time is not None:
+                item["queue_s"] = m.first_scheduled_time - m.arrival_time
+        if out.prompt_logprobs is not None:
+            item["prompt_logprobs"] = out.prompt_logprobs
+        yield _with_load(engine, item)
+
+
+def _with_load(engine: AsyncLLMEngine, item: dict) -> dict:
+    load = engine.load_update()
+    if load is not None:
+        item["load"] = load.to_dict()
+    return item

@@ -1,0 +1,124 @@
+"""``iterserve serve`` with one replica on this machine: the engine in the server's process.
+
+No Ray: uvicorn serves :class:`router.ingress.Ingress` over a
+:class:`deploy.engine_replica.EngineReplica` in this process, whose engine thread steps
+while the event loop streams. The API, admission, classes, keys and ``/metrics`` are the
+Ray Serve application's (the same :class:`router.ingress.Ingress`); only the replica hop
+is gone. Measured on 2 cores (``docs/served-overhead.md``, twentieth session), alternating
+starts: 2-4% (1 stream) and 5-6% (8 streams) per streamed token over the engine offline,
+against 20-25% with the same replica as a Ray Serve deployment, whose processes (the
+ingress, Serve's controller, Ray's own) preempt torch's threads.
+
+Several replicas, or a cluster (``--address``), take Ray Serve (:mod:`deploy.server`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import math
+import os
+import signal
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+
+from deploy.config import ServiceConfig
+from deploy.engine_replica import EngineReplica
+from router.ingress import Ingress, add_routes, make_app
+from router.local import LocalReplicas
+
+logger = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 5.0
+"""Seconds open streams get to finish after Ctrl-C before they are cut."""
+REPLICA_ID = "local"
+
+
+class PortInUse(RuntimeError):
+    """The server's port is taken."""
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail before the model loads if ``host:port`` cannot be bound.
+
+    Raises:
+        PortInUse: another process listens there.
+    """
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            raise PortInUse(f"port {port} on {host} is in use (choose another with "
+                            "--port)") from e
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, stopped by SIGINT or SIGTERM through the event loop.
+
+    uvicorn's own handlers raise the signal again once it has shut down, which would
+    cancel the engine's shutdown and end the process with a traceback.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+
+def build_local(config: ServiceConfig) -> tuple[_Server, EngineReplica]:
+    """The server (not yet started) and its replica, once the model has loaded."""
+    threads = max(1, math.floor(config.replica_num_cpus))
+    replica = EngineReplica(config.engine_config().model_dump(), threads, REPLICA_ID)
+    ingress = Ingress(LocalReplicas(replica), config.ingress_settings().model_dump(),
+                      watch_disconnects=True)
+    app = make_app()
+    add_routes(app, ingress)
+    server = _Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level="warning",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    return server, replica
+
+
+async def serve_until_stopped(server: uvicorn.Server, replica: EngineReplica,
+                              banner: str) -> int:
+    """Serve until SIGINT or SIGTERM; print ``banner`` once the port accepts
+    connections. Returns the exit status."""
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        print(banner, flush=True)
+    try:
+        await task
+    except SystemExit as e:  # uvicorn exits when it cannot bind
+        return int(e.code or 1)
+    finally:
+        await replica.engine.shutdown()
+    if server.started:
+        print("iterserve: shut down", flush=True)
+    return 0 if server.started else 1
+
+
+def run_local(config: ServiceConfig, banner: str) -> int:
+    """Load the model, then serve ``config`` in this process (see the module docstring).
+
+    Raises:
+        PortInUse: ``config.port`` is taken (checked before the model loads).
+    """
+    check_port(config.host, config.port)
+    server, replica = build_local(config)
+    logger.info("serving in this process (pid %d), without Ray", os.getpid())
+    return asyncio.run(serve_until_stopped(server, replica, banner))

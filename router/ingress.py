@@ -1,0 +1,318 @@
+"""The ingress: OpenAI-compatible REST routes, validation, admission, SSE streaming.
+
+One request's path: the body is read (413 past the size limit) and validated (400 naming
+the field), the model checked (404), the caller resolved from its API key
+(:mod:`router.tenants`), the prompt tokenized (chat template for chat), admission asked
+(:mod:`router.admission`; 429 with Retry-After), and the request sent to a replica. The
+replica's step items become OpenAI chunks (SSE ending with ``data: [DONE]``) or one
+response (:mod:`router.openai_format`).
+
+:class:`Ingress` holds no Ray: its replicas are an object with ``info``, ``call``,
+``loads``, ``snapshots``, ``count`` and ``stats`` (:class:`router.dispatch.RayReplicas`
+for the Ray Serve deployment, :mod:`router.api`; :class:`router.local.LocalReplicas` for
+one replica in the server's own process, :mod:`deploy.local_server`).
+
+If a replica dies after the request streamed tokens, the stream ends with an error
+event. A client that disconnects cancels the replica call, which aborts the engine
+request before its next step and frees its KV blocks.
+"""
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deploy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from deploy.metrics import IngressMetrics
+from policies import classes_from_fields, policy_from_spec
+from policies.limits import RequestLimits
+from router import openai_format as fmt
+from router import responses
+from router.admission import AdmissionRejected, IngressAdmission
+from router.calls import ReplicaLost
+from router.cors import ConfiguredCORS
+from router.errors import ApiError
+from router.prefix import prefix_hashes
+from router.responses import PromptCall
+from router.routing import RequestShape
+from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.settings import IngressSettings
+from router.tenants import CLASS_HEADER, check_key_classes, resolve_caller
+
+logger = logging.getLogger(__name__)
+
+ROUTES = (("GET", "/health", "health"), ("GET", "/metrics", "prometheus_metrics"),
+          ("GET", "/v1/models", "models"), ("POST", "/v1/completions", "completions"),
+          ("POST", "/v1/chat/completions", "chat_completions"))
+"""(method, path, :class:`Ingress` method name) of every route."""
+CLIENT_GONE = 499
+"""Status of a response nobody reads: its client disconnected (nginx's code for it)."""
+
+
+@dataclass(slots=True)
+class _ModelInfo:
+    tokenizer: Any
+    limits: RequestLimits
+    """The replicas' limits, the engine's own (the replica re-checks with them)."""
+
+
+def make_app() -> FastAPI:
+    """A FastAPI app with the API's error format and CORS, and no routes yet."""
+    app = FastAPI(title="iterserve", summary="OpenAI-compatible LLM serving")
+    app.add_middleware(ConfiguredCORS)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    return app
+
+
+def add_routes(app: FastAPI, ingress: Any) -> None:
+    """Route :data:`ROUTES` to ``ingress``'s methods: an :class:`Ingress` instance (bound
+    methods), or a subclass that Ray Serve's ``serve.ingress`` binds per replica."""
+    for method, path, name in ROUTES:
+        app.add_api_route(path, getattr(ingress, name), methods=[method])
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has disconnected (the body was read before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Ingress:
+    """The API over a set of replicas.
+
+    Args:
+        replicas: :class:`router.dispatch.RayReplicas` or :class:`router.local.LocalReplicas`.
+        settings: :class:`IngressSettings` fields.
+        watch_disconnects: abort a non-streamed request whose client disconnected. Ray
+            Serve cancels such a handler itself; uvicorn alone does not.
+    """
+
+    def __init__(self, replicas: Any, settings: dict[str, Any],
+                 watch_disconnects: bool = False) -> None:
+        self.watch_disconnects = watch_disconnects
+        self.settings = IngressSettings(**settings)
+        ConfiguredCORS.origins = self.settings.allowed_origins
+        self.replicas = replicas
+        self.classes = classes_from_fields(self.settings.traffic_classes)
+        self.api_keys = self.settings.all_api_keys()
+        check_key_classes(self.api_keys, self.classes)
+        self.admission = IngressAdmission(
+            self.classes, policy=policy_from_spec(self.settings.policy),
+            enabled=self.settings.admission,
+        )
+        self._info: _ModelInfo | None = None
+        self._info_lock = asyncio.Lock()
+        self._created = int(time.time())
+        self.metrics = IngressMetrics(
+            self.settings.model_name,
+            {k: (c.ttft_slo_s, c.tpot_slo_s) for k, c in self.classes.items()},
+            self._replica_stats, lambda: self.admission.held, self._num_replicas,
+            self.settings.num_replicas)
+
+    # -- routes ------------------------------------------------------------------------
+    # (No `from __future__ import annotations` in this module: FastAPI reads the
+    # annotations at runtime to tell the Request parameter from a query parameter.)
+
+    async def health(self) -> Response:
+        """200 once a replica is up (the body lists replicas' load); else 503."""
+        try:
+            await asyncio.wait_for(self._model_info(), timeout=5)
+        except (ApiError, TimeoutError):
+            return self._error(ApiError(503, "no model replica is ready yet",
+                                        code="not_ready"))
+        replicas = [
+            {"replica": rid, "kv_usage": round(s.kv_usage, 4),
+             "num_kv_blocks_free": s.num_kv_blocks_free, "running": s.total_running,
+             "waiting": sum(s.waiting_requests.values())}
+            for rid, s in self.replicas.snapshots().items()
+        ]
+        num = self.replicas.count()
+        if num == 0:
+            return self._error(ApiError(503, "no model replica is running", code="not_ready"))
+        return JSONResponse({"status": "ok", "num_replicas": num, "replicas": replicas,
+                             "held": self.admission.held})
+
+    async def prometheus_metrics(self) -> Response:
+        """Prometheus exposition of every ``iterserve:`` metric (:mod:`deploy.metrics`)."""
+        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    async def models(self) -> Response:
+        try:
+            info = await self._model_info()
+        except ApiError as e:
+            return self._error(e)
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.settings.model_name, "object": "model", "created": self._created,
+            "owned_by": "iterserve", "max_model_len": info.limits.max_model_len,
+        }]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    # -- one request -------------------------------------------------------------------
+
+    async def _serve(self, request: Request, chat: bool) -> Response:
+        arrival = time.monotonic()
+        calls: list[PromptCall] = []
+        try:
+            body = await self._read_json(request)
+            req = fmt.validate(body, ChatCompletionRequest if chat else CompletionRequest)
+            fmt.check_served(req, chat, self.settings.model_name, self.settings.max_n)
+            caller = resolve_caller(self.api_keys, self.classes,
+                                    request.headers.get("authorization"),
+                                    request.headers.get(CLASS_HEADER), req.priority)
+            info = await self._model_info()
+            prompts = fmt.prompts(req, chat, info.tokenizer)
+            scores_only = fmt.scores_only(req, chat)
+            params = fmt.sampling_params(req, chat)
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            for p, (ids, text) in enumerate(prompts):
+                call_id = rid if len(prompts) == 1 else f"{rid}-{p}"
+                calls.append(PromptCall(ids, text, await self._dispatch(
+                    call_id, ids, params, caller, info, arrival)))
+        except ApiError as e:
+            self._cancel(calls)
+            return self._error(e)
+        except BaseException as e:  # a bug of ours, or the client left while it was sent
+            self._cancel(calls)
+            if not isinstance(e, Exception):
+                raise
+            logger.exception("request failed")
+            return self._error(ApiError(500, "internal error; see the server log",
+                                        code="internal_error"))
+        reply = responses.Reply(req, chat, rid, self.settings.model_name, info.tokenizer,
+                                calls, scores_only)
+        headers = {"x-request-id": rid, "x-iterserve-class": caller.traffic_class,
+                   "x-iterserve-priority": str(caller.priority),
+                   "x-iterserve-replica": calls[0].dispatch.replica}
+        if req.stream:
+            return StreamingResponse(responses.stream(reply), media_type="text/event-stream",
+                                     headers=headers)
+        try:
+            body = await self._collect(request, reply)
+            if body is None:  # the client left; its calls are aborted below
+                return Response(status_code=CLIENT_GONE)
+            return JSONResponse(body, headers=headers)
+        except ReplicaLost as e:
+            return self._error(ApiError(503, str(e), code="replica_lost"))
+        finally:
+            self._cancel(calls)
+
+    async def _dispatch(self, rid: str, ids: list[int], params: dict, caller: Any,
+                        info: _ModelInfo, arrival: float) -> Any:
+        """Admit one prompt and send it to a replica; its call once accepted."""
+        bs = self.settings.prefix_block_size
+        shape = RequestShape(len(ids), caller.traffic_class, caller.priority,
+                             prefix_hashes(ids, bs) if bs else ())
+        # A request that can never fit skips admission: the replica answers it with a
+        # 400 that has the numbers, not a 429.
+        held_s = 0.0
+        if info.limits.fits(len(ids), params["max_tokens"]):
+            held_s = await self._admit(caller, shape, params["max_tokens"], arrival)
+        record = self.metrics.request(caller.traffic_class, arrival, len(ids), held_s)
+        dispatch = self.replicas.call((rid, ids, params), shape, record)
+        try:
+            await dispatch.start()
+        except BaseException:  # refused, or the client left while it was sent
+            dispatch.cancel()
+            raise
+        return dispatch
+
+    async def _collect(self, request: Request, reply: responses.Reply) -> dict | None:
+        """The whole response; None if the client disconnected first (only watched when
+        ``watch_disconnects``: Ray Serve cancels the handler itself)."""
+        if not self.watch_disconnects:
+            return await responses.collect(reply)
+        work = asyncio.ensure_future(responses.collect(reply))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+        return work.result() if not work.cancelled() else None
+
+    @staticmethod
+    def _cancel(calls: list[PromptCall]) -> None:
+        for c in calls:
+            c.dispatch.cancel()
+
+    # -- helpers -----------------------------------------------------------------------
+
+    async def _admit(self, caller: Any, shape: RequestShape, max_tokens: int | None,
+                     arrival: float) -> float:
+        """Wait for admission; the seconds held. Raises ApiError 429 with Retry-After
+        when refused."""
+        try:
+            return await self.admission.admit(
+                lambda: self._loads(shape), caller.traffic_class, shape.prompt_tokens,
+                max_tokens or 0, caller.priority, arrival)
+        except AdmissionRejected as e:
+            self.metrics.reject(caller.traffic_class, e.kind)
+            retry = str(int(e.retry_after_s))
+            raise ApiError(429, f"server busy, retry after {retry} s ({e.reason})",
+                           code="rate_limit_exceeded", headers={"Retry-After": retry}) from None
+
+    def _loads(self, shape: RequestShape) -> list:
+        """Each replica's snapshot and the tokens of ``shape``'s prompt it likely holds."""
+        return self.replicas.loads(shape)
+
+    def _num_replicas(self) -> int:
+        return self.replicas.count()
+
+    def _replica_stats(self) -> dict:
+        return self.replicas.stats()
+
+    async def _model_info(self) -> _ModelInfo:
+        """The replicas' tokenizer and limits, fetched from one replica on first use.
+
+        Raises:
+            ApiError: 503 when no replica answers.
+        """
+        if self._info is None:
+            async with self._info_lock:
+                if self._info is None:
+                    info = await self.replicas.info()
+                    self._info = _ModelInfo(**info)
+        return self._info
+
+    async def _read_json(self, request: Request) -> dict:
+        limit = self.settings.max_request_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body of {declared} bytes is over the limit of "
+                                f"{limit} bytes", code="request_too_large")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise ApiError(413, f"request body is over the limit of {limit} bytes",
+                               code="request_too_large")
+        try:
+            data = json.loads(body)
+        except ValueError as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}",
+                           code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+        return data
+
+    @staticmethod
+    def _error(e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
