@@ -33,7 +33,8 @@ class SystemSpec:
     """One served system: ``kind`` is "iterserve" or "vllm"; ``engine`` overrides
     iterserve's ``engine:`` section and ``service`` its top-level settings, ``env`` its
     environment; ``priority`` starts vLLM with its priority scheduler and ``args`` are more
-    of vLLM's command-line arguments."""
+    of vLLM's command-line arguments; ``ray`` serves iterserve on Ray Serve (an embedded
+    cluster, ``--address local``) where it would run in its own process."""
 
     label: str
     kind: str
@@ -42,6 +43,7 @@ class SystemSpec:
     env: dict | None = None
     priority: bool = False
     args: tuple[str, ...] = ()
+    ray: bool = False
 
 
 SYSTEMS = {
@@ -49,6 +51,9 @@ SYSTEMS = {
     "iterserve-static": SystemSpec("iterserve-static", "iterserve",
                                    {"policy": "static", "tpot_slo_guard": False}),
     "vllm": SystemSpec("vllm", "vllm"),
+    # The same replica as a Ray Serve deployment, as `iterserve serve` ran one replica
+    # until the in-process server (and as a cluster or several replicas still run).
+    "iterserve-ray": SystemSpec("iterserve-ray", "iterserve", ray=True),
     # What `iterserve serve --config` gave before this benchmark's levers (commit d18065a):
     # one replica of one CPU, stats every 0.1 s, Serve's 0.1 s control loop and default
     # (not throughput-optimized) mode, and an engine section that replaced the server's
@@ -56,7 +61,8 @@ SYSTEMS = {
     "iterserve-before": SystemSpec(
         "iterserve-before", "iterserve", {"policy": "fcfs", "tpot_slo_guard": False},
         {"replica_num_cpus": 1, "routing_stats_period_s": 0.1},
-        {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}),
+        {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
+        ray=True),
 }
 
 
@@ -111,6 +117,8 @@ class Server:
             cfg = Path(self._tmp.name) / "service.yaml"
             cfg.write_text(yaml.safe_dump(iterserve_config(spec, slo, mix)))
             self.command = [str(REPO / ".venv/bin/iterserve"), "serve", "--config", str(cfg)]
+            if spec.ray:
+                self.command += ["--address", "local"]
             env.update(spec.env or {})
         self._env = env
         self.log = Path(self._tmp.name) / "server.log"
@@ -182,7 +190,8 @@ PROCESS_GROUPS = (
     ("EngineCore", "vLLM engine core"), ("VLLM::", "vLLM engine core"),
     ("vllm.entrypoints", "vLLM API server"),
     ("bench/peers.py", "load generator"), ("raylet", "Ray system"),
-    ("gcs_server", "Ray system"), ("ray", "Ray system"), ("iterserve serve", "iterserve driver"),
+    ("gcs_server", "Ray system"), ("ray", "Ray system"),
+    ("iterserve serve", "iterserve serve (the server, or Ray's driver)"),
 )
 
 

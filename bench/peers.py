@@ -92,7 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"offline one-stream ms/token / {REFERENCE_STREAM1_MS}, at least 1 "
                         "(1 with --skip-offline)")
     p.add_argument("--systems", default="vllm,iterserve,iterserve-static",
-                   help="also: iterserve-before (the defaults before issue #26's levers)")
+                   help="also: iterserve-ray (the one replica on Ray Serve, --address "
+                        "local), iterserve-before (the defaults before issue #26's levers)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--vllm-venv", default=str(REPO / ".venv-vllm"))
     p.add_argument("--out", default=str(RESULTS / "peers"), help="stem of .md/.json/.png")
