@@ -42,21 +42,30 @@ class PortInUse(RuntimeError):
     """The server's port is taken."""
 
 
+def bindable(host: str, port: int, reuse_addr: bool = True) -> bool:
+    """Whether a listening socket could bind ``host:port`` now. Without ``reuse_addr``
+    (as Ray Serve's direct ingress binds), the closed connections of a server that just
+    stopped (TIME_WAIT, up to 60 s on Linux) block the port too."""
+    with socket.socket() as s:
+        if reuse_addr:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            return False
+    return True
+
+
 def check_port(host: str, port: int) -> None:
     """Fail before the model loads if ``host:port`` cannot be bound.
 
     Raises:
         PortInUse: another process listens there.
     """
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE:
-                raise
-            raise PortInUse(f"port {port} on {host} is in use (choose another with "
-                            "--port)") from e
+    if not bindable(host, port):
+        raise PortInUse(f"port {port} on {host} is in use (choose another with --port)")
 
 
 class _Server(uvicorn.Server):

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import ray
 from ray import serve
@@ -24,6 +25,8 @@ from router.tenants import check_key_classes
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 20.0
+PORT_RELEASE_S = 65.0
+"""Longest wait for a just-stopped server's connections on the port (TIME_WAIT is 60 s)."""
 
 SERVE_ENV_DEFAULTS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
                       "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
@@ -164,6 +167,29 @@ def banner(config: ServiceConfig, url: str, where: str) -> str:
     )
 
 
+def wait_port_released(host: str, port: int, timeout_s: float = PORT_RELEASE_S) -> None:
+    """Wait until Ray Serve's direct ingress can bind ``host:port``: it binds without
+    ``SO_REUSEADDR``, so a server stopped moments before on that port (its closed
+    connections in TIME_WAIT) would make the deployment fail.
+
+    Raises:
+        ServeError: another process listens there, or the port stayed blocked.
+    """
+    from deploy.local_server import bindable
+
+    deadline = time.monotonic() + timeout_s
+    if not bindable(host, port, reuse_addr=False):
+        print(f"iterserve: waiting for the closed connections of port {port} to clear "
+              f"(at most {timeout_s:.0f} s)", flush=True)
+    while not bindable(host, port, reuse_addr=False):
+        if not bindable(host, port):
+            raise ServeError(f"port {port} on {host} is in use (choose another with --port)")
+        if time.monotonic() > deadline:
+            raise ServeError(f"port {port} on {host} is still held by closed connections "
+                             f"after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
 def run_server(config: ServiceConfig, address: str | None = None) -> int:
     """Serve until SIGINT or SIGTERM, then shut down cleanly; the exit status."""
     if not uses_ray(config, address):
@@ -183,6 +209,8 @@ def _run_on_ray(config: ServiceConfig, address: str | None) -> int:
     stop = threading.Event()
     own_cluster = address in (None, "local")
     try:
+        if own_cluster:
+            wait_port_released(config.host, config.port)
         start_ray(address, config)
         # After ray.init, which installs its own SIGTERM handler (exit without cleanup).
         for sig in (signal.SIGINT, signal.SIGTERM):
