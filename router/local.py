@@ -108,7 +108,14 @@ class LocalReplicas:
         return self.replica.info()
 
     def call(self, args: tuple, shape: RequestShape, record: Any = None) -> LocalCall:
-        """The call of request ``args`` (id, prompt token ids, sampling fields)."""
+        """The call of request ``args`` (id, prompt token ids, sampling fields).
+
+        Raises:
+            ApiError: 503 when the engine has failed.
+        """
+        if not self._alive:
+            raise ApiError(503, "the engine failed; restart the server",
+                           code="replica_unavailable")
         rid, ids, params = args
         self.prefixes.record(shape.prefix_hashes, self.replica.replica_id)
         return LocalCall(self.replica.items(rid, ids, params, shape), record)
