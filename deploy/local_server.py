@@ -4,10 +4,10 @@ No Ray: uvicorn serves :class:`router.ingress.Ingress` over a
 :class:`deploy.engine_replica.EngineReplica` in this process, whose engine thread steps
 while the event loop streams. The API, admission, classes, keys and ``/metrics`` are the
 Ray Serve application's (the same :class:`router.ingress.Ingress`); only the replica hop
-is gone. Measured on 2 cores (``docs/served-overhead.md``, twentieth session), alternating
-starts: 2-4% (1 stream) and 5-6% (8 streams) per streamed token over the engine offline,
-against 20-25% with the same replica as a Ray Serve deployment, whose processes (the
-ingress, Serve's controller, Ray's own) preempt torch's threads.
+is gone. In one ``bench/peers.py`` run on 2 cores (``bench/results/peers.md``), each
+streamed token cost 7% (1 stream) and 9% (8 streams) over the engine offline, against 23%
+and 32% for the same replica as a Ray Serve deployment, whose processes (the ingress,
+Serve's controller, Ray's own) preempt torch's threads; vLLM's server measured 5% and 7%.
 
 Several replicas, or a cluster (``--address``), take Ray Serve (:mod:`deploy.server`).
 """

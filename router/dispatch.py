@@ -1,4 +1,5 @@
-"""One request's call to a model replica, re-sent elsewhere if its replica dies early.
+"""One request's call to a Ray Serve model replica, re-sent elsewhere if its replica dies
+early; :class:`RayReplicas`, the deployment as the ingress sees its replicas.
 
 The replica's call answers "accepted" (or a length error, which becomes a 400 before any
 stream starts); then one item per step that produced tokens comes on the replica's step

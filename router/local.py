@@ -2,8 +2,8 @@
 
 ``iterserve serve`` with one replica on one machine runs the engine in the server's
 process (:mod:`deploy.local_server`), as ``vllm serve`` and ``iterserve batch run`` do:
-on 2 cores the same replica inside Ray Serve streamed each token 20-25% slower than its
-engine offline, and in process 2-6% (``docs/served-overhead.md``, twentieth session).
+on 2 cores the same replica inside Ray Serve streamed each token 23-32% slower than its
+engine offline, and in process 7-9% (``bench/results/peers.md``, one run).
 """
 
 from __future__ import annotations
