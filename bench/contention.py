@@ -13,10 +13,12 @@ Run from the repository root (prints its expected duration first)::
    through the shares, so host drift spreads over all of them. The burner's measured CPU
    is the x-axis; the slope (least squares through the origin) is the step's relative
    slowdown per core of foreign CPU.
-2. **Served.** ``iterserve serve`` with its defaults, the peers benchmark's token-cost
-   probe (``bench/peer_servers.py``) at 1 and 8 streams, and every process group's CPU
-   during each probe. The replica's own threads are split into the engine's (its busiest
-   ``torch threads``) and the rest (Ray's, the event loop), which count as foreign.
+2. **Served.** ``iterserve serve`` with its defaults on Ray Serve (``--address local``;
+   by default one replica serves in its own process, with no stack to measure), the
+   peers benchmark's token-cost probe (``bench/peer_servers.py``) at 1 and 8 streams,
+   and every process group's CPU during each probe. The replica's own threads are split
+   into the engine's (its busiest ``torch threads``) and the rest (Ray's, the event loop),
+   which count as foreign.
 3. **Explained.** ``offline ms x (1 + slope x foreign cores)`` against the measured ms per
    token; what is left over is cost the contention does not explain.
 
@@ -129,7 +131,7 @@ def thread_cpu(pid: int) -> dict[int, float]:
 
 
 def replica_pid() -> int:
-    """The iterserve replica's process (one replica: the default server)."""
+    """The iterserve replica's process (one replica on Ray Serve)."""
     return next(pid for pid, (group, _) in ps.cpu_seconds().items()
                 if group == "iterserve replica")
 
@@ -148,7 +150,7 @@ async def probe(server: ps.Server, n: int, tokens: int, engine_threads: int) -> 
 
 
 def served_phase(model: str, tokens: int) -> dict:
-    spec = ps.SYSTEMS["iterserve"]
+    spec = ps.SYSTEMS["iterserve-ray"]
     with ps.Server(spec, model, mix=False, slo=(2.0, 0.25)) as server:
         return {str(n): asyncio.run(probe(server, n, tokens, os.cpu_count() or 1))
                 for n in STREAMS}
