@@ -118,7 +118,7 @@ class Ingress:
         self.metrics = IngressMetrics(
             self.settings.model_name,
             {k: (c.ttft_slo_s, c.tpot_slo_s) for k, c in self.classes.items()},
-            self._replica_stats, lambda: self.admission.held, self._num_replicas,
+            replicas.stats, lambda: self.admission.held, replicas.count,
             self.settings.num_replicas)
 
     # -- routes ------------------------------------------------------------------------
@@ -261,23 +261,13 @@ class Ingress:
         when refused."""
         try:
             return await self.admission.admit(
-                lambda: self._loads(shape), caller.traffic_class, shape.prompt_tokens,
+                lambda: self.replicas.loads(shape), caller.traffic_class, shape.prompt_tokens,
                 max_tokens or 0, caller.priority, arrival)
         except AdmissionRejected as e:
             self.metrics.reject(caller.traffic_class, e.kind)
             retry = str(int(e.retry_after_s))
             raise ApiError(429, f"server busy, retry after {retry} s ({e.reason})",
                            code="rate_limit_exceeded", headers={"Retry-After": retry}) from None
-
-    def _loads(self, shape: RequestShape) -> list:
-        """Each replica's snapshot and the tokens of ``shape``'s prompt it likely holds."""
-        return self.replicas.loads(shape)
-
-    def _num_replicas(self) -> int:
-        return self.replicas.count()
-
-    def _replica_stats(self) -> dict:
-        return self.replicas.stats()
 
     async def _model_info(self) -> _ModelInfo:
         """The replicas' tokenizer and limits, fetched from one replica on first use.

@@ -59,7 +59,7 @@ class LocalCall:
                 if item["finished"]:
                     self.done = True
                     return
-        except (ApiError, asyncio.CancelledError, GeneratorExit):
+        except ApiError:
             raise
         except Exception as e:  # the engine loop died: its error ends every stream
             self.done = True
