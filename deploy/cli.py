@@ -85,6 +85,22 @@ def _calibrate(args: argparse.Namespace) -> int:
     return calibrate_command(args)
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    srv.add_argument("--model", default=None,
+                     help="transformers directory or .gguf file (default: embedded SmolLM2-135M)")
+    srv.add_argument("--num-replicas", type=int, default=None, help="model replicas (default 1)")
+    srv.add_argument("--host", default=None, help="HTTP host (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    srv.add_argument("--config", default=None,
+                     help="YAML ServiceConfig; flags given here override it")
+    srv.add_argument("--address", default=None,
+                     help="a Ray cluster to serve on, or 'local' for an embedded one "
+                          "(default: one replica runs in this process without Ray; "
+                          "more replicas start an embedded cluster)")
+    srv.set_defaults(func=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,19 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.set_defaults(func=_generate)
 
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")
-    srv.add_argument("--model", default=None,
-                     help="transformers directory or .gguf file (default: embedded SmolLM2-135M)")
-    srv.add_argument("--num-replicas", type=int, default=None, help="model replicas (default 1)")
-    srv.add_argument("--host", default=None, help="HTTP host (default 127.0.0.1)")
-    srv.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
-    srv.add_argument("--config", default=None,
-                     help="YAML ServiceConfig; flags given here override it")
-    srv.add_argument("--address", default=None,
-                     help="a Ray cluster to serve on, or 'local' for an embedded one "
-                          "(default: one replica runs in this process without Ray; "
-                          "more replicas start an embedded cluster)")
-    srv.set_defaults(func=_serve)
+    _add_serve(sub)
 
     top = sub.add_parser("top", help="live view of each class's SLOs, from /metrics")
     top.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
