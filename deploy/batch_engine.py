@@ -92,7 +92,7 @@ class BatchReplica:
                 shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
                 call = LocalCall(engine_items(self.engine, self.replica_id,
                                                rid if len(prompts) == 1 else f"{rid}-{p}",
-                                               ids, params, shape))
+                                               ids, params, shape, send_load=False))
                 calls.append(responses.PromptCall(ids, text, call))
                 await call.start()
             reply = responses.Reply(req, chat, rid, self.model_name, self.tokenizer, calls,

@@ -54,10 +54,10 @@ class EngineReplica:
         return {"tokenizer": engine.tokenizer, "limits": engine.limits}
 
     def items(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
-              shape: RequestShape) -> AsyncIterator[dict]:
+              shape: RequestShape, send_load: bool = True) -> AsyncIterator[dict]:
         """One request's items (:func:`engine_items`) on this replica's engine."""
         return engine_items(self.engine, self.replica_id, request_id, prompt_token_ids,
-                            params, shape)
+                            params, shape, send_load)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """The load snapshot and, under ``"metrics"``, :class:`deploy.metrics.StepMetrics`
@@ -72,7 +72,7 @@ class EngineReplica:
 
 async def engine_items(engine: AsyncLLMEngine, replica_id: str, request_id: str,
                        prompt_token_ids: list[int], params: dict[str, Any],
-                       shape: RequestShape) -> AsyncIterator[dict]:
+                       shape: RequestShape, send_load: bool = True) -> AsyncIterator[dict]:
     """Run one request on ``engine``; yield dicts the ingress turns into OpenAI chunks.
 
     The first item is ``{"accepted": True, "prompt_tokens": n, "replica": id}`` once the
@@ -85,9 +85,11 @@ async def engine_items(engine: AsyncLLMEngine, replica_id: str, request_id: str,
     first step that scheduled the request, and ``cached_tokens``: prompt tokens whose KV
     the prefix cache supplied.
 
-    Any item may also carry ``load``: the engine's load snapshot (``LoadSnapshot.to_dict``)
-    when it changed since the replica last sent one (``AsyncLLMEngine.load_update``), so
-    the ingress's admission and routing see the replica's load step by step.
+    With ``send_load``, any item may also carry ``load``: the engine's load snapshot
+    (``LoadSnapshot.to_dict``) when it changed since the replica last sent one
+    (``AsyncLLMEngine.load_update``), so that an ingress in another process sees the
+    replica's load step by step. An ingress in the engine's process reads the engine's
+    snapshot itself and passes False.
 
     Closing or cancelling the iteration aborts the engine request before its next step.
     """
@@ -102,7 +104,8 @@ async def engine_items(engine: AsyncLLMEngine, replica_id: str, request_id: str,
         yield {"error": {"message": str(e), "status": 400,
                          "param": getattr(e, "param", None), "code": "invalid_value"}}
         return
-    yield _with_load(engine, {"accepted": True, "prompt_tokens": len(ids), "replica": replica_id})
+    yield _with_load(engine, {"accepted": True, "prompt_tokens": len(ids),
+                              "replica": replica_id}, send_load)
     first = True
     async for out in engine.generate(ids, sampling, request_id=request_id,
                                      priority=shape.priority,
@@ -119,10 +122,12 @@ async def engine_items(engine: AsyncLLMEngine, replica_id: str, request_id: str,
                 item["queue_s"] = m.first_scheduled_time - m.arrival_time
         if out.prompt_logprobs is not None:
             item["prompt_logprobs"] = out.prompt_logprobs
-        yield _with_load(engine, item)
+        yield _with_load(engine, item, send_load)
 
 
-def _with_load(engine: AsyncLLMEngine, item: dict) -> dict:
+def _with_load(engine: AsyncLLMEngine, item: dict, send_load: bool) -> dict:
+    if not send_load:
+        return item
     load = engine.load_update()
     if load is not None:
         item["load"] = load.to_dict()

@@ -118,7 +118,8 @@ class LocalReplicas:
                            code="replica_unavailable")
         rid, ids, params = args
         self.prefixes.record(shape.prefix_hashes, self.replica.replica_id)
-        return LocalCall(self.replica.items(rid, ids, params, shape), record)
+        return LocalCall(self.replica.items(rid, ids, params, shape, send_load=False),
+                         record)
 
     def loads(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
         """The replica's snapshot now and the tokens of ``shape``'s prompt it likely holds."""
