@@ -17,6 +17,13 @@ Measurements (greedy, ``ignore_eos``, prompt token ids drawn uniformly from [100
 - ``prefill``: prompt tokens/s for 16 x 128, 8 x 512 and 32 x 64 prompts, one output token each.
 
 Each measurement is the median of ``--repeats`` (3) after one warm-up call.
+
+With ``--probe-loop`` the engine then stays loaded and answers decode probes, so that
+``bench/peers.py`` can measure it right beside the same engine served over HTTP: each line
+on stdin is ``{"streams": n, "tokens": t, "prompt": text}``; the answer, one JSON line on
+the original stdout, is ``{"ms_per_step": ...}`` for ``n`` sequences decoding ``t`` tokens
+from ``text`` (tokenized without special tokens, as the servers do). Everything else the
+engines print goes to stderr, so the answers are the only lines on stdout.
 """
 
 from __future__ import annotations
@@ -104,6 +111,26 @@ def measure(eng: Engine, args: argparse.Namespace) -> dict:
     return out
 
 
+def decode_ms(eng: Engine, prompt: list[int], streams: int, tokens: int) -> float:
+    """ms per decode step of ``streams`` sequences over ``tokens`` output tokens."""
+    long = eng.run([(prompt, tokens)] * streams)
+    short = eng.run([(prompt, 1)] * streams)
+    return 1000 * (long - short) / (tokens - 1)
+
+
+def probe_loop(eng: Engine, model: str, answers) -> None:
+    """Answer decode probes from stdin until it closes (see the module docstring)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    print(json.dumps({"ready": True}), file=answers, flush=True)
+    for line in sys.stdin:
+        ask = json.loads(line)
+        prompt = tokenizer.encode(ask["prompt"], add_special_tokens=False)
+        ms = decode_ms(eng, prompt, ask["streams"], ask["tokens"])
+        print(json.dumps({"ms_per_step": ms}), file=answers, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=["iterserve", "vllm"], required=True)
@@ -113,12 +140,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", required=True)
+    p.add_argument("--probe-loop", action="store_true",
+                   help="then answer decode probes from stdin (see above)")
     args = p.parse_args(argv)
+    answers = sys.stdout
+    if args.probe_loop:  # the engines' own prints (and their workers') go to stderr
+        answers = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
     eng = Engine(args.engine, args.model)
     result = {"engine": args.engine, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
               **measure(eng, args)}
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
+    if args.probe_loop:
+        probe_loop(eng, args.model, answers)
+    else:
+        print(json.dumps(result))
     return 0
 
 

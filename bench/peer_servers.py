@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -158,13 +160,13 @@ class Server:
         time.sleep(2.0)  # let the port and the cores settle before the next system
 
 
-async def token_cost(server: Server, streams: int, tokens: int) -> dict:
+async def token_cost(server: Server, streams: int, tokens: int, warmup: bool = True) -> dict:
     """Steady-state ms between streamed tokens with ``streams`` concurrent streams.
 
     Each stream decodes ``tokens`` tokens (``ignore_eos``, greedy) from a short prompt,
-    sent together by the shared load generator after one warm-up stream; the gap is
-    measured between its 20th and 80th percentile tokens, so prefill and the stream's
-    start and end do not count. Returns the mean over streams (ms per token).
+    sent together by the shared load generator, after one warm-up stream if ``warmup``;
+    the gap is measured between its 20th and 80th percentile tokens, so prefill and the
+    stream's start and end do not count. Returns the mean over streams (ms per token).
     """
     def req(i: int) -> LoadRequest:
         return LoadRequest(f"probe-{i}", -1, None, PROBE_PROMPT, 0, tokens)
@@ -175,13 +177,111 @@ async def token_cost(server: Server, streams: int, tokens: int) -> dict:
 
     async with http_client() as client:
         target = HttpTarget(client, server.url, server.model_name, class_header=None)
-        await loadgen.open_loop(target, [req(-1)])
+        if warmup:
+            await loadgen.open_loop(target, [req(-1)])
         run = await loadgen.open_loop(target, [req(i) for i in range(streams)])
     failed = [r["error"] for r in run.records if r["status"] != "finished"]
     if failed:
         raise RuntimeError(f"token-cost probe failed: {failed[0]}")
     gaps = [gap_ms(r["token_s"]) for r in run.records]
     return {"streams": streams, "tokens": tokens, "ms_per_token": sum(gaps) / len(gaps)}
+
+
+class OfflineEngine:
+    """``bench/offline_peer.py --probe-loop`` in an engine's venv, for a ``with`` block.
+
+    ``start()`` runs the offline measurements and returns them; the engine then stays
+    loaded, blocked on its stdin (no CPU), and :meth:`decode_ms` runs a decode probe on it,
+    so that a served probe can be compared with its own engine measured seconds apart.
+    """
+
+    def __init__(self, name: str, python: Path, cmd: list[str], out: Path) -> None:
+        self.name, self.out = name, out
+        self.cmd = [str(python), str(REPO / "bench/offline_peer.py"), "--engine", name,
+                    "--out", str(out), "--probe-loop", *cmd]
+        self.log = tempfile.NamedTemporaryFile(prefix=f"offline-{name}-", suffix=".log")
+        self.proc: subprocess.Popen | None = None
+        self.probe_cpu_s = 0.0
+        """CPU seconds its decode probes used: the rest of :meth:`cpu_s` after ``start``
+        was used while idle, which must be about nothing."""
+
+    def start(self) -> dict:
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, env=engine_env(), text=True,
+                                     start_new_session=True, cwd=REPO)
+        self._answer()  # {"ready": true} once the measurements are written
+        result = json.loads(self.out.read_text())
+        self.out.unlink()
+        return result
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = Path(self.log.name).read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"offline {self.name} exited:\n{tail}")
+        return json.loads(line)
+
+    def decode_ms(self, streams: int, tokens: int) -> float:
+        """ms per decode step of ``streams`` sequences decoding ``tokens`` tokens from
+        :data:`PROBE_PROMPT`, as :func:`token_cost` asks the server."""
+        ask = {"streams": streams, "tokens": tokens, "prompt": PROBE_PROMPT}
+        before = self.cpu_s()
+        self.proc.stdin.write(json.dumps(ask) + "\n")
+        self.proc.stdin.flush()
+        ms = self._answer()["ms_per_step"]
+        self.probe_cpu_s += self.cpu_s() - before
+        return ms
+
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the engine's processes (its session)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0.0
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == self.proc.pid:  # the session id: start_new_session
+                total += (int(fields[11]) + int(fields[12])) / tick
+        return total
+
+    def __enter__(self) -> OfflineEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+            try:  # vLLM's engine-core process
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self.log.close()
+
+
+async def paired_token_cost(server: Server, offline: OfflineEngine, streams: int,
+                            tokens: int, rounds: int) -> dict:
+    """:func:`token_cost` and the same decode on the engine offline, in ``rounds``
+    adjacent pairs (offline first in even rounds, served first in odd ones, so a drift of
+    the host's speed within a round falls on both sides alike). ``overhead`` is the median
+    of the pairs' served / offline ratios, minus one."""
+    await token_cost(server, 1, 8, warmup=False)  # the first stream pays one-time costs
+    served, alone = [], []
+    for r in range(rounds):
+        if r % 2 == 0:
+            alone.append(offline.decode_ms(streams, tokens))
+        served.append((await token_cost(server, streams, tokens, warmup=False))["ms_per_token"])
+        if r % 2 == 1:
+            alone.append(offline.decode_ms(streams, tokens))
+    ratios = [s / o for s, o in zip(served, alone)]
+    return {"streams": streams, "tokens": tokens, "ms_per_token": statistics.median(served),
+            "served_ms": served, "offline_ms": alone,
+            "offline_ms_per_step": statistics.median(alone),
+            "overhead": statistics.median(ratios) - 1}
 
 
 PROCESS_GROUPS = (

@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -94,7 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default="vllm,iterserve,iterserve-static",
                    help="also: iterserve-ray (the one replica on Ray Serve, --address "
                         "local), iterserve-before (the defaults before issue #26's levers)")
-    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--probe-rounds", type=int, default=3,
+                   help="adjacent pairs of served and offline decode probes per system and "
+                        "stream count; the overhead is their median ratio")
+    p.add_argument("--skip-offline", action="store_true",
+                   help="no offline phase: no offline rows, no overhead, host factor 1")
     p.add_argument("--vllm-venv", default=str(REPO / ".venv-vllm"))
     p.add_argument("--out", default=str(RESULTS / "peers"), help="stem of .md/.json/.png")
     args = p.parse_args(argv)
@@ -106,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--host-factor {args.host_factor!r}: 'auto' or a number > 0")
     if args.quick:
         args.num_requests, args.rates, args.mix_rates = 8, "2", "2"
-        args.extend_rates = 0
+        args.extend_rates, args.probe_rounds = 0, 2
         args.out = str(RESULTS / "peers_quick")
     args.rates = [float(x) for x in args.rates.split(",")]
     args.mix_rates = [float(x) for x in args.mix_rates.split(",")]
@@ -132,28 +136,30 @@ def expected_s(args: argparse.Namespace, k: float = 1.0, offline: bool = True,
     per_mix = sweep(args.mix_rates, args.extend_rates + 1)
     offline = 0 if args.skip_offline or not offline else (240 if args.quick else 300)
     starts = 45 * (len(args.systems) + 1)
-    served = len(args.systems) * (per_rate + 40)
+    # About 17 s a probe round: 1 and 8 streams of 96 tokens, served and offline.
+    served = len(args.systems) * (per_rate + 40 + 12 * args.probe_rounds)
     mixed = 2 * per_mix
     return offline + starts + served + mixed
 
 
-def run_offline(args: argparse.Namespace, model_dir: str) -> dict:
-    """``offline_peer.py`` for each engine in its own venv; {engine: result}."""
-    out = {}
+def start_offline(args: argparse.Namespace, model_dir: str,
+                  stack: contextlib.ExitStack) -> tuple[dict, dict]:
+    """``offline_peer.py`` for each engine in its own venv, one after the other; each stays
+    loaded (idle) for the served phases' paired probes until ``stack`` closes.
+    Returns ({engine: offline result}, {engine: :class:`ps.OfflineEngine`})."""
+    results, engines = {}, {}
     for name, py in (("vllm", Path(args.vllm_venv) / "bin/python"),
                      ("iterserve", REPO / ".venv/bin/python")):
-        path = RESULTS / f".offline_{name}.json"
-        cmd = [str(py), str(REPO / "bench/offline_peer.py"), "--engine", name,
-               "--model", model_dir, "--out", str(path), "--trace", args.trace]
         # One warm-up and one timed call each: vLLM's offline phase took 9 of 33 minutes
         # with three.
-        cmd += ["--repeats", "1", "--decode-tokens", "16" if args.quick else "48"]
+        cmd = ["--model", model_dir, "--trace", args.trace, "--repeats", "1",
+               "--decode-tokens", "16" if args.quick else "48"]
         print(f"[peers] offline {name}", flush=True)
-        subprocess.run(cmd, check=True, env=ps.engine_env(), stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
-        out[name] = json.loads(path.read_text())
-        path.unlink()
-    return out
+        engine = stack.enter_context(ps.OfflineEngine(name, py, cmd,
+                                                      RESULTS / f".offline_{name}.json"))
+        results[name] = engine.start()
+        engines[name] = engine
+    return results, engines
 
 
 def host_factor(args: argparse.Namespace, offline: dict | None) -> dict:
@@ -204,13 +210,17 @@ def bench_config(args: argparse.Namespace, server: ps.Server, rates: list[float]
 
 
 async def served_phase(args: argparse.Namespace, server: ps.Server, mix: bool,
-                       rates: list[float] | None) -> dict:
-    """Token-cost probes (single-class runs only) and the replay, with CPU accounting.
+                       rates: list[float] | None, offline: ps.OfflineEngine | None) -> dict:
+    """Token-cost probes (single-class runs only; paired with ``offline``, the same engine
+    offline, where given) and the replay, with CPU accounting.
     ``rates``: replay exactly these; None: the grid of ``args``, extended."""
     out: dict = {"label": server.label, "command": server.command, "env": server.spec.env}
     if not mix:
-        out["token_cost"] = {str(n): await ps.token_cost(server, n, 8 if args.quick else 96)
-                             for n in (1, 8)}
+        tokens = 8 if args.quick else 96
+        out["token_cost"] = {
+            str(n): await (ps.paired_token_cost(server, offline, n, tokens, args.probe_rounds)
+                           if offline else ps.token_cost(server, n, tokens))
+            for n in (1, 8)}
     grid = rates or (args.mix_rates if mix else args.rates)
     before = ps.cpu_seconds()
     t0 = time.monotonic()
@@ -221,9 +231,10 @@ async def served_phase(args: argparse.Namespace, server: ps.Server, mix: bool,
 
 
 def run_system(args: argparse.Namespace, spec: ps.SystemSpec, model_dir: str,
-               mix: bool, rates: list[float] | None = None) -> dict:
+               mix: bool, rates: list[float] | None = None,
+               offline: ps.OfflineEngine | None = None) -> dict:
     with ps.Server(spec, model_dir, mix=mix, slo=(args.slo_ttft_s, args.slo_tpot_s)) as server:
-        return asyncio.run(served_phase(args, server, mix, rates))
+        return asyncio.run(served_phase(args, server, mix, rates, offline))
 
 
 def run_mix(args: argparse.Namespace, model_dir: str) -> dict:
@@ -238,6 +249,23 @@ def run_mix(args: argparse.Namespace, model_dir: str) -> dict:
     return out
 
 
+def run_phases(args: argparse.Namespace, report: dict, model_dir: str,
+               engines: dict) -> None:
+    """The served phases, at the host factor measured offline; results into ``report``."""
+    report["host_factor"] = factor = host_factor(args, report.get("offline"))
+    nominal, args = args, scaled(args, factor["k"])
+    report["scaled"] = {k: getattr(args, k) for k in
+                        ("slo_ttft_s", "slo_tpot_s", "rates", "mix_rates", "max_rate_s")}
+    print(f"[peers] host factor {factor['k']:.2f}: SLO TTFT <= {args.slo_ttft_s:.2f} s, "
+          f"TPOT <= {args.slo_tpot_s:.3f} s, rates {args.rates}, mix {args.mix_rates}; "
+          f"~{expected_s(nominal, factor['k'], offline=False) / 60:.0f} min to go", flush=True)
+    report["served"] = {
+        name: run_system(args, ps.SYSTEMS[name], model_dir, mix=False,
+                         offline=engines.get(ps.SYSTEMS[name].kind))
+        for name in args.systems}
+    report["mixed"] = run_mix(args, model_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print(f"[peers] expected duration ~{expected_s(args) / 60:.0f} min at host factor 1 "
@@ -249,18 +277,15 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"args": {k: v for k, v in vars(args).items()},
                     "machine": ps.machine_info(), "model_dir": model_dir,
                     "trace_attribution": sb.ATTRIBUTION}
-    if not args.skip_offline:
-        report["offline"] = run_offline(args, model_dir)
-    report["host_factor"] = factor = host_factor(args, report.get("offline"))
-    nominal, args = args, scaled(args, factor["k"])
-    report["scaled"] = {k: getattr(args, k) for k in
-                        ("slo_ttft_s", "slo_tpot_s", "rates", "mix_rates", "max_rate_s")}
-    print(f"[peers] host factor {factor['k']:.2f}: SLO TTFT <= {args.slo_ttft_s:.2f} s, "
-          f"TPOT <= {args.slo_tpot_s:.3f} s, rates {args.rates}, mix {args.mix_rates}; "
-          f"~{expected_s(nominal, factor['k'], offline=False) / 60:.0f} min to go", flush=True)
-    report["served"] = {name: run_system(args, ps.SYSTEMS[name], model_dir, mix=False)
-                        for name in args.systems}
-    report["mixed"] = run_mix(args, model_dir)
+    with contextlib.ExitStack() as stack:
+        engines = {}
+        if not args.skip_offline:
+            report["offline"], engines = start_offline(args, model_dir, stack)
+        at_start = {name: e.cpu_s() for name, e in engines.items()}
+        run_phases(args, report, model_dir, engines)
+        # The loaded offline engines must stay idle while the servers are measured.
+        report["offline_idle_cpu_s"] = {
+            name: e.cpu_s() - at_start[name] - e.probe_cpu_s for name, e in engines.items()}
     report["wall_s"] = time.monotonic() - t0
     stem = Path(args.out)
     stem.parent.mkdir(parents=True, exist_ok=True)
