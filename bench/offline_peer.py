@@ -18,12 +18,15 @@ Measurements (greedy, ``ignore_eos``, prompt token ids drawn uniformly from [100
 
 Each measurement is the median of ``--repeats`` (3) after one warm-up call.
 
-With ``--probe-loop`` the engine then stays loaded and answers decode probes, so that
-``bench/peers.py`` can measure it right beside the same engine served over HTTP: each line
-on stdin is ``{"streams": n, "tokens": t, "prompt": text}``; the answer, one JSON line on
-the original stdout, is ``{"ms_per_step": ...}`` for ``n`` sequences decoding ``t`` tokens
-from ``text`` (tokenized without special tokens, as the servers do). Everything else the
-engines print goes to stderr, so the answers are the only lines on stdout.
+With ``--probe-loop`` the engine is loaded and stays loaded, answering requests from stdin,
+so that ``bench/peers.py`` can alternate the two engines' measurements, and measure each
+right beside the same engine served over HTTP. Each line on stdin is either
+``{"measure": {"warmup": bool}}`` (the four measurements once, with or without a warm-up
+call each; ``--repeats`` timed calls) or ``{"streams": n, "tokens": t, "prompt": text}``
+(``{"ms_per_step": ...}`` for ``n`` sequences decoding ``t`` tokens from ``text``,
+tokenized without special tokens, as the servers do). It answers with one JSON line on
+the original stdout after ``{"ready": true}``; everything else the engines print goes to
+stderr.
 """
 
 from __future__ import annotations
@@ -86,27 +89,30 @@ def ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(n)]
 
 
-def median_of(fn, repeats: int) -> float:
-    fn()  # warm-up
+def median_of(fn, repeats: int, warmup: bool = True) -> float:
+    if warmup:
+        fn()
     return statistics.median(fn() for _ in range(repeats))
 
 
-def measure(eng: Engine, args: argparse.Namespace) -> dict:
+def measure(eng: Engine, args: argparse.Namespace, warmup: bool = True) -> dict:
+    """The four measurements (module docstring); ``warmup``: one untimed call before each."""
     rng = random.Random(0)
+    median = functools.partial(median_of, repeats=args.repeats, warmup=warmup)
     out: dict = {}
     shapes = trace_requests(Path(args.trace), args.window_start, 32, 8)
     reqs = [(ids(rng, p), o) for p, o in shapes]
-    wall = median_of(lambda: eng.run(reqs), args.repeats)
+    wall = median(lambda: eng.run(reqs))
     out["trace32_output_tok_s"] = sum(o for _, o in shapes) / wall
     t = args.decode_tokens
     for n in (1, 8):
         prompts = [ids(rng, 16) for _ in range(n)]
-        long = median_of(functools.partial(eng.run, [(p, t) for p in prompts]), args.repeats)
-        short = median_of(functools.partial(eng.run, [(p, 1) for p in prompts]), args.repeats)
+        long = median(functools.partial(eng.run, [(p, t) for p in prompts]))
+        short = median(functools.partial(eng.run, [(p, 1) for p in prompts]))
         out[f"stream{n}_ms_per_step"] = 1000 * (long - short) / (t - 1)
     for n, length in PREFILL_SHAPES:
         prompts = [(ids(rng, length), 1) for _ in range(n)]
-        wall = median_of(functools.partial(eng.run, prompts), args.repeats)
+        wall = median(functools.partial(eng.run, prompts))
         out[f"prefill_{n}x{length}_tok_s"] = n * length / wall
     return out
 
@@ -118,17 +124,20 @@ def decode_ms(eng: Engine, prompt: list[int], streams: int, tokens: int) -> floa
     return 1000 * (long - short) / (tokens - 1)
 
 
-def probe_loop(eng: Engine, model: str, answers) -> None:
-    """Answer decode probes from stdin until it closes (see the module docstring)."""
+def probe_loop(eng: Engine, args: argparse.Namespace, answers) -> None:
+    """Answer requests from stdin until it closes (see the module docstring)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
-        prompt = tokenizer.encode(ask["prompt"], add_special_tokens=False)
-        ms = decode_ms(eng, prompt, ask["streams"], ask["tokens"])
-        print(json.dumps({"ms_per_step": ms}), file=answers, flush=True)
+        if "measure" in ask:
+            answer = measure(eng, args, warmup=ask["measure"]["warmup"])
+        else:
+            prompt = tokenizer.encode(ask["prompt"], add_special_tokens=False)
+            answer = {"ms_per_step": decode_ms(eng, prompt, ask["streams"], ask["tokens"])}
+        print(json.dumps(answer), file=answers, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,22 +148,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window-start", type=int, default=0)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="the JSON result (without --probe-loop)")
     p.add_argument("--probe-loop", action="store_true",
-                   help="then answer decode probes from stdin (see above)")
+                   help="load the engine, then answer requests from stdin (see above)")
     args = p.parse_args(argv)
+    if not (args.out or args.probe_loop):
+        p.error("--out or --probe-loop")
     answers = sys.stdout
     if args.probe_loop:  # the engines' own prints (and their workers') go to stderr
         answers = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)
     eng = Engine(args.engine, args.model)
+    if args.probe_loop:
+        probe_loop(eng, args, answers)
+        return 0
     result = {"engine": args.engine, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
               **measure(eng, args)}
     Path(args.out).write_text(json.dumps(result, indent=1))
-    if args.probe_loop:
-        probe_loop(eng, args.model, answers)
-    else:
-        print(json.dumps(result))
+    print(json.dumps(result))
     return 0
 
 

@@ -190,29 +190,39 @@ async def token_cost(server: Server, streams: int, tokens: int, warmup: bool = T
 class OfflineEngine:
     """``bench/offline_peer.py --probe-loop`` in an engine's venv, for a ``with`` block.
 
-    ``start()`` runs the offline measurements and returns them; the engine then stays
-    loaded, blocked on its stdin (no CPU), and :meth:`decode_ms` runs a decode probe on it,
-    so that a served probe can be compared with its own engine measured seconds apart.
+    ``start()`` loads the engine; it then stays loaded, blocked on its stdin (no CPU)
+    between requests: :meth:`measure` runs the offline measurements once, and
+    :meth:`decode_ms` a decode probe, so that the two engines' measurements can alternate
+    and a served probe be compared with its own engine measured seconds apart.
     """
 
-    def __init__(self, name: str, python: Path, cmd: list[str], out: Path) -> None:
-        self.name, self.out = name, out
+    def __init__(self, name: str, python: Path, cmd: list[str]) -> None:
+        self.name = name
         self.cmd = [str(python), str(REPO / "bench/offline_peer.py"), "--engine", name,
-                    "--out", str(out), "--probe-loop", *cmd]
+                    "--probe-loop", *cmd]
         self.log = tempfile.NamedTemporaryFile(prefix=f"offline-{name}-", suffix=".log")
         self.proc: subprocess.Popen | None = None
         self.probe_cpu_s = 0.0
-        """CPU seconds its decode probes used: the rest of :meth:`cpu_s` after ``start``
-        was used while idle, which must be about nothing."""
+        """CPU seconds its measurements and probes used: the rest of :meth:`cpu_s` after
+        ``start`` was used while idle, which must be about nothing."""
 
-    def start(self) -> dict:
+    def start(self) -> None:
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, env=engine_env(), text=True,
                                      start_new_session=True, cwd=REPO)
-        self._answer()  # {"ready": true} once the measurements are written
-        result = json.loads(self.out.read_text())
-        self.out.unlink()
-        return result
+        self._answer()  # {"ready": true} once the engine is loaded
+
+    def _ask(self, request: dict) -> dict:
+        before = self.cpu_s()
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        answer = self._answer()
+        self.probe_cpu_s += self.cpu_s() - before
+        return answer
+
+    def measure(self, warmup: bool) -> dict:
+        """The offline measurements once (``bench/offline_peer.py``)."""
+        return self._ask({"measure": {"warmup": warmup}})
 
     def _answer(self) -> dict:
         line = self.proc.stdout.readline()
@@ -225,12 +235,7 @@ class OfflineEngine:
         """ms per decode step of ``streams`` sequences decoding ``tokens`` tokens from
         :data:`PROBE_PROMPT`, as :func:`token_cost` asks the server."""
         ask = {"streams": streams, "tokens": tokens, "prompt": PROBE_PROMPT}
-        before = self.cpu_s()
-        self.proc.stdin.write(json.dumps(ask) + "\n")
-        self.proc.stdin.flush()
-        ms = self._answer()["ms_per_step"]
-        self.probe_cpu_s += self.cpu_s() - before
-        return ms
+        return self._ask(ask)["ms_per_step"]
 
     def cpu_s(self) -> float:
         """CPU seconds used so far by the engine's processes (its session)."""

@@ -11,9 +11,13 @@ Same machine, same weights (the embedded SmolLM2-135M-Instruct converted once in
 Phases, one after another, each server alone on the machine:
 
 1. Offline engines (``bench/offline_peer.py`` in each venv): output tok/s on 32 trace
-   requests at once, decode ms per step at 1 and 8 sequences, prefill tok/s.
+   requests at once, decode ms per step at 1 and 8 sequences, prefill tok/s. Each engine
+   then stays loaded, idle, for the paired probes of phase 2.
 2. Served, one system at a time: the per-token cost of 1 and 8 streams (steady-state
-   gap between streamed tokens), then an open-loop replay (``bench/serve_bench.py``) of a
+   gap between streamed tokens), each in ``--probe-rounds`` adjacent pairs with the same
+   decode on the same engine offline, so the serving overhead compares measurements
+   seconds apart rather than minutes (this host's speed drifts by more than the 5% bar
+   between phases); then an open-loop replay (``bench/serve_bench.py``) of a
    conversation-trace window at each ``--rates`` value, and past the top one while the
    system still meets 90% (``--extend-rates``): SLO attainment, goodput, TTFT,
    TPOT. Systems: ``iterserve`` (``iterserve serve`` with its defaults plus the
@@ -38,6 +42,7 @@ import asyncio
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -94,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default="vllm,iterserve,iterserve-static",
                    help="also: iterserve-ray (the one replica on Ray Serve, --address "
                         "local), iterserve-before (the defaults before issue #26's levers)")
+    p.add_argument("--offline-rounds", type=int, default=3,
+                   help="rounds of the offline measurements, alternating the engines; "
+                        "each row is the median")
     p.add_argument("--probe-rounds", type=int, default=3,
                    help="adjacent pairs of served and offline decode probes per system and "
                         "stream count; the overhead is their median ratio")
@@ -110,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--host-factor {args.host_factor!r}: 'auto' or a number > 0")
     if args.quick:
         args.num_requests, args.rates, args.mix_rates = 8, "2", "2"
-        args.extend_rates, args.probe_rounds = 0, 2
+        args.extend_rates, args.probe_rounds, args.offline_rounds = 0, 2, 2
         args.out = str(RESULTS / "peers_quick")
     args.rates = [float(x) for x in args.rates.split(",")]
     args.mix_rates = [float(x) for x in args.mix_rates.split(",")]
@@ -134,7 +142,10 @@ def expected_s(args: argparse.Namespace, k: float = 1.0, offline: bool = True,
 
     per_rate = sweep(args.rates, args.extend_rates)
     per_mix = sweep(args.mix_rates, args.extend_rates + 1)
-    offline = 0 if args.skip_offline or not offline else (240 if args.quick else 300)
+    # Loading both engines, then a measuring pass of about 26 s per engine (twice that
+    # with the first round's warm-ups).
+    rounds = args.offline_rounds + 1
+    offline = 0 if args.skip_offline or not offline else 90 + 55 * rounds
     starts = 45 * (len(args.systems) + 1)
     # About 17 s a probe round: 1 and 8 streams of 96 tokens, served and offline.
     served = len(args.systems) * (per_rate + 40 + 12 * args.probe_rounds)
@@ -144,21 +155,27 @@ def expected_s(args: argparse.Namespace, k: float = 1.0, offline: bool = True,
 
 def start_offline(args: argparse.Namespace, model_dir: str,
                   stack: contextlib.ExitStack) -> tuple[dict, dict]:
-    """``offline_peer.py`` for each engine in its own venv, one after the other; each stays
-    loaded (idle) for the served phases' paired probes until ``stack`` closes.
-    Returns ({engine: offline result}, {engine: :class:`ps.OfflineEngine`})."""
-    results, engines = {}, {}
+    """Both offline engines (``offline_peer.py``, each in its venv), loaded together and
+    measured in ``--offline-rounds`` alternating rounds (vLLM first in even rounds,
+    iterserve first in odd ones; the first round with a warm-up call per measurement);
+    each then stays loaded, idle, for the served phases' paired probes until ``stack``
+    closes. Returns ({engine: {"median": {...}, "rounds": [...]}}, {engine:
+    :class:`ps.OfflineEngine`})."""
+    engines = {}
     for name, py in (("vllm", Path(args.vllm_venv) / "bin/python"),
                      ("iterserve", REPO / ".venv/bin/python")):
-        # One warm-up and one timed call each: vLLM's offline phase took 9 of 33 minutes
-        # with three.
         cmd = ["--model", model_dir, "--trace", args.trace, "--repeats", "1",
                "--decode-tokens", "16" if args.quick else "48"]
-        print(f"[peers] offline {name}", flush=True)
-        engine = stack.enter_context(ps.OfflineEngine(name, py, cmd,
-                                                      RESULTS / f".offline_{name}.json"))
-        results[name] = engine.start()
-        engines[name] = engine
+        print(f"[peers] loading offline {name}", flush=True)
+        engines[name] = stack.enter_context(ps.OfflineEngine(name, py, cmd))
+        engines[name].start()
+    rounds: dict[str, list[dict]] = {name: [] for name in engines}
+    for r in range(args.offline_rounds):
+        print(f"[peers] offline round {r + 1} of {args.offline_rounds}", flush=True)
+        for name in list(engines)[::1 if r % 2 == 0 else -1]:
+            rounds[name].append(engines[name].measure(warmup=r == 0))
+    results = {name: {"median": {k: statistics.median(m[k] for m in runs) for k in runs[0]},
+                      "rounds": runs} for name, runs in rounds.items()}
     return results, engines
 
 
@@ -173,7 +190,7 @@ def host_factor(args: argparse.Namespace, offline: dict | None) -> dict:
     """
     if args.host_factor != "auto":
         return {"k": float(args.host_factor), "source": "--host-factor"}
-    measured = (offline or {}).get("vllm", {}).get("stream1_ms_per_step")
+    measured = (offline or {}).get("vllm", {}).get("median", {}).get("stream1_ms_per_step")
     if measured is None:
         return {"k": 1.0, "source": "no offline vLLM measurement (--skip-offline)"}
     return {"k": max(1.0, measured / REFERENCE_STREAM1_MS), "vllm_stream1_ms": measured,

@@ -35,7 +35,7 @@ def test_each_replay_sends_new_prompts_of_the_same_lengths(model_dir, tmp_path):
 
 def test_host_factor_scales_slos_up_and_rates_down():
     args = peers.parse_args([])
-    slow = {"vllm": {"stream1_ms_per_step": 2 * peers.REFERENCE_STREAM1_MS}}
+    slow = {"vllm": {"median": {"stream1_ms_per_step": 2 * peers.REFERENCE_STREAM1_MS}}}
     factor = peers.host_factor(args, slow)
     assert factor["k"] == 2.0
     s = peers.scaled(args, factor["k"])
@@ -43,7 +43,7 @@ def test_host_factor_scales_slos_up_and_rates_down():
     assert s.rates == [r / 2 for r in args.rates]
     assert s.max_rate_s == 2 * args.max_rate_s
     # A faster host than the reference keeps the SLOs and rates.
-    fast = {"vllm": {"stream1_ms_per_step": peers.REFERENCE_STREAM1_MS / 2}}
+    fast = {"vllm": {"median": {"stream1_ms_per_step": peers.REFERENCE_STREAM1_MS / 2}}}
     assert peers.host_factor(args, fast)["k"] == 1.0
     assert peers.host_factor(peers.parse_args(["--host-factor", "1.5"]), None)["k"] == 1.5
     assert peers.host_factor(args, None)["k"] == 1.0
