@@ -298,11 +298,12 @@ def main(argv: list[str] | None = None) -> int:
         engines = {}
         if not args.skip_offline:
             report["offline"], engines = start_offline(args, model_dir, stack)
-        at_start = {name: e.cpu_s() for name, e in engines.items()}
+        at_start = {name: (e.cpu_s(), e.probe_cpu_s) for name, e in engines.items()}
         run_phases(args, report, model_dir, engines)
         # The loaded offline engines must stay idle while the servers are measured.
         report["offline_idle_cpu_s"] = {
-            name: e.cpu_s() - at_start[name] - e.probe_cpu_s for name, e in engines.items()}
+            name: e.cpu_s() - at_start[name][0] - (e.probe_cpu_s - at_start[name][1])
+            for name, e in engines.items()}
     report["wall_s"] = time.monotonic() - t0
     stem = Path(args.out)
     stem.parent.mkdir(parents=True, exist_ok=True)

@@ -19,9 +19,12 @@
 #define DECODE_PARALLEL_MIN 1024
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (RMSNorm, Zhang and Sennrich 2019).
- * With delta, x[r] += delta[r] first, in place (the residual add before the norm). */
+ * With delta, x[r] += delta[r] first, in place (the residual add before the norm). Rows
+ * are shared among `threads` OpenMP threads. */
 void add_rms_norm(float *x, int64_t x_stride, const float *delta, int64_t delta_stride,
-                  const float *w, float *out, int64_t rows, int64_t h, float eps) {
+                  const float *w, float *out, int64_t rows, int64_t h, float eps,
+                  int64_t threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t r = 0; r < rows; r++) {
     float *xr = x + r * x_stride;
     float *o = out + r * h;
@@ -36,8 +39,11 @@ void add_rms_norm(float *x, int64_t x_stride, const float *delta, int64_t delta_
   }
 }
 
-/* out[r] = silu(gate) * up, where gu[r] = [gate (n) | up (n)]. */
-void silu_mul(const float *gu, float *out, int64_t rows, int64_t n) {
+/* out[r] = silu(gate) * up, where gu[r] = [gate (n) | up (n)]: one pass over gu, where
+ * PyTorch's silu and mul take two and a temporary. Rows are shared among `threads` OpenMP
+ * threads (prefill steps: thousands of rows). */
+void silu_mul(const float *gu, float *out, int64_t rows, int64_t n, int64_t threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t r = 0; r < rows; r++) {
     const float *g = gu + r * 2 * n, *u = g + n;
     float *o = out + r * n;

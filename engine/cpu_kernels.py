@@ -47,8 +47,8 @@ DISABLE_ENV = "ITERSERVE_CPU_KERNELS"
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "add_rms_norm": (None, [_P, _I, _P, _I, _P, _P, _I, _I, _F]),
-    "silu_mul": (None, [_P, _P, _I, _I]),
+    "add_rms_norm": (None, [_P, _I, _P, _I, _P, _P, _I, _I, _F, _I]),
+    "silu_mul": (None, [_P, _P, _I, _I, _I]),
     "rope": (None, [_P, _I, _I, _I, _I, _P, _P]),
     "cache_write": (None, [_P, _I, _P, _I, _P, _I, _I, _P, _P]),
     "decode_attention": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F,
@@ -74,25 +74,29 @@ class CpuKernels:
         """The attention kernels run on ``torch.get_num_threads()`` threads, else on one."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 delta: torch.Tensor | None = None) -> torch.Tensor:
+                 delta: torch.Tensor | None = None, parallel: bool = False) -> torch.Tensor:
         """RMSNorm of ``x`` (``[T, h]``) times ``weight`` (``[h]``), as a new ``[T, h]``.
 
         With ``delta`` (``[T, h]``), ``x += delta`` first, in place: the residual add that
-        precedes the norm in a pre-norm decoder layer."""
+        precedes the norm in a pre-norm decoder layer. ``parallel``: rows shared among
+        the attention kernels' threads."""
         rows, h = x.shape
         out = torch.empty((rows, h), dtype=x.dtype)
         self._lib.add_rms_norm(x.data_ptr(), x.stride(0),
                                None if delta is None else delta.data_ptr(),
                                0 if delta is None else delta.stride(0),
-                               weight.data_ptr(), out.data_ptr(), rows, h, eps)
+                               weight.data_ptr(), out.data_ptr(), rows, h, eps,
+                               self._threads() if parallel else 1)
         return out
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, parallel: bool = False) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up = [gate | up]`` (``[T, 2n]`` contiguous);
-        returns ``[T, n]``."""
+        returns ``[T, n]``. ``parallel``: rows shared among the attention kernels' threads
+        (worth waking them for a prefill step's rows, not a decode step's)."""
         rows, n2 = gate_up.shape
         out = torch.empty((rows, n2 // 2), dtype=gate_up.dtype)
-        self._lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n2 // 2)
+        self._lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n2 // 2,
+                           self._threads() if parallel else 1)
         return out
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ SiLU-and-multiply), each with a fixed dispatch cost. :class:`KernelDecoderLayer`
 same layer as four GEMMs (the fused projections of :mod:`engine.fused_layers`) and up to
 eight kernel calls:
 
-    x = rms_norm(h)                      # kernel
+    x = rms_norm(h)                      # kernel (from 32 rows on all threads)
     qkv = qkv_proj(x)                    # GEMM; Qwen3's per-head q/k norms stay in PyTorch
     rope(q), rope(k), cache_write(k, v)  # kernels, in place
     decodes: decode_attention(q)         # kernel, reads the paged cache in place (on all
@@ -15,7 +15,7 @@ eight kernel calls:
     prefill chunks: prefill_attention(q) # kernel, the same, on all threads; SDPA
                                          # (engine.attention) where head_dim % 64 != 0
     x = rms_norm(h += o_proj(attn))      # GEMM, then one kernel for add and norm
-    h += down_proj(silu_mul(gate_up_proj(x)))   # silu_mul: kernel up to 32 rows
+    h += down_proj(silu_mul(gate_up_proj(x)))   # kernel (from 32 rows on all threads)
 
 The residual stream ``h`` is updated in place: the layer returns the tensor it was given.
 """
@@ -29,10 +29,13 @@ from engine.attention import AttentionMetadata, attend_prefills
 from engine.cpu_kernels import CpuKernels
 from engine.fused_layers import FusedAttention, FusedMLP, RMSNorm
 
-SILU_KERNEL_MAX_ROWS = 32
-"""Rows up to which SiLU-and-multiply runs in the kernel: it runs on one core, PyTorch's on
-all of them, and on the 2-core host measured PyTorch's took 19, 25 and 38 us at 16, 32 and
-64 rows of 1536 against the kernel's 13, 24 and 49 us."""
+PARALLEL_MIN_ROWS = 32
+"""Rows from which the norms and SiLU-and-multiply share their rows among the threads:
+below, waking them costs about what they save. Measured on the 2-core host (2026-12-05),
+one thread against both: SiLU-and-multiply at 1536 columns 27 / 16 us at 33 rows, 417 /
+222 us at 512 and 1737 / 829 us at 2048 (PyTorch's silu and mul: 22, 382 and 1802 us);
+add-and-RMSNorm at 576 columns 8.5 / 7.2 us at 32 rows, 134 / 51 us at 512, 542 / 298 us
+at 2048. On prefill steps this bought 2-3% of tokens/s (16x128, 8x512, 32x64)."""
 
 
 class KernelDecoderLayer(nn.Module):
@@ -69,18 +72,13 @@ class KernelDecoderLayer(nn.Module):
             raise ValueError("KernelDecoderLayer needs attn_metadata; run it through the engine")
         k, n1, n2 = self.kernels, self.input_layernorm, self.post_attention_layernorm
         h = hidden_states[0]
-        x = k.rms_norm(h, n1.weight, n1.eps)
+        par = len(h) >= PARALLEL_MIN_ROWS
+        x = k.rms_norm(h, n1.weight, n1.eps, parallel=par)
         cos, sin = (t[0] for t in position_embeddings)
         attn = self._attention(x, cos.contiguous(), sin.contiguous(), attn_metadata)
-        x = k.rms_norm(h, n2.weight, n2.eps, delta=attn)
+        x = k.rms_norm(h, n2.weight, n2.eps, delta=attn, parallel=par)
         mlp = self.mlp
-        gate_up = mlp.gate_up_proj(x)
-        if len(x) <= SILU_KERNEL_MAX_ROWS:
-            x = k.silu_mul(gate_up)
-        else:
-            gate, up = gate_up.split(mlp.intermediate, dim=-1)
-            x = mlp.act_fn(gate) * up
-        h += mlp.down_proj(x)
+        h += mlp.down_proj(k.silu_mul(mlp.gate_up_proj(x), parallel=par))
         return hidden_states
 
     def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -25,19 +25,21 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 5])
-def test_rms_norm_with_and_without_the_residual_add(rows):
+@pytest.mark.parametrize(("rows", "parallel"), [(1, False), (5, False), (67, True)])
+def test_rms_norm_with_and_without_the_residual_add(rows, parallel):
     x, delta, w = torch.randn(rows, 48), torch.randn(rows, 48), torch.randn(48)
-    close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (48,), w, 1e-5))
+    close(kernels.rms_norm(x, w, 1e-5, parallel=parallel), F.rms_norm(x, (48,), w, 1e-5))
     summed = x + delta
-    close(kernels.rms_norm(x, w, 1e-6, delta=delta), F.rms_norm(summed, (48,), w, 1e-6))
+    close(kernels.rms_norm(x, w, 1e-6, delta=delta, parallel=parallel),
+          F.rms_norm(summed, (48,), w, 1e-6))
     close(x, summed)  # the residual stream was updated in place
 
 
 @needs_kernels
-def test_silu_mul():
-    gu = torch.randn(3, 40)
-    close(kernels.silu_mul(gu), F.silu(gu[:, :20]) * gu[:, 20:])
+@pytest.mark.parametrize(("rows", "parallel"), [(3, False), (67, True)])
+def test_silu_mul(rows, parallel):
+    gu = torch.randn(rows, 40)
+    close(kernels.silu_mul(gu, parallel=parallel), F.silu(gu[:, :20]) * gu[:, 20:])
 
 
 @needs_kernels
@@ -187,7 +189,7 @@ def run_steps(model, steps) -> list[torch.Tensor]:
 @needs_kernels
 @pytest.mark.parametrize(("arch", "c_len", "head_dim"), [
     ("llama", 6, None), ("qwen2", 6, None), ("qwen3", 6, None),
-    ("llama", 40, None),  # 42 rows: SiLU in PyTorch
+    ("llama", 40, None),  # 42 rows: the norms and SiLU on all threads
     ("llama", 40, 64),  # prefills in the prefill_attention kernel (head_dim 8: SDPA)
 ])
 def test_kernel_layers_equal_the_fused_pytorch_layers_in_a_mixed_step(arch, c_len, head_dim):
