@@ -109,7 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="no offline phase: no offline rows, no overhead, host factor 1")
     p.add_argument("--vllm-venv", default=str(REPO / ".venv-vllm"))
     p.add_argument("--out", default=str(RESULTS / "peers"), help="stem of .md/.json/.png")
-    args = p.parse_args(argv)
+    return _checked(p, p.parse_args(argv))
+
+
+def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` validated, with ``--quick``'s sizes and the lists split."""
     if args.host_factor != "auto":
         try:
             if float(args.host_factor) <= 0:
