@@ -10,9 +10,10 @@ Same machine, same weights (the embedded SmolLM2-135M-Instruct converted once in
 (``OMP_NUM_THREADS``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, ``VLLM_CPU_KVCACHE_SPACE=2``).
 Phases, one after another, each server alone on the machine:
 
-1. Offline engines (``bench/offline_peer.py`` in each venv): output tok/s on 32 trace
-   requests at once, decode ms per step at 1 and 8 sequences, prefill tok/s. Each engine
-   then stays loaded, idle, for the paired probes of phase 2.
+1. Offline engines (``bench/offline_peer.py`` in each venv, both loaded together):
+   output tok/s on 32 trace requests at once, decode ms per step at 1 and 8 sequences,
+   prefill tok/s, in ``--offline-rounds`` rounds that alternate the engines (each row the
+   median). Each engine then stays loaded, idle, for the paired probes of phase 2.
 2. Served, one system at a time: the per-token cost of 1 and 8 streams (steady-state
    gap between streamed tokens), each in ``--probe-rounds`` adjacent pairs with the same
    decode on the same engine offline, so the serving overhead compares measurements
