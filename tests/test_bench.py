@@ -232,14 +232,14 @@ def test_paired_probes_alternate_which_side_goes_first_and_take_the_median_ratio
     import peer_servers as ps
 
     calls = []
-    served = iter([9.0, 10.0, 11.0, 30.0])  # the fixture's warm-up, then 3 rounds
+    served = iter([9.0, 10.0, 11.0, 30.0])  # the warm-up, then 3 rounds
 
     async def fake_token_cost(server, streams, tokens, warmup=True):
         calls.append(("served", streams, tokens, warmup))
         return {"ms_per_token": next(served)}
 
     class Offline:
-        ms = iter([10.0, 10.0, 10.0])
+        ms = iter([99.0, 10.0, 10.0, 10.0])  # the warm-up, then 3 rounds
 
         def decode_ms(self, streams, tokens):
             calls.append(("offline", streams, tokens))
@@ -247,9 +247,10 @@ def test_paired_probes_alternate_which_side_goes_first_and_take_the_median_ratio
 
     monkeypatch.setattr(ps, "token_cost", fake_token_cost)
     out = asyncio.run(ps.paired_token_cost(None, Offline(), 8, 96, rounds=3))
-    assert [c[0] for c in calls] == ["served", "offline", "served", "served", "offline",
-                                     "offline", "served"]
-    assert calls[0][3] is False and all(c[1:3] == (8, 96) for c in calls[1:])
+    assert [c[0] for c in calls] == ["served", "offline", "offline", "served", "served",
+                                     "offline", "offline", "served"]
+    assert calls[0][1:] == (8, 8, False) and calls[1][1:] == (8, 8)  # warm-ups, this shape
+    assert all(c[1:3] == (8, 96) for c in calls[2:])
     # Ratios 1.0, 1.1, 3.0: the outlier round does not move the median.
     assert out["overhead"] == pytest.approx(0.1)
     assert out["ms_per_token"] == 11.0 and out["offline_ms"] == [10.0, 10.0, 10.0]
