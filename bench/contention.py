@@ -40,6 +40,7 @@ from pathlib import Path
 import peer_servers as ps
 import report as rp
 from offline_peer import Engine, ids
+from offline_peer import decode_ms as offline_decode_ms
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 DUTIES = (0.0, 0.05, 0.10, 0.20)
@@ -57,18 +58,13 @@ while True:
 
 def proc_cpu_s(pid: int, tid: int | None = None) -> float:
     """CPU seconds (user + system) of a process, or of one of its threads."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return ps.proc_stat(pid, tid)[1]
 
 
 def decode_ms(eng: Engine, n: int, tokens: int, seed: int) -> float:
-    """ms per decode step with ``n`` streams: (wall(tokens) - wall(1)) / (tokens - 1)."""
+    """ms per decode step with ``n`` streams of 16-token prompts drawn from ``seed``."""
     rng = random.Random(seed)
-    prompts = [ids(rng, 16) for _ in range(n)]
-    long = eng.run([(p, tokens) for p in prompts])
-    short = eng.run([(p, 1) for p in prompts])
-    return 1000 * (long - short) / (tokens - 1)
+    return offline_decode_ms(eng, [ids(rng, 16) for _ in range(n)], tokens)
 
 
 def burned(eng: Engine, duty: float, n: int, tokens: int, seed: int) -> tuple[float, float]:

@@ -117,10 +117,11 @@ def measure(eng: Engine, args: argparse.Namespace, warmup: bool = True) -> dict:
     return out
 
 
-def decode_ms(eng: Engine, prompt: list[int], streams: int, tokens: int) -> float:
-    """ms per decode step of ``streams`` sequences over ``tokens`` output tokens."""
-    long = eng.run([(prompt, tokens)] * streams)
-    short = eng.run([(prompt, 1)] * streams)
+def decode_ms(eng: Engine, prompts: list[list[int]], tokens: int) -> float:
+    """ms per decode step of ``len(prompts)`` sequences over ``tokens`` output tokens:
+    (wall(tokens) - wall(1)) / (tokens - 1), so prefill and call overheads cancel out."""
+    long = eng.run([(p, tokens) for p in prompts])
+    short = eng.run([(p, 1) for p in prompts])
     return 1000 * (long - short) / (tokens - 1)
 
 
@@ -136,7 +137,7 @@ def probe_loop(eng: Engine, args: argparse.Namespace, answers) -> None:
             answer = measure(eng, args, warmup=ask["measure"]["warmup"])
         else:
             prompt = tokenizer.encode(ask["prompt"], add_special_tokens=False)
-            answer = {"ms_per_step": decode_ms(eng, prompt, ask["streams"], ask["tokens"])}
+            answer = {"ms_per_step": decode_ms(eng, [prompt] * ask["streams"], ask["tokens"])}
         print(json.dumps(answer), file=answers, flush=True)
 
 

@@ -238,16 +238,15 @@ class OfflineEngine:
         return self._ask(ask)["ms_per_step"]
 
     def cpu_s(self) -> float:
-        """CPU seconds used so far by the engine's processes (its session)."""
-        tick = os.sysconf("SC_CLK_TCK")
+        """CPU seconds used so far by the engine's processes: its session
+        (``start_new_session``), vLLM's engine-core and worker processes included."""
         total = 0.0
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                session, secs = proc_stat(int(pid))
             except OSError:
                 continue
-            if int(fields[3]) == self.proc.pid:  # the session id: start_new_session
-                total += (int(fields[11]) + int(fields[12])) / tick
+            total += secs if session == self.proc.pid else 0.0
         return total
 
     def __enter__(self) -> OfflineEngine:
@@ -303,19 +302,25 @@ PROCESS_GROUPS = (
 )
 
 
+def proc_stat(pid: int, tid: int | None = None) -> tuple[int, float]:
+    """(session id, CPU seconds user + system) of a process, or of one of its threads,
+    from ``/proc``. Raises OSError once it has exited."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return int(fields[3]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds() -> dict[int, tuple[str, float]]:
     """pid -> (process group name, CPU seconds used so far), from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
+            secs = proc_stat(int(pid))[1]
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        fields = stat.rsplit(")", 1)[1].split()
         group = next((g for key, g in PROCESS_GROUPS if key in cmd), "other")
-        out[int(pid)] = (group, (int(fields[11]) + int(fields[12])) / tick)
+        out[int(pid)] = (group, secs)
     return out
 
 
