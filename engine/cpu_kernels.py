@@ -1,5 +1,5 @@
-"""Fused fp32 CPU kernels (``engine/cpu_kernels.c``), compiled on first use and called
-through ctypes.
+"""Fused fp32 CPU kernels (``engine/cpu_kernels.c``, prefill attention in
+``engine/cpu_prefill.c``), compiled on first use and called through ctypes.
 
 At decode row counts a transformer layer's non-GEMM work is many small PyTorch ops, each
 paying a fixed dispatch cost of a few microseconds: on the 2-core host this was written
@@ -31,11 +31,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "cpu_prefill.c"))
+HEADERS = (Path(__file__).with_name("cpu_vec.h"),)
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
 """``-ffast-math`` lets the compiler vectorize the sums (their order changes, as it does
-between PyTorch's own kernels) and ``expf`` (glibc's vector math, which assumes finite
-inputs: the softmax starts from -FLT_MAX, not -inf)."""
+between PyTorch's own kernels) and decode attention's ``expf`` (glibc's vector math, which
+assumes finite inputs: the softmaxes start from -FLT_MAX or -1e30, not -inf)."""
 OPENMP_FLAG = "-fopenmp"
 """The attention kernels share their work among OpenMP threads. The library then needs
 ``libgomp.so.1``; loaded after torch, whose CPU wheels ship their own libgomp under that
@@ -49,8 +50,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "add_rms_norm": (None, [_P, _I, _P, _I, _P, _P, _I, _I, _F, _I]),
     "silu_mul": (None, [_P, _P, _I, _I, _I]),
-    "rope": (None, [_P, _I, _I, _I, _I, _P, _P]),
-    "cache_write": (None, [_P, _I, _P, _I, _P, _I, _I, _P, _P]),
+    "rope": (None, [_P, _I, _I, _I, _I, _P, _P, _I]),
+    "cache_write": (None, [_P, _I, _P, _I, _P, _I, _I, _P, _P, _I]),
     "decode_attention": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F,
                                         _P, _I, _I]),
     "prefill_attention": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I,
@@ -99,22 +100,25 @@ class CpuKernels:
                            self._threads() if parallel else 1)
         return out
 
-    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              parallel: bool = False) -> None:
         """Rotary embedding in place on ``x`` (``[T, heads, d]``, heads contiguous within a
         row); ``cos``, ``sin``: ``[T, d]`` contiguous, as transformers' rotary module makes
-        them (attention scaling folded in)."""
+        them (attention scaling folded in). ``parallel``: rows shared among the attention
+        kernels' threads."""
         rows, heads, d = x.shape
         self._lib.rope(x.data_ptr(), x.stride(0), rows, heads, d, cos.data_ptr(),
-                       sin.data_ptr())
+                       sin.data_ptr(), self._threads() if parallel else 1)
 
     def cache_write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, parallel: bool = False) -> None:
         """Write ``k``, ``v`` (``[T, width]``, rows contiguous) to the flat caches
-        (``[num_slots, width]`` contiguous) at ``slots`` (``[T]`` int64)."""
+        (``[num_slots, width]`` contiguous) at ``slots`` (``[T]`` int64). ``parallel``: rows
+        shared among the attention kernels' threads."""
         rows, width = k.shape
         self._lib.cache_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                               slots.data_ptr(), rows, width, k_cache.data_ptr(),
-                              v_cache.data_ptr())
+                              v_cache.data_ptr(), self._threads() if parallel else 1)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
@@ -205,7 +209,8 @@ def build(out_dir: Path) -> tuple[Path, bool]:
 
 
 def _build(out_dir: Path, flags: tuple[str, ...]) -> Path:
-    h = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_key().encode())
+    code = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+    h = hashlib.sha256(code + " ".join(flags).encode() + _cpu_key().encode())
     target = out_dir / f"cpu_kernels-{h.hexdigest()[:16]}.so"
     if target.is_file():
         return target
@@ -213,7 +218,7 @@ def _build(out_dir: Path, flags: tuple[str, ...]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".build.", dir=out_dir))
     try:
         so = tmp / target.name
-        subprocess.run(["cc", *flags, str(SOURCE), "-o", str(so), "-lm"], check=True,
+        subprocess.run(["cc", *flags, *map(str, SOURCES), "-o", str(so), "-lm"], check=True,
                        capture_output=True, text=True)
         os.replace(so, target)  # atomic: a concurrent build of the same key is identical
     finally:

@@ -9,7 +9,7 @@ eight kernel calls:
 
     x = rms_norm(h)                      # kernel (from 32 rows on all threads)
     qkv = qkv_proj(x)                    # GEMM; Qwen3's per-head q/k norms stay in PyTorch
-    rope(q), rope(k), cache_write(k, v)  # kernels, in place
+    rope(q), rope(k), cache_write(k, v)  # kernels, in place (from 32 rows on all threads)
     decodes: decode_attention(q)         # kernel, reads the paged cache in place (on all
                                          # threads from 1024 context tokens)
     prefill chunks: prefill_attention(q) # kernel, the same, on all threads; SDPA
@@ -30,7 +30,8 @@ from engine.cpu_kernels import CpuKernels
 from engine.fused_layers import FusedAttention, FusedMLP, RMSNorm
 
 PARALLEL_MIN_ROWS = 32
-"""Rows from which the norms and SiLU-and-multiply share their rows among the threads:
+"""Rows from which the norms, SiLU-and-multiply, RoPE and the cache write share their rows
+among the threads:
 below, waking them costs about what they save. Measured on the 2-core host (2026-12-05),
 one thread against both: SiLU-and-multiply at 1536 columns 27 / 16 us at 33 rows, 417 /
 222 us at 512 and 1737 / 829 us at 2048 (PyTorch's silu and mul: 22, 382 and 1802 us);
@@ -76,15 +77,16 @@ class KernelDecoderLayer(nn.Module):
         par = len(h) >= PARALLEL_MIN_ROWS
         x = k.rms_norm(h, n1.weight, n1.eps, parallel=par)
         cos, sin = (t[0] for t in position_embeddings)
-        attn = self._attention(x, cos.contiguous(), sin.contiguous(), attn_metadata)
+        attn = self._attention(x, cos.contiguous(), sin.contiguous(), attn_metadata, par)
         x = k.rms_norm(h, n2.weight, n2.eps, delta=attn, parallel=par)
         mlp = self.mlp
         h += mlp.down_proj(k.silu_mul(mlp.gate_up_proj(x), parallel=par))
         return hidden_states
 
     def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   md: AttentionMetadata) -> torch.Tensor:
-        """``[T, hidden]`` in (normed), the attention block's output ``[T, hidden]``."""
+                   md: AttentionMetadata, par: bool) -> torch.Tensor:
+        """``[T, hidden]`` in (normed), the attention block's output ``[T, hidden]``;
+        ``par``: RoPE and the cache write on all threads."""
         a, k = self.self_attn, self.kernels
         t, d = x.shape[0], a.head_dim
         qkv = a.qkv_proj(x)
@@ -93,13 +95,13 @@ class KernelDecoderLayer(nn.Module):
         value = qkv[:, a.q_size + a.kv_size:]
         if a.q_norm is not None:
             q, key = a.q_norm(q), a.k_norm(key)
-        k.rope_(q, cos, sin)
-        k.rope_(key, cos, sin)
+        k.rope_(q, cos, sin, parallel=par)
+        k.rope_(key, cos, sin, parallel=par)
         k_cache, v_cache = md.kv_caches[a.layer_idx]
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
         k.cache_write(key.reshape(t, a.kv_size), value, md.slot_mapping,
-                      k_flat.view(-1, a.kv_size), v_flat.view(-1, a.kv_size))
+                      k_flat.view(-1, a.kv_size), v_flat.view(-1, a.kv_size), parallel=par)
         out = torch.empty_like(q)
         nd = md.num_decodes
         if nd:

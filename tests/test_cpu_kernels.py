@@ -97,11 +97,14 @@ def test_decode_attention_matches_dense_attention_over_paged_blocks(lens):  # tw
 
 @needs_kernels
 @pytest.mark.parametrize("threads", [1, 2])
-def test_prefill_attention_matches_causal_attention_over_paged_blocks(threads):
+@pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 64), (4, 2, 128), (4, 4, 64), (8, 2, 64)])
+def test_prefill_attention_matches_causal_attention_over_paged_blocks(threads, heads,
+                                                                      kv_heads, d):
     """Three chunks in one step: a first chunk longer than one work unit (16 tokens), a later
-    chunk after 21 cached tokens, and a one-token chunk; scattered blocks."""
+    chunk after 21 cached tokens, and a one-token chunk; scattered blocks. The head shapes
+    give a work unit 16 to 64 query rows (1 to 4 lanes of 16) and 1 or 2 column tiles."""
     torch.manual_seed(0)
-    heads, kv_heads, d, bs = 6, 2, 64, 4
+    bs = 4
     chunks, before = [37, 9, 1], [0, 21, 3]  # query tokens, tokens cached before the chunk
     lens = [c + b for c, b in zip(chunks, before)]
     need = [-(-n // bs) for n in lens]
