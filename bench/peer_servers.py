@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import signal
 import statistics
 import subprocess
@@ -166,7 +167,9 @@ async def token_cost(server: Server, streams: int, tokens: int, warmup: bool = T
     Each stream decodes ``tokens`` tokens (``ignore_eos``, greedy) from a short prompt,
     sent together by the shared load generator, after one warm-up stream if ``warmup``;
     the gap is measured between its 20th and 80th percentile tokens, so prefill and the
-    stream's start and end do not count. Returns the mean over streams (ms per token).
+    stream's start and end do not count. Returns the mean over streams (ms per token), and
+    ``client_cores``: this process's CPU (the load generator, on the server's cores) over
+    the timed streams' wall time, in cores.
     """
     def req(i: int) -> LoadRequest:
         return LoadRequest(f"probe-{i}", -1, None, PROBE_PROMPT, 0, tokens)
@@ -179,12 +182,20 @@ async def token_cost(server: Server, streams: int, tokens: int, warmup: bool = T
         target = HttpTarget(client, server.url, server.model_name, class_header=None)
         if warmup:
             await loadgen.open_loop(target, [req(-1)])
+        cpu0, t0 = _own_cpu_s(), time.perf_counter()
         run = await loadgen.open_loop(target, [req(i) for i in range(streams)])
+        client = (_own_cpu_s() - cpu0) / (time.perf_counter() - t0)
     failed = [r["error"] for r in run.records if r["status"] != "finished"]
     if failed:
         raise RuntimeError(f"token-cost probe failed: {failed[0]}")
     gaps = [gap_ms(r["token_s"]) for r in run.records]
-    return {"streams": streams, "tokens": tokens, "ms_per_token": sum(gaps) / len(gaps)}
+    return {"streams": streams, "tokens": tokens, "ms_per_token": sum(gaps) / len(gaps),
+            "client_cores": client}
+
+
+def _own_cpu_s() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 
 
 class OfflineEngine:
@@ -272,23 +283,26 @@ async def paired_token_cost(server: Server, offline: OfflineEngine, streams: int
     """:func:`token_cost` and the same decode on the engine offline, in ``rounds``
     adjacent pairs (offline first in even rounds, served first in odd ones, so a drift of
     the host's speed within a round falls on both sides alike). ``overhead`` is the median
-    of the pairs' served / offline ratios, minus one."""
+    of the pairs' served / offline ratios, minus one; ``client_cores`` the median of the
+    load generator's CPU share (see :func:`token_cost`)."""
     # Both sides once at this shape first: a first call pays one-time costs (vLLM's
     # offline engine read up to 20% slow in the first pair without it).
     await token_cost(server, streams, 8, warmup=False)
     offline.decode_ms(streams, 8)
-    served, alone = [], []
+    served, alone, client = [], [], []
     for r in range(rounds):
         if r % 2 == 0:
             alone.append(offline.decode_ms(streams, tokens))
-        served.append((await token_cost(server, streams, tokens, warmup=False))["ms_per_token"])
+        cost = await token_cost(server, streams, tokens, warmup=False)
+        served.append(cost["ms_per_token"])
+        client.append(cost["client_cores"])
         if r % 2 == 1:
             alone.append(offline.decode_ms(streams, tokens))
     ratios = [s / o for s, o in zip(served, alone)]
     return {"streams": streams, "tokens": tokens, "ms_per_token": statistics.median(served),
             "served_ms": served, "offline_ms": alone,
             "offline_ms_per_step": statistics.median(alone),
-            "overhead": statistics.median(ratios) - 1}
+            "overhead": statistics.median(ratios) - 1, "client_cores": statistics.median(client)}
 
 
 PROCESS_GROUPS = (

@@ -68,6 +68,13 @@ def token_cost_section(report: dict) -> tuple[list[str], list[dict]]:
                                 "value": _pct(over), "bar": "<= 5%",
                                 "met": over <= TARGETS["overhead"]})
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    client = {name: [res["token_cost"][str(n)].get("client_cores") for n in (1, 8)]
+              for name, res in report["served"].items()}
+    if all(None not in v for v in client.values()):
+        shares = ", ".join(f"{k} {100 * a:.1f}% / {100 * b:.1f}% of a core"
+                           for k, (a, b) in client.items())
+        lines += ["", "The load generator's own CPU while it read the served probes' streams "
+                  f"(it shares the server's cores), 1 / 8 streams: {shares}."]
     idle = report.get("offline_idle_cpu_s")
     if idle:
         lines += ["", "CPU seconds the loaded offline engines used outside their own measurements "

@@ -233,10 +233,11 @@ def test_paired_probes_alternate_which_side_goes_first_and_take_the_median_ratio
 
     calls = []
     served = iter([9.0, 10.0, 11.0, 30.0])  # the warm-up, then 3 rounds
+    client = iter([0.5, 0.02, 0.03, 0.04])
 
     async def fake_token_cost(server, streams, tokens, warmup=True):
         calls.append(("served", streams, tokens, warmup))
-        return {"ms_per_token": next(served)}
+        return {"ms_per_token": next(served), "client_cores": next(client)}
 
     class Offline:
         ms = iter([99.0, 10.0, 10.0, 10.0])  # the warm-up, then 3 rounds
@@ -254,3 +255,4 @@ def test_paired_probes_alternate_which_side_goes_first_and_take_the_median_ratio
     # Ratios 1.0, 1.1, 3.0: the outlier round does not move the median.
     assert out["overhead"] == pytest.approx(0.1)
     assert out["ms_per_token"] == 11.0 and out["offline_ms"] == [10.0, 10.0, 10.0]
+    assert out["client_cores"] == 0.03  # the timed rounds' median, not the warm-up's
