@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -187,8 +188,10 @@ def next_rate(cfg: BenchConfig, summaries: list[dict[str, Any]]) -> float | None
     if done < len(cfg.rates) + cfg.extend_rates and passed(last) and last["rate"] == top:
         return round(top * cfg.extend_factor, 3)
     good = [s["rate"] for s in summaries if passed(s)]
-    if cfg.limit_factor and good and (limit := round(max(good) * cfg.limit_factor, 3)) > top:
-        return limit
+    # Rounded up: the mix targets are judged at the first rate at or above 1.5x the limit.
+    if cfg.limit_factor and good:
+        limit = math.ceil(max(good) * cfg.limit_factor * 1000 - 1e-6) / 1000
+        return limit if limit > top else None
     return None
 
 

@@ -223,6 +223,9 @@ def test_rates_extend_past_the_grid_while_the_system_passes():
     ran = [_summary(1, 1.0), _summary(2, 1.0, 0.95), _summary(2.5, 1.0, 0.8)]
     assert sb.next_rate(cfg, ran) == 3.0
     assert sb.next_rate(cfg, ran + [_summary(3.0, 1.0, 0.5)]) is None
+    # 1.5 x 3.993 = 5.9895: the limit rate rounds up, never below 1.5x.
+    ran = [_summary(3.993, 1.0, 0.91), _summary(4.991, 1.0, 0.79)]
+    assert sb.next_rate(cfg, ran) == 5.99
 
 
 def test_paired_probes_alternate_which_side_goes_first_and_take_the_median_ratio(
