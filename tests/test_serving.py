@@ -483,7 +483,10 @@ def test_replica_death(server):
     # Every stream started (a token streamed) on one of the two replicas.
     while (len(results) < 6 or len({r["replica"] for r in results.values()}) < 2
            or not all(r["events"] for r in list(results.values()))):
-        assert time.monotonic() < deadline, {i: r["replica"] for i, r in results.items()}
+        # Seen once (2026-12-05, a full fresh-clone run): all six on one replica; the
+        # replicas' published loads say why, if it happens again.
+        assert time.monotonic() < deadline, (
+            {i: r["replica"] for i, r in results.items()}, app.health(server)["replicas"])
         time.sleep(0.1)
     victim = results[0]["replica"]
     (name, namespace), = [(a["name"], a["namespace"])
