@@ -36,7 +36,8 @@ HEADERS = (Path(__file__).with_name("cpu_vec.h"),)
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
 """``-ffast-math`` lets the compiler vectorize the sums (their order changes, as it does
 between PyTorch's own kernels) and decode attention's ``expf`` (glibc's vector math, which
-assumes finite inputs: the softmaxes start from -FLT_MAX or -1e30, not -inf)."""
+assumes finite inputs: its softmax starts from -FLT_MAX, and prefill attention masks with
+-1e30, not -inf)."""
 OPENMP_FLAG = "-fopenmp"
 """The attention kernels share their work among OpenMP threads. The library then needs
 ``libgomp.so.1``; loaded after torch, whose CPU wheels ship their own libgomp under that
