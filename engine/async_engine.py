@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -38,13 +39,17 @@ class _Pending:
 
 
 class AsyncLLMEngine:
-    """Drives an :class:`LLMEngine` from an asyncio loop.
+    """Drives an :class:`LLMEngine` for an asyncio loop.
 
-    ``step()`` runs in one worker thread, the one :meth:`from_config` builds the engine on
-    (torch releases the GIL, so the event loop keeps serving); additions and aborts are
-    queued and applied on the event loop between steps, so the engine is only ever
-    touched by one thread at a time. An abort thus takes effect, and frees the request's
-    KV blocks, before the next step starts.
+    The batching loop runs in one worker thread, the one :meth:`from_config` builds the
+    engine on (torch releases the GIL, so the event loop keeps serving). It steps back to
+    back while requests are unfinished and hands each step's outputs to the event loop
+    (``call_soon_threadsafe``), which feeds the streams while the next step runs: the
+    event loop's work per token (encoding and sending chunks) is never between two steps.
+    Additions and aborts are queued under a lock and applied by the worker before its next
+    step, so the engine is only ever touched by one thread. An abort thus takes effect,
+    and frees the request's KV blocks, before the next step starts. The worker leaves when
+    nothing is unfinished, and the next request starts it again.
     """
 
     def __init__(self, engine: LLMEngine,
@@ -64,13 +69,21 @@ class AsyncLLMEngine:
             engine.traffic_classes, policy=engine.scheduler.policy
         )
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._lock = threading.Lock()
+        """Guards ``_to_add``, ``_to_abort``, ``_running`` and the ``_snapshot`` that
+        counts the requests ``_to_add`` no longer holds."""
         self._to_add: list[_Pending] = []
         self._to_abort: list[str] = []
-        self._wake = asyncio.Event()
+        self._running = False
+        """The worker's batching loop is submitted and has not decided to leave."""
+        self._stopping = False
+        self._news = threading.Event()
+        """Set when requests are queued or aborted; an idle tick waits on it."""
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="engine"
         )
-        self._loop_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._worker: concurrent.futures.Future | None = None
         self._ids = itertools.count()
         self._error: BaseException | None = None
 
@@ -129,12 +142,8 @@ class AsyncLLMEngine:
         ids = self.validate(prompt, params, traffic_class)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
-        self._to_add.append(
-            _Pending(rid, {"prompt_token_ids": ids}, params, priority, traffic_class,
-                     self.engine.clock())
-        )
-        self._ensure_loop()
-        self._wake.set()
+        self._queue_news(add=_Pending(rid, {"prompt_token_ids": ids}, params, priority,
+                                      traffic_class, self.engine.clock()))
         finished = False
         try:
             while True:
@@ -148,8 +157,7 @@ class AsyncLLMEngine:
         finally:
             self._streams.pop(rid, None)
             if not finished:
-                self._to_abort.append(rid)
-                self._wake.set()
+                self._queue_news(abort=rid)
 
     def validate(self, prompt: PromptType, sampling_params: SamplingParams,
                  traffic_class: str | None = None) -> list[int]:
@@ -173,8 +181,7 @@ class AsyncLLMEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed before the next step."""
-        self._to_abort.append(request_id)
-        self._wake.set()
+        self._queue_news(abort=request_id)
 
     def load_snapshot(self) -> LoadSnapshot:
         """The replica's load (queues per class, KV usage, fitted step-time model).
@@ -189,9 +196,11 @@ class AsyncLLMEngine:
         # additions were applied (or after the last step), and _to_add holds the rest.
         # with_queued returns a new snapshot, and the worker replaces _snapshot whole
         # rather than mutating it, so no deep copy is needed.
-        snap = self._snapshot.with_queued(
+        with self._lock:
+            snap, queued = self._snapshot, list(self._to_add)
+        snap = snap.with_queued(
             (p.traffic_class or DEFAULT_CLASS, len(p.prompt["prompt_token_ids"]))
-            for p in self._to_add)
+            for p in queued)
         now = time.time()
         return dataclasses.replace(
             snap, timestamp=now, step_left_s=max(0.0, snap.step_left_s - (now - snap.timestamp)))
@@ -226,26 +235,41 @@ class AsyncLLMEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+    def _queue_news(self, add: _Pending | None = None, abort: str | None = None) -> None:
+        """On the event loop: queue an addition or an abort for the worker, and start its
+        batching loop if it is not running."""
+        self._loop = asyncio.get_running_loop()
+        with self._lock:
+            if add is not None:
+                self._to_add.append(add)
+            if abort is not None:
+                self._to_abort.append(abort)
+            start, self._running = not self._running, True
+        self._news.set()
+        if start:
+            self._worker = self._executor.submit(self._run)
 
     def _apply_pending(self) -> None:
+        """On the worker: apply the queued aborts and additions. The additions stay in
+        ``_to_add`` (counted by :meth:`load_snapshot`) until the snapshot that counts them
+        replaces ``_snapshot``."""
         engine = self.engine
-        if self._to_abort:
-            aborted = set(self._to_abort)
-            self._to_abort.clear()
+        with self._lock:
+            aborted, self._to_abort = set(self._to_abort), []
             self._to_add = [p for p in self._to_add if p.request_id not in aborted]
+            adds = list(self._to_add)
+        if aborted:
             engine.abort(list(aborted))
-        for p in self._to_add:
+        for p in adds:
             try:
                 engine.add_request(p.request_id, p.prompt, p.params, priority=p.priority,
                                    traffic_class=p.traffic_class, arrival_time=p.arrival_time)
             except ValueError as e:  # validated in generate(); only a race can land here
-                queue = self._streams.get(p.request_id)
-                if queue is not None:
-                    queue.put_nowait(e)
-        self._to_add.clear()
+                self._deliver_soon([e], p.request_id)
+        snapshot = engine.load_snapshot()
+        with self._lock:
+            del self._to_add[:len(adds)]  # the event loop only appends
+            self._snapshot = snapshot
 
     def _step_scheduled(self, snapshot: LoadSnapshot) -> None:
         self._snapshot = snapshot  # on the worker thread; replaced whole, never mutated
@@ -260,45 +284,55 @@ class AsyncLLMEngine:
             self._snapshot = engine.load_snapshot()
         return outputs
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _has_news(self) -> bool:
+        return bool(self._to_add or self._to_abort)
+
+    def _run(self) -> None:
+        """The batching loop, on the worker thread, until nothing is unfinished."""
         engine = self.engine
         try:
-            while True:
-                if self._to_add or self._to_abort:
+            while not self._stopping:
+                self._news.clear()
+                if self._has_news():
                     self._apply_pending()
-                    self._snapshot = engine.load_snapshot()  # the worker is idle here
                 if not engine.has_unfinished_requests():
-                    self._wake.clear()
-                    await self._wake.wait()
+                    with self._lock:
+                        if not self._has_news():
+                            self._running = False
+                            return
                     continue
-                outputs = await loop.run_in_executor(self._executor, self._step)
-                for out in outputs:
-                    queue = self._streams.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
+                outputs = self._step()
+                if outputs:
+                    self._deliver_soon(outputs)
                 if engine.last_step_num_tokens == 0:
                     # Nothing could run (e.g. the static policy is filling a batch): wait
                     # for news or a short tick instead of spinning on empty steps.
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), IDLE_TICK_S)
-                    except TimeoutError:
-                        pass
-                else:
-                    # Let streams consume and cancellations land before the next step.
-                    await asyncio.sleep(0)
+                    self._news.wait(IDLE_TICK_S)
         except Exception as e:  # a bug in the engine: fail every stream instead of hanging
             logger.exception("engine loop failed")
-            self._error = e
-            for queue in self._streams.values():
-                queue.put_nowait(e)
+            self._loop.call_soon_threadsafe(self._fail, e)
+
+    def _deliver_soon(self, items: list, request_id: str | None = None) -> None:
+        """Hand ``items`` (outputs, or an error for ``request_id``) to their streams on
+        the event loop."""
+        self._loop.call_soon_threadsafe(self._deliver, items, request_id)
+
+    def _deliver(self, items: list, request_id: str | None) -> None:
+        for item in items:
+            queue = self._streams.get(request_id or item.request_id)
+            if queue is not None:
+                queue.put_nowait(item)
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        for queue in self._streams.values():
+            queue.put_nowait(error)
 
     async def shutdown(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
+        """Stop the batching loop after the step in flight, and its worker thread.
+        Unfinished streams get no more outputs."""
+        self._stopping = True
+        self._news.set()
+        if self._worker is not None:
+            await asyncio.wrap_future(self._worker)
         self._executor.shutdown(wait=True)

@@ -182,6 +182,60 @@ async def test_async_stream_and_cancel_frees_blocks_within_one_step():
         await engine.shutdown()
 
 
+async def test_async_steps_while_the_event_loop_is_busy():
+    # The batching loop runs on its own thread: a stream's slow consumer (the event loop
+    # busy encoding and sending chunks) does not hold the next step back.
+    import time
+
+    engine = AsyncLLMEngine.from_config(EngineConfig(num_kv_blocks=64))
+    try:
+        steps = []
+        real_step = engine.engine.step
+        engine.engine.step = lambda: steps.append(time.perf_counter()) or real_step()
+        outs = []
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        async for out in engine.generate("The capital of France is", params):
+            outs.append(out)
+            if len(outs) == 1:
+                t0 = time.perf_counter()
+                time.sleep(0.5)  # blocks the event loop
+                t1 = time.perf_counter()
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == 12 and outs[-1].finished
+        assert sum(t0 <= t < t1 for t in steps) >= 2
+        assert not engine.engine.has_unfinished_requests()
+    finally:
+        await engine.shutdown()
+
+
+async def test_async_engine_failure_ends_every_stream():
+    from engine.async_engine import EngineDeadError
+
+    engine = AsyncLLMEngine.from_config(EngineConfig(num_kv_blocks=64))
+    try:
+        real_step, calls = engine.engine.step, []
+
+        def failing_step():
+            calls.append(1)
+            if len(calls) > 2:
+                raise RuntimeError("boom")
+            return real_step()
+
+        engine.engine.step = failing_step
+
+        async def consume(prompt):
+            return [o async for o in engine.generate(prompt, SamplingParams(max_tokens=50))]
+
+        results = await asyncio.wait_for(asyncio.gather(
+            consume("Hello"), consume("The capital of France is"), return_exceptions=True), 30)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert engine.dead
+        with pytest.raises(EngineDeadError):
+            await consume("Hi")
+    finally:
+        await engine.shutdown()
+
+
 async def test_async_rejects_before_streaming():
     engine = AsyncLLMEngine.from_config(__import__("engine").EngineConfig(num_kv_blocks=4))
     try:
