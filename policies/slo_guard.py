@@ -33,6 +33,7 @@ that ``iterserve simulate --ablate`` can measure what each one earns.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,11 @@ limit is its share); ``owed`` owes no prompt its TTFT (so nothing is lent, sits 
 held to a deadline); ``lend`` lends no later headroom; ``sit_out`` keeps every decode;
 ``last_gap`` treats the last gap like the others; ``deadline`` lets later prompts fill the
 step that ends the first owed prompt's prefill."""
+
+ACTS = ("shed", "sit_out", "last_gap", "deadline")
+"""The rules whose action in a plan is discrete, and counted in ``TpotGuard.acted``: a
+plan sheds a decode, has a decode sit out, lowers a decode's limit for its last gap, or
+holds the step to the first owed prompt's TTFT deadline."""
 
 OWED_BORROW = 0.5
 """Fraction of a decode's later gaps' jitter headroom (``tpot_slo_s`` minus its share, per
@@ -153,6 +159,9 @@ class TpotGuard:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.ratio = 1.0
         """This step's ``StepTimeModel.local_ratio``, read once per plan."""
+        self.acted: Counter[str] = Counter()
+        """Plans that :data:`ACTS` rules changed, by rule: what a rule that never acts
+        could earn is nothing (``bench/guard_rules_realtime.py``)."""
 
     def sheds_at_once(self, req: Req, num_running: int, slo: float) -> bool:
         """Whether admitting waiting ``req`` now would only have it shed next step: its
@@ -210,6 +219,7 @@ class TpotGuard:
                 continue
             if is_decoding:
                 decoding.append(req)
+        self.acted["shed"] += bool(shed)
         if math.isinf(slo):
             return GuardPlan(shed=tuple(shed))
         limits = self._decode_limits(decoding, now, ratio / model.worst_ratio())
@@ -260,6 +270,7 @@ class TpotGuard:
             if self._tpot_credit(req, now) >= min(limits.owed, full_s):
                 deferred.add(req.request_id)
                 kept -= 1
+        self.acted["sit_out"] += bool(deferred)
         cap = max(self.block_size, self._tokens_within(limits.tightest, kept))
         # Sitting out is sized by the owed limit alone: a shorter step serves a prompt
         # that ends its prefill in it sooner. Owed prompts take all the decodes lend, not
@@ -279,6 +290,7 @@ class TpotGuard:
             # (in a burst, that held every step to one short prompt).
             if left < math.inf and now < first.arrival_time + first.ttft_slo_s:
                 ends = max(first.num_pending_tokens, self._tokens_within(left, kept))
+                self.acted["deadline"] += ends < owed_cap
                 cap, owed_cap = min(cap, ends), min(owed_cap, ends)
         return cap, owed_cap, deferred
 
@@ -335,7 +347,7 @@ class TpotGuard:
         """
         target = self.target
         limit, binder, stretch, lent = math.inf, decoding[0], math.inf, math.inf
-        share_min, last_gap = math.inf, math.inf
+        share_min, last_gap, lowered = math.inf, math.inf, set()
         for req in decoding:
             if math.isinf(req.tpot_slo_s):
                 continue  # no TPOT SLO: it limits nothing, and inf - inf is NaN
@@ -353,10 +365,14 @@ class TpotGuard:
                 if left > 0:  # else it has missed its SLO already: no step saves it
                     # No floor: a step held short for one gap costs one step's prefill,
                     # and at least a block of prefill still runs (the cap's floor).
-                    own = min(own, left * tail)
+                    if left * tail < own:
+                        own = left * tail
+                        lowered.add(req.request_id)
                     last_gap = min(last_gap, own)
             if own < limit:
                 limit, binder = own, req
             share_min = min(share_min, share)
-        return _Limits(limit, binder, min(max(stretch, share_min), last_gap),
-                       min(max(lent, share_min), last_gap))
+        stretch, lent = max(stretch, share_min), max(lent, share_min)
+        self.acted["last_gap"] += (binder.request_id in lowered or last_gap < stretch
+                                   or last_gap < lent)
+        return _Limits(limit, binder, min(stretch, last_gap), min(lent, last_gap))

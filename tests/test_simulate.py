@@ -179,7 +179,7 @@ def test_each_guard_rule_can_be_switched_off_alone():
     burst = ([SimRequest(f"r{i}", 0.0, 20, 80, "batch") for i in range(24)]
              + [SimRequest(f"r{24 + i}", 1.0 + 0.05 * i, 30, 20, "interactive")
                 for i in range(8)])
-    runs = {}
+    runs, acted = {}, {}
     for off in ((), ("cap",), ("shed",)):
         config = service(engine={"policy": "priority", "tpot_slo_guard": True,
                                  "max_num_seqs": 32, "tpot_slo_guard_rules_off": list(off)})
@@ -188,9 +188,13 @@ def test_each_guard_rule_can_be_switched_off_alone():
         fleet.replicas[0].engine.on_step = steps.append
         fleet.run(burst)
         runs[off] = steps
+        acted[off] = fleet.replicas[0].engine.scheduler.guard.acted
     assert any(r.prefill_cap < math.inf for r in runs[()])
     assert all(r.prefill_cap == math.inf for r in runs[("cap",)])
     assert any(r.shed for r in runs[()]) and not any(r.shed for r in runs[("shed",)])
+    # The guard counts the plans that shed: one per step that preempted for it.
+    assert acted[()]["shed"] == sum(bool(r.shed) for r in runs[()]) > 0
+    assert acted[("shed",)]["shed"] == 0
     with pytest.raises(ValueError):
         EngineConfig(tpot_slo_guard_rules_off=["nonsense"])
 
