@@ -310,12 +310,21 @@ class AsyncLLMEngine:
                     self._news.wait(IDLE_TICK_S)
         except Exception as e:  # a bug in the engine: fail every stream instead of hanging
             logger.exception("engine loop failed")
-            self._loop.call_soon_threadsafe(self._fail, e)
+            # Set here, before the streams hear of it: a generate() on the event loop
+            # either sees it and raises, or has its stream in place when _fail runs.
+            self._error = e
+            self._call_soon(self._fail, e)
 
     def _deliver_soon(self, items: list, request_id: str | None = None) -> None:
         """Hand ``items`` (outputs, or an error for ``request_id``) to their streams on
         the event loop."""
-        self._loop.call_soon_threadsafe(self._deliver, items, request_id)
+        self._call_soon(self._deliver, items, request_id)
+
+    def _call_soon(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # that event loop has closed: its streams went with it
+            pass
 
     def _deliver(self, items: list, request_id: str | None) -> None:
         for item in items:
@@ -324,7 +333,6 @@ class AsyncLLMEngine:
                 queue.put_nowait(item)
 
     def _fail(self, error: BaseException) -> None:
-        self._error = error
         for queue in self._streams.values():
             queue.put_nowait(error)
 
