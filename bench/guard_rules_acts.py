@@ -46,6 +46,7 @@ TRACES = {  # name: (file, first row, length divisor), as the ablation scales th
 
 
 def window(trace: str, rate: float, duration: float, tag: str) -> list:
+    """The trace window's requests at ``rate`` req/s over ``duration`` s, lengths scaled."""
     path, start, div = TRACES[trace]
     lengths = Lengths(prompt_divisor=div, output_divisor=div, max_output=128)
     w = Window(path, start, round(rate * duration) + 2, lengths, sv.MIX, seed=7)

@@ -285,6 +285,7 @@ class AsyncLLMEngine:
         return outputs
 
     def _has_news(self) -> bool:
+        # Read without the lock as a hint; the worker decides to leave only under it.
         return bool(self._to_add or self._to_abort)
 
     def _run(self) -> None:
