@@ -160,8 +160,8 @@ class TpotGuard:
         self.ratio = 1.0
         """This step's ``StepTimeModel.local_ratio``, read once per plan."""
         self.acted: Counter[str] = Counter()
-        """Plans that :data:`ACTS` rules changed, by rule: what a rule that never acts
-        could earn is nothing (``bench/guard_rules_realtime.py``)."""
+        """Plans each rule of :data:`ACTS` changed, by rule name. A rule that never
+        changes a plan earns nothing (``bench/guard_rules_acts.py`` reads this)."""
 
     def sheds_at_once(self, req: Req, num_running: int, slo: float) -> bool:
         """Whether admitting waiting ``req`` now would only have it shed next step: its
