@@ -34,7 +34,11 @@ from router.local import LocalReplicas
 logger = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 5.0
-"""Seconds open streams get to finish after Ctrl-C before they are cut."""
+"""Seconds open requests get to finish after Ctrl-C; then the engine stops, and each
+stream still open ends with an error event and ``data: [DONE]``."""
+CUT_MARGIN_S = 5.0
+"""Seconds after that before uvicorn cancels what is still running (a backstop: the
+streams end as soon as the engine stops)."""
 REPLICA_ID = "local"
 
 
@@ -72,12 +76,16 @@ class _Server(uvicorn.Server):
     """uvicorn's server, stopped by SIGINT or SIGTERM through the event loop.
 
     uvicorn's own handlers raise the signal again once it has shut down, which would
-    cancel the engine's shutdown and end the process with a traceback.
+    cancel the engine's shutdown and end the process with a traceback. ``exiting`` is set
+    on the first signal.
     """
+
+    exiting: asyncio.Event
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         loop = asyncio.get_running_loop()
+        self.exiting = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.handle_exit, sig, None)
         try:
@@ -85,6 +93,10 @@ class _Server(uvicorn.Server):
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        self.exiting.set()
 
 
 def build_local(config: ServiceConfig) -> tuple[_Server, EngineReplica]:
@@ -97,12 +109,11 @@ def build_local(config: ServiceConfig) -> tuple[_Server, EngineReplica]:
     add_routes(app, ingress)
     server = _Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + CUT_MARGIN_S))
     return server, replica
 
 
-async def serve_until_stopped(server: uvicorn.Server, replica: EngineReplica,
-                              banner: str) -> int:
+async def serve_until_stopped(server: _Server, replica: EngineReplica, banner: str) -> int:
     """Serve until SIGINT or SIGTERM; print ``banner`` once the port accepts
     connections. Returns the exit status."""
     task = asyncio.create_task(server.serve())
@@ -110,15 +121,27 @@ async def serve_until_stopped(server: uvicorn.Server, replica: EngineReplica,
         await asyncio.sleep(0.05)
     if server.started:
         print(banner, flush=True)
+    stopper = asyncio.create_task(_stop_engine_after_grace(server, replica))
     try:
         await task
     except SystemExit as e:  # uvicorn exits when it cannot bind
         return int(e.code or 1)
     finally:
+        stopper.cancel()
         await replica.engine.shutdown()
     if server.started:
         print("iterserve: shut down", flush=True)
     return 0 if server.started else 1
+
+
+async def _stop_engine_after_grace(server: _Server, replica: EngineReplica) -> None:
+    """Once a signal asked the server to exit, give open requests
+    :data:`GRACEFUL_SHUTDOWN_S`, then stop the engine: the requests still open then end
+    with an error (503 ``replica_lost``; a stream, an error event and ``[DONE]``) rather
+    than being cancelled mid-write by uvicorn."""
+    await server.exiting.wait()
+    await asyncio.sleep(GRACEFUL_SHUTDOWN_S)
+    await replica.engine.shutdown()
 
 
 def run_local(config: ServiceConfig, banner: str) -> int:

@@ -154,8 +154,9 @@ def uses_ray(config: ServiceConfig, address: str | None) -> bool:
 def banner(config: ServiceConfig, url: str, where: str) -> str:
     """What ``iterserve serve`` prints once it accepts requests."""
     name = config.model_name()
-    key = next(iter(config.api_keys), None)
-    auth = f' -H "Authorization: Bearer {key}"' if key else ""
+    # A placeholder, not a configured key: the banner goes to logs.
+    auth = ' -H "Authorization: Bearer $OPENAI_API_KEY"' if (
+        config.api_keys or config.api_keys_file) else ""
     n = config.num_replicas
     return (
         f"\niterserve is ready: {url}/v1 (model {name!r}, {n} replica{'s' * (n != 1)} "

@@ -28,6 +28,11 @@ class EngineDeadError(RuntimeError):
     """The background loop failed; the stream cannot finish."""
 
 
+class EngineStoppedError(EngineDeadError):
+    """The engine was shut down (:meth:`AsyncLLMEngine.shutdown`) before the stream
+    finished, or before the request was queued."""
+
+
 @dataclass(slots=True)
 class _Pending:
     request_id: str
@@ -131,9 +136,12 @@ class AsyncLLMEngine:
             ValueError, RequestRejectedError: bad prompt, parameters or traffic class,
                 raised before the first output.
             EngineDeadError: the background loop failed.
+            EngineStoppedError: the engine was shut down.
         """
         if self._error is not None:
             raise EngineDeadError("engine loop failed") from self._error
+        if self._stopping:
+            raise EngineStoppedError("the engine was shut down")
         params = sampling_params or SamplingParams()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
@@ -148,6 +156,8 @@ class AsyncLLMEngine:
         try:
             while True:
                 item = await queue.get()
+                if isinstance(item, EngineStoppedError):
+                    raise EngineStoppedError(*item.args)
                 if isinstance(item, BaseException):
                     raise EngineDeadError("engine loop failed") from item
                 finished = item.finished
@@ -338,10 +348,12 @@ class AsyncLLMEngine:
             queue.put_nowait(error)
 
     async def shutdown(self) -> None:
-        """Stop the batching loop after the step in flight, and its worker thread.
-        Unfinished streams get no more outputs."""
+        """Stop the batching loop after the step in flight, and its worker thread; every
+        unfinished stream then raises :class:`EngineStoppedError` (a caller still waiting
+        on it would otherwise wait forever). Calling it again does nothing more."""
         self._stopping = True
         self._news.set()
         if self._worker is not None:
             await asyncio.wrap_future(self._worker)
         self._executor.shutdown(wait=True)
+        self._fail(EngineStoppedError("the engine was shut down"))

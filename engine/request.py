@@ -9,6 +9,11 @@ from typing import Any
 
 from policies.priority import DEFAULT_CLASS
 
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily, as vLLM's ``_SAMPLING_EPS``: the limit of
+sampling as the temperature goes to 0 is the argmax, and dividing logits by a temperature
+near fp32's smallest normal overflows them to inf (the softmax is then NaN)."""
+
 
 class RequestOutputKind(enum.Enum):
     """What each :class:`RequestOutput` of a request carries (vLLM's ``RequestOutputKind``).
@@ -43,7 +48,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     """Output tokens at most; None: until EOS or the end of the context."""
     temperature: float = 1.0
-    """0 means greedy."""
+    """Under :data:`GREEDY_TEMPERATURE` (0 included) means greedy."""
     top_p: float = 1.0
     top_k: int = 0
     """0 or -1: no top-k cut."""
@@ -66,6 +71,7 @@ class SamplingParams:
     """Constrain the output to JSON that validates against this schema (``{"type":
     "object"}``: any JSON object, OpenAI's ``json_object``); see :mod:`engine.structured`."""
     seed: int | None = None
+    """A signed 64-bit integer (``torch.Generator.manual_seed``'s range, as vLLM's API)."""
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -96,6 +102,8 @@ class SamplingParams:
             ("temperature", self.temperature,
              finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
             ("top_p", self.top_p, 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("seed", self.seed, self.seed is None or -2**63 <= self.seed < 2**63,
+             "must be a signed 64-bit integer"),
             ("top_k", self.top_k, self.top_k == -1 or self.top_k >= 0, "must be -1, 0 or >= 1"),
             ("min_p", self.min_p, 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("presence_penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2,
@@ -130,7 +138,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class RequestStatus(enum.Enum):

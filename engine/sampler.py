@@ -172,6 +172,7 @@ def _top_k_top_p_candidates(logits: torch.Tensor, top_ks: list[int], top_ps: lis
     mass_before = probs.cumsum(dim=-1) - probs
     p = torch.tensor(top_ps, device=dev)
     cut |= mass_before >= p.unsqueeze(1)
+    cut[:, 0] = False  # a top_p under fp32's range rounds to 0: the top token still stays
     covered = (has_k | (probs.sum(dim=-1) >= p)).tolist()
     out = torch.full_like(logits, float("-inf"))
     out.scatter_(-1, idx, vals.masked_fill(cut, float("-inf")))
@@ -189,6 +190,7 @@ def _top_k_top_p_sorted(logits: torch.Tensor, top_ks: list[int], top_ps: list[fl
     # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
     mass_before = probs.cumsum(dim=-1) - probs
     cut |= mass_before >= torch.tensor(top_ps, device=logits.device).unsqueeze(1)
+    cut[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 

@@ -245,8 +245,8 @@ class Ingress:
         finally:
             gone.cancel()
             if not work.done():
-                work.cancel()
-        return work.result() if not work.cancelled() else None
+                work.cancel()  # it ends at its next await: not done yet on return
+        return work.result() if work.done() and not work.cancelled() else None
 
     @staticmethod
     def _cancel(calls: list[PromptCall]) -> None:
@@ -296,8 +296,17 @@ class Ingress:
                                code="request_too_large")
         try:
             data = json.loads(body)
+            if b"\\u" in body or b"\xed" in body:  # how a lone UTF-16 surrogate gets in
+                json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:  # a string no tokenizer can encode
+            raise ApiError(400, "request body is not valid Unicode text: a lone UTF-16 "
+                                f"surrogate ({e.object[e.start:e.end]!a})",
+                           code="invalid_json") from None
         except ValueError as e:
             raise ApiError(400, f"request body is not valid JSON: {e}",
+                           code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "request body is not valid JSON: nested too deeply",
                            code="invalid_json") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object", code="invalid_json")

@@ -49,7 +49,7 @@ class LocalCall:
         """The request's step items.
 
         Raises:
-            ReplicaLost: the engine failed.
+            ReplicaLost: the engine failed or was shut down.
         """
         try:
             async for item in self.gen:
@@ -61,11 +61,11 @@ class LocalCall:
                     return
         except ApiError:
             raise
-        except Exception as e:  # the engine loop died: its error ends every stream
+        except Exception as e:  # the engine died or shut down: that ends every stream
             self.done = True
             if self.record is not None:
                 self.record.failed()
-            raise ReplicaLost(f"the engine failed: {type(e).__name__}: {e}") from e
+            raise ReplicaLost(f"the replica stopped: {e}") from e
 
     def cancel(self) -> None:
         """Abort the request (the engine frees its blocks before its next step)."""

@@ -10,7 +10,8 @@ behaviour; fields that change nothing about the output (``user``, ``metadata``, 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import types
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -92,7 +93,8 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
+    """A signed 64-bit integer, as vLLM's API."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -112,7 +114,8 @@ class _SamplingFields(BaseModel):
     safety_identifier: str | None = None
     """Accepted; changes nothing (OpenAI's successor of ``user``)."""
     prompt_cache_key: str | None = None
-    """Accepted; changes nothing (no prefix cache yet)."""
+    """Accepted; changes nothing (the prefix cache and prefix-affinity routing work
+    from the prompt's tokens)."""
     # vLLM's extensions
     top_k: int | None = Field(None, ge=-1)
     """-1, 0 or null: no top-k cut."""
@@ -134,7 +137,15 @@ class _SamplingFields(BaseModel):
             return data
         if (name := unsupported_field(data, cls.unsupported)) is not None:
             raise ValueError(f"`{name}` is not supported by this server")
-        return {k: v for k, v in data.items() if k not in cls.unsupported}
+        # null asks for the default (as OpenAI's API), where null is not a value itself
+        return {k: v for k, v in data.items()
+                if k not in cls.unsupported and not (v is None and _default_for_null(cls, k))}
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> Any:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("`stream_options` can only be set when `stream` is true")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -181,7 +192,18 @@ class CompletionRequest(_SamplingFields):
         prompts = list(v) if many else [v]
         if not prompts or any(not p for p in prompts):
             raise ValueError("prompt is empty")
+        for p in prompts:
+            if not isinstance(p, str) and not all(0 <= t < 2**31 for t in p):
+                bad = next(t for t in p if not 0 <= t < 2**31)
+                raise ValueError(f"{bad} is not a token id")
         return prompts
+
+
+def _default_for_null(model: type[BaseModel], name: str) -> bool:
+    """Whether ``name`` is a field of ``model`` that has a default and cannot be null."""
+    field = model.model_fields.get(name)
+    return (field is not None and not field.is_required()
+            and types.NoneType not in get_args(field.annotation))
 
 
 MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -230,3 +252,9 @@ class ChatCompletionRequest(_SamplingFields):
     """The newer name of ``max_tokens``; it wins when both are set."""
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("`top_logprobs` can only be set when `logprobs` is true")
+        return self

@@ -67,7 +67,9 @@ def resolve_caller(api_keys: Mapping[str, ApiKeyConfig], classes: Mapping[str, T
             unknown class; 403 for a class or priority more urgent than the key allows.
     """
     if api_keys:
-        key = (authorization or "").removeprefix("Bearer ").strip()
+        header = (authorization or "").strip()
+        scheme, _, rest = header.partition(" ")
+        key = rest.strip() if scheme.lower() == "bearer" else header  # RFC 9110: any case
         if not key:
             raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'",
                            code="missing_api_key")

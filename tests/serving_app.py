@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -20,6 +21,55 @@ from ray import serve
 
 from deploy.config import ServiceConfig
 from deploy.server import deploy, embedded_serve_env, spare_port
+
+MODEL = "SmolLM2-135M-Instruct"
+KEYS = {
+    "sk-interactive": {"tenant": "alice", "traffic_class": "interactive"},
+    "sk-standard": {"tenant": "carol", "traffic_class": "standard"},
+    "sk-batch": {"tenant": "bob", "traffic_class": "batch"},
+}
+NUM_KV_BLOCKS = 512  # 8192 tokens: a 5000-token request fits the context but not the cache
+MAX_NUM_SEQS = 8  # few seats: short steps (32 took about 0.95 s a step on a CI host)
+# The saturation test's interactive request waits for the step in flight and then its
+# own. On a loaded 2-core host two steps can near the default 2 s TTFT SLO, and admission
+# then rightly refuses it (429). Behind the batch queue it would wait some 40 steps.
+INTERACTIVE_TTFT_SLO_S = 5.0
+PROMPT = "The capital of France is"
+
+
+def service_config(tmp_path_factory, num_replicas: int, **more) -> ServiceConfig:
+    """The serving tests' configuration (``tests/test_serving.py`` and
+    ``tests/test_serving_local.py``)."""
+    # Two keys come from a file, as the Helm chart mounts them from a Secret.
+    keys_file = tmp_path_factory.mktemp("keys") / "api_keys.yaml"
+    keys_file.write_text(yaml.safe_dump({k: KEYS[k] for k in ("sk-interactive", "sk-batch")}))
+    return ServiceConfig(
+        num_replicas=num_replicas,
+        port=free_port(),
+        api_keys={"sk-standard": KEYS["sk-standard"]},
+        api_keys_file=str(keys_file),
+        engine={
+            "policy": "priority", "tpot_slo_guard": True,
+            "num_kv_blocks": NUM_KV_BLOCKS // 2,
+            "max_num_seqs": MAX_NUM_SEQS,
+            "max_model_len": 8192,
+            # A class that can never meet its SLO under load and goes after everything:
+            # it shows admission's 429 without touching the other classes.
+            "traffic_classes": {"tight": {"ttft_slo_s": 0.01, "tpot_slo_s": 0.01,
+                                          "default_priority": 3, "max_queue_wait_s": 0.3},
+                                "interactive": {"ttft_slo_s": INTERACTIVE_TTFT_SLO_S}},
+        },
+        **more,
+    )
+
+
+def post(url: str, path: str, body: dict | bytes, key: str | None = "sk-standard",
+          **headers: str) -> httpx.Response:
+    h = {"Content-Type": "application/json", **headers}
+    if key:
+        h["Authorization"] = f"Bearer {key}"
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{url}{path}", content=content, headers=h, timeout=120)
 
 
 def free_port() -> int:

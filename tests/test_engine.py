@@ -300,3 +300,25 @@ async def test_async_engine_is_built_and_stepped_on_one_worker_thread(monkeypatc
         assert threads["init"] == threads["step"] != threading.get_ident()
     finally:
         await engine.shutdown()
+
+
+async def test_shutdown_ends_an_open_stream_and_refuses_new_requests():
+    from engine.async_engine import EngineStoppedError
+
+    engine = AsyncLLMEngine.from_config(EngineConfig(num_kv_blocks=64))
+    got = []
+
+    async def consume() -> None:
+        async for out in engine.generate("Hi", SamplingParams(max_tokens=4000, ignore_eos=True)):
+            got.append(out)
+
+    task = asyncio.create_task(consume())
+    while not got:
+        await asyncio.sleep(0.01)
+    await engine.shutdown()
+    with pytest.raises(EngineStoppedError, match="shut down"):
+        await asyncio.wait_for(task, timeout=5)
+    with pytest.raises(EngineStoppedError):
+        async for _ in engine.generate("Hi", SamplingParams(max_tokens=2)):
+            pass
+    await engine.shutdown()  # a second call is harmless

@@ -49,7 +49,8 @@ def test_key_gives_class_and_ceiling():
         with pytest.raises(ApiError) as e:
             resolve_caller(KEYS, DEFAULT_CLASSES, "Bearer k-batch", header, prio)
         assert e.value.status == 403
-    for auth in [None, "Bearer nope", "Bearer "]:
+    assert resolve_caller(KEYS, DEFAULT_CLASSES, "bearer  k-int ", None, None).tenant == "a"
+    for auth in [None, "Bearer nope", "Bearer ", "Basic k-int"]:
         with pytest.raises(ApiError) as e:
             resolve_caller(KEYS, DEFAULT_CLASSES, auth, None, None)
         assert e.value.status == 401
@@ -281,7 +282,9 @@ def test_every_field_is_honoured_or_refused_by_name():
         ({**chat, "presence_penalty": 2.5}, "presence_penalty"),
         ({**chat, "logit_bias": {"abc": 1}}, "logit_bias"),
         ({**chat, "logit_bias": {"5": 150}}, "logit_bias"),
-        ({**chat, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+        ({**chat, "stream": True, "stream_options": {"include_usage": True, "x": 1}},
+         "stream_options.x"),
+        ({**chat, "seed": 2**64}, "seed"),
     ]:
         with pytest.raises(ApiError) as e:
             fmt.validate(body, ChatCompletionRequest)
@@ -312,6 +315,7 @@ def test_every_field_is_honoured_or_refused_by_name():
         fmt.validate({**chat, "verbosity": "low"}, ChatCompletionRequest)
     ok = fmt.validate({**chat, "tools": [], "response_format": {"type": "text"}, "user": "u",
                        "safety_identifier": "s", "prompt_cache_key": "k", "verbosity": None,
+                       "stream": True, "temperature": None, "n": None,
                        "stream_options": {"include_usage": True, "include_obfuscation": False},
                        "metadata": {"a": "b"}, "store": False, "service_tier": "auto",
                        "logit_bias": {"42": -5}, "top_k": 5, "min_p": 0.1,
@@ -319,6 +323,7 @@ def test_every_field_is_honoured_or_refused_by_name():
                        "frequency_penalty": 0.5, "presence_penalty": -0.5},
                       ChatCompletionRequest)
     params = fmt.sampling_params(ok, chat=True)
+    assert (ok.temperature, ok.n) == (1.0, 1)  # null asks for the default, as OpenAI's
     assert params["logit_bias"] == {42: -5} and params["top_k"] == 5
     assert (params["min_p"], params["repetition_penalty"], params["min_tokens"]) == (0.1, 1.1, 2)
     assert (params["frequency_penalty"], params["presence_penalty"]) == (0.5, -0.5)
@@ -332,3 +337,24 @@ def test_every_field_is_honoured_or_refused_by_name():
     from engine.request import SamplingParams
 
     SamplingParams(**params)  # every field the ingress sends is one the engine takes
+
+
+def test_requests_vllm_refuses_are_refused_with_a_reason():
+    from router import openai_format as fmt
+    from router.schemas import ChatCompletionRequest, CompletionRequest
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for body, reason in [
+        ({**chat, "stream_options": {"include_usage": True}}, "`stream` is true"),
+        ({**chat, "top_logprobs": 3}, "`logprobs` is true"),
+    ]:
+        with pytest.raises(ApiError, match=reason) as e:
+            fmt.validate(body, ChatCompletionRequest)
+        assert e.value.status == 400
+    for prompt in ([-1, 5], [[5], [2**63]]):
+        with pytest.raises(ApiError, match="is not a token id") as e:
+            fmt.validate({"model": "m", "prompt": prompt}, CompletionRequest)
+        assert (e.value.status, e.value.param) == (400, "prompt"), e.value.param
+    # null is not a value for max_tokens' default to replace: it means up to the context.
+    assert fmt.validate({"model": "m", "prompt": "x", "max_tokens": None},
+                        CompletionRequest).max_tokens is None

@@ -124,11 +124,26 @@ def test_out_of_range_values_name_the_field():
            (dict(frequency_penalty=-3), "frequency_penalty"),
            (dict(repetition_penalty=0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
            (dict(logit_bias={3: 101}), "logit_bias"),
-           (dict(min_tokens=5, max_tokens=4), "min_tokens")]
+           (dict(min_tokens=5, max_tokens=4), "min_tokens"), (dict(seed=2**64), "seed"),
+           (dict(seed=-2**63 - 1), "seed")]
     for kwargs, name in bad:
         with pytest.raises(ParamError, match=f"SamplingParams.{name}=") as e:
             SP(**kwargs)
         assert e.value.param == name
+
+
+def test_extreme_temperature_and_top_p_still_draw_the_top_token():
+    # A temperature near fp32's smallest normal overflowed the logits to inf (NaN softmax),
+    # and a top_p that rounds to 0 in fp32 removed every token: both drew an id outside
+    # the vocabulary, which killed the engine at its next step.
+    logits = torch.randn(3, 4 * sampler.TOP_CANDIDATES, generator=torch.Generator().manual_seed(1))
+    reqs = [_req([1], [], temperature=1e-38, seed=1), _req([1], [], temperature=2, top_p=1e-50),
+            _req([1], [], temperature=2, top_k=5, top_p=1e-300, seed=2)]
+    drawn = [r.token_id for r in Sampler(torch.device("cpu"), 0).sample(logits, reqs)]
+    assert drawn == logits.argmax(dim=-1).tolist()
+    assert SP(temperature=1e-6).greedy and not SP(temperature=1e-4).greedy
+    kept = sampler._top_k_top_p_sorted(logits, [logits.shape[1]] * 3, [0.0] * 3).isfinite()
+    assert kept.sum(dim=-1).tolist() == [1, 1, 1]
 
 
 @pytest.fixture(scope="module")

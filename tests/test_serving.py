@@ -13,54 +13,26 @@ import time
 import httpx
 import openai
 import pytest
-import yaml
 
 ray = pytest.importorskip("ray")
 
-from deploy.config import ServiceConfig  # noqa: E402
 from tests import serving_app as app  # noqa: E402
+from tests.serving_app import (  # noqa: E402
+    INTERACTIVE_TTFT_SLO_S,
+    MAX_NUM_SEQS,
+    MODEL,
+    PROMPT,
+    post,
+    service_config,
+)
+from tests.serving_errors import (  # noqa: E402, F401  (collected against this module's server)
+    test_bad_chat_input,
+    test_bad_input_gets_openai_error,
+    test_inputs_that_once_stopped_the_engine,
+    test_malformed_json_oversized_body_and_auth,
+)
 
 pytestmark = pytest.mark.slow
-
-MODEL = "SmolLM2-135M-Instruct"
-KEYS = {
-    "sk-interactive": {"tenant": "alice", "traffic_class": "interactive"},
-    "sk-standard": {"tenant": "carol", "traffic_class": "standard"},
-    "sk-batch": {"tenant": "bob", "traffic_class": "batch"},
-}
-NUM_KV_BLOCKS = 512  # 8192 tokens: a 5000-token request fits the context but not the cache
-MAX_NUM_SEQS = 8  # few seats: short steps (32 took about 0.95 s a step on a CI host)
-# The saturation test's interactive request waits for the step in flight and then its
-# own. On a loaded 2-core host two steps can near the default 2 s TTFT SLO, and admission
-# then rightly refuses it (429). Behind the batch queue it would wait some 40 steps.
-INTERACTIVE_TTFT_SLO_S = 5.0
-PROMPT = "The capital of France is"
-
-
-def service_config(tmp_path_factory, num_replicas: int, **more) -> ServiceConfig:
-    """The serving tests' configuration (also ``tests/test_serving_local.py``'s)."""
-    # Two keys come from a file, as the Helm chart mounts them from a Secret.
-    keys_file = tmp_path_factory.mktemp("keys") / "api_keys.yaml"
-    keys_file.write_text(yaml.safe_dump({k: KEYS[k] for k in ("sk-interactive", "sk-batch")}))
-    return ServiceConfig(
-        num_replicas=num_replicas,
-        port=app.free_port(),
-        api_keys={"sk-standard": KEYS["sk-standard"]},
-        api_keys_file=str(keys_file),
-        engine={
-            "policy": "priority", "tpot_slo_guard": True,
-            "num_kv_blocks": NUM_KV_BLOCKS // 2,
-            "max_num_seqs": MAX_NUM_SEQS,
-            "max_model_len": 8192,
-            # A class that can never meet its SLO under load and goes after everything:
-            # it shows admission's 429 without touching the other classes.
-            "traffic_classes": {"tight": {"ttft_slo_s": 0.01, "tpot_slo_s": 0.01,
-                                          "default_priority": 3, "max_queue_wait_s": 0.3},
-                                "interactive": {"ttft_slo_s": INTERACTIVE_TTFT_SLO_S}},
-        },
-        **more,
-    )
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -68,15 +40,6 @@ def server(tmp_path_factory):
     config = service_config(tmp_path_factory, num_replicas=2, replica_num_cpus=1)
     with app.running_app(config, replicas=2) as url:
         yield url
-
-
-def _post(url: str, path: str, body: dict | bytes, key: str | None = "sk-standard",
-          **headers: str) -> httpx.Response:
-    h = {"Content-Type": "application/json", **headers}
-    if key:
-        h["Authorization"] = f"Bearer {key}"
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(f"{url}{path}", content=content, headers=h, timeout=120)
 
 
 # -- correctness ----------------------------------------------------------------------------
@@ -237,7 +200,7 @@ def test_n_seed_and_logprobs(server):
 
 
 def test_max_tokens_null_means_unset(server):
-    r = _post(server, "/v1/chat/completions", {
+    r = post(server, "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "Say hello."}],
         "max_tokens": None, "temperature": 0})
     assert r.status_code == 200, r.text
@@ -247,41 +210,6 @@ def test_max_tokens_null_means_unset(server):
 
 
 # -- bad input ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("body,status,param,needle", [
-    ({"model": MODEL, "prompt": "a", "max_tokens": -1}, 400, "max_tokens",
-     "greater than or equal to 0"),
-    ({"model": MODEL, "prompt": "a", "n": 0}, 400, "n", "greater than or equal to 1"),
-    ({"model": MODEL, "prompt": "a", "n": 9}, 400, "n", "cap of 8"),
-    ({"model": MODEL, "prompt": "a", "temperature": -0.5}, 400, "temperature",
-     "greater than or equal to 0"),
-    ({"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p", "greater than 0"),
-    ({"model": MODEL, "prompt": "a", "top_p": 1.5}, 400, "top_p", "less than or equal to 1"),
-    ({"model": MODEL, "prompt": ""}, 400, "prompt", "empty"),
-    ({"model": MODEL, "prompt": "a", "max_tokens": 9000}, 400, "prompt", "context of 8192"),
-    ({"model": MODEL, "prompt": "a", "max_tokens": 5000}, 400, "prompt",
-     f"KV cache capacity of {NUM_KV_BLOCKS // 2 * 16}"),
-    ({"model": "gpt-4", "prompt": "a"}, 404, "model", "does not exist"),
-    ({"prompt": "a"}, 400, "model", "required"),
-    ({"model": MODEL, "prompt": "a", "suffix": "!"}, 400, "suffix", "not supported"),
-    ({"model": MODEL, "prompt": "a", "frobnicate": 1}, 400, "frobnicate",
-     "not a parameter"),
-    ({"model": MODEL, "prompt": "a", "logit_bias": {"99999999": 1}}, 400, "logit_bias",
-     "token id 99999999 is outside the vocabulary"),
-    ({"model": MODEL, "prompt": "a", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens",
-     "<= max_tokens"),
-    ({"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens", "needs echo"),
-    ({"model": MODEL, "prompt": ["a", "b", "c"], "n": 3}, 400, "n", "cap of 8"),
-])
-@pytest.mark.parametrize("stream", [False, True])
-def test_bad_input_gets_openai_error(server, body, status, param, needle, stream):
-    r = _post(server, "/v1/completions", {**body, "stream": stream})
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")  # before any stream
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["param"] == param and needle in err["message"], err
 
 
 def test_chat_response_format_json_schema(server):
@@ -297,7 +225,7 @@ def test_chat_response_format_json_schema(server):
     assert chat.choices[0].finish_reason == "stop"
     data = json.loads(chat.choices[0].message.content)
     assert set(data) == {"city", "population_millions"} and isinstance(data["city"], str)
-    r = _post(server, "/v1/chat/completions", {
+    r = post(server, "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "x"}],
         "response_format": {"type": "json_schema",
                             "json_schema": {"name": "bad", "schema": {"type": "nope"}}}})
@@ -311,44 +239,9 @@ def test_cors_preflight_from_a_browser_origin(server):
     assert r.status_code == 200, r.text
     assert r.headers["access-control-allow-origin"] in ("*", "https://app.example")
     assert "authorization" in r.headers["access-control-allow-headers"].lower()
-    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 1},
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 1},
               Origin="https://app.example")
     assert r.status_code == 200 and r.headers["access-control-allow-origin"]
-
-
-def test_bad_chat_input(server):
-    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": []})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    with pytest.raises(openai.BadRequestError) as e:
-        app.client(server).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x " * 9000}], max_tokens=4)
-    assert "context" in str(e.value)
-
-
-def test_malformed_json_oversized_body_and_auth(server):
-    r = _post(server, "/v1/completions", b'{"model": "x", "prompt": ')
-    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    big = json.dumps({"model": MODEL, "prompt": "a" * (2 << 20)}).encode()
-    r = _post(server, "/v1/completions", big)
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    assert _post(server, "/v1/completions", {"model": MODEL, "prompt": "a"},
-                 key=None).status_code == 401
-    assert _post(server, "/v1/completions", {"model": MODEL, "prompt": "a"},
-                 key="sk-wrong").status_code == 401
-    # A key may lower its urgency, never raise it.
-    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2},
-              key="sk-standard", **{"x-iterserve-class": "interactive"})
-    assert r.status_code == 403 and r.json()["error"]["param"] == "x-iterserve-class"
-    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2,
-                                          "priority": 0}, key="sk-standard")
-    assert r.status_code == 403 and r.json()["error"]["param"] == "priority"
-    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2},
-              key="sk-standard", **{"x-iterserve-class": "batch"})
-    assert r.status_code == 200 and r.headers["x-iterserve-class"] == "batch"
-    # The server is healthy after all of that.
-    out = app.client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
-                                             temperature=0)
-    assert out.choices[0].finish_reason == "length"
 
 
 # -- load -----------------------------------------------------------------------------------
@@ -431,7 +324,7 @@ def test_interactive_first_token_while_batch_saturates(server):
             time.sleep(0.2)
 
         # A class that cannot meet its SLO behind this load is refused with a Retry-After.
-        r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 4},
+        r = post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 4},
                   key="sk-batch", **{"x-iterserve-class": "tight"})
         assert r.status_code == 429, r.text
         assert (int(r.headers["Retry-After"]) >= 1

@@ -5,25 +5,32 @@ path does: one process, and a clear error for a taken port."""
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from deploy.config import ServiceConfig
+from deploy.local_server import CUT_MARGIN_S, GRACEFUL_SHUTDOWN_S
 from deploy.server import uses_ray
 from router.calls import ReplicaLost
 from router.local import LocalCall
 from tests import serving_app as app
-from tests.test_serving import (  # noqa: F401  (collected here against this module's server)
-    MODEL,
-    service_config,
-    test_50_concurrent_streams,
+from tests.serving_app import MODEL, service_config
+from tests.serving_errors import (  # noqa: F401  (collected against this module's server)
     test_bad_chat_input,
     test_bad_input_gets_openai_error,
+    test_inputs_that_once_stopped_the_engine,
+    test_malformed_json_oversized_body_and_auth,
+)
+from tests.test_serving import (  # noqa: F401  (collected against this module's server)
+    test_50_concurrent_streams,
     test_chat_response_format_json_schema,
     test_chat_streaming_equals_non_streaming_with_one_usage_chunk,
     test_client_disconnect_aborts_and_frees_blocks,
@@ -32,7 +39,6 @@ from tests.test_serving import (  # noqa: F401  (collected here against this mod
     test_cors_preflight_from_a_browser_origin,
     test_echo_scores_a_prompt_as_transformers_does,
     test_interactive_first_token_while_batch_saturates,
-    test_malformed_json_oversized_body_and_auth,
     test_max_tokens_null_means_unset,
     test_n_seed_and_logprobs,
     test_several_prompts_index_choices_across_prompts_and_n,
@@ -133,3 +139,37 @@ def test_an_engine_failure_ends_the_stream_as_a_lost_replica():
 
     record = Record()
     assert len(asyncio.run(run())) == 1 and record.failed_calls == 1
+
+
+def test_the_log_has_no_traceback_after_every_test_above(command):
+    """Bad input, disconnects (a non-streaming one logged ``InvalidStateError`` until
+    2026-12-06) and load leave no traceback: each is answered, not crashed through."""
+    log = command.log.read_text()
+    assert "Traceback" not in log, log[-3000:]
+
+
+def test_ctrl_c_ends_an_open_stream_with_an_error_event_and_done(tmp_path_factory):
+    """A stream still open when Ctrl-C's grace period ends gets an OpenAI error event and
+    ``[DONE]`` (uvicorn would otherwise cancel it mid-write, with a traceback in the
+    log), and the server exits with status 0 (``running_command`` checks it)."""
+    config = ServiceConfig(port=app.free_port())
+    url = f"http://{config.host}:{config.port}"
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4000, "stream": True,
+            "ignore_eos": True}
+    with app.running_command(config, tmp_path_factory.mktemp("ctrl-c")) as proc:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+            events = []
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                if len(events) == 3:
+                    start = time.monotonic()
+                    proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        took = time.monotonic() - start
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "replica_lost" and "shut down" in error["message"], error
+    assert all("choices" in json.loads(e) for e in events[:-2])
+    assert GRACEFUL_SHUTDOWN_S - 1 < took < GRACEFUL_SHUTDOWN_S + CUT_MARGIN_S, took
+    assert "Traceback" not in proc.log.read_text(), proc.log.read_text()[-3000:]
