@@ -341,7 +341,9 @@ class AdmissionController:
         if pred.ttft_s > max(ttft_limit, idle_ttft):
             failed.append(("ttft", f"predicted TTFT {pred.ttft_s:.2f} s > {ttft_limit:.2f} s "
                                    f"({self.slo_margin:g} of the budget; "
-                                   f"{pred.tokens_ahead} tokens ahead)"))
+                                   f"{pred.tokens_ahead} tokens ahead)" if ttft_budget_s > 0
+                           else f"its TTFT SLO passed while it was held (predicted TTFT "
+                                f"{pred.ttft_s:.2f} s; {pred.tokens_ahead} tokens ahead)"))
         if pred.tpot_s > max(tpot_limit, idle_tpot):
             failed.append(("tpot", f"predicted TPOT {pred.tpot_s:.3f} s > {tpot_limit:.3f} s "
                                    f"({self.slo_margin:g} of the SLO)"))

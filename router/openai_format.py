@@ -24,7 +24,9 @@ def validate(body: dict, schema: type[BaseModel]) -> Any:
         return schema.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
+        # pydantic names the member of a union it tried (prompt.str, stop.list[str]):
+        # the API's param is the field's path alone.
+        param = ".".join(str(p) for p in err["loc"] if not _union_member(p)) or None
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing":
             message = f"{param}: field required"
@@ -33,6 +35,11 @@ def validate(body: dict, schema: type[BaseModel]) -> Any:
         else:
             message = f"{param}: {msg} (got {err.get('input')!r})"
         raise ApiError(400, message, param=param, code="invalid_value") from None
+
+
+def _union_member(loc: str | int) -> bool:
+    return isinstance(loc, str) and (loc in ("str", "int", "float", "bool", "dict")
+                                     or "[" in loc)
 
 
 def check_served(req: Any, chat: bool, model_name: str, max_n: int) -> None:

@@ -156,8 +156,8 @@ async def test_rejected_after_max_queue_wait_with_retry_after_but_batch_waits():
 
 
 async def test_rejection_after_a_hold_says_what_held_it():
-    # The last failure after a hold is often only a spent TTFT budget ("> -0.89 s"); the
-    # 429 must also say why the request was held in the first place.
+    # The last failure after a hold is often only a spent TTFT budget; the 429 must also
+    # say why the request was held in the first place.
     clock = FakeClock()
     adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy(), clock=clock)
     busy = [_snap(waiting_tokens=100_000)]
@@ -355,6 +355,21 @@ def test_requests_vllm_refuses_are_refused_with_a_reason():
         with pytest.raises(ApiError, match="is not a token id") as e:
             fmt.validate({"model": "m", "prompt": prompt}, CompletionRequest)
         assert (e.value.status, e.value.param) == (400, "prompt"), e.value.param
+    # The param is the field's path, without the union member pydantic tried.
+    for body, param in [({"stop": [1]}, "stop"), ({"prompt": [["a"]]}, "prompt")]:
+        with pytest.raises(ApiError) as e:
+            fmt.validate({"model": "m", "prompt": "a", **body}, CompletionRequest)
+        assert e.value.param == param, e.value.param
     # null is not a value for max_tokens' default to replace: it means up to the context.
     assert fmt.validate({"model": "m", "prompt": "x", "max_tokens": None},
                         CompletionRequest).max_tokens is None
+
+
+def test_a_ttft_budget_spent_while_held_is_said_so():
+    from policies import AdmissionController, Reject
+
+    adm = AdmissionController(DEFAULT_CLASSES, policy=PriorityPolicy())
+    slo = DEFAULT_CLASSES["standard"].ttft_slo_s
+    d = adm.decide(_snap(waiting_tokens=100_000), "standard", 10, 16, 1, waited_s=slo + 1)
+    assert isinstance(d, Reject) and "passed while it was held" in d.reason, d
+    assert "> -" not in d.reason
