@@ -124,6 +124,8 @@ class Server:
                 self.command += ["--address", "local"]
             env.update(spec.env or {})
         self._env = env
+        # With the mix, iterserve has keys, and /v1/models needs one (vLLM ignores it).
+        self._auth = {"Authorization": f"Bearer {MIX_API_KEY}"} if mix else {}
         self.log = Path(self._tmp.name) / "server.log"
         self.proc: subprocess.Popen | None = None
 
@@ -137,7 +139,8 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.label} exited at start:\n{self.log.read_text()[-3000:]}")
             try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/v1/models", headers=self._auth,
+                             timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -256,7 +256,7 @@ class AsyncLLMEngine:
                 self._to_abort.append(abort)
             start, self._running = not self._running, True
         self._news.set()
-        if start:
+        if start and not self._stopping:  # a stream's abort may follow shutdown()
             self._worker = self._executor.submit(self._run)
 
     def _apply_pending(self) -> None:

@@ -44,7 +44,7 @@ from router.responses import PromptCall
 from router.routing import RequestShape
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import IngressSettings
-from router.tenants import CLASS_HEADER, check_key_classes, resolve_caller
+from router.tenants import CLASS_HEADER, authenticate, check_key_classes, resolve_caller
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +148,9 @@ class Ingress:
         """Prometheus exposition of every ``iterserve:`` metric (:mod:`deploy.metrics`)."""
         return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    async def models(self) -> Response:
+    async def models(self, request: Request) -> Response:
         try:
+            authenticate(self.api_keys, request.headers.get("authorization"))
             info = await self._model_info()
         except ApiError as e:
             return self._error(e)
@@ -170,6 +171,9 @@ class Ingress:
         arrival = time.monotonic()
         calls: list[PromptCall] = []
         try:
+            # The key first, as vLLM's --api-key: a caller without one learns nothing,
+            # not even which of its fields are wrong.
+            authenticate(self.api_keys, request.headers.get("authorization"))
             body = await self._read_json(request)
             req = fmt.validate(body, ChatCompletionRequest if chat else CompletionRequest)
             fmt.check_served(req, chat, self.settings.model_name, self.settings.max_n)

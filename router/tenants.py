@@ -52,13 +52,35 @@ class Caller:
     priority: int
 
 
+def authenticate(api_keys: Mapping[str, ApiKeyConfig],
+                 authorization: str | None) -> ApiKeyConfig | None:
+    """The caller's key, from the ``Authorization`` header (``Bearer <key>``, the scheme
+    in any case, as RFC 9110 allows); None when no keys are configured.
+
+    Raises:
+        ApiError: 401 for a missing or unknown key (when keys are configured).
+    """
+    if not api_keys:
+        return None
+    header = (authorization or "").strip()
+    scheme, _, rest = header.partition(" ")
+    key = rest.strip() if scheme.lower() == "bearer" else header
+    if not key:
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                       code="missing_api_key")
+    entry = api_keys.get(key)
+    if entry is None:
+        raise ApiError(401, "invalid API key", code="invalid_api_key")
+    return entry
+
+
 def resolve_caller(api_keys: Mapping[str, ApiKeyConfig], classes: Mapping[str, TrafficClass],
                    authorization: str | None, class_header: str | None,
                    priority: int | None) -> Caller:
     """The caller's tenant, class and priority for one request.
 
     Args:
-        authorization: the ``Authorization`` header (``Bearer <key>``), if sent.
+        authorization: the ``Authorization`` header, if sent (see :func:`authenticate`).
         class_header: the ``x-iterserve-class`` header, if sent.
         priority: the body's ``priority`` field, if sent.
 
@@ -66,18 +88,9 @@ def resolve_caller(api_keys: Mapping[str, ApiKeyConfig], classes: Mapping[str, T
         ApiError: 401 for a missing or unknown key (when keys are configured); 400 for an
             unknown class; 403 for a class or priority more urgent than the key allows.
     """
-    if api_keys:
-        header = (authorization or "").strip()
-        scheme, _, rest = header.partition(" ")
-        key = rest.strip() if scheme.lower() == "bearer" else header  # RFC 9110: any case
-        if not key:
-            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                           code="missing_api_key")
-        entry = api_keys.get(key)
-        if entry is None:
-            raise ApiError(401, "invalid API key", code="invalid_api_key")
-        tenant, base = entry.tenant, entry.traffic_class
-        ceiling = entry.max_priority
+    entry = authenticate(api_keys, authorization)
+    if entry is not None:
+        tenant, base, ceiling = entry.tenant, entry.traffic_class, entry.max_priority
     else:
         tenant, base, ceiling = None, DEFAULT_CLASS, None
     if ceiling is None:

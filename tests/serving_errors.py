@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -68,6 +69,12 @@ def test_malformed_json_oversized_body_and_auth(server):
                  key=None).status_code == 401
     assert post(server, "/v1/completions", {"model": MODEL, "prompt": "a"},
                  key="sk-wrong").status_code == 401
+    # The key is checked first (as vLLM's --api-key), /v1/models included.
+    assert post(server, "/v1/completions", b'{"model": ', key=None).status_code == 401
+    models = httpx.get(f"{server}/v1/models", timeout=10)
+    assert models.status_code == 401 and models.json()["error"]["code"] == "missing_api_key"
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": "bearer sk-standard"},
+                     timeout=10).status_code == 200
     # A key may lower its urgency, never raise it.
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2},
               key="sk-standard", **{"x-iterserve-class": "interactive"})

@@ -309,12 +309,13 @@ async def test_shutdown_ends_an_open_stream_and_refuses_new_requests():
     got = []
 
     async def consume() -> None:
-        async for out in engine.generate("Hi", SamplingParams(max_tokens=4000, ignore_eos=True)):
+        async for out in engine.generate("Hi", SamplingParams(max_tokens=900, ignore_eos=True)):
             got.append(out)
 
     task = asyncio.create_task(consume())
-    while not got:
+    while not got and not task.done():
         await asyncio.sleep(0.01)
+    assert got and not task.done()
     await engine.shutdown()
     with pytest.raises(EngineStoppedError, match="shut down"):
         await asyncio.wait_for(task, timeout=5)

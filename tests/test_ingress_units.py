@@ -13,7 +13,7 @@ from deploy.config import ServiceConfig
 from policies import DEFAULT_CLASSES, LoadSnapshot, PriorityPolicy
 from router.admission import AdmissionRejected, IngressAdmission
 from router.errors import ApiError
-from router.tenants import ApiKeyConfig, resolve_caller
+from router.tenants import ApiKeyConfig, authenticate, resolve_caller
 
 KEYS = {
     "k-int": ApiKeyConfig(tenant="a", traffic_class="interactive"),
@@ -50,6 +50,7 @@ def test_key_gives_class_and_ceiling():
             resolve_caller(KEYS, DEFAULT_CLASSES, "Bearer k-batch", header, prio)
         assert e.value.status == 403
     assert resolve_caller(KEYS, DEFAULT_CLASSES, "bearer  k-int ", None, None).tenant == "a"
+    assert authenticate({}, None) is None and authenticate(KEYS, "BEARER k-batch").tenant == "b"
     for auth in [None, "Bearer nope", "Bearer ", "Basic k-int"]:
         with pytest.raises(ApiError) as e:
             resolve_caller(KEYS, DEFAULT_CLASSES, auth, None, None)
