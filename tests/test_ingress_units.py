@@ -311,7 +311,13 @@ def test_every_field_is_honoured_or_refused_by_name():
     assert many.prompt == ["a", "b"] and fmt.scores_only(many, chat=False)
     scored = fmt.sampling_params(many, chat=False)
     assert scored["max_tokens"] == 1 and scored["prompt_logprobs"] == 2
-    # Values that ask for the default, and fields that change nothing, are accepted.
+
+
+def test_default_values_and_fields_that_change_nothing_are_accepted():
+    from router import openai_format as fmt
+    from router.schemas import ChatCompletionRequest
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     with pytest.raises(ApiError, match="`verbosity` is not supported"):
         fmt.validate({**chat, "verbosity": "low"}, ChatCompletionRequest)
     ok = fmt.validate({**chat, "tools": [], "response_format": {"type": "text"}, "user": "u",
