@@ -229,6 +229,14 @@ class ChatMessage(BaseModel):
             raise ValueError(f"`{name}` in messages is not supported by this server")
         return {k: v for k, v in data.items() if k not in MESSAGE_NEUTRAL}
 
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        # Only an assistant turn may come without content (OpenAI's rule: with tool calls
+        # or a refusal instead); any other role's missing content is a client's mistake.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required for a {self.role} message")
+        return self
+
     def text(self) -> str:
         """The message's text; content parts other than text are refused."""
         if self.content is None or isinstance(self.content, str):

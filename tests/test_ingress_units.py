@@ -354,6 +354,7 @@ def test_requests_vllm_refuses_are_refused_with_a_reason():
     for body, reason in [
         ({**chat, "stream_options": {"include_usage": True}}, "`stream` is true"),
         ({**chat, "top_logprobs": 3}, "`logprobs` is true"),
+        ({**chat, "messages": [{"role": "user"}]}, "content is required"),
     ]:
         with pytest.raises(ApiError, match=reason) as e:
             fmt.validate(body, ChatCompletionRequest)
