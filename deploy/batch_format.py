@@ -158,30 +158,30 @@ class OutputFile:
         self.done: set[str] = set()
         self.repaired_bytes = 0
         if self.path.exists():
-            self._repair()
-            self._read(known_ids)
+            data = self.path.read_bytes()
+            whole = data.rfind(b"\n") + 1
+            # Every whole line is checked before the torn tail is cut: a file that is not
+            # this input's output stays as it was.
+            self._read(data[:whole].decode("utf-8", errors="replace"), known_ids)
+            if whole < len(data):  # torn: the last write did not finish
+                self.repaired_bytes = len(data) - whole
+                os.truncate(self.path, whole)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def _repair(self) -> None:
-        data = self.path.read_bytes()
-        keep = data.rfind(b"\n") + 1
-        if keep < len(data):  # torn: the last write did not finish
-            self.repaired_bytes = len(data) - keep
-            os.truncate(self.path, keep)
-
-    def _read(self, known_ids: set[str]) -> None:
-        with open(self.path, encoding="utf-8") as f:
-            for n, text in enumerate(f, start=1):
-                try:
-                    cid = json.loads(text)["custom_id"]
-                except (ValueError, KeyError, TypeError):
-                    raise BatchFileError(f"{self.path}: line {n} is not a batch output "
-                                         "record; is this the right output file?") from None
-                if cid not in known_ids:
-                    raise BatchFileError(f"{self.path}: line {n} answers custom_id {cid!r}, "
-                                         "which the input does not have; is this the output "
-                                         "of another input?")
-                self.done.add(cid)
+    def _read(self, text: str, known_ids: set[str]) -> None:
+        for n, line in enumerate(text.splitlines(), start=1):
+            try:
+                rec = json.loads(line)
+                cid = rec["custom_id"]
+                rec["response"]  # an input line has a custom_id too, but no response
+            except (ValueError, KeyError, TypeError):
+                raise BatchFileError(f"{self.path}: line {n} is not a batch output "
+                                     "record; is this the right output file?") from None
+            if cid not in known_ids:
+                raise BatchFileError(f"{self.path}: line {n} answers custom_id {cid!r}, "
+                                     "which the input does not have; is this the output "
+                                     "of another input?")
+            self.done.add(cid)
 
     def write(self, rec: dict) -> None:
         """Append one record as one line (one write call), so a kill tears at most it."""

@@ -160,14 +160,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(e: Exception) -> str:
+    """A pydantic error as ``field: message`` pairs (its own text spans lines and ends
+    in a link); anything else as it is."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: "
+                         f"{err['msg'].removeprefix('Value error, ')}" for err in e.errors())
+    return str(e)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, OSError) as e:  # bad input: a clear message, not a traceback
-        print(f"iterserve: error: {e}", file=sys.stderr)
+        print(f"iterserve: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\niterserve: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

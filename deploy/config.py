@@ -141,12 +141,15 @@ class ServiceConfig(IngressOptions):
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
-            ValueError: the file is not a YAML mapping.
+            ValueError: the file is not YAML, or not a YAML mapping.
             pydantic.ValidationError: a bad key or value.
         """
         data: dict[str, Any] = {}
         if path is not None:
-            loaded = yaml.safe_load(Path(path).read_text())
+            try:
+                loaded = yaml.safe_load(Path(path).read_text())
+            except yaml.YAMLError as e:
+                raise ValueError(f"{path}: not valid YAML ({e})".replace("\n", " ")) from None
             if loaded is not None and not isinstance(loaded, dict):
                 raise ValueError(f"{path}: expected a YAML mapping at the top level")
             data = dict(loaded or {})

@@ -98,13 +98,15 @@ def make_classes(
         if unknown:
             raise ValueError(f"traffic class {name!r}: unknown fields {sorted(unknown)}")
         values = {**values, "name": name}
-        try:
-            if name in classes:
-                classes[name] = dataclasses.replace(classes[name], **values)
-            else:
-                classes[name] = TrafficClass(**values)
-        except TypeError as e:
-            raise ValueError(f"traffic class {name!r}: {e}") from None
+        if name in classes:
+            classes[name] = dataclasses.replace(classes[name], **values)
+            continue
+        missing = sorted(f.name for f in dataclasses.fields(TrafficClass)
+                         if f.default is dataclasses.MISSING and f.name not in values)
+        if missing:
+            raise ValueError(f"traffic class {name!r} is new (known: {sorted(classes)}): "
+                             f"give {', '.join(missing)} too")
+        classes[name] = TrafficClass(**values)
     return classes
 
 

@@ -118,6 +118,16 @@ def test_output_file_of_another_input_is_refused(tmp_path):
     path.write_text("not a record\n" + json.dumps(record("a", 200, "r", {})) + "\n")
     with pytest.raises(BatchFileError, match="line 1"):
         OutputFile(path, {"a"})
+    # A file that is not an output keeps its last line (the torn-line repair comes after
+    # the check), and the input itself given as the output is no output.
+    notes = "line one of my notes\nline two of my notes"
+    path.write_text(notes)
+    with pytest.raises(BatchFileError, match="line 1"):
+        OutputFile(path, {"a"})
+    assert path.read_text() == notes
+    path.write_text(_line("a") + "\n")
+    with pytest.raises(BatchFileError, match="line 1 is not a batch output record"):
+        OutputFile(path, {"a"})
 
 
 def test_ordered_copy_follows_the_input(tmp_path):

@@ -381,3 +381,12 @@ def test_a_ttft_budget_spent_while_held_is_said_so():
     d = adm.decide(_snap(waiting_tokens=100_000), "standard", 10, 16, 1, waited_s=slo + 1)
     assert isinstance(d, Reject) and "passed while it was held" in d.reason, d
     assert "> -" not in d.reason
+
+
+def test_a_new_traffic_class_names_the_fields_it_still_needs():
+    new = {"vip": {"ttft_slo_s": 1.0, "tpot_slo_s": 0.1}}
+    with pytest.raises(ValueError, match="'vip' is new .*give default_priority, "
+                                         "max_queue_wait_s too"):
+        ServiceConfig(engine={"traffic_classes": new})
+    new["vip"] |= {"default_priority": 0, "max_queue_wait_s": 1.0}
+    assert ServiceConfig(engine={"traffic_classes": new}).traffic_classes()["vip"].ttft_slo_s == 1

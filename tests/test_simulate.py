@@ -213,6 +213,23 @@ def test_traces_are_windowed_rescaled_and_classed(tmp_path):
         load_requests(TraceSpec(str(path)))
     with pytest.raises(ValueError, match="name=weight"):
         parse_mix("interactive")
+    # A CSV need not be sorted (rows before the first used to fall out of the window); a
+    # short row, a negative or fractional length and a NaN arrival are refused, not a
+    # traceback or a clamp.
+    csv = tmp_path / "t.csv"
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"] + [
+        f"2023-11-16 18:15:0{s},10,5" for s in (5, 3, 4, 6)]
+    csv.write_text("\n".join(rows) + "\n")
+    assert [r.arrival_s for r in load_requests(TraceSpec(str(csv)))] == [0, 1, 2, 3]
+    for bad in ("2023-11-16 18:15:07,10", "2023-11-16 18:15:07,-5,5"):
+        csv.write_text("\n".join([*rows, bad]) + "\n")
+        with pytest.raises(ValueError, match="not an Azure trace CSV"):
+            load_requests(TraceSpec(str(csv)))
+    for line in ({"arrival_s": 0, "prompt_tokens": 10.7, "output_tokens": 5},
+                 {"arrival_s": "nan", "prompt_tokens": 10, "output_tokens": 5}):
+        path.write_text(json.dumps(line) + "\n")
+        with pytest.raises(ValueError, match="t.jsonl:1"):
+            load_requests(TraceSpec(str(path)))
 
 
 def test_the_command_line_reports_a_sweep_and_a_search(tmp_path, capsys):
@@ -273,3 +290,30 @@ def test_with_shed_off_admission_no_longer_holds_back_what_would_be_shed():
     assert guard(()).sheds_at_once(batch, 42, 0.2)
     assert not guard(()).sheds_at_once(batch, 10, 0.2)
     assert not guard(("shed",)).sheds_at_once(batch, 42, 0.2)
+
+
+def test_the_command_line_refuses_what_it_would_ignore_or_could_not_write(tmp_path, capsys):
+    """Each of these ran (or ran and then failed, or ended in a traceback) until a new-user
+    test on 2026-12-06: now one line naming the problem, exit status 2, before any run."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 5,
+                                "class": "vip"}) + "\n")
+    base = ["simulate", "--trace", str(path)]
+    (tmp_path / "bad.yaml").write_text("engine: [1,2\n")
+    for extra, needle in [
+        ([], "unknown traffic class 'vip'"),
+        (["--default-class", "vip"], "unknown traffic class 'vip'"),
+        (["--slo", "vip=1,0.1"], "unknown traffic class 'vip'"),
+        (["--config", str(tmp_path / "bad.yaml")], "not valid YAML"),
+        (["--rate-scale", "nan"], "finite number"),
+        (["--json", str(tmp_path / "missing" / "r.json")], "--json"),
+        (["--tensor-parallel", "2"], "goes with --gpu"),
+        (["--search", "--ablate"], "give one"),
+        (["--max-replicas", "3"], "goes with --search"),
+        (["--replicas", "0"], "num_replicas: Input should be greater than or equal to 1"),
+    ]:
+        assert cli_main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert cli_main(["calibrate", "--output", str(tmp_path / "missing" / "c.json")]) == 2
+    assert "--output" in capsys.readouterr().err  # at once, not after the sweep

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from importlib import resources
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 DEFAULT_COST_MODEL = "cpu_smollm2_135m.json"
 """Shipped in ``deploy/sim``: ``iterserve calibrate`` on the project's 2-core CPU host
 (SmolLM2-135M-Instruct, fp32). Calibrate on your own machine for its figures."""
+MAX_REPLICAS = 64
+"""``--search``'s default upper bound on replicas."""
 ENGINE_FLAGS = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
                 "policy", "block_size", "num_kv_blocks")
 
@@ -60,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--search", action="store_true", help="find the fewest replicas and the "
                    "engine settings that meet the SLOs (at the first --rate-scale)")
-    p.add_argument("--max-replicas", type=int, default=64, help="--search's upper bound")
+    p.add_argument("--max-replicas", type=int, default=None,
+                   help=f"--search's upper bound (default {MAX_REPLICAS})")
     p.add_argument("--ablate", action="store_true",
                    help="switch each TPOT guard rule off in turn and report its effect")
 
@@ -97,8 +101,12 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     if args.tpot_slo_guard is not None:
         engine["tpot_slo_guard"] = args.tpot_slo_guard == "on"
     classes = {k: dict(v) for k, v in (config.engine.traffic_classes or {}).items()}
+    known = config.traffic_classes()
     for item in args.slo:
         name, _, values = item.partition("=")
+        if name not in known:
+            raise ValueError(f"--slo {item!r}: unknown traffic class {name!r} (known: "
+                             f"{sorted(known)}; a new one needs its fields in --config)")
         try:
             ttft, tpot = (float(x) for x in values.split(","))
         except ValueError:
@@ -154,10 +162,60 @@ def simulate(config: ServiceConfig, cost, spec: TraceSpec, routing: str, seed: i
     return run, summarize(run, config.traffic_classes())
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse flags the run would ignore, and output paths it could not write, before
+    anything runs.
+
+    Raises:
+        ValueError: which flag, and why.
+    """
+    ignored = [(args.tensor_parallel != 1 and not args.gpu, "--tensor-parallel goes with --gpu"),
+               (args.cost_model and args.gpu, "--cost-model and --gpu name two cost models"),
+               (args.search and args.ablate, "--search and --ablate are two runs: give one"),
+               (args.plots and (args.search or args.ablate),
+                "--plots draws a plain run or a sweep, not --search or --ablate"),
+               (args.max_replicas is not None and not args.search,
+                "--max-replicas goes with --search"),
+               (args.search and args.replicas is not None,
+                "--search chooses the replica count: drop --replicas")]
+    for wrong, why in ignored:
+        if wrong:
+            raise ValueError(why)
+    if args.search:
+        args.max_replicas = MAX_REPLICAS if args.max_replicas is None else args.max_replicas
+        if args.max_replicas < 1:
+            raise ValueError("--max-replicas must be >= 1")
+    if args.json and not writable_file(args.json):
+        raise ValueError(f"--json {args.json}: not a file in a writable directory")
+    plots = Path(args.plots or ".")
+    if args.plots and not (plots.is_dir() and os.access(plots, os.W_OK)
+                           or not plots.exists() and writable_file(plots)):
+        raise ValueError(f"--plots {args.plots}: not a writable directory")
+
+
+def writable_file(path: str | Path) -> bool:
+    """Whether a file could be written at ``path``: not a directory, in a writable one."""
+    path = Path(path)
+    return not path.is_dir() and path.parent.is_dir() and os.access(path.parent, os.W_OK)
+
+
+def check_classes(args: argparse.Namespace, config: ServiceConfig) -> None:
+    """Raises:
+        ValueError: --class-mix or --default-class names a class the config lacks.
+    """
+    known = config.traffic_classes()
+    for name in [args.default_class, *(n for n, _ in parse_mix(args.class_mix))]:
+        if name not in known:
+            raise ValueError(f"unknown traffic class {name!r} (known: {sorted(known)}; "
+                             "a new one needs its fields in --config)")
+
+
 def run_command(args: argparse.Namespace) -> int:
     from deploy.sim.report import ATTAINMENT, all_classes_meet, plot, table
 
+    check_args(args)
     config, cost = service_config(args), cost_model(args)
+    check_classes(args, config)
     if args.search or args.ablate:
         from deploy.sim.search import ablate_command, search_command
 
@@ -196,6 +254,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from engine.sim.calibrate import CONCURRENCY, calibrate
 
+    if not writable_file(args.output):  # before two minutes of sweep, not after
+        raise ValueError(f"--output {args.output}: not a file in a writable directory")
     print(f"calibrating: {len(CONCURRENCY)} concurrency levels x {args.steps_per_level} "
           "steps of the real engine (about 2 minutes on a 2-core CPU)", file=sys.stderr)
     cost, summary = calibrate(EngineConfig(model=args.model), args.steps_per_level,

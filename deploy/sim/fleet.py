@@ -186,7 +186,10 @@ class Fleet:
                                                sum(r.snap.waiting_requests.values())))
 
     def _shape(self, req: SimRequest) -> RequestShape:
-        cls = self.admission.controller.classes[req.traffic_class]
+        cls = self.admission.controller.classes.get(req.traffic_class)
+        if cls is None:  # a trace line's own class
+            raise ValueError(f"request {req.id}: unknown traffic class {req.traffic_class!r} "
+                             f"(known: {sorted(self.admission.controller.classes)})")
         hashes = (prefix_hashes(_prompt(req, self.vocab_size), self.block_size)
                   if self.config.prefix_affinity else ())
         return RequestShape(req.prompt_tokens, req.traffic_class, cls.default_priority, hashes)
@@ -233,7 +236,10 @@ class Fleet:
         not admitted; it is refused once every replica says it waited its class's
         ``max_queue_wait_s`` or is past reach (``AdmissionController._lost``)."""
         req = o.request
-        cls = self.admission.controller.classes[req.traffic_class]
+        cls = self.admission.controller.classes.get(req.traffic_class)
+        if cls is None:  # a trace line's own class
+            raise ValueError(f"request {req.id}: unknown traffic class {req.traffic_class!r} "
+                             f"(known: {sorted(self.admission.controller.classes)})")
         waited = self.now - req.arrival_s
         if not cls.rejectable:
             return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import random
 from dataclasses import dataclass
 from datetime import datetime
@@ -57,22 +58,47 @@ def _rows(path: Path) -> list[tuple[float, int, int, str | None]]:
                     continue
                 try:
                     d = json.loads(line)
-                    rows.append((float(d["arrival_s"]), int(d["prompt_tokens"]),
-                                 int(d["output_tokens"]), d.get("class")))
+                    rows.append(_checked(float(d["arrival_s"]), _count(d["prompt_tokens"]),
+                                         _count(d["output_tokens"]), d.get("class")))
                 except (ValueError, KeyError, TypeError) as e:
                     raise ValueError(f"{path}:{n}: not a trace line ({e})") from e
-        rows.sort(key=lambda r: r[0])
-        t0 = rows[0][0] if rows else 0.0
-        return [(t - t0, p, o, c) for t, p, o, c in rows]
+        return _from_first(rows)
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         try:
-            raw = [(datetime.fromisoformat(r["TIMESTAMP"]), int(r["ContextTokens"]),
-                    int(r["GeneratedTokens"])) for r in reader]
-        except (KeyError, ValueError) as e:
+            raw = [(datetime.fromisoformat(r["TIMESTAMP"]), _count(r["ContextTokens"]),
+                    _count(r["GeneratedTokens"])) for r in reader]
+        except (KeyError, ValueError, TypeError) as e:  # TypeError: a short row
             raise ValueError(f"{path}: not an Azure trace CSV ({e})") from e
-    t0 = raw[0][0] if raw else None
-    return [((t - t0).total_seconds(), p, o, None) for t, p, o in raw]
+    ref = raw[0][0] if raw else None
+    return _from_first([((t - ref).total_seconds(), p, o, None) for t, p, o in raw])
+
+
+def _count(value) -> int:
+    """A token count: a whole number >= 0 (a trace may hold outputs of 0 tokens).
+
+    Raises:
+        ValueError: negative or fractional; TypeError: not a number.
+    """
+    n = float(value)
+    if n < 0 or n != int(n):
+        raise ValueError(f"token count {value!r} is not a whole number >= 0")
+    return int(n)
+
+
+def _checked(t: float, prompt: int, output: int, cls) -> tuple:
+    if not math.isfinite(t):
+        raise ValueError(f"arrival_s {t!r} is not a finite number")
+    if cls is not None and not isinstance(cls, str):
+        raise ValueError(f"class {cls!r} is not a name")
+    return t, prompt, output, cls
+
+
+def _from_first(rows: list[tuple]) -> list[tuple]:
+    """Rows in arrival order, times from the first arrival (a trace need not be sorted)."""
+    rows = sorted(rows, key=lambda r: r[0])
+    t0 = rows[0][0] if rows else 0.0
+    return [(t - t0, *rest) for t, *rest in rows]
 
 
 def _pick(mix: tuple[tuple[str, float], ...], seed: int, row: int) -> str:
@@ -91,8 +117,9 @@ def load_requests(spec: TraceSpec) -> list[SimRequest]:
         ValueError: unreadable trace, a bad scale, or no request in the window.
         OSError: the file cannot be read.
     """
-    if spec.rate_scale <= 0 or spec.length_scale <= 0:
-        raise ValueError("rate_scale and length_scale must be > 0")
+    for flag, value in (("--rate-scale", spec.rate_scale), ("--length-scale", spec.length_scale)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be a finite number > 0, got {value!r}")
     end = (spec.window_start_s + spec.duration_s if spec.duration_s is not None
            else float("inf"))
     out = []
