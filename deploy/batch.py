@@ -44,7 +44,7 @@ ENGINE_FLAGS = ("config", "model", "served_model_name", "num_replicas", "replica
 """Flags of the engine-replica run; ``--via-service`` refuses them (it would ignore them)."""
 
 
-def _positive(kind: type) -> Any:
+def positive(kind: type) -> Any:
     def parse(text: str) -> Any:
         value = kind(text)
         if value <= 0:
@@ -70,18 +70,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="transformers directory or .gguf file (default: embedded SmolLM2-135M)")
     p.add_argument("--served-model-name", default=None,
                    help="the `model` the lines name (default: the model's name)")
-    p.add_argument("--num-replicas", type=_positive(int), default=None,
+    p.add_argument("--num-replicas", type=positive(int), default=None,
                    help="engine replicas (default: on a cluster, as many as it can place; "
                         "else 1, in this process)")
-    p.add_argument("--replica-num-cpus", type=_positive(float), default=None,
+    p.add_argument("--replica-num-cpus", type=positive(float), default=None,
                    help="CPUs per replica; torch uses as many threads (default: a node's; "
                         "1 with --replica-num-gpus)")
-    p.add_argument("--replica-num-gpus", type=_positive(float), default=None,
+    p.add_argument("--replica-num-gpus", type=positive(float), default=None,
                    help="GPUs per replica (default: none)")
-    p.add_argument("--max-num-seqs", type=_positive(int), default=None,
+    p.add_argument("--max-num-seqs", type=positive(int), default=None,
                    help="running requests per engine step (default: the offline engine's, "
                         "engine.llm.OFFLINE_MAX_NUM_SEQS)")
-    p.add_argument("--max-num-batched-tokens", type=_positive(int), default=None,
+    p.add_argument("--max-num-batched-tokens", type=positive(int), default=None,
                    help="token budget of one step (default: the offline engine's, "
                         "engine.llm.OFFLINE_MAX_NUM_BATCHED_TOKENS)")
     p.add_argument("--address", default=None,
@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "local one for more)")
     p.add_argument("--via-service", metavar="URL", default=None,
                    help="send the lines to a running iterserve service instead")
-    p.add_argument("--max-concurrency", type=_positive(int), default=None,
+    p.add_argument("--max-concurrency", type=positive(int), default=None,
                    help="--via-service: requests in flight at most (default: 8)")
 
 

@@ -121,10 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     top = sub.add_parser("top", help="live view of each class's SLOs, from /metrics")
     top.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
-    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
-    top.set_defaults(func=_top)
-
     from deploy.batch import add_arguments as batch_arguments
+    from deploy.batch import positive
+
+    top.add_argument("--interval", type=positive(float), default=2.0,
+                     help="seconds between refreshes")
+    top.set_defaults(func=_top)
 
     batch = sub.add_parser("batch", help="offline batches (OpenAI batch files)")
     batch_sub = batch.add_subparsers(dest="action", required=True)

@@ -308,6 +308,7 @@ def test_the_command_line_refuses_what_it_would_ignore_or_could_not_write(tmp_pa
         (["--rate-scale", "nan"], "finite number"),
         (["--json", str(tmp_path / "missing" / "r.json")], "--json"),
         (["--tensor-parallel", "2"], "goes with --gpu"),
+        (["--gpu", "h200", "--model-size", "8b", "--tensor-parallel", "0"], "must be >= 1"),
         (["--search", "--ablate"], "give one"),
         (["--max-replicas", "3"], "goes with --search"),
         (["--replicas", "0"], "num_replicas: Input should be greater than or equal to 1"),
@@ -317,3 +318,10 @@ def test_the_command_line_refuses_what_it_would_ignore_or_could_not_write(tmp_pa
         assert needle in err and "Traceback" not in err and err.count("\n") == 1, err
     assert cli_main(["calibrate", "--output", str(tmp_path / "missing" / "c.json")]) == 2
     assert "--output" in capsys.readouterr().err  # at once, not after the sweep
+
+
+def test_top_refuses_an_interval_that_would_busy_poll_or_crash(capsys):
+    for interval in ("0", "-1"):
+        with pytest.raises(SystemExit) as e:
+            cli_main(["top", "--interval", interval])
+        assert e.value.code == 2 and "must be positive" in capsys.readouterr().err

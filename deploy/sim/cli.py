@@ -181,6 +181,8 @@ def check_args(args: argparse.Namespace) -> None:
     for wrong, why in ignored:
         if wrong:
             raise ValueError(why)
+    if args.tensor_parallel < 1:
+        raise ValueError("--tensor-parallel must be >= 1")
     if args.search:
         args.max_replicas = MAX_REPLICAS if args.max_replicas is None else args.max_replicas
         if args.max_replicas < 1:
