@@ -1,11 +1,13 @@
-"""Bad input through the real server: an OpenAI error (400, 401, 403, 404, 413) naming
-the field, never a 500, and the server healthy after. Not collected on its own: imported by
+"""Bad input and clients that leave, through the real server: an OpenAI error (400, 401,
+403, 404, 413) naming the field, never a 500, no request left running, and the server
+healthy after. Not collected on its own: imported by
 ``tests/test_serving.py`` (Ray Serve) and ``tests/test_serving_local.py`` (one process),
 each running these against its own module's ``server`` fixture."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -112,3 +114,25 @@ def test_inputs_that_once_stopped_the_engine(server):
         out = app.client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
                                                     **extreme)
         assert out.choices[0].text == greedy, extreme  # both leave only the top token
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_and_frees_blocks(server, stream):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True,
+            "temperature": 0, "stream": stream}
+    headers = {"Authorization": "Bearer sk-standard"}
+    start = time.monotonic()
+    if stream:
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers,
+                          timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [line for line, _ in zip((x for x in lines if x.startswith("data:")),
+                                           range(3))]
+            assert len(got) == 3
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=2.0)
+    # 2000 tokens would take minutes: idle within seconds means the request was aborted.
+    freed_s = app.wait_idle(server, timeout_s=15)
+    assert time.monotonic() - start < 30, freed_s
