@@ -226,6 +226,7 @@ def test_traces_are_windowed_rescaled_and_classed(tmp_path):
         with pytest.raises(ValueError, match="not an Azure trace CSV"):
             load_requests(TraceSpec(str(csv)))
     for line in ({"arrival_s": 0, "prompt_tokens": 10.7, "output_tokens": 5},
+                 {"arrival_s": 0, "prompt_tokens": "inf", "output_tokens": 5},
                  {"arrival_s": "nan", "prompt_tokens": 10, "output_tokens": 5}):
         path.write_text(json.dumps(line) + "\n")
         with pytest.raises(ValueError, match="t.jsonl:1"):

@@ -236,10 +236,7 @@ class Fleet:
         not admitted; it is refused once every replica says it waited its class's
         ``max_queue_wait_s`` or is past reach (``AdmissionController._lost``)."""
         req = o.request
-        cls = self.admission.controller.classes.get(req.traffic_class)
-        if cls is None:  # a trace line's own class
-            raise ValueError(f"request {req.id}: unknown traffic class {req.traffic_class!r} "
-                             f"(known: {sorted(self.admission.controller.classes)})")
+        cls = self.admission.controller.classes[req.traffic_class]  # checked in _shape
         waited = self.now - req.arrival_s
         if not cls.rejectable:
             return True

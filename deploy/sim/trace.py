@@ -81,7 +81,7 @@ def _count(value) -> int:
         ValueError: negative or fractional; TypeError: not a number.
     """
     n = float(value)
-    if n < 0 or n != int(n):
+    if not (math.isfinite(n) and n >= 0 and n == int(n)):
         raise ValueError(f"token count {value!r} is not a whole number >= 0")
     return int(n)
 
