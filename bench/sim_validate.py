@@ -2,11 +2,13 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/sim_validate.py            # ~13 min
-    .venv/bin/python bench/sim_validate.py --quick    # ~4 min
+    .venv/bin/python bench/sim_validate.py            # ~20 min
+    .venv/bin/python bench/sim_validate.py --quick    # ~6 min
 
 1. Calibrate: ``engine.sim.calibrate`` runs the real engine over its sweep and fits the
-   step-time model (in this run, so host drift between fit and replay stays small).
+   step-time model, in this run and again right before each rate's replay, so that the
+   host's drift between fit and replay stays small (the rates run in increasing order,
+   so one fit for all of them confounds load with the time since the fit).
 2. Real: a window of the conversation trace (lengths / 8, 70% interactive / 30% batch,
    fixed per row), replayed open loop at four rates (light, near, at and past capacity:
    by default :data:`CAPACITY_MULTIPLES` of the capacity the simulator finds with this
@@ -71,8 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def estimate_s(args: argparse.Namespace) -> float:
-    return 20 + args.steps_per_level * 2.2 + len(args.rates or CAPACITY_MULTIPLES) * (
-        args.duration + 40)
+    return 20 + len(args.rates or CAPACITY_MULTIPLES) * (
+        args.duration + 40 + args.steps_per_level * 2.2)
 
 
 CAPACITY_MULTIPLES = (1 / 3, 0.85, 1.0, 1.5)
@@ -150,35 +152,63 @@ def compare(real: dict, sim: dict) -> dict[str, Any]:
     return row
 
 
-async def amain(args: argparse.Namespace, cost, fit: dict) -> dict[str, Any]:
+REFERENCE_SHAPES = {
+    "1 decode": StepShape(0, 1, 200, 0.0, 0),
+    "8 decodes": StepShape(0, 8, 1600, 0.0, 0),
+    "256-token prefill": StepShape(256, 0, 0, 256 * 257 / 2, 1),
+}
+"""Steps whose predicted time each fit reports, so that drift between fits shows."""
+
+
+def run_calibration(args: argparse.Namespace) -> tuple[Any, dict]:
+    """A fresh fit (``engine.sim.calibrate``), with its predictions for
+    :data:`REFERENCE_SHAPES` (ms) added to its summary."""
+    t0 = time.perf_counter()
+    cost, fit = calibrate(EngineConfig(**SERVER_ENGINE_DEFAULTS), args.steps_per_level,
+                          progress=lambda m: print(m, flush=True))
+    fit["reference_ms"] = {k: 1000 * cost.step_seconds(v) for k, v in REFERENCE_SHAPES.items()}
+    print(f"calibrated in {time.perf_counter() - t0:.0f} s: held-out MAPE "
+          f"{fit['held_out_mape']:.1%}", flush=True)
+    return cost, fit
+
+
+async def replay(args: argparse.Namespace, i: int, cost, fit: dict) -> dict[str, Any]:
+    """Rate ``args.rates[i]`` through a fresh in-process engine and through the simulator
+    with ``cost``: the row of the report."""
     engine_cfg = dict(SERVER_ENGINE_DEFAULTS)
-    span = max(round(r * args.duration) for r in args.rates) + 2  # the highest rate's rows
+    rate = args.rates[i]
     target, _ = await start_engine(engine_cfg)
     steps: list = []
     target.engine.on_step = steps.append
-    service = ServiceConfig(num_replicas=1, admission=False, engine=engine_cfg)
-    rows = []
+    reqs = window_requests(args, rate, i, f"v{rate:g}")
+    cutoff = args.duration + args.drain
     try:
-        for i, rate in enumerate(args.rates):
-            reqs = window_requests(args, rate, i, f"v{rate:g}")
-            cutoff = args.duration + args.drain
-            steps.clear()
-            run, info = await run_open(target, reqs, cutoff_s=cutoff)
-            step_err = step_errors(cost, steps)
-            sim = Fleet(service, cost).run(sim_requests(reqs))
-            real = real_latencies(run.records)
-            row = compare(real, sim_latencies(sim, cutoff))
-            row.update(step_error=step_err,
-                       sensitivity=sensitivity(service, cost, reqs, cutoff, real),
-                       rate=rate, load=args.loads[i] if args.loads else None,
-                       cut_off=info["cut_off"],
-                       preemptions_real=info["preemptions"], preemptions_sim=sim.preemptions)
-            rows.append(row)
-            print(f"rate {rate}: attainment real {row['attainment_real']:.1%} sim "
-                  f"{row['attainment_sim']:.1%}; TTFT mean {row['ttft_mean']['real']:.2f} / "
-                  f"{row['ttft_mean']['sim']:.2f} s", flush=True)
+        run, info = await run_open(target, reqs, cutoff_s=cutoff)
     finally:
         await stop_engine(target)
+    service = ServiceConfig(num_replicas=1, admission=False, engine=engine_cfg)
+    sim = Fleet(service, cost).run(sim_requests(reqs))
+    real = real_latencies(run.records)
+    row = compare(real, sim_latencies(sim, cutoff))
+    row.update(step_error=step_errors(cost, steps), fit=fit,
+               sensitivity=sensitivity(service, cost, reqs, cutoff, real),
+               rate=rate, load=args.loads[i] if args.loads else None, cut_off=info["cut_off"],
+               preemptions_real=info["preemptions"], preemptions_sim=sim.preemptions)
+    print(f"rate {rate}: attainment real {row['attainment_real']:.1%} sim "
+          f"{row['attainment_sim']:.1%}; TTFT mean {row['ttft_mean']['real']:.2f} / "
+          f"{row['ttft_mean']['sim']:.2f} s", flush=True)
+    return row
+
+
+def run_all(args: argparse.Namespace, cost, fit: dict) -> dict[str, Any]:
+    """Each rate right after a fit of its own (the first uses ``cost``, made just before);
+    the calibration's engine and the replay's never run at the same time."""
+    rows, fit_now = [], fit
+    for i in range(len(args.rates)):
+        if i:
+            cost, fit_now = run_calibration(args)
+        rows.append(asyncio.run(replay(args, i, cost, fit_now)))
+    span = max(round(r * args.duration) for r in args.rates) + 2  # the highest rate's rows
     return {"fit": fit, "rows": rows, "args": vars(args), "host": platform.node(),
             "trace": f"{TRACE.name} rows {args.window_start}+{span}, lengths / 8; {ATTRIBUTION}"}
 
@@ -262,11 +292,22 @@ def targets_markdown(rows: list[dict]) -> list[str]:
                     f"{yes[goodput_within_one_step(rows)]}.", ""]
 
 
+def fits_markdown(rows: list[dict]) -> list[str]:
+    names = list(REFERENCE_SHAPES)
+    lines = ["| rate (req/s) | steps | held-out MAPE | " + " | ".join(
+        f"{n}, predicted ms" for n in names) + " |", "|---:|---:|---:|" + "---:|" * len(names)]
+    for r in rows:
+        f = r["fit"]
+        lines.append(f"| {r['rate']:g} | {f['steps']} | {f['held_out_mape']:.1%} | " + " | ".join(
+            f"{f['reference_ms'][n]:.1f}" for n in names) + " |")
+    return lines + [""]
+
+
 def markdown(rep: dict[str, Any]) -> str:
     lines = ["# The simulator against the real engine (one run)", "",
-             f"Trace: {rep['trace']}. Calibration: {rep['fit']['steps']} steps, held-out "
-             f"MAPE {rep['fit']['held_out_mape']:.1%}. One replica, the server's engine "
-             "settings, admission off.", "", *targets_markdown(rep["rows"]),
+             f"Trace: {rep['trace']}. One replica, the server's engine settings, admission "
+             "off. A fresh calibration before each rate (the first also set the rates):", "",
+             *fits_markdown(rep["rows"]), *targets_markdown(rep["rows"]),
              "## Real against simulated", "",
              "| rate (req/s) | metric | real | simulated | error |", "|---:|---|---:|---:|---:|"]
     for r in rep["rows"]:
@@ -298,17 +339,13 @@ def markdown(rep: dict[str, Any]) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     print(f"expected duration: about {estimate_s(args) / 60:.0f} min", flush=True)
-    t0 = time.perf_counter()
-    cost, fit = calibrate(EngineConfig(**SERVER_ENGINE_DEFAULTS), args.steps_per_level,
-                          progress=lambda m: print(m, flush=True))
-    print(f"calibrated in {time.perf_counter() - t0:.0f} s: held-out MAPE "
-          f"{fit['held_out_mape']:.1%}", flush=True)
+    cost, fit = run_calibration(args)
     if args.rates is None:
         capacity = simulated_capacity(args, cost)
         args.rates = [round(capacity * m, 2) for m in CAPACITY_MULTIPLES]
         args.loads = list(CAPACITY_MULTIPLES)
         print(f"simulated capacity {capacity:.2f} req/s: rates {args.rates}", flush=True)
-    rep = asyncio.run(amain(args, cost, fit))
+    rep = run_all(args, cost, fit)
     md = markdown(rep)
     print(md)
     stem = "sim_validation_quick" if args.quick else "sim_validation"
