@@ -254,6 +254,20 @@ def test_the_command_line_reports_a_sweep_and_a_search(tmp_path, capsys):
                      "--max-replicas", "8"]) == 0
     text = capsys.readouterr().out
     assert "num_replicas:" in text and "config:\n  num_replicas:" in text
+    assert f"cost model: {cost} (no source recorded)" in text  # the file the figures use
+
+
+def test_the_report_names_its_cost_model_and_how_to_fit_this_host():
+    from argparse import Namespace
+
+    from deploy.sim.cli import cost_line, cost_model
+
+    shipped = Namespace(gpu=None, model_size=None, cost_model=None, tensor_parallel=1)
+    line = cost_line(shipped, cost_model(shipped))
+    assert "shipped cpu_smollm2_135m.json" in line and "held-out MAPE" in line
+    assert "iterserve calibrate" in line
+    gpu = Namespace(gpu="h200", model_size="8b", cost_model=None, tensor_parallel=2)
+    assert cost_line(gpu, cost_model(gpu)).startswith("roofline, 8b on h200 x 2")
 
 
 def test_held_requests_re_decided_only_on_change_get_the_same_answers():

@@ -218,6 +218,7 @@ def run_command(args: argparse.Namespace) -> int:
     check_args(args)
     config, cost = service_config(args), cost_model(args)
     check_classes(args, config)
+    print(f"cost model: {cost_line(args, cost)}")
     if args.search or args.ablate:
         from deploy.sim.search import ablate_command, search_command
 
@@ -245,6 +246,18 @@ def run_command(args: argparse.Namespace) -> int:
         for path in plot(runs, summaries, args.plots):
             print(f"wrote {path}")
     return 0
+
+
+def cost_line(args: argparse.Namespace, cost) -> str:
+    """Which step-time model the figures come from, for the terminal: a CPU fit is only
+    right for the host (and the load on it) it was measured on."""
+    if args.gpu:
+        return (f"roofline, {args.model_size} on {args.gpu} x {args.tensor_parallel} "
+                "(engine/sim/hardware.py)")
+    origin = args.cost_model or f"the shipped {DEFAULT_COST_MODEL}"
+    hint = "" if args.cost_model else (
+        "; `iterserve calibrate --output FILE` fits this host, `--cost-model FILE` uses it")
+    return f"{origin} ({cost.source or 'no source recorded'}){hint}"
 
 
 def describe(cost) -> dict[str, Any]:
