@@ -10,11 +10,11 @@ import sys
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=args.model)
-    params = SamplingParams(
+    params = SamplingParams(  # first: a bad flag should not wait for the model to load
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         seed=args.seed, stop=args.stop or [],
     )
+    llm = LLM(model=args.model)
     prompt = args.prompt
     if args.chat:
         prompt = llm.get_tokenizer().apply_chat_template(

@@ -238,3 +238,12 @@ def test_prompt_logprobs_equal_transformers_log_softmax(chunked, model_dir, prom
         for v, i in zip(top.values.tolist(), top.indices.tolist()):
             assert entry[i] == pytest.approx(v, abs=2e-3)
         assert len(entry) <= 4
+
+
+def test_generate_refuses_a_bad_flag_before_loading_the_model(tmp_path, capsys):
+    from deploy.cli import main as cli_main
+
+    missing = tmp_path / "no-such-model"  # loading it would fail with a different error
+    assert cli_main(["generate", "--prompt", "hi", "--max-tokens", "-3",
+                     "--model", str(missing)]) == 2
+    assert "max_tokens=-3" in capsys.readouterr().err
