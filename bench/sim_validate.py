@@ -21,7 +21,8 @@ Run from the repository root::
 
 Report: per rate, mean and p99 TTFT and TPOT, real against simulated, and their errors;
 SLO attainment; goodput (highest rate with >= 90% of requests within both SLOs); the
-targets (:func:`targets`). Output:
+targets (:func:`targets`); and, as a diagnosis, each rate simulated again with the fit
+rescaled to the host's speed during that replay (:func:`step_errors`). Output:
 ``bench/results/sim_validation.md`` and ``.json`` (``_quick`` with --quick).
 """
 
@@ -190,7 +191,11 @@ async def replay(args: argparse.Namespace, i: int, cost, fit: dict) -> dict[str,
     sim = Fleet(service, cost).run(sim_requests(reqs))
     real = real_latencies(run.records)
     row = compare(real, sim_latencies(sim, cutoff))
-    row.update(step_error=step_errors(cost, steps), fit=fit,
+    step_error = step_errors(cost, steps)
+    drift = step_error["all"]["total_predicted_over_real"]
+    rescaled = compare(real, sim_latencies(
+        Fleet(service, scaled(cost, 1 / drift)).run(sim_requests(reqs)), cutoff))
+    row.update(step_error=step_error, fit=fit, rescaled=rescaled,
                sensitivity=sensitivity(service, cost, reqs, cutoff, real),
                rate=rate, load=args.loads[i] if args.loads else None, cut_off=info["cut_off"],
                preemptions_real=info["preemptions"], preemptions_sim=sim.preemptions)
@@ -215,16 +220,27 @@ def run_all(args: argparse.Namespace, cost, fit: dict) -> dict[str, Any]:
 
 def step_errors(cost, records: list) -> dict[str, Any]:
     """How the cost model predicts the replay's own steps (period against prediction),
-    overall and for decode-only steps: separates cost-model error from schedule error."""
+    overall and for decode-only steps: separates cost-model error from schedule error.
+    ``total_predicted_over_real``: the predicted seconds of all those steps over their
+    measured seconds, the host's speed during the replay against the fit's."""
     out: dict[str, Any] = {}
-    pers = periods(records)
+    pairs = [(r, cost.step_seconds(StepShape.of_record(r.seqs, r.num_decodes)), p)
+             for r, p in zip(records, periods(records)) if p > 0]
     for name, keep in (("all", lambda r: True),
                        ("decode_only", lambda r: r.num_prefill_tokens == 0)):
-        ratios = [cost.step_seconds(StepShape.of_record(r.seqs, r.num_decodes)) / p
-                  for r, p in zip(records, pers) if keep(r) and p > 0]
-        out[name] = {"steps": len(ratios),
-                     "median_predicted_over_real": statistics.median(ratios) if ratios else None}
+        kept = [(pred, p) for r, pred, p in pairs if keep(r)]
+        out[name] = {
+            "steps": len(kept),
+            "median_predicted_over_real":
+                statistics.median(pred / p for pred, p in kept) if kept else None,
+            "total_predicted_over_real":
+                sum(pred for pred, _ in kept) / sum(p for _, p in kept) if kept else None}
     return out
+
+
+def scaled(cost, factor: float):
+    """``cost`` with every coefficient multiplied by ``factor``."""
+    return dataclasses.replace(cost, coefficients=tuple(c * factor for c in cost.coefficients))
 
 
 SCALES = (0.95, 1.0, 1.05)
@@ -240,9 +256,8 @@ def sensitivity(service: ServiceConfig, cost, reqs: list, cutoff_s: float,
     amplifies it)."""
     out = {}
     for f in SCALES:
-        scaled = dataclasses.replace(cost, coefficients=tuple(c * f for c in cost.coefficients))
-        row = compare(real, sim_latencies(Fleet(service, scaled).run(sim_requests(reqs)),
-                                          cutoff_s))
+        row = compare(real, sim_latencies(Fleet(service, scaled(cost, f)).run(
+            sim_requests(reqs)), cutoff_s))
         out[f"{f:g}"] = {"ttft_mean": row["ttft_mean"]["sim"],
                          "tpot_mean": row["tpot_mean"]["sim"],
                          "attainment": row["attainment_sim"]}
@@ -303,6 +318,25 @@ def fits_markdown(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def rescaled_markdown(rows: list[dict]) -> list[str]:
+    """The simulation with the fit rescaled to the host's speed during each replay."""
+    lines = ["## The simulation rescaled to the replay's own steps", "",
+             "A diagnosis, not a prediction: every cost coefficient divided by the replay's "
+             "total predicted / measured step seconds (one number taken from the real run), "
+             "so that what remains is the simulator's scheduling, not the host's drift "
+             "between the fit and the replay.", "",
+             "| rate (req/s) | rescale | TTFT mean | TTFT p99 | TPOT mean | TPOT p99 | "
+             "attainment, real / simulated |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        x = r["rescaled"]
+        lines.append(f"| {r['rate']:g} | "
+                     f"x{1 / r['step_error']['all']['total_predicted_over_real']:.3f} | "
+                     + " | ".join(f"{x[m]['error']:+.1%}" for m in
+                                  ("ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99"))
+                     + f" | {x['attainment_real']:.1%} / {x['attainment_sim']:.1%} |")
+    return lines
+
+
 def markdown(rep: dict[str, Any]) -> str:
     lines = ["# The simulator against the real engine (one run)", "",
              f"Trace: {rep['trace']}. One replica, the server's engine settings, admission "
@@ -333,7 +367,7 @@ def markdown(rep: dict[str, Any]) -> str:
         lines.append(f"- {r['rate']:g} req/s: " + "; ".join(
                          f"x{f} {v['ttft_mean']:.3f} / {v['tpot_mean']:.4f}, {v['attainment']:.1%}"
                          for f, v in r["sensitivity"].items()))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", *rescaled_markdown(rep["rows"])]) + "\n"
 
 
 def main(argv=None) -> int:

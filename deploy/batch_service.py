@@ -5,7 +5,9 @@ load rather than refusing them, schedules them behind the interactive classes, a
 admits them into the SLO headroom those classes need. At most ``concurrency`` requests
 are in flight. A 429 or 503 is retried after its ``Retry-After`` (1 s without one), as is
 a connection error; a request that still fails after ``max_retries`` is not written, so
-a rerun sends it again.
+a rerun sends it again. Once one request has given up, the service is taken to be down:
+the requests not yet sent are not sent (each would wait out its own retries: an hour for
+a thousand lines against a mistyped URL) and count as unanswered.
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ class ServiceGaveUp(RuntimeError):
     """Some requests could not be answered by the service; a rerun resumes them."""
 
 
+class _NoAnswer(Exception):
+    """One request's retries ran out; the message is its last failure."""
+
+
+def _failure(resp: httpx.Response | None, error: Exception | None) -> str:
+    if resp is not None:
+        return f"HTTP {resp.status_code}"
+    return f"could not reach it ({type(error).__name__}: {error})"
+
+
 def _retry_after(resp: httpx.Response | None) -> float:
     try:
         return max(0.1, float(resp.headers.get("retry-after", 1)))
@@ -38,18 +50,21 @@ def _retry_after(resp: httpx.Response | None) -> float:
 
 
 async def _send(client: httpx.AsyncClient, url: str, body: dict,
-                max_retries: int) -> Answer | None:
-    """The service's answer, or None after ``max_retries`` retryable failures in a row.
+                max_retries: int) -> Answer:
+    """The service's answer.
 
     A 429 means the service is holding work back for its SLOs: it is always retried and
     does not count against ``max_retries``.
+
+    Raises:
+        _NoAnswer: after ``max_retries`` + 1 retryable failures in a row.
     """
-    failures = 0
+    failures, error = 0, None
     while failures <= max_retries:
         try:
             resp = await client.post(url, json=body)
-        except httpx.TransportError:
-            resp = None
+        except httpx.TransportError as e:
+            resp, error = None, e
         if resp is not None and resp.status_code == AUTH_FAILED:
             raise ServiceGaveUp(f"the service refused the API key ({resp.text[:300]}); set "
                                 "OPENAI_API_KEY to a key it accepts and rerun")
@@ -63,8 +78,9 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict,
                           tokens if resp.status_code == 200 else 0)
         if resp is None or resp.status_code != 429:
             failures += 1
-        await asyncio.sleep(_retry_after(resp))
-    return None
+        if failures <= max_retries:
+            await asyncio.sleep(_retry_after(resp))
+    raise _NoAnswer(_failure(resp, error))
 
 
 async def run_via_service(base_url: str, work: list[tuple[str, str, dict]],
@@ -89,22 +105,25 @@ async def run_via_service(base_url: str, work: list[tuple[str, str, dict]],
     for item in work:
         queue.put_nowait(item)
     unanswered: list[str] = []
+    failures: list[str] = []
 
     async def worker(client: httpx.AsyncClient) -> None:
-        while not queue.empty():
+        while not queue.empty() and not failures:
             cid, path, body = queue.get_nowait()
-            answer = await _send(client, path, body, max_retries)
-            if answer is None:
+            try:
+                done(cid, await _send(client, path, body, max_retries))
+            except _NoAnswer as e:
                 unanswered.append(cid)
-            else:
-                done(cid, answer)
+                failures.append(str(e))
 
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
                                  timeout=timeout_s, limits=limits,
                                  transport=transport) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    while not queue.empty():
+        unanswered.append(queue.get_nowait()[0])
     if unanswered:
         raise ServiceGaveUp(f"{len(unanswered)} requests got no answer from {base_url} "
-                            f"after {max_retries} retries (e.g. {unanswered[0]!r}); they "
-                            "were not written: rerun the same command to send them")
+                            f"(e.g. {unanswered[0]!r}: {failures[0]}, {max_retries} retries); "
+                            "they were not written: rerun the same command to send them")

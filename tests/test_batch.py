@@ -183,6 +183,23 @@ def test_via_service_stops_on_a_refused_key_and_on_endless_503():
     assert len(seen) == 3
 
 
+def test_via_service_sends_nothing_more_once_a_request_gave_up():
+    transport, seen = _service([httpx.Response(503, headers={"Retry-After": "0"})] * 2)
+    work = [(cid, "/v1/completions", {}) for cid in "abc"]
+    with pytest.raises(ServiceGaveUp, match=r"3 requests got no answer .*'a': HTTP 503"):
+        asyncio.run(run_via_service("http://svc", work,
+                                    lambda *_: pytest.fail("nothing may be written"),
+                                    concurrency=1, max_retries=1, transport=transport))
+    assert len(seen) == 2
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    with pytest.raises(ServiceGaveUp, match="could not reach it .ConnectError"):
+        asyncio.run(run_via_service("http://svc", work, lambda *_: None, max_retries=0,
+                                    transport=httpx.MockTransport(refuse)))
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--via-service", "http://svc", "--num-replicas", "2", "--model", "m"],
      "--model, --num-replicas: these set up engine replicas"),
