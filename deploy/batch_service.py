@@ -58,6 +58,7 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict,
 
     Raises:
         _NoAnswer: after ``max_retries`` + 1 retryable failures in a row.
+        ServiceGaveUp: the service refused the key (401).
     """
     failures, error = 0, None
     while failures <= max_retries:
@@ -95,8 +96,9 @@ async def run_via_service(base_url: str, work: list[tuple[str, str, dict]],
     ``transport`` replaces the network (tests).
 
     Raises:
-        ServiceGaveUp: after the rest finished, when some requests were never answered;
-            at once, when the service refuses the key (401).
+        ServiceGaveUp: when a request ran out of retries, once the requests then in
+            flight have finished (the rest are not sent; all count as unanswered); at
+            once, when the service refuses the key (401).
     """
     headers = {CLASS_HEADER: BATCH_CLASS}
     if key := os.environ.get("OPENAI_API_KEY"):
