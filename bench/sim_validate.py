@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/sim_validate.py            # ~20 min
+    .venv/bin/python bench/sim_validate.py            # ~23 min
     .venv/bin/python bench/sim_validate.py --quick    # ~6 min
 
 1. Calibrate: ``engine.sim.calibrate`` runs the real engine over its sweep and fits the
@@ -21,8 +21,9 @@ Run from the repository root::
 
 Report: per rate, mean and p99 TTFT and TPOT, real against simulated, and their errors;
 SLO attainment; goodput (highest rate with >= 90% of requests within both SLOs); the
-targets (:func:`sim_validate_report.targets`); and, as a diagnosis, each rate simulated
-again with the fit rescaled to the host's speed during that replay (:func:`step_errors`).
+targets (:func:`sim_validate_report.targets`); as a diagnosis, each rate simulated again
+with the fit rescaled to the host's speed during that replay (:func:`step_errors`); and
+the real engine against itself: the rate at :data:`REPEAT_INDEX` replayed once more.
 Output:
 ``bench/results/sim_validation.md`` and ``.json`` (``_quick`` with --quick).
 """
@@ -77,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def estimate_s(args: argparse.Namespace) -> float:
     return 20 + len(args.rates or CAPACITY_MULTIPLES) * (
-        args.duration + 40 + args.steps_per_level * 2.2)
+        args.duration + 40 + args.steps_per_level * 2.2) + args.duration + 30
 
 
 CAPACITY_MULTIPLES = (1 / 3, 0.85, 1.0, 1.5)
@@ -86,6 +87,10 @@ req/s, chosen on the AMD host of 2026-12-04) were all below capacity on a faster
 0.85 is where Vidur judges its fidelity under dynamic load ("request load at 85% of the
 maximum serving capacity", Agrawal et al., MLSys 2024, and its README): at capacity
 itself a few percent of step time is most of the queueing (:func:`sensitivity`)."""
+REPEAT_INDEX = 1
+"""The rate replayed a second time (0.85 load by default): the same requests through a
+fresh engine after the other rates, to show how far the real engine repeats itself, the
+spread against which the bars can be read."""
 
 
 def window_requests(args: argparse.Namespace, rate: float, seed: int, tag: str) -> list:
@@ -173,23 +178,29 @@ def run_calibration(args: argparse.Namespace) -> tuple[Any, dict]:
     return cost, fit
 
 
-async def replay(args: argparse.Namespace, i: int, cost, fit: dict) -> dict[str, Any]:
-    """Rate ``args.rates[i]`` through a fresh in-process engine and through the simulator
-    with ``cost``: the row of the report."""
-    engine_cfg = dict(SERVER_ENGINE_DEFAULTS)
-    rate = args.rates[i]
-    target, _ = await start_engine(engine_cfg)
+async def run_real(args: argparse.Namespace, i: int) -> tuple[list, dict, dict, list]:
+    """Rate ``args.rates[i]`` through a fresh in-process engine: the requests, their
+    latencies (:func:`real_latencies`), what the run left (``run_open``'s info) and the
+    engine's step records."""
+    target, _ = await start_engine(dict(SERVER_ENGINE_DEFAULTS))
     steps: list = []
     target.engine.on_step = steps.append
-    reqs = window_requests(args, rate, i, f"v{rate:g}")
-    cutoff = args.duration + args.drain
+    reqs = window_requests(args, args.rates[i], i, f"v{args.rates[i]:g}")
     try:
-        run, info = await run_open(target, reqs, cutoff_s=cutoff)
+        run, info = await run_open(target, reqs, cutoff_s=args.duration + args.drain)
     finally:
         await stop_engine(target)
-    service = ServiceConfig(num_replicas=1, admission=False, engine=engine_cfg)
+    return reqs, real_latencies(run.records), info, steps
+
+
+async def replay(args: argparse.Namespace, i: int, cost, fit: dict) -> tuple[dict, dict]:
+    """Rate ``args.rates[i]`` through a fresh in-process engine and through the simulator
+    with ``cost``: the row of the report, and the real run's latencies."""
+    rate, cutoff = args.rates[i], args.duration + args.drain
+    reqs, real, info, steps = await run_real(args, i)
+    service = ServiceConfig(num_replicas=1, admission=False,
+                            engine=dict(SERVER_ENGINE_DEFAULTS))
     sim = Fleet(service, cost).run(sim_requests(reqs))
-    real = real_latencies(run.records)
     row = compare(real, sim_latencies(sim, cutoff))
     step_error = step_errors(cost, steps)
     drift = step_error["all"]["total_predicted_over_real"]
@@ -202,19 +213,26 @@ async def replay(args: argparse.Namespace, i: int, cost, fit: dict) -> dict[str,
     print(f"rate {rate}: attainment real {row['attainment_real']:.1%} sim "
           f"{row['attainment_sim']:.1%}; TTFT mean {row['ttft_mean']['real']:.2f} / "
           f"{row['ttft_mean']['sim']:.2f} s", flush=True)
-    return row
+    return row, real
 
 
 def run_all(args: argparse.Namespace, cost, fit: dict) -> dict[str, Any]:
     """Each rate right after a fit of its own (the first uses ``cost``, made just before);
     the calibration's engine and the replay's never run at the same time."""
-    rows, fit_now = [], fit
+    rows, reals, fit_now = [], [], fit
     for i in range(len(args.rates)):
         if i:
             cost, fit_now = run_calibration(args)
-        rows.append(asyncio.run(replay(args, i, cost, fit_now)))
+        row, real = asyncio.run(replay(args, i, cost, fit_now))
+        rows.append(row)
+        reals.append(real)
+    again = None
+    if len(args.rates) > REPEAT_INDEX:  # compare() with the second real run as "sim"
+        again = compare(reals[REPEAT_INDEX], asyncio.run(run_real(args, REPEAT_INDEX))[1])
+        again.update(rate=args.rates[REPEAT_INDEX], load=rows[REPEAT_INDEX]["load"])
     span = max(round(r * args.duration) for r in args.rates) + 2  # the highest rate's rows
-    return {"fit": fit, "rows": rows, "args": vars(args), "host": platform.node(),
+    return {"fit": fit, "rows": rows, "repeat": again, "args": vars(args),
+            "host": platform.node(),
             "trace": f"{TRACE.name} rows {args.window_start}+{span}, lengths / 8; {ATTRIBUTION}"}
 
 

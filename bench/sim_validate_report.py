@@ -92,6 +92,26 @@ def rescaled_markdown(rows: list[dict]) -> list[str]:
     return lines
 
 
+def repeat_markdown(again: dict | None) -> list[str]:
+    """The real engine against itself: one rate's requests replayed a second time."""
+    if again is None:
+        return []
+    lines = ["## The real engine against itself", "",
+             f"The {again['rate']:g} req/s requests again, through a fresh engine after the "
+             "other rates. A bar can be judged at this load only where the two real runs "
+             "agree within it.", "",
+             "| metric | first run | second run | difference |", "|---|---:|---:|---:|"]
+    for m in ("ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99"):
+        v = again[m]
+        lines.append(f"| {m.replace('_', ' ')} (s) | {v['real']:.3f} | {v['sim']:.3f} | "
+                     f"{v['error']:+.1%} |")
+    bars = within_bars(again)
+    return lines + [f"| attainment | {again['attainment_real']:.1%} | "
+                    f"{again['attainment_sim']:.1%} | |", "",
+                    f"The two real runs agree within the bars: means {YES[bars['mean']]}, "
+                    f"p99s {YES[bars['p99']]}."]
+
+
 def markdown(rep: dict[str, Any]) -> str:
     lines = ["# The simulator against the real engine (one run)", "",
              f"Trace: {rep['trace']}. One replica, the server's engine settings, admission "
@@ -122,4 +142,5 @@ def markdown(rep: dict[str, Any]) -> str:
         lines.append(f"- {r['rate']:g} req/s: " + "; ".join(
                          f"x{f} {v['ttft_mean']:.3f} / {v['tpot_mean']:.4f}, {v['attainment']:.1%}"
                          for f, v in r["sensitivity"].items()))
-    return "\n".join(lines + ["", *rescaled_markdown(rep["rows"])]) + "\n"
+    return "\n".join(lines + ["", *rescaled_markdown(rep["rows"]), "",
+                               *repeat_markdown(rep.get("repeat"))]) + "\n"
