@@ -14,6 +14,7 @@ BARS = {"mean": 0.05, "p99": 0.10}
 
 
 def goodput(rows: list[dict], key: str) -> float | None:
+    """The highest rate (req/s) whose ``key`` attainment is at least 90% (None: none)."""
     return max((r["rate"] for r in rows if r[key] >= rp.GOODPUT_ATTAINMENT), default=None)
 
 
