@@ -18,7 +18,7 @@ import httpx
 import loadgen
 import yaml
 from loadgen import LoadRequest
-from targets import HttpTarget, http_client
+from targets import AiohttpTarget, aiohttp_session
 
 REPO = Path(__file__).resolve().parents[1]
 PORT = 8123
@@ -168,7 +168,8 @@ async def token_cost(server: Server, streams: int, tokens: int, warmup: bool = T
     """Steady-state ms between streamed tokens with ``streams`` concurrent streams.
 
     Each stream decodes ``tokens`` tokens (``ignore_eos``, greedy) from a short prompt,
-    sent together by the shared load generator, after one warm-up stream if ``warmup``;
+    sent together by the shared load generator (read with aiohttp, the lighter client on
+    the server's cores: :class:`targets.AiohttpTarget`), after one warm-up stream if ``warmup``;
     the gap is measured between its 20th and 80th percentile tokens, so prefill and the
     stream's start and end do not count. Returns the mean over streams (ms per token), and
     ``client_cores``: this process's CPU (the load generator, on the server's cores) over
@@ -181,8 +182,8 @@ async def token_cost(server: Server, streams: int, tokens: int, warmup: bool = T
         a, b = len(times) // 5, (len(times) * 4) // 5
         return 1000 * (times[b] - times[a]) / max(1, b - a)
 
-    async with http_client() as client:
-        target = HttpTarget(client, server.url, server.model_name, class_header=None)
+    async with aiohttp_session() as client:
+        target = AiohttpTarget(client, server.url, server.model_name, class_header=None)
         if warmup:
             await loadgen.open_loop(target, [req(-1)])
         cpu0, t0 = _own_cpu_s(), time.perf_counter()

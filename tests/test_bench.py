@@ -259,3 +259,58 @@ def test_paired_probes_alternate_which_side_goes_first_and_take_the_median_ratio
     assert out["overhead"] == pytest.approx(0.1)
     assert out["ms_per_token"] == 11.0 and out["offline_ms"] == [10.0, 10.0, 10.0]
     assert out["client_cores"] == 0.03  # the timed rounds' median, not the warm-up's
+
+
+def _chunk(text: str = "", usage: dict | None = None) -> str:
+    import json
+    obj = {"choices": [{"index": 0, "text": text}] if text else [], "usage": usage}
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _targets_on(body: str, status: int = 200):
+    """Both HTTP targets' token counts against a server answering ``body`` with ``status``:
+    (tokens or the error's type, record) for httpx's, then aiohttp's."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+    from loadgen import LoadRequest
+    from targets import AiohttpTarget, HttpTarget, aiohttp_session, http_client
+
+    async def answer(_request):
+        return web.Response(status=status, text=body, content_type="text/event-stream")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    req = LoadRequest("r", -1, None, "hi", 2, 5)
+    results = []
+    async with TestServer(app) as server:
+        url = str(server.make_url("/v1"))
+        async with http_client() as hc, aiohttp_session() as ac:
+            for target in (HttpTarget(hc, url, "m"), AiohttpTarget(ac, url, "m")):
+                rec: dict = {}
+                try:
+                    results.append(([n async for n in target.stream(req, rec)], rec))
+                except Exception as e:  # noqa: BLE001 - the test compares the types
+                    results.append((type(e).__name__, rec))
+    return results
+
+
+def test_both_http_targets_count_tokens_and_fail_alike():
+    import asyncio
+
+    from loadgen import Refused
+
+    # A chunk per token, then the usage counting two more (a chunk that carried several).
+    body = (_chunk("a") + _chunk("b") + _chunk("c")
+            + _chunk(usage={"prompt_tokens": 2, "completion_tokens": 5,
+                            "prompt_tokens_details": {"cached_tokens": 1}})
+            + "data: [DONE]\n\n")
+    for tokens, rec in asyncio.run(_targets_on(body)):
+        assert tokens == [1, 1, 1, 2]
+        assert (rec["server_prompt_tokens"], rec["cached_tokens"]) == (2, 1)
+    cut = _chunk("a") + _chunk("b")
+    assert [t for t, _ in asyncio.run(_targets_on(cut))] == ["RuntimeError"] * 2
+    refused = asyncio.run(_targets_on('{"error": {"message": "busy"}}', status=429))
+    assert [t for t, _ in refused] == [Refused.__name__] * 2
+    assert [rec["http_status"] for _, rec in refused] == [429, 429]
+    error = 'data: {"error": {"message": "replica_lost"}}\n\n'
+    assert [t for t, _ in asyncio.run(_targets_on(error))] == ["RuntimeError"] * 2
