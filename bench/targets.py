@@ -1,6 +1,7 @@
-"""The load generator's targets: iterserve's engine in this process, or any OpenAI endpoint.
+"""The load generator's targets: iterserve's engine in this process, or any OpenAI endpoint
+(read with httpx, or with aiohttp where the client's own CPU matters).
 
-Both implement :class:`loadgen.Target`; the simulator (``deploy/sim``) takes the same
+Each implements :class:`loadgen.Target`; the simulator (``deploy/sim``) takes the same
 requests directly (``bench/sim_validate.py``).
 """
 
