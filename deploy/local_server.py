@@ -154,7 +154,7 @@ def run_local(config: ServiceConfig, banner: str) -> int:
     check_port(config.host, config.port)
     server, replica = build_local(config)
     logger.info("serving in this process (pid %d), without Ray", os.getpid())
-    # uvloop, which `uvicorn.run` and vLLM's API server pick too: its event loop took 15-25%
+    # uvloop, which `uvicorn.run` and vLLM's API server pick too: its event loop took 15-26%
     # less CPU per streamed chunk than asyncio's here (docs/served-overhead.md), CPU that
     # the engine's threads share.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
