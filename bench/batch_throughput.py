@@ -33,7 +33,9 @@ from peer_servers import MODEL_NAME, REPO, engine_env, machine_info, model_dir
 from prompts import prompt_maker
 from workload import Lengths, read_trace
 
-TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+from deploy.sim.trace import trace_path
+
+TRACE = trace_path("code")
 REFERENCE_S = {"iterserve": 110.0, "vllm": 160.0}
 """Seconds one whole command on the default file takes on this 2-core host, for the
 expected duration printed first: 86-91 s and 125-131 s on 2026-12-05 (Intel), plus a

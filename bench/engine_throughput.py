@@ -7,7 +7,7 @@ Run from the repository root::
 
 Workload
     Request lengths come from the Azure LLM inference trace 2023, conversation service
-    (``../shared/traces/azure_llm_2023_conv.csv`` relative to the repository root; columns
+    (``deploy/sim/traces/azure_llm_2023_conv.csv``, shipped with the package; columns
     TIMESTAMP, ContextTokens, GeneratedTokens; CC-BY 4.0, published with Splitwise, Patel et al.,
     ISCA 2024). The window is the first ``--num-requests`` rows (default 64, i.e. rows 0-63,
     about the first 32 s of the trace), starting at ``--window-start`` (default 0). Arrival times

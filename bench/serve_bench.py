@@ -8,7 +8,7 @@ Run from the repository root (the server must already be up)::
 Workload
     A window of the Azure LLM inference trace 2023 (Patel et al., "Splitwise: Efficient
     Generative LLM Inference Using Phase Splitting", ISCA 2024; CC-BY 4.0): rows
-    ``--window-start`` .. ``+--num-requests`` of ``../shared/traces/azure_llm_2023_conv.csv``
+    ``--window-start`` .. ``+--num-requests`` of ``deploy/sim/traces/azure_llm_2023_conv.csv``
     (or ``_code.csv``; columns TIMESTAMP, ContextTokens, GeneratedTokens). The real
     inter-arrival times are rescaled per offered rate R so that the N requests span N/R
     seconds (the row after the window would arrive at N/R). Open loop: every request is sent

@@ -42,8 +42,8 @@ def _trace_info(args: argparse.Namespace, first: str, last: str, raw: list[tuple
 def build_workload(args: argparse.Namespace) -> dict:
     """Read the trace window, scale the lengths and make deterministic prompt token ids."""
     if not Path(args.trace).is_file():
-        raise SystemExit(f"trace not found: {args.trace} (expected ../shared/traces/ beside "
-                         "the repository)")
+        raise SystemExit(f"trace not found: {args.trace} (the shipped ones are in "
+                         "deploy/sim/traces/)")
     window = read_trace(args.trace, args.window_start, args.num_requests)[:args.num_requests]
     lengths = Lengths(args.prompt_scale, args.output_scale, 1, args.max_prompt, 1,
                       args.max_output)

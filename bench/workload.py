@@ -1,6 +1,6 @@
 """The trace reader every benchmark shares: a window of rows, lengths scaled, arrivals rescaled.
 
-Traces: ``../shared/traces/azure_llm_2023_conv.csv`` (or ``_code.csv``) beside the repository,
+Traces: ``deploy/sim/traces/azure_llm_2023_conv.csv`` (or ``_code.csv``), shipped with the package,
 the Azure LLM inference trace 2023 (columns TIMESTAMP, ContextTokens, GeneratedTokens),
 published with Splitwise (Patel et al., ISCA 2024) under CC-BY 4.0.
 
@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from deploy.sim.trace import trace_path
+
 REPO = Path(__file__).resolve().parents[1]
-TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+TRACE = trace_path("conv")
 ATTRIBUTION = (
     "Azure LLM inference trace 2023 (conversation), CC-BY 4.0, from Splitwise: Patel, Choukse, "
     "Zhang, Shah, Goiri, Maleki, Bianchini, ISCA 2024 (Azure/AzurePublicDataset)"

@@ -28,7 +28,7 @@ from tests.serving_app import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm/iterserve"
-CRDS = REPO.parent / "shared/kuberay-crds"
+CRDS = Path(__file__).resolve().parent / "data/kuberay-crds"
 K8S_VERSION = "1.34.0"
 EXAMPLES = {"default": {}, "cpu": yaml.safe_load((CHART / "values-cpu.yaml").read_text()),
             "gpu": yaml.safe_load((CHART / "values-gpu.yaml").read_text())}

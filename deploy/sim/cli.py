@@ -29,8 +29,9 @@ ENGINE_FLAGS = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_th
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True,
-                   help="an Azure trace CSV (../shared/traces/) or JSONL of {arrival_s, "
-                        "prompt_tokens, output_tokens, class?}")
+                   help="a shipped trace (conv, code: Azure LLM inference 2023, CC-BY 4.0), "
+                        "an Azure trace CSV, or JSONL of {arrival_s, prompt_tokens, "
+                        "output_tokens, class?}")
     p.add_argument("--replicas", type=int, default=None, help="model replicas (default: "
                    "the config's num_replicas, else 1)")
     p.add_argument("--config", default=None, help="a ServiceConfig YAML (iterserve serve's)")

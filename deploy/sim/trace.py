@@ -1,9 +1,11 @@
 """Traces for the simulator: the Azure CSVs or JSONL, windowed, rescaled, classed.
 
 CSV: the Azure LLM inference trace 2023 (columns ``TIMESTAMP``, ``ContextTokens``,
-``GeneratedTokens``; Splitwise, Patel et al., ISCA 2024, CC-BY 4.0), as in
-``../shared/traces/``. JSONL: one request a line, ``{"arrival_s", "prompt_tokens",
-"output_tokens", "class"?}`` (``class`` optional: the mix, or the default class, decides).
+``GeneratedTokens``; Splitwise, Patel et al., ISCA 2024, CC-BY 4.0). Two ship with the
+package in ``deploy/sim/traces/`` (its README gives the source and attribution), named by
+:data:`SHIPPED` (``conv``, ``code``). JSONL: one request a line, ``{"arrival_s",
+"prompt_tokens", "output_tokens", "class"?}`` (``class`` optional: the mix, or the default
+class, decides).
 """
 
 from __future__ import annotations
@@ -14,7 +16,26 @@ import math
 import random
 from dataclasses import dataclass
 from datetime import datetime
+from importlib import resources
 from pathlib import Path
+
+SHIPPED = {"conv": "azure_llm_2023_conv.csv", "code": "azure_llm_2023_code.csv"}
+"""Short names of the traces shipped as package data (``deploy/sim/traces/``)."""
+
+
+def trace_path(name_or_path: str | Path) -> Path:
+    """The file a ``--trace`` value names: a shipped trace's short name, else a path.
+
+    Raises:
+        FileNotFoundError: neither a shipped name nor an existing file.
+    """
+    if str(name_or_path) in SHIPPED:
+        return Path(str(resources.files("deploy.sim") / "traces" / SHIPPED[str(name_or_path)]))
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace {str(name_or_path)!r}: no such file, and not a shipped "
+                                f"trace ({', '.join(SHIPPED)})")
+    return path
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +134,11 @@ def _pick(mix: tuple[tuple[str, float], ...], seed: int, row: int) -> str:
 def load_requests(spec: TraceSpec) -> list[SimRequest]:
     """The window's requests, arrivals from 0 and rescaled, lengths scaled, classes set.
 
+    ``spec.path`` is a shipped trace's short name (:data:`SHIPPED`) or a file.
+
     Raises:
         ValueError: unreadable trace, a bad scale, or no request in the window.
-        OSError: the file cannot be read.
+        OSError: the file cannot be read (FileNotFoundError: no such trace).
     """
     for flag, value in (("--rate-scale", spec.rate_scale), ("--length-scale", spec.length_scale)):
         if not (math.isfinite(value) and value > 0):
@@ -123,7 +146,7 @@ def load_requests(spec: TraceSpec) -> list[SimRequest]:
     end = (spec.window_start_s + spec.duration_s if spec.duration_s is not None
            else float("inf"))
     out = []
-    for row, (t, prompt, output, cls) in enumerate(_rows(Path(spec.path))):
+    for row, (t, prompt, output, cls) in enumerate(_rows(trace_path(spec.path))):
         if not spec.window_start_s <= t < end:
             continue
         if cls is None:
