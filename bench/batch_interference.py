@@ -40,15 +40,32 @@ SLO = (2.0, 0.25)
 
 
 def start_batch(src: Path, dest: Path, url: str, concurrency: int) -> subprocess.Popen:
-    cmd = [str(REPO / ".venv/bin/python"), "-m", "deploy.batch", "--input", str(src),
-           "--output", str(dest), "--via-service", url, "--max-concurrency", str(concurrency)]
+    cmd = [
+        str(REPO / ".venv/bin/python"),
+        "-m",
+        "deploy.batch",
+        "--input",
+        str(src),
+        "--output",
+        str(dest),
+        "--via-service",
+        url,
+        "--max-concurrency",
+        str(concurrency),
+    ]
     # The server has API keys (the interactive class needs one): the batch sends the same
     # key, and asks for the batch class in its header.
     env = {**os.environ, "OPENAI_API_KEY": ps.MIX_API_KEY}
     # SIGINT stops it (phase()); a shell's background job would otherwise pass it ignored.
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def batch_tokens(dest: Path) -> tuple[int, int]:
@@ -70,8 +87,10 @@ async def rejections(client, base_url: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = sample.labels
-            if (sample.name == "iterserve:admission_rejections_total"
-                    and labels.get("traffic_class") == "interactive"):
+            if (
+                sample.name == "iterserve:admission_rejections_total"
+                and labels.get("traffic_class") == "interactive"
+            ):
                 out[labels["reason"]] = sample.value
     return out
 
@@ -87,33 +106,55 @@ async def phase(cfg: sb.BenchConfig, client, k: int, batch: dict | None) -> dict
     workload = sb.build_workload(cfg, cfg.rates[0], replay=k)
     result = await sb.run_rate(cfg, workload, cfg.rates[0], client)
     refused_after = await rejections(client, cfg.base_url)
-    out = {"with_batch": batch is not None, "summary": result["summary"],
-           "refused_by_reason": {r: n - refused_before.get(r, 0)
-                                 for r, n in refused_after.items()
-                                 if n > refused_before.get(r, 0)}}
+    out = {
+        "with_batch": batch is not None,
+        "summary": result["summary"],
+        "refused_by_reason": {
+            r: n - refused_before.get(r, 0)
+            for r, n in refused_after.items()
+            if n > refused_before.get(r, 0)
+        },
+    }
     if proc is not None:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
         records, tokens = batch_tokens(dest)
         ran = time.monotonic() - t0
-        out["batch"] = {"records": records, "output_tokens": tokens, "seconds": round(ran, 1),
-                        "output_tok_s": round(tokens / ran, 1)}
+        out["batch"] = {
+            "records": records,
+            "output_tokens": tokens,
+            "seconds": round(ran, 1),
+            "output_tok_s": round(tokens / ran, 1),
+        }
     s = result["summary"]
     extra = f", batch {out['batch']['output_tok_s']} tok/s" if "batch" in out else ""
-    print(f"[interference] phase {k} ({'with' if batch else 'without'} batch): interactive "
-          f"attainment {s['attainment']:.1%} (refused {s['refused']}: "
-          f"{out['refused_by_reason']}){extra}", flush=True)
+    print(
+        f"[interference] phase {k} ({'with' if batch else 'without'} batch): interactive "
+        f"attainment {s['attainment']:.1%} (refused {s['refused']}: "
+        f"{out['refused_by_reason']}){extra}",
+        flush=True,
+    )
     await asyncio.sleep(cfg.cooldown_s)
     return out
 
 
 async def run(args: argparse.Namespace, server: ps.Server, batch: dict) -> list[dict]:
     cfg = sb.BenchConfig(
-        base_url=server.url, model=server.model_name, tokenizer=server.model_dir,
-        window_start=args.window_start, num_requests=args.num_requests, rates=[args.rate],
-        length_scale=8.0, slo_ttft_s=SLO[0], slo_tpot_s=SLO[1], label="interactive",
-        class_mix={"interactive": 1.0}, warmup=2, cooldown_s=5.0,
-        extra_headers={"Authorization": f"Bearer {ps.MIX_API_KEY}"})
+        base_url=server.url,
+        model=server.model_name,
+        tokenizer=server.model_dir,
+        window_start=args.window_start,
+        num_requests=args.num_requests,
+        rates=[args.rate],
+        length_scale=8.0,
+        slo_ttft_s=SLO[0],
+        slo_tpot_s=SLO[1],
+        label="interactive",
+        class_mix={"interactive": 1.0},
+        warmup=2,
+        cooldown_s=5.0,
+        extra_headers={"Authorization": f"Bearer {ps.MIX_API_KEY}"},
+    )
     phases = []
     async with http_client(cfg.timeout_s) as client:
         await sb._warmup(cfg, client)
@@ -123,8 +164,9 @@ async def run(args: argparse.Namespace, server: ps.Server, batch: dict) -> list[
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rate", type=float, default=1.0, help="interactive req/s")
     p.add_argument("--num-requests", type=int, default=90)
     p.add_argument("--window-start", type=int, default=0)
@@ -134,24 +176,39 @@ def main() -> int:
     p.add_argument("--out", default=str(REPO / "bench/results/batch_interference.json"))
     args = p.parse_args()
     per_phase = args.num_requests / args.rate + 20
-    print(f"[interference] expected duration: about "
-          f"{(60 + 2 * args.pairs * per_phase) / 60:.0f} min", flush=True)
+    print(
+        f"[interference] expected duration: about {(60 + 2 * args.pairs * per_phase) / 60:.0f} min",
+        flush=True,
+    )
     model_dir = ps.model_dir()
     with tempfile.TemporaryDirectory(prefix="interference-") as tmp:
-        batch = {"dir": Path(tmp), "src": Path(tmp) / "batch.jsonl", "lead_s": 10.0,
-                 "concurrency": args.concurrency}
-        write_batch(batch["src"], args.batch_requests, 0,
-                    Lengths(prompt_divisor=128, output_divisor=4, max_output=256))
+        batch = {
+            "dir": Path(tmp),
+            "src": Path(tmp) / "batch.jsonl",
+            "lead_s": 10.0,
+            "concurrency": args.concurrency,
+        }
+        write_batch(
+            batch["src"],
+            args.batch_requests,
+            0,
+            Lengths(prompt_divisor=128, output_divisor=4, max_output=256),
+        )
         with ps.Server(ps.SYSTEMS["iterserve"], model_dir, mix=True, slo=SLO) as server:
             phases = asyncio.run(run(args, server, batch))
     alone = [ph["summary"]["attainment"] for ph in phases if not ph["with_batch"]]
     shared = [ph["summary"]["attainment"] for ph in phases if ph["with_batch"]]
     tok_s = [ph["batch"]["output_tok_s"] for ph in phases if ph["with_batch"]]
-    result = {"rate": args.rate, "slo": SLO, "attainment_alone": alone,
-              "attainment_with_batch": shared, "batch_output_tok_s": tok_s,
-              "difference_pp": round(100 * (sum(alone) / len(alone)
-                                             - sum(shared) / len(shared)), 1),
-              "phases": phases, "machine": ps.machine_info()}
+    result = {
+        "rate": args.rate,
+        "slo": SLO,
+        "attainment_alone": alone,
+        "attainment_with_batch": shared,
+        "batch_output_tok_s": tok_s,
+        "difference_pp": round(100 * (sum(alone) / len(alone) - sum(shared) / len(shared)), 1),
+        "phases": phases,
+        "machine": ps.machine_info(),
+    }
     print("| phase | interactive within SLOs | batch output tok/s |\n|---|---:|---:|")
     for a, b, t in zip(alone, shared, tok_s):
         print(f"| alone | {a:.1%} | |\n| with batch | {b:.1%} | {t} |")

@@ -56,22 +56,65 @@ def write_batch(path: Path, rows: int, start: int, lengths: Lengths) -> dict:
             text, got = maker.make(r.row, n_in)
             prompt_total += got
             output_total += n_out
-            body = {"model": MODEL_NAME, "messages": [{"role": "system", "content": SYSTEM},
-                                                      {"role": "user", "content": text}],
-                    "max_tokens": n_out, "temperature": 0.0, "ignore_eos": True}
-            f.write(json.dumps({"custom_id": f"row-{r.row}", "method": "POST",
-                                "url": "/v1/chat/completions", "body": body}) + "\n")
+            body = {
+                "model": MODEL_NAME,
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": text},
+                ],
+                "max_tokens": n_out,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+            f.write(
+                json.dumps(
+                    {
+                        "custom_id": f"row-{r.row}",
+                        "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": body,
+                    }
+                )
+                + "\n"
+            )
     return {"requests": rows, "prompt_tokens": prompt_total, "output_tokens": output_total}
 
 
 def command(system: str, src: Path, dest: Path) -> tuple[list[str], dict]:
     if system == "vllm":
         py = Path(os.environ.get("VLLM_VENV", REPO / ".venv-vllm")) / "bin/python"
-        return ([str(py), "-m", "vllm.entrypoints.openai.run_batch", "-i", str(src),
-                 "-o", str(dest), "--model", model_dir(), "--served-model-name", MODEL_NAME,
-                 "--dtype", "float32", "--max-model-len", "2048"], engine_env())
-    return ([str(REPO / ".venv/bin/iterserve"), "batch", "run", "--input", str(src),
-             "--output", str(dest)], dict(os.environ))
+        return (
+            [
+                str(py),
+                "-m",
+                "vllm.entrypoints.openai.run_batch",
+                "-i",
+                str(src),
+                "-o",
+                str(dest),
+                "--model",
+                model_dir(),
+                "--served-model-name",
+                MODEL_NAME,
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "2048",
+            ],
+            engine_env(),
+        )
+    return (
+        [
+            str(REPO / ".venv/bin/iterserve"),
+            "batch",
+            "run",
+            "--input",
+            str(src),
+            "--output",
+            str(dest),
+        ],
+        dict(os.environ),
+    )
 
 
 def bar_seconds(log: str, total: int) -> float:
@@ -112,12 +155,20 @@ def one_run(system: str, src: Path, workdir: Path, k: int, totals: dict) -> dict
         raise RuntimeError(f"{system} exited {proc.returncode}:\n{log[-3000:]}")
     tokens = output_tokens(dest, totals["requests"])
     busy = bar_seconds(log, totals["requests"])
-    row = {"system": system, "run": k, "output_tokens": tokens, "busy_s": busy,
-           "wall_s": round(wall, 1), "busy_tok_s": round(tokens / busy, 1),
-           "wall_tok_s": round(tokens / wall, 1)}
-    print(f"[batch] {system} run {k}: {tokens} tokens, {busy:.0f} s busy "
-          f"({row['busy_tok_s']} tok/s), {wall:.0f} s wall ({row['wall_tok_s']} tok/s)",
-          flush=True)
+    row = {
+        "system": system,
+        "run": k,
+        "output_tokens": tokens,
+        "busy_s": busy,
+        "wall_s": round(wall, 1),
+        "busy_tok_s": round(tokens / busy, 1),
+        "wall_tok_s": round(tokens / wall, 1),
+    }
+    print(
+        f"[batch] {system} run {k}: {tokens} tokens, {busy:.0f} s busy "
+        f"({row['busy_tok_s']} tok/s), {wall:.0f} s wall ({row['wall_tok_s']} tok/s)",
+        flush=True,
+    )
     return row
 
 
@@ -125,31 +176,40 @@ def summarise(runs: list[dict], systems: list[str]) -> dict:
     out = {}
     for s in systems:
         mine = [r for r in runs if r["system"] == s]
-        out[s] = {"busy_tok_s": statistics.median(r["busy_tok_s"] for r in mine),
-                  "wall_tok_s": statistics.median(r["wall_tok_s"] for r in mine)}
+        out[s] = {
+            "busy_tok_s": statistics.median(r["busy_tok_s"] for r in mine),
+            "wall_tok_s": statistics.median(r["wall_tok_s"] for r in mine),
+        }
     if "vllm" in out:
         for key in ("busy_tok_s", "wall_tok_s"):
             out["iterserve"][key.replace("tok_s", "ratio")] = round(
-                out["iterserve"][key] / out["vllm"][key], 2)
+                out["iterserve"][key] / out["vllm"][key], 2
+            )
     return out
 
 
 def table(summary: dict, totals: dict) -> str:
-    lines = [f"Batch of {totals['requests']} chat requests ({totals['prompt_tokens']} prompt "
-             f"and {totals['output_tokens']} output tokens), median of the runs", "",
-             "| system | output tok/s (processing) | output tok/s (whole command) |",
-             "|---|---:|---:|"]
+    lines = [
+        f"Batch of {totals['requests']} chat requests ({totals['prompt_tokens']} prompt "
+        f"and {totals['output_tokens']} output tokens), median of the runs",
+        "",
+        "| system | output tok/s (processing) | output tok/s (whole command) |",
+        "|---|---:|---:|",
+    ]
     for s, v in summary.items():
-        ratio = (f" ({v['busy_ratio']:.2f}x)", f" ({v['wall_ratio']:.2f}x)") \
-            if "busy_ratio" in v else ("", "")
-        lines.append(f"| {s} | {v['busy_tok_s']:.1f}{ratio[0]} | {v['wall_tok_s']:.1f}"
-                     f"{ratio[1]} |")
+        ratio = (
+            (f" ({v['busy_ratio']:.2f}x)", f" ({v['wall_ratio']:.2f}x)")
+            if "busy_ratio" in v
+            else ("", "")
+        )
+        lines.append(f"| {s} | {v['busy_tok_s']:.1f}{ratio[0]} | {v['wall_tok_s']:.1f}{ratio[1]} |")
     return "\n".join(lines)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--start", type=int, default=0, help="the trace window's first row")
     p.add_argument("--prompt-divisor", type=float, default=128.0)
@@ -161,21 +221,34 @@ def main() -> int:
     systems = ["iterserve"] if args.skip_vllm else ["vllm", "iterserve"]
     scale = args.requests / 2000
     expected = args.repeats * sum(REFERENCE_S[s] * scale for s in systems)
-    print(f"[batch] expected duration: about {expected / 60:.0f} min "
-          f"({args.repeats} runs of {', '.join(systems)})", flush=True)
-    lengths = Lengths(prompt_divisor=args.prompt_divisor, output_divisor=args.output_divisor,
-                      min_output=1, max_prompt=1024, max_output=256)
+    print(
+        f"[batch] expected duration: about {expected / 60:.0f} min "
+        f"({args.repeats} runs of {', '.join(systems)})",
+        flush=True,
+    )
+    lengths = Lengths(
+        prompt_divisor=args.prompt_divisor,
+        output_divisor=args.output_divisor,
+        min_output=1,
+        max_prompt=1024,
+        max_output=256,
+    )
     with tempfile.TemporaryDirectory(prefix="batch-bench-") as tmp:
         workdir = Path(tmp)
         src = workdir / "batch.jsonl"
         totals = write_batch(src, args.requests, args.start, lengths)
-        runs = [one_run(s, src, workdir, k, totals)
-                for k in range(args.repeats) for s in systems]
+        runs = [one_run(s, src, workdir, k, totals) for k in range(args.repeats) for s in systems]
     summary = summarise(runs, systems)
     print(table(summary, totals))
-    result = {"totals": totals, "lengths": lengths.describe(), "trace": str(TRACE.name),
-              "window_start": args.start, "summary": summary, "runs": runs,
-              "machine": machine_info()}
+    result = {
+        "totals": totals,
+        "lengths": lengths.describe(),
+        "trace": str(TRACE.name),
+        "window_start": args.start,
+        "summary": summary,
+        "runs": runs,
+        "machine": machine_info(),
+    }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"[batch] wrote {args.out}")
     return 0

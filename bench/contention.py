@@ -98,18 +98,25 @@ def offline_phase(model: str, repeats: int, tokens: int) -> dict:
             for n in STREAMS:
                 ms, cores = burned(eng, duty, n, tokens, seed=rep)
                 runs[str(n)].append((duty, cores, ms))
-                print(f"[contention] {n} stream(s), burner {duty:.0%}: {ms:.1f} ms/step, "
-                      f"burner {cores:.3f} cores", flush=True)
+                print(
+                    f"[contention] {n} stream(s), burner {duty:.0%}: {ms:.1f} ms/step, "
+                    f"burner {cores:.3f} cores",
+                    flush=True,
+                )
     out = {}
     for n, rows in runs.items():
         base = statistics.median(ms for d, _, ms in rows if d == 0)
-        out[n] = {"runs": rows, "ms_at_0": base,
-                  "slope": slope([(c, ms) for d, c, ms in rows if d > 0], base)}
+        out[n] = {
+            "runs": rows,
+            "ms_at_0": base,
+            "slope": slope([(c, ms) for d, c, ms in rows if d > 0], base),
+        }
     return out
 
 
-def replica_split(before: dict[int, float], after: dict[int, float], wall_s: float,
-                  engine_threads: int) -> tuple[float, float]:
+def replica_split(
+    before: dict[int, float], after: dict[int, float], wall_s: float, engine_threads: int
+) -> tuple[float, float]:
     """(cores of the engine's threads, cores of the replica's other threads)."""
     used = sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)
     return sum(used[:engine_threads]) / wall_s, sum(used[engine_threads:]) / wall_s
@@ -128,8 +135,7 @@ def thread_cpu(pid: int) -> dict[int, float]:
 
 def replica_pid() -> int:
     """The iterserve replica's process (one replica on Ray Serve)."""
-    return next(pid for pid, (group, _) in ps.cpu_seconds().items()
-                if group == "iterserve replica")
+    return next(pid for pid, (group, _) in ps.cpu_seconds().items() if group == "iterserve replica")
 
 
 async def probe(server: ps.Server, n: int, tokens: int, engine_threads: int) -> dict:
@@ -141,15 +147,17 @@ async def probe(server: ps.Server, n: int, tokens: int, engine_threads: int) -> 
     engine_cores, replica_other = replica_split(threads0, thread_cpu(pid), wall, engine_threads)
     share.pop("iterserve replica", None)
     share["iterserve replica, other threads"] = replica_other
-    return {"ms_per_token": cost["ms_per_token"], "engine_cores": engine_cores,
-            "foreign": dict(sorted(share.items(), key=lambda kv: -kv[1]))}
+    return {
+        "ms_per_token": cost["ms_per_token"],
+        "engine_cores": engine_cores,
+        "foreign": dict(sorted(share.items(), key=lambda kv: -kv[1])),
+    }
 
 
 def served_phase(model: str, tokens: int) -> dict:
     spec = ps.SYSTEMS["iterserve-ray"]
     with ps.Server(spec, model, mix=False, slo=(2.0, 0.25)) as server:
-        return {str(n): asyncio.run(probe(server, n, tokens, os.cpu_count() or 1))
-                for n in STREAMS}
+        return {str(n): asyncio.run(probe(server, n, tokens, os.cpu_count() or 1)) for n in STREAMS}
 
 
 def explain(offline: dict, served: dict) -> list[dict]:
@@ -158,25 +166,57 @@ def explain(offline: dict, served: dict) -> list[dict]:
         off, srv = offline[n], served[n]
         foreign = sum(srv["foreign"].values())
         predicted = off["ms_at_0"] * (1 + off["slope"] * foreign)
-        rows.append({"streams": int(n), "offline_ms": off["ms_at_0"], "slope": off["slope"],
-                     "foreign_cores": foreign, "predicted_ms": predicted,
-                     "served_ms": srv["ms_per_token"],
-                     "overhead": srv["ms_per_token"] / off["ms_at_0"] - 1,
-                     "explained": predicted / off["ms_at_0"] - 1})
+        rows.append(
+            {
+                "streams": int(n),
+                "offline_ms": off["ms_at_0"],
+                "slope": off["slope"],
+                "foreign_cores": foreign,
+                "predicted_ms": predicted,
+                "served_ms": srv["ms_per_token"],
+                "overhead": srv["ms_per_token"] / off["ms_at_0"] - 1,
+                "explained": predicted / off["ms_at_0"] - 1,
+            }
+        )
     return rows
 
 
 def print_tables(rows: list[dict], served: dict) -> None:
-    print(rp.table(
-        ["streams", "offline ms", "slowdown per core", "foreign cores", "explained",
-         "served ms", "served overhead"],
-        [[str(r["streams"]), rp.fmt(r["offline_ms"], ".1f"), rp.fmt(r["slope"], ".2f"),
-          rp.fmt(r["foreign_cores"], ".3f"), rp.pct(r["explained"]),
-          rp.fmt(r["served_ms"], ".1f"), rp.pct(r["overhead"])] for r in rows]))
+    print(
+        rp.table(
+            [
+                "streams",
+                "offline ms",
+                "slowdown per core",
+                "foreign cores",
+                "explained",
+                "served ms",
+                "served overhead",
+            ],
+            [
+                [
+                    str(r["streams"]),
+                    rp.fmt(r["offline_ms"], ".1f"),
+                    rp.fmt(r["slope"], ".2f"),
+                    rp.fmt(r["foreign_cores"], ".3f"),
+                    rp.pct(r["explained"]),
+                    rp.fmt(r["served_ms"], ".1f"),
+                    rp.pct(r["overhead"]),
+                ]
+                for r in rows
+            ],
+        )
+    )
     groups = sorted({g for s in served.values() for g in s["foreign"]})
-    print(rp.table(["process group (cores)", *(f"{n} stream(s)" for n in served)],
-                   [[g, *(rp.fmt(s["foreign"].get(g, 0.0), ".3f") for s in served.values())]
-                    for g in groups]))
+    print(
+        rp.table(
+            ["process group (cores)", *(f"{n} stream(s)" for n in served)],
+            [
+                [g, *(rp.fmt(s["foreign"].get(g, 0.0), ".3f") for s in served.values())]
+                for g in groups
+            ],
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = explain(offline, served)
     print_tables(rows, served)
     out = Path(args.out or RESULTS / f"contention{'_quick' if args.quick else ''}.json")
-    rp.write_json({"machine": ps.machine_info(), "offline": offline, "served": served,
-                   "explained": rows}, out)
+    rp.write_json(
+        {"machine": ps.machine_info(), "offline": offline, "served": served, "explained": rows}, out
+    )
     print(f"[contention] wrote {out}")
     return 0
 

@@ -57,9 +57,11 @@ def time_mix(engine, mix, steps: int, rng: random.Random, tag: str) -> tuple[flo
         for i in range(n):
             rid = f"{tag}-{g}-{i}"
             prompt = [rng.randrange(1000, 40000) for _ in range(plen)]
-            engine.add_request(rid, {"prompt_token_ids": prompt},
-                               SamplingParams(max_tokens=steps + 8, temperature=0,
-                                              ignore_eos=True))
+            engine.add_request(
+                rid,
+                {"prompt_token_ids": prompt},
+                SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True),
+            )
             ids.append(rid)
     sched = engine.scheduler
     while sched.waiting or any(r.num_pending_tokens > 1 for r in sched.running):
@@ -80,8 +82,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=7)
-    ap.add_argument("--out", type=Path,
-                    default=REPO / "bench" / "results" / "decode_attention.json")
+    ap.add_argument(
+        "--out", type=Path, default=REPO / "bench" / "results" / "decode_attention.json"
+    )
     args = ap.parse_args()
 
     import torch
@@ -109,27 +112,43 @@ def main() -> int:
                     groups = n
         attention.DECODE_SPLIT_SLOTS = split
         other = foreign_cores(cpu0, cpu_snapshot(), time.perf_counter() - w0)
-        rows.append({
-            "mix": name, "decodes": sum(n for n, _ in mix),
-            "groups": groups,
-            "grouped_ms": 1e3 * statistics.median(got["grouped"]),
-            "one_call_ms": 1e3 * statistics.median(got["one call"]),
-            "ratio": statistics.median(a / b for a, b in zip(got["one call"], got["grouped"])),
-            "runs_ms": {v: [1e3 * x for x in xs] for v, xs in got.items()},
-            "other_load_cores": other,
-        })
-    print("| decode mix (decodes x prompt tokens) | groups | grouped ms/step | one call "
-          "ms/step | one call / grouped | other load |\n|---|---|---|---|---|---|")
+        rows.append(
+            {
+                "mix": name,
+                "decodes": sum(n for n, _ in mix),
+                "groups": groups,
+                "grouped_ms": 1e3 * statistics.median(got["grouped"]),
+                "one_call_ms": 1e3 * statistics.median(got["one call"]),
+                "ratio": statistics.median(a / b for a, b in zip(got["one call"], got["grouped"])),
+                "runs_ms": {v: [1e3 * x for x in xs] for v, xs in got.items()},
+                "other_load_cores": other,
+            }
+        )
+    print(
+        "| decode mix (decodes x prompt tokens) | groups | grouped ms/step | one call "
+        "ms/step | one call / grouped | other load |\n|---|---|---|---|---|---|"
+    )
     for r in rows:
-        print(f"| {r['mix']} | {r['groups']} | {r['grouped_ms']:.0f} | {r['one_call_ms']:.0f} | "
-              f"{r['ratio']:.2f}x | {r['other_load_cores']:.2f} |")
+        print(
+            f"| {r['mix']} | {r['groups']} | {r['grouped_ms']:.0f} | {r['one_call_ms']:.0f} | "
+            f"{r['ratio']:.2f}x | {r['other_load_cores']:.2f} |"
+        )
     report = {
-        "benchmark": "decode_attention", "created_utc": datetime.now(UTC).isoformat(),
-        "command": " ".join(sys.argv), "runs": args.runs, "steps": args.steps,
+        "benchmark": "decode_attention",
+        "created_utc": datetime.now(UTC).isoformat(),
+        "command": " ".join(sys.argv),
+        "runs": args.runs,
+        "steps": args.steps,
         "decode_split_slots": split,
-        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "platform": platform.platform(), "torch": torch.__version__},
-        "method": __doc__, "rows": rows, "elapsed_s": time.perf_counter() - t0,
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+        },
+        "method": __doc__,
+        "rows": rows,
+        "elapsed_s": time.perf_counter() - t0,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")

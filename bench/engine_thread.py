@@ -64,8 +64,9 @@ def child(variant: str, n: int, prompt_len: int) -> dict[str, float]:
         aeng.engine.on_step = on_step
 
         async def one(i: int) -> None:
-            async for _ in aeng.generate({"prompt_token_ids": prompts[i]}, params,
-                                         request_id=f"r{i}"):
+            async for _ in aeng.generate(
+                {"prompt_token_ids": prompts[i]}, params, request_id=f"r{i}"
+            ):
                 pass
 
         try:
@@ -93,29 +94,49 @@ def main() -> None:
         runs: dict[str, list[dict[str, float]]] = {"worker": [], "caller": []}
         for _ in range(args.runs):
             for variant in runs:
-                out = subprocess.run(
-                    [sys.executable, __file__, "--child", variant, str(n), str(p)],
-                    check=True, capture_output=True, text=True, cwd=ROOT,
-                ).stdout.strip().splitlines()[-1]
+                out = (
+                    subprocess.run(
+                        [sys.executable, __file__, "--child", variant, str(n), str(p)],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                        cwd=ROOT,
+                    )
+                    .stdout.strip()
+                    .splitlines()[-1]
+                )
                 runs[variant].append(json.loads(out))
         row = {"runs": runs}
         for kind in ("prefill_s", "decode_s"):
             for variant, rs in runs.items():
                 row[f"{variant}_{kind}"] = statistics.median(r[kind] for r in rs)
             row[f"ratio_{kind}"] = statistics.median(
-                c[kind] / w[kind] for c, w in zip(runs["caller"], runs["worker"]))
+                c[kind] / w[kind] for c, w in zip(runs["caller"], runs["worker"])
+            )
         results[mix] = row
     print("| mix (requests x prompt tokens) | step | worker ms | caller ms | caller / worker |")
     print("|---|---|---:|---:|---:|")
     for mix, row in results.items():
         for kind, name in (("prefill_s", "with prefill"), ("decode_s", "decode-only")):
-            print(f"| {mix} | {name} | {1000 * row[f'worker_{kind}']:.0f} "
-                  f"| {1000 * row[f'caller_{kind}']:.0f} | {row[f'ratio_{kind}']:.2f}x |")
+            print(
+                f"| {mix} | {name} | {1000 * row[f'worker_{kind}']:.0f} "
+                f"| {1000 * row[f'caller_{kind}']:.0f} | {row[f'ratio_{kind}']:.2f}x |"
+            )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"results": results, "config": CONFIG, "output_tokens": OUTPUT_TOKENS,
-                   "runs": args.runs, "cpus": os.cpu_count(), "platform": platform.platform(),
-                   "wall_s": time.time() - t0}, f, indent=1)
+        json.dump(
+            {
+                "results": results,
+                "config": CONFIG,
+                "output_tokens": OUTPUT_TOKENS,
+                "runs": args.runs,
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "wall_s": time.time() - t0,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
 
 

@@ -113,11 +113,20 @@ def spawn(name: str, workload: dict, config: dict, timeout: float) -> dict:
         spec, result = Path(tmp, "spec.json"), Path(tmp, "result.json")
         spec.write_text(json.dumps({"workload": workload, "config": config}))
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name,
-               "--spec", str(spec), "--result", str(result)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            name,
+            "--spec",
+            str(spec),
+            "--result",
+            str(result),
+        ]
         try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
+            proc = subprocess.run(
+                cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+            )
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
         if result.is_file():
@@ -130,44 +139,79 @@ def spawn(name: str, workload: dict, config: dict, timeout: float) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="tiny smoke run: 8 requests, 1 run, short sweep (about 1-2 min)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny smoke run: 8 requests, 1 run, short sweep (about 1-2 min)",
+    )
     ap.add_argument("--runs", type=int, default=None, help="runs per system (default 3; quick 1)")
-    ap.add_argument("--num-requests", type=int, default=None,
-                    help="trace rows in the window (default 64; quick 8)")
+    ap.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="trace rows in the window (default 64; quick 8)",
+    )
     ap.add_argument("--window-start", type=int, default=0, help="first trace row of the window")
-    ap.add_argument("--prompt-scale", type=float, default=16.0,
-                    help="prompt length = round(ContextTokens / this)")
-    ap.add_argument("--output-scale", type=float, default=8.0,
-                    help="output length = round(GeneratedTokens / this)")
+    ap.add_argument(
+        "--prompt-scale",
+        type=float,
+        default=16.0,
+        help="prompt length = round(ContextTokens / this)",
+    )
+    ap.add_argument(
+        "--output-scale",
+        type=float,
+        default=8.0,
+        help="output length = round(GeneratedTokens / this)",
+    )
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--max-output", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    ap.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma-separated subset of {','.join(SYSTEMS)}",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-kv-blocks", type=int, default=1024)
     ap.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of hf_generate")
-    ap.add_argument("--hf-cb-api", choices=("manager", "generate_batch"), default="manager",
-                    help="manager: per-request max_new_tokens through generate_batch's manager; "
-                         "generate_batch: the call itself, one max_new_tokens for all")
+    ap.add_argument(
+        "--hf-cb-api",
+        choices=("manager", "generate_batch"),
+        default="manager",
+        help="manager: per-request max_new_tokens through generate_batch's manager; "
+        "generate_batch: the call itself, one max_new_tokens for all",
+    )
     ap.add_argument("--no-sweep", action="store_true", help="skip the decode sweep")
     ap.add_argument("--sweep-sizes", default="1,8,32,64")
-    ap.add_argument("--sweep-steps", type=int, default=None,
-                    help="measured pure-decode steps per size (default 20; quick 4)")
+    ap.add_argument(
+        "--sweep-steps",
+        type=int,
+        default=None,
+        help="measured pure-decode steps per size (default 20; quick 4)",
+    )
     ap.add_argument("--gemm-size", type=int, default=2048)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch.set_num_threads in every worker (default: torch's default, "
-                         "one per core); 1 is far less hurt by other processes on a busy machine")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads in every worker (default: torch's default, "
+        "one per core); 1 is far less hurt by other processes on a busy machine",
+    )
     ap.add_argument("--worker-timeout", type=float, default=1800.0)
-    ap.add_argument("--out", type=Path, default=None,
-                    help=f"JSON path (default {os.path.relpath(DEFAULT_OUT, REPO)}, "
-                         f"or {os.path.relpath(QUICK_OUT, REPO)} with --quick)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"JSON path (default {os.path.relpath(DEFAULT_OUT, REPO)}, "
+        f"or {os.path.relpath(QUICK_OUT, REPO)} with --quick)",
+    )
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -204,14 +248,18 @@ def prepare(args: argparse.Namespace) -> tuple[list[str], dict, dict, dict]:
     configs = system_configs(args)
     for c in configs.values():
         c["threads"] = args.threads
-    print(f"workload: {stats['num_requests']} requests, {stats['prompt_tokens_total']} prompt + "
-          f"{stats['output_tokens_total']} output tokens; {args.runs} run(s) of "
-          f"{', '.join(systems)}", flush=True)
+    print(
+        f"workload: {stats['num_requests']} requests, {stats['prompt_tokens_total']} prompt + "
+        f"{stats['output_tokens_total']} output tokens; {args.runs} run(s) of "
+        f"{', '.join(systems)}",
+        flush=True,
+    )
     return systems, wl, stats, configs
 
 
-def run_systems(args: argparse.Namespace, systems: list[str], workload: dict,
-                configs: dict) -> dict[str, list[dict]]:
+def run_systems(
+    args: argparse.Namespace, systems: list[str], workload: dict, configs: dict
+) -> dict[str, list[dict]]:
     """Every system's runs, interleaved: run 1 of each system, then run 2, ..."""
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for i in range(args.runs):
@@ -219,12 +267,18 @@ def run_systems(args: argparse.Namespace, systems: list[str], workload: dict,
             t = time.perf_counter()
             r = spawn(name, workload, configs[name], args.worker_timeout)
             runs[name].append(r)
-            what = (f"ERROR {r['error']}" if "error" in r else
-                    f"{r['output_tok_s']:.1f} out tok/s, wall {r['wall_s']:.1f} s, "
-                    f"peak RSS {r['peak_rss_mib']:.0f} MiB, other load "
-                    f"{fmt(r.get('foreign_cores'), '.2f')} cores")
-            print(f"[run {i + 1}/{args.runs}] {name}: {what} "
-                  f"({time.perf_counter() - t:.0f} s with start-up)", flush=True)
+            what = (
+                f"ERROR {r['error']}"
+                if "error" in r
+                else f"{r['output_tok_s']:.1f} out tok/s, wall {r['wall_s']:.1f} s, "
+                f"peak RSS {r['peak_rss_mib']:.0f} MiB, other load "
+                f"{fmt(r.get('foreign_cores'), '.2f')} cores"
+            )
+            print(
+                f"[run {i + 1}/{args.runs}] {name}: {what} "
+                f"({time.perf_counter() - t:.0f} s with start-up)",
+                flush=True,
+            )
     return runs
 
 
@@ -242,8 +296,11 @@ def run_sweeps(args: argparse.Namespace, configs: dict) -> tuple[dict | None, di
         return None, None
     cfg = sweep_config(args, configs["iterserve"])
     sweep = _sweep("decode sweep", cfg, args.worker_timeout)
-    plain = _sweep("decode sweep without weight prepacking",
-                   {**cfg, "cpu_weight_prepack": False}, args.worker_timeout)
+    plain = _sweep(
+        "decode sweep without weight prepacking",
+        {**cfg, "cpu_weight_prepack": False},
+        args.worker_timeout,
+    )
     return sweep, plain
 
 

@@ -44,8 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=80.0, help="seconds of arrivals")
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.25)
-    p.add_argument("--engine", type=json.loads, default={},
-                   help='EngineConfig overrides as JSON, e.g. \'{"tpot_slo_guard": false}\'')
+    p.add_argument(
+        "--engine",
+        type=json.loads,
+        default={},
+        help="EngineConfig overrides as JSON, e.g. '{\"tpot_slo_guard\": false}'",
+    )
     p.add_argument("--mix", action="store_true", help="70%% interactive / 30%% batch")
     p.add_argument("--admission", action="store_true", help="the ingress's admission loop")
     p.add_argument("--step-log", type=Path, default=None, help="one JSON line per step")
@@ -60,8 +64,7 @@ def engine_config(args: argparse.Namespace) -> dict:
 
 
 async def replay(args: argparse.Namespace, requests: list):
-    target, _ = await start_engine(engine_config(args), args.step_log,
-                                   admission=args.admission)
+    target, _ = await start_engine(engine_config(args), args.step_log, admission=args.admission)
     try:
         return await run_open(target, requests, cutoff_s=args.duration + 90)
     finally:
@@ -79,10 +82,13 @@ def summarize(args: argparse.Namespace, records: list[dict], wall_s: float) -> d
     ttft = [r["ttft_s"] for r in judged if r["ttft_s"] is not None]
     tpot = [r["tpot_s"] for r in judged if r["tpot_s"] is not None]
     return {
-        "requests": len(judged), "attainment": sum(r["slo_met"] for r in judged) / len(judged),
+        "requests": len(judged),
+        "attainment": sum(r["slo_met"] for r in judged) / len(judged),
         "not_finished": sum(r["status"] != "finished" for r in judged),
-        "ttft_p50_s": rp.percentile(ttft, 50), "ttft_p99_s": rp.percentile(ttft, 99),
-        "tpot_p50_s": rp.percentile(tpot, 50), "tpot_p99_s": rp.percentile(tpot, 99),
+        "ttft_p50_s": rp.percentile(ttft, 50),
+        "ttft_p99_s": rp.percentile(ttft, 99),
+        "tpot_p50_s": rp.percentile(tpot, 50),
+        "tpot_p99_s": rp.percentile(tpot, 99),
         "batch_tok_s": batch_tokens / wall_s if args.mix else None,
     }
 
@@ -94,29 +100,46 @@ def step_summary(path: Path | None) -> dict:
     steps = [json.loads(line) for line in path.open()]
     prefill = [s for s in steps if s["prefill_tokens"] > 0]
     decode = [s["dur_s"] for s in steps if s["prefill_tokens"] == 0]
-    return {"steps": len(steps), "prefill_steps": len(prefill),
-            "mean_chunk": (sum(s["prefill_tokens"] for s in prefill) / len(prefill)
-                           if prefill else None),
-            "prefill_step_s": statistics.fmean(s["dur_s"] for s in prefill) if prefill else None,
-            "decode_step_s": statistics.fmean(decode) if decode else None}
+    return {
+        "steps": len(steps),
+        "prefill_steps": len(prefill),
+        "mean_chunk": (
+            sum(s["prefill_tokens"] for s in prefill) / len(prefill) if prefill else None
+        ),
+        "prefill_step_s": statistics.fmean(s["dur_s"] for s in prefill) if prefill else None,
+        "decode_step_s": statistics.fmean(decode) if decode else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print(f"expected duration: about {(args.duration + 30) / 60:.0f} min", flush=True)
-    window = Window(TRACE, args.window_start, round(args.rate * args.duration) + 50,
-                    Lengths(), MIX if args.mix else None, seed=0)
-    requests, _ = window.at_rate(args.rate, args.duration, "probe",
-                                 cls=None if args.mix else "standard")
+    window = Window(
+        TRACE,
+        args.window_start,
+        round(args.rate * args.duration) + 50,
+        Lengths(),
+        MIX if args.mix else None,
+        seed=0,
+    )
+    requests, _ = window.at_rate(
+        args.rate, args.duration, "probe", cls=None if args.mix else "standard"
+    )
     if args.step_log is not None:
         args.step_log.unlink(missing_ok=True)
     run, info = asyncio.run(replay(args, requests))
-    row = {"window_start": args.window_start, "rate": args.rate, "engine": args.engine,
-           "mix": args.mix, "admission": args.admission,
-           **summarize(args, run.records, run.wall_s), **step_summary(args.step_log),
-           "preemptions": info["preemptions"], "blocks_ok": info["blocks_ok"]}
-    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                   for k, v in row.items()))
+    row = {
+        "window_start": args.window_start,
+        "rate": args.rate,
+        "engine": args.engine,
+        "mix": args.mix,
+        "admission": args.admission,
+        **summarize(args, run.records, run.wall_s),
+        **step_summary(args.step_log),
+        "preemptions": info["preemptions"],
+        "blocks_ok": info["blocks_ok"],
+    }
+    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     with args.out.open("a") as f:
         f.write(json.dumps(rp.finite(row)) + "\n")
     return 0

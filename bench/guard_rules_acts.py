@@ -59,9 +59,13 @@ def simulate(reqs: list, cost: LinearCost) -> tuple[float, dict[str, int]]:
     fleet = Fleet(service, cost)
     run = fleet.run(sv.sim_requests(reqs))
     cls = make_classes(SLOS)
-    met = [o.status == "ok" and o.ttft_s <= cls["interactive"].ttft_slo_s
-           and o.tpot_s <= cls["interactive"].tpot_slo_s
-           for o in run.outcomes if o.request.traffic_class == "interactive"]
+    met = [
+        o.status == "ok"
+        and o.ttft_s <= cls["interactive"].ttft_slo_s
+        and o.tpot_s <= cls["interactive"].tpot_slo_s
+        for o in run.outcomes
+        if o.request.traffic_class == "interactive"
+    ]
     acted = fleet.replicas[0].engine.scheduler.guard.acted
     return sum(met) / len(met), {r: acted[r] for r in ACTS}
 
@@ -101,8 +105,10 @@ def main() -> int:
     args = ap.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
     traces = args.traces.split(",")
-    print(f"expected duration: about {len(traces) * len(loads) * (args.duration + 70) / 60:.0f}"
-          " min", flush=True)
+    print(
+        f"expected duration: about {len(traces) * len(loads) * (args.duration + 70) / 60:.0f} min",
+        flush=True,
+    )
     cost, rows = LinearCost.load(COST), []
     for trace in traces:
         cap = capacity(trace, args.duration, cost)
@@ -110,19 +116,32 @@ def main() -> int:
             reqs = window(trace, cap * load, args.duration, f"{trace}-{load}")
             sim_met, sim_acted = simulate(reqs, cost)
             met, acted, steps = asyncio.run(real(reqs, args.duration + 60))
-            rows.append({"trace": trace, "capacity": cap, "load": load, "rate": cap * load,
-                         "requests": len(reqs), "real_steps": steps,
-                         "real": {"interactive_met": met, "acted": acted},
-                         "simulated": {"interactive_met": sim_met, "acted": sim_acted}})
+            rows.append(
+                {
+                    "trace": trace,
+                    "capacity": cap,
+                    "load": load,
+                    "rate": cap * load,
+                    "requests": len(reqs),
+                    "real_steps": steps,
+                    "real": {"interactive_met": met, "acted": acted},
+                    "simulated": {"interactive_met": sim_met, "acted": sim_acted},
+                }
+            )
             print(f"{time.strftime('%H:%M:%S')} {trace} x{load} done", flush=True)
-    print("| trace | load (req/s) | steps | interactive met, real / sim | "
-          + " | ".join(f"{r}, real / sim" for r in ACTS) + " |")
+    print(
+        "| trace | load (req/s) | steps | interactive met, real / sim | "
+        + " | ".join(f"{r}, real / sim" for r in ACTS)
+        + " |"
+    )
     print("|---|---:|---:|---:|" + "---:|" * len(ACTS))
     for r in rows:
         acts = " | ".join(f"{r['real']['acted'][a]} / {r['simulated']['acted'][a]}" for a in ACTS)
-        print(f"| {r['trace']} | x{r['load']:g} ({r['rate']:.2f}) | {r['real_steps']} | "
-              f"{r['real']['interactive_met']:.1%} / {r['simulated']['interactive_met']:.1%} | "
-              f"{acts} |")
+        print(
+            f"| {r['trace']} | x{r['load']:g} ({r['rate']:.2f}) | {r['real_steps']} | "
+            f"{r['real']['interactive_met']:.1%} / {r['simulated']['interactive_met']:.1%} | "
+            f"{acts} |"
+        )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"args": vars(args), "slos": SLOS, "rows": rows}, indent=1) + "\n")
     return 0

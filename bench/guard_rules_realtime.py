@@ -44,8 +44,12 @@ def summary(latencies: dict, requests: list) -> dict:
         v = [x for k, x in latencies.items() if cls[k] == c]
         ttft = [x["ttft"] for x in v if x["ttft"] is not None]
         tpot = [x["tpot"] for x in v if x["tpot"] is not None]
-        out[c] = {"n": len(v), "met": sum(x["met"] for x in v) / len(v),
-                  "ttft_mean": statistics.fmean(ttft), "tpot_mean": statistics.fmean(tpot)}
+        out[c] = {
+            "n": len(v),
+            "met": sum(x["met"] for x in v) / len(v),
+            "ttft_mean": statistics.fmean(ttft),
+            "tpot_mean": statistics.fmean(tpot),
+        }
     return out
 
 
@@ -59,8 +63,11 @@ async def real(off: list[str], requests: list, cutoff_s: float) -> dict:
 
 
 def simulated(off: list[str], requests: list, cutoff_s: float) -> dict:
-    service = ServiceConfig(num_replicas=1, admission=False,
-                            engine=dict(SERVER_ENGINE_DEFAULTS, tpot_slo_guard_rules_off=off))
+    service = ServiceConfig(
+        num_replicas=1,
+        admission=False,
+        engine=dict(SERVER_ENGINE_DEFAULTS, tpot_slo_guard_rules_off=off),
+    )
     run = Fleet(service, LinearCost.load(COST)).run(sv.sim_requests(requests))
     return summary(sv.sim_latencies(run, cutoff_s), requests)
 
@@ -72,10 +79,17 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=150.0, help="seconds of arrivals")
     ap.add_argument("--pairs", type=int, default=2)
     args = ap.parse_args()
-    print(f"expected duration: about {args.pairs * 2 * (args.duration + 30) / 60:.0f} min",
-          flush=True)
-    window = Window(TRACE, args.window_start, round(args.rate * args.duration) + 2,
-                    Lengths(max_output=128), sv.MIX, seed=7)
+    print(
+        f"expected duration: about {args.pairs * 2 * (args.duration + 30) / 60:.0f} min", flush=True
+    )
+    window = Window(
+        TRACE,
+        args.window_start,
+        round(args.rate * args.duration) + 2,
+        Lengths(max_output=128),
+        sv.MIX,
+        seed=7,
+    )
     cutoff = args.duration + 60
     rows = []
     for off in ([], SOFT):
@@ -86,16 +100,20 @@ def main() -> int:
         reqs, _ = window.at_rate(args.rate, args.duration, f"r{k}")
         rows.append({"system": "real", "off": off, **asyncio.run(real(off, reqs, cutoff))})
         print(f"{time.strftime('%H:%M:%S')} real run {k} done", flush=True)
-    print("| system | soft rules | interactive met | batch met "
-          "| interactive TTFT / TPOT mean (s) |")
+    print(
+        "| system | soft rules | interactive met | batch met | interactive TTFT / TPOT mean (s) |"
+    )
     print("|---|---|---:|---:|---:|")
     for r in rows:
         i = r["interactive"]
-        print(f"| {r['system']} | {'off' if r['off'] else 'on'} | {i['met']:.1%} | "
-              f"{r['batch']['met']:.1%} | {i['ttft_mean']:.3f} / {i['tpot_mean']:.4f} |")
+        print(
+            f"| {r['system']} | {'off' if r['off'] else 'on'} | {i['met']:.1%} | "
+            f"{r['batch']['met']:.1%} | {i['ttft_mean']:.3f} / {i['tpot_mean']:.4f} |"
+        )
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"args": vars(args), "soft_rules": SOFT, "rows": rows},
-                              indent=1) + "\n")
+    OUT.write_text(
+        json.dumps({"args": vars(args), "soft_rules": SOFT, "rows": rows}, indent=1) + "\n"
+    )
     return 0
 
 

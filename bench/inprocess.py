@@ -33,18 +33,36 @@ class StepLog:
 
     def write(self, r) -> None:
         """Append one ``engine.StepRecord`` as a JSON line (``LLMEngine.on_step``)."""
-        self.file.write(json.dumps(finite({
-            "t": r.start, "dur_s": r.seconds, "pred_s": r.predicted_s,
-            "decodes": r.num_decodes, "prefill_tokens": r.num_prefill_tokens,
-            "waiting": r.num_waiting, "running": r.num_running,
-            "cap": r.prefill_cap, "owed": r.owed_cap, "deferred": len(r.sat_out),
-            "preempted": list(r.preempted), "seqs": [list(s) for s in r.seqs],
-        })) + "\n")
+        self.file.write(
+            json.dumps(
+                finite(
+                    {
+                        "t": r.start,
+                        "dur_s": r.seconds,
+                        "pred_s": r.predicted_s,
+                        "decodes": r.num_decodes,
+                        "prefill_tokens": r.num_prefill_tokens,
+                        "waiting": r.num_waiting,
+                        "running": r.num_running,
+                        "cap": r.prefill_cap,
+                        "owed": r.owed_cap,
+                        "deferred": len(r.sat_out),
+                        "preempted": list(r.preempted),
+                        "seqs": [list(s) for s in r.seqs],
+                    }
+                )
+            )
+            + "\n"
+        )
 
 
-async def start_engine(config: dict[str, Any], step_log: Path | None = None, *,
-                       admission: bool = False, predict: bool = False
-                       ) -> tuple[EngineTarget, float]:
+async def start_engine(
+    config: dict[str, Any],
+    step_log: Path | None = None,
+    *,
+    admission: bool = False,
+    predict: bool = False,
+) -> tuple[EngineTarget, float]:
     """An ``AsyncLLMEngine`` of ``EngineConfig(**config)`` as a target, warmed up.
 
     Returns the target and the seconds that loading and warm-up took.
@@ -59,8 +77,10 @@ async def start_engine(config: dict[str, Any], step_log: Path | None = None, *,
         aeng.engine.on_step = StepLog(step_log).write
     # Kernels, the allocator and the step-time model's first fit.
     warm = EngineTarget(aeng)
-    reqs = [loadgen.LoadRequest(f"warm-{i}", -1, "interactive", token_ids(12345, i, n), n, m)
-            for i, (n, m) in enumerate(((16, 6), (48, 6), (160, 4), (24, 6)))]
+    reqs = [
+        loadgen.LoadRequest(f"warm-{i}", -1, "interactive", token_ids(12345, i, n), n, m)
+        for i, (n, m) in enumerate(((16, 6), (48, 6), (160, 4), (24, 6)))
+    ]
     await loadgen.open_loop(warm, reqs)
     return EngineTarget(aeng, admission=admission, predict=predict), time.perf_counter() - t
 
@@ -76,8 +96,11 @@ async def wait_idle(target: EngineTarget, timeout_s: float = 30.0) -> dict[str, 
     bm = eng.block_manager
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if (not eng.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
-                and aeng.num_unfinished == 0):
+        if (
+            not eng.has_unfinished_requests()
+            and bm.num_free_blocks == bm.num_blocks
+            and aeng.num_unfinished == 0
+        ):
             break
         await asyncio.sleep(0.05)
     check_error = None
@@ -86,16 +109,19 @@ async def wait_idle(target: EngineTarget, timeout_s: float = 30.0) -> dict[str, 
     except AssertionError as e:
         check_error = f"BlockManager.check failed: {e}"
     return {
-        "blocks_free": bm.num_free_blocks, "blocks_total": bm.num_blocks,
+        "blocks_free": bm.num_free_blocks,
+        "blocks_total": bm.num_blocks,
         "blocks_ok": bm.num_free_blocks == bm.num_blocks and check_error is None,
         "engine_unfinished": eng.has_unfinished_requests(),
-        "streams_open": aeng.num_unfinished, "check_error": check_error,
+        "streams_open": aeng.num_unfinished,
+        "check_error": check_error,
         "engine_error": repr(aeng._error) if getattr(aeng, "_error", None) else None,
     }
 
 
-async def run_open(target: EngineTarget, requests: list, **kw) -> tuple[loadgen.OpenLoopRun,
-                                                                       dict[str, Any]]:
+async def run_open(
+    target: EngineTarget, requests: list, **kw
+) -> tuple[loadgen.OpenLoopRun, dict[str, Any]]:
     """:func:`loadgen.open_loop` on the engine, with what the run cost and left behind:
     preemptions, other processes' CPU load, and the idle check (``kw``: open_loop's)."""
     from cpu_load import cpu_snapshot, foreign_cores
@@ -103,8 +129,11 @@ async def run_open(target: EngineTarget, requests: list, **kw) -> tuple[loadgen.
     preempt0 = target.engine.scheduler.num_preemptions
     cpu0 = cpu_snapshot()
     run = await loadgen.open_loop(target, requests, **kw)
-    info = {"wall_s": run.wall_s, "cut_off": run.cut_off,
-            "preemptions": target.engine.scheduler.num_preemptions - preempt0,
-            "foreign_cores": foreign_cores(cpu0, cpu_snapshot(), run.wall_s),
-            **await wait_idle(target)}
+    info = {
+        "wall_s": run.wall_s,
+        "cut_off": run.cut_off,
+        "preemptions": target.engine.scheduler.num_preemptions - preempt0,
+        "foreign_cores": foreign_cores(cpu0, cpu_snapshot(), run.wall_s),
+        **await wait_idle(target),
+    }
     return run, info

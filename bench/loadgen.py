@@ -52,11 +52,23 @@ class Target(Protocol):
 
 def new_record(req: LoadRequest) -> dict[str, Any]:
     """The record one request fills: its identity, then what happened (times in s)."""
-    return {"id": req.id, "row": req.row, "class": req.cls, "arrival_s": req.arrival_s,
-            "prompt_tokens": req.prompt_tokens, "output_tokens_expected": req.max_tokens,
-            "status": "pending", "error": None, "send_s": None, "lag_s": None,
-            "first_token_s": None, "last_token_s": None, "end_s": None,
-            "output_tokens": 0, "token_s": []}
+    return {
+        "id": req.id,
+        "row": req.row,
+        "class": req.cls,
+        "arrival_s": req.arrival_s,
+        "prompt_tokens": req.prompt_tokens,
+        "output_tokens_expected": req.max_tokens,
+        "status": "pending",
+        "error": None,
+        "send_s": None,
+        "lag_s": None,
+        "first_token_s": None,
+        "last_token_s": None,
+        "end_s": None,
+        "output_tokens": 0,
+        "token_s": [],
+    }
 
 
 async def send(target: Target, req: LoadRequest, rec: dict[str, Any], t0: float) -> None:
@@ -102,9 +114,14 @@ class OpenLoopRun:
     cut_off: int
 
 
-async def open_loop(target: Target, requests: list[LoadRequest], *,
-                    cutoff_s: float | None = None, drain_only: set[str] | None = None,
-                    arrivals_end_s: float | None = None) -> OpenLoopRun:
+async def open_loop(
+    target: Target,
+    requests: list[LoadRequest],
+    *,
+    cutoff_s: float | None = None,
+    drain_only: set[str] | None = None,
+    arrivals_end_s: float | None = None,
+) -> OpenLoopRun:
     """Send every request at its ``arrival_s`` whatever happened to earlier ones.
 
     Args:
@@ -145,8 +162,9 @@ class ClosedLoopRun:
         return (self.completed + self.partial) / self.wall_s
 
 
-async def closed_loop(target: Target, requests: Callable[[int], LoadRequest], *,
-                      concurrency: int, duration_s: float) -> ClosedLoopRun:
+async def closed_loop(
+    target: Target, requests: Callable[[int], LoadRequest], *, concurrency: int, duration_s: float
+) -> ClosedLoopRun:
     """``concurrency`` clients send ``requests(i)`` back to back for ``duration_s``."""
     counter: Iterator[int] = iter(range(10**9))
     run = ClosedLoopRun(0, 0.0, 0, 0.0, [])

@@ -50,8 +50,11 @@ def run(engine, seqs: int, max_tokens: int, seed: int, hook) -> list:
 
     engine.on_step = timed if hook is not None else None
     for i in range(seqs):
-        engine.add_request(f"{seed}-{i}", {"prompt_token_ids": [rng.randrange(1000, 40000)
-                                                                for _ in range(16)]}, params)
+        engine.add_request(
+            f"{seed}-{i}",
+            {"prompt_token_ids": [rng.randrange(1000, 40000) for _ in range(16)]},
+            params,
+        )
     times = []
     while engine.has_unfinished_requests():
         t = time.perf_counter()
@@ -82,8 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "metrics_overhead.json"))
     args = ap.parse_args(argv)
-    print(f"# metrics recording cost at {args.seqs} sequences, {2 * args.runs} runs; expected "
-          "duration about 2 min", flush=True)
+    print(
+        f"# metrics recording cost at {args.seqs} sequences, {2 * args.runs} runs; expected "
+        "duration about 2 min",
+        flush=True,
+    )
     from deploy.metrics import StepMetrics
     from engine import LLMEngine
     from engine.config import EngineConfig
@@ -93,9 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     run(engine, 8, 4, seed=99, hook=None)  # warm-up
     on, off = [], []
     for k in range(args.runs):
-        on += [(r.seconds, cost) for r, cost in run(engine, args.seqs, args.max_tokens, k,
-                                                   metrics.record)
-               if r.num_decodes == args.seqs][2:]
+        on += [
+            (r.seconds, cost)
+            for r, cost in run(engine, args.seqs, args.max_tokens, k, metrics.record)
+            if r.num_decodes == args.seqs
+        ][2:]
         off += run(engine, args.seqs, args.max_tokens, 100 + k, None)[3:-1]
     step_s = statistics.median(s for s, _ in on)
     hook_s = statistics.median(c for _, c in on)
@@ -103,21 +111,32 @@ def main(argv: list[str] | None = None) -> int:
     # the difference of the two step medians is within this host's noise.
     build_s = _record_build_s(engine, args.seqs)
     ingress_s = ingress_tokens_s(args.seqs)
-    result = {"seqs": args.seqs, "step_s_with_hook": step_s,
-              "step_s_without_hook": statistics.median(off),
-              "record_s": hook_s, "step_record_build_s": build_s,
-              "replica_share": (hook_s + build_s) / step_s,
-              "ingress_tokens_s_per_step": ingress_s, "ingress_share": ingress_s / step_s}
-    rows = [["step (median), hook set", f"{1000 * step_s:.1f} ms", ""],
-            ["step (median), no hook", f"{1000 * result['step_s_without_hook']:.1f} ms", ""],
-            ["StepMetrics.record", f"{1e6 * hook_s:.1f} us", f"{100 * hook_s / step_s:.3f}%"],
-            ["StepRecord + prediction", f"{1e6 * build_s:.1f} us",
-             f"{100 * build_s / step_s:.3f}%"],
-            [f"ingress: {args.seqs} x RequestRecord.tokens", f"{1e6 * ingress_s:.1f} us",
-             f"{100 * ingress_s / step_s:.3f}%"]]
+    result = {
+        "seqs": args.seqs,
+        "step_s_with_hook": step_s,
+        "step_s_without_hook": statistics.median(off),
+        "record_s": hook_s,
+        "step_record_build_s": build_s,
+        "replica_share": (hook_s + build_s) / step_s,
+        "ingress_tokens_s_per_step": ingress_s,
+        "ingress_share": ingress_s / step_s,
+    }
+    rows = [
+        ["step (median), hook set", f"{1000 * step_s:.1f} ms", ""],
+        ["step (median), no hook", f"{1000 * result['step_s_without_hook']:.1f} ms", ""],
+        ["StepMetrics.record", f"{1e6 * hook_s:.1f} us", f"{100 * hook_s / step_s:.3f}%"],
+        ["StepRecord + prediction", f"{1e6 * build_s:.1f} us", f"{100 * build_s / step_s:.3f}%"],
+        [
+            f"ingress: {args.seqs} x RequestRecord.tokens",
+            f"{1e6 * ingress_s:.1f} us",
+            f"{100 * ingress_s / step_s:.3f}%",
+        ],
+    ]
     print(table(["what", "time", "share of a step"], rows))
-    print(f"replica recording: {100 * result['replica_share']:.3f}% of a {args.seqs}-sequence "
-          f"step (bar: under 1%)")
+    print(
+        f"replica recording: {100 * result['replica_share']:.3f}% of a {args.seqs}-sequence "
+        f"step (bar: under 1%)"
+    )
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

@@ -43,11 +43,14 @@ def worker_hf_generate(wl: dict, cfg: dict) -> dict:
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         gc = GenerationConfig(
-            max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-            pad_token_id=pad, eos_token_id=None,
+            max_new_tokens=n_new,
+            min_new_tokens=n_new,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=None,
         )
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
@@ -64,14 +67,20 @@ def worker_hf_generate(wl: dict, cfg: dict) -> dict:
     computed = 0
     with Timed() as tm:
         for s in range(0, len(prompts), B):
-            n_new = max(lens[s:s + B])
-            rows = run_batch(prompts[s:s + B], n_new)
+            n_new = max(lens[s : s + B])
+            rows = run_batch(prompts[s : s + B], n_new)
             computed += n_new * len(rows)
-            tokens.extend(r[:n] for r, n in zip(rows, lens[s:s + B]))
+            tokens.extend(r[:n] for r, n in zip(rows, lens[s : s + B]))
     return make_result(
-        wl, tm.wall, tokens, setup_s=setup, rss_after_load_mib=rss_loaded,
-        foreign_cores=tm.foreign, own_cores=tm.own,
-        output_tokens_computed=computed, model_dir=str(model_dir),
+        wl,
+        tm.wall,
+        tokens,
+        setup_s=setup,
+        rss_after_load_mib=rss_loaded,
+        foreign_cores=tm.foreign,
+        own_cores=tm.own,
+        output_tokens_computed=computed,
+        model_dir=str(model_dir),
     )
 
 
@@ -83,10 +92,21 @@ def worker_hf_generate(wl: dict, cfg: dict) -> dict:
 def _resolved_cb(mgr) -> dict:
     """What transformers actually built from our ContinuousBatchingConfig."""
     c = mgr.continuous_batching_config
-    out = {k: getattr(c, k, None) for k in (
-        "page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch",
-        "max_blocks_per_request", "max_memory_percent", "use_async_batching", "use_cuda_graph",
-        "allow_block_sharing", "scheduler_type")}
+    out = {
+        k: getattr(c, k, None)
+        for k in (
+            "page_size",
+            "num_blocks",
+            "max_batch_tokens",
+            "max_requests_per_batch",
+            "max_blocks_per_request",
+            "max_memory_percent",
+            "use_async_batching",
+            "use_cuda_graph",
+            "allow_block_sharing",
+            "scheduler_type",
+        )
+    }
     cache = getattr(getattr(mgr, "batch_processor", None), "cache", None)
     if cache is not None:
         out["cache_num_blocks"] = getattr(cache, "num_blocks", None)
@@ -126,7 +146,8 @@ def _via_generate_batch(model, cfg: dict, pad: int, ps: list[list[int]], n_new: 
     """``model.generate_batch`` on ``ps``, ``n_new`` tokens each: (tokens, timed section)."""
     with Timed() as tm:  # includes the manager's set-up and warm-up
         res = model.generate_batch(
-            inputs=ps, generation_config=_gen_config(n_new, pad),
+            inputs=ps,
+            generation_config=_gen_config(n_new, pad),
             continuous_batching_config=_cb_config(cfg),
         )
     out = list(res.values())
@@ -146,13 +167,13 @@ def _collect(mgr, ids: list[str]) -> dict:
                 raise RuntimeError(f"request {r.request_id} failed: {r.error}")
             done[r.request_id] = r
         elif r is None and not mgr.is_running():
-            raise RuntimeError(f"continuous batching thread stopped with "
-                               f"{len(done)}/{len(ids)} requests done")
+            raise RuntimeError(
+                f"continuous batching thread stopped with {len(done)}/{len(ids)} requests done"
+            )
     return done
 
 
-def _via_manager(model, cfg: dict, pad: int, ps: list[list[int]], ns: list[int],
-                 resolved: dict):
+def _via_manager(model, cfg: dict, pad: int, ps: list[list[int]], ns: list[int], resolved: dict):
     """The manager ``generate_batch`` builds, one request per prompt with its own length:
     (tokens, timed section, manager set-up s); ``resolved`` gets :func:`_resolved_cb`."""
     import torch
@@ -160,8 +181,10 @@ def _via_manager(model, cfg: dict, pad: int, ps: list[list[int]], ns: list[int],
     with torch.inference_mode():
         t = time.perf_counter()
         with model.continuous_batching_context_manager(
-            generation_config=_gen_config(max(ns), pad), continuous_batching_config=_cb_config(cfg),
-            block=True, timeout=30,
+            generation_config=_gen_config(max(ns), pad),
+            continuous_batching_config=_cb_config(cfg),
+            block=True,
+            timeout=30,
         ) as mgr:
             setup = time.perf_counter() - t
             resolved.update(_resolved_cb(mgr))
@@ -192,14 +215,24 @@ def worker_hf_generate_batch(wl: dict, cfg: dict) -> dict:
         n_new = max(lens)
         rows, tm = _via_generate_batch(model, cfg, pad, prompts, n_new)
         tokens = [r[:n] for r, n in zip(rows, lens)]
-        extra = {"output_tokens_computed": n_new * len(prompts),
-                 "note": "wall includes generate_batch's manager set-up and warm-up"}
+        extra = {
+            "output_tokens_computed": n_new * len(prompts),
+            "note": "wall includes generate_batch's manager set-up and warm-up",
+        }
     else:
         _via_manager(model, cfg, pad, warm, [4, 4], resolved)
         load = time.perf_counter() - t0
         tokens, tm, mgr_setup = _via_manager(model, cfg, pad, prompts, lens, resolved)
         setup = load + mgr_setup
         extra = {"manager_setup_s": mgr_setup, "resolved_config": resolved}
-    return make_result(wl, tm.wall, tokens, setup_s=setup, rss_after_load_mib=rss_loaded,
-                       foreign_cores=tm.foreign, own_cores=tm.own, model_dir=str(model_dir),
-                       **extra)
+    return make_result(
+        wl,
+        tm.wall,
+        tokens,
+        setup_s=setup,
+        rss_after_load_mib=rss_loaded,
+        foreign_cores=tm.foreign,
+        own_cores=tm.own,
+        model_dir=str(model_dir),
+        **extra,
+    )

@@ -49,8 +49,10 @@ PREFILL_SHAPES = ((16, 128), (8, 512), (32, 64))
 def trace_requests(path: Path, start: int, n: int, scale: float) -> list[tuple[int, int]]:
     """(prompt tokens, output tokens) of ``n`` trace rows from ``start``, lengths / ``scale``."""
     lengths = Lengths(scale, scale, 4, 1024, 1, 512)
-    return [(lengths.prompt(r.context_tokens), lengths.output(r.generated_tokens))
-            for r in read_trace(path, start, n)[:n]]
+    return [
+        (lengths.prompt(r.context_tokens), lengths.output(r.generated_tokens))
+        for r in read_trace(path, start, n)[:n]
+    ]
 
 
 class Engine:
@@ -63,8 +65,14 @@ class Engine:
 
             # No prefix caching in either engine: the warm-up and the repeats send the
             # same prompts, so a cache would measure hits rather than the engine.
-            self.llm = LLM(model=model, dtype="float32", max_model_len=2048,
-                           max_num_seqs=64, seed=0, enable_prefix_caching=False)
+            self.llm = LLM(
+                model=model,
+                dtype="float32",
+                max_model_len=2048,
+                max_num_seqs=64,
+                seed=0,
+                enable_prefix_caching=False,
+            )
         else:
             from engine import LLM, SamplingParams
 
@@ -74,8 +82,10 @@ class Engine:
     def run(self, reqs: list[tuple[list[int], int]], **sampling) -> float:
         """``sampling``: SamplingParams fields over greedy (``temperature=0``)."""
         prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
-        params = [self.sampling(max_tokens=n, ignore_eos=True, **({"temperature": 0} | sampling))
-                  for _, n in reqs]
+        params = [
+            self.sampling(max_tokens=n, ignore_eos=True, **({"temperature": 0} | sampling))
+            for _, n in reqs
+        ]
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
@@ -150,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", help="the JSON result (without --probe-loop)")
-    p.add_argument("--probe-loop", action="store_true",
-                   help="load the engine, then answer requests from stdin (see above)")
+    p.add_argument(
+        "--probe-loop",
+        action="store_true",
+        help="load the engine, then answer requests from stdin (see above)",
+    )
     args = p.parse_args(argv)
     if not (args.out or args.probe_loop):
         p.error("--out or --probe-loop")
@@ -163,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe_loop:
         probe_loop(eng, args, answers)
         return 0
-    result = {"engine": args.engine, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-              **measure(eng, args)}
+    result = {
+        "engine": args.engine,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        **measure(eng, args),
+    }
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
     return 0

@@ -53,8 +53,9 @@ def worker_iterserve(wl: dict, cfg: dict) -> dict:
     preempted_before = engine.scheduler.num_preemptions
 
     prompts = [{"prompt_token_ids": p} for p in wl["prompts"]]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-              for n in wl["output_lens"]]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl["output_lens"]
+    ]
     with Timed() as tm:
         outs = llm.generate(prompts, params, use_tqdm=False)
     wall = tm.wall
@@ -62,10 +63,16 @@ def worker_iterserve(wl: dict, cfg: dict) -> dict:
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
     e2e = [o.metrics.finish_time - o.metrics.arrival_time for o in outs]
     return make_result(
-        wl, wall, [list(o.outputs[0].token_ids) for o in outs],
-        setup_s=setup, rss_after_load_mib=rss_loaded, preemptions=preemptions,
-        foreign_cores=tm.foreign, own_cores=tm.own,
-        ttft_s_p50=statistics.median(ttft), e2e_s_p50=statistics.median(e2e),
+        wl,
+        wall,
+        [list(o.outputs[0].token_ids) for o in outs],
+        setup_s=setup,
+        rss_after_load_mib=rss_loaded,
+        preemptions=preemptions,
+        foreign_cores=tm.foreign,
+        own_cores=tm.own,
+        ttft_s_p50=statistics.median(ttft),
+        e2e_s_p50=statistics.median(e2e),
         model_dir=str(engine.model_dir),
     )
 
@@ -96,12 +103,15 @@ def _num_params(model) -> int:
     # Prepacked layers hold their weights as buffers; a tied LM head's plain weight is the
     # embedding's, already a parameter.
     return sum(p.numel() for p in model.parameters()) + sum(
-        m.packed_weight.numel() for m in model.modules()
-        if isinstance(m, PackedLinear) and not m.tied)
+        m.packed_weight.numel()
+        for m in model.modules()
+        if isinstance(m, PackedLinear) and not m.tied
+    )
 
 
-def _decode_steps(engine, steps: list, prompts: list[list[int]], skip: int,
-                  measure: int) -> tuple[list[dict], float | None]:
+def _decode_steps(
+    engine, steps: list, prompts: list[list[int]], skip: int, measure: int
+) -> tuple[list[dict], float | None]:
     """Run ``prompts`` until ``skip + measure`` steps have had every sequence decoding.
 
     ``steps`` is the list ``engine.on_step`` appends each :class:`engine.StepRecord` to.
@@ -134,8 +144,13 @@ def _decode_steps(engine, steps: list, prompts: list[list[int]], skip: int,
         if len(records) == skip:
             meas_start = (snap, t)
         phases = dict(rec.phases)
-        records.append({"step": rec.seconds, "schedule": rec.schedule_s,
-                        **{k: phases.get(k, 0.0) for k in PHASES[1:]}})
+        records.append(
+            {
+                "step": rec.seconds,
+                "schedule": rec.schedule_s,
+                **{k: phases.get(k, 0.0) for k in PHASES[1:]},
+            }
+        )
     foreign = foreign_cores(meas_start[0], cpu_snapshot(), time.perf_counter() - meas_start[1])
     engine.abort(ids)
     while engine.has_unfinished_requests():
@@ -179,13 +194,19 @@ def worker_sweep(wl: dict, cfg: dict) -> dict:
     rng = random.Random(cfg["seed"] + 1)
     points = []
     for n in cfg["batch_sizes"]:
-        prompts = [[rng.randrange(*cfg["token_id_range"]) for _ in range(cfg["prompt_len"])]
-                   for _ in range(n)]
+        prompts = [
+            [rng.randrange(*cfg["token_id_range"]) for _ in range(cfg["prompt_len"])]
+            for _ in range(n)
+        ]
         rec, foreign = _decode_steps(engine, steps, prompts, cfg["warm_steps"], cfg["steps"])
         points.append(_sweep_point(n, rec, roofline, foreign))
     return {
-        "gemm": {"n": cfg["gemm_size"], "reps": cfg["gemm_reps"], "gflop_s": gemm_flops / 1e9,
-                 "times_s": gemm_times},
+        "gemm": {
+            "n": cfg["gemm_size"],
+            "reps": cfg["gemm_reps"],
+            "gflop_s": gemm_flops / 1e9,
+            "times_s": gemm_times,
+        },
         "num_params": n_params,
         "flop_per_token": 2 * n_params,
         "roofline_tok_s": roofline,

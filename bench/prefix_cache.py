@@ -55,17 +55,23 @@ LENGTHS = Lengths(max_prompt=256, max_output=128)
 REPLICAS = {"num_replicas": 2, "replica_num_cpus": 1}
 SYSTEMS = {
     "iterserve-cache-off": ps.SystemSpec(
-        "iterserve-cache-off", "iterserve", {"enable_prefix_caching": False},
-        {**REPLICAS, "prefix_affinity": False}),
+        "iterserve-cache-off",
+        "iterserve",
+        {"enable_prefix_caching": False},
+        {**REPLICAS, "prefix_affinity": False},
+    ),
     "iterserve-load-aware": ps.SystemSpec(
-        "iterserve-load-aware", "iterserve", {}, {**REPLICAS, "prefix_affinity": False}),
+        "iterserve-load-aware", "iterserve", {}, {**REPLICAS, "prefix_affinity": False}
+    ),
     "iterserve-affinity": ps.SystemSpec("iterserve-affinity", "iterserve", {}, REPLICAS),
     # Not in the default run: one cache for every conversation (the hit-rate reference
     # for two replicas) and the host's two cores in one engine, as vLLM has them.
     "iterserve-one-replica": ps.SystemSpec(
-        "iterserve-one-replica", "iterserve", {}, {"num_replicas": 1, "replica_num_cpus": 2}),
-    "vllm": ps.SystemSpec("vllm", "vllm",
-                          args=("--enable-prefix-caching", "--enable-prompt-tokens-details")),
+        "iterserve-one-replica", "iterserve", {}, {"num_replicas": 1, "replica_num_cpus": 2}
+    ),
+    "vllm": ps.SystemSpec(
+        "vllm", "vllm", args=("--enable-prefix-caching", "--enable-prompt-tokens-details")
+    ),
 }
 START_S = 60.0
 """Seconds to start and stop one system (iterserve's Ray, vLLM's engine), for the estimate."""
@@ -78,7 +84,7 @@ def conversations(args: argparse.Namespace, rate: float, replay: int) -> list[Lo
     Each ``replay`` (one per rate) has its own token ids, system prompt included, so that
     a later rate never finds an earlier rate's KV in the server's cache."""
     rows = read_trace(args.trace, args.window_start, args.conversations * args.turns + 1)
-    starts = rows[::args.turns][:args.conversations + 1]
+    starts = rows[:: args.turns][: args.conversations + 1]
     offsets, _ = arrival_offsets(starts, args.conversations, rate / args.turns)
     system = token_ids(args.seed, -1, SYSTEM_PROMPT_TOKENS, replay=2 * replay)
     out = []
@@ -89,8 +95,17 @@ def conversations(args: argparse.Namespace, rate: float, replay: int) -> list[Lo
             user = token_ids(args.seed, row.row, LENGTHS.prompt(row.context_tokens), 2 * replay)
             answer = LENGTHS.output(row.generated_tokens)
             prompt = history + user
-            out.append(LoadRequest(f"c{c}-t{k}", row.row, None, prompt, len(prompt), answer,
-                                   start_s + k * args.think_s))
+            out.append(
+                LoadRequest(
+                    f"c{c}-t{k}",
+                    row.row,
+                    None,
+                    prompt,
+                    len(prompt),
+                    answer,
+                    start_s + k * args.think_s,
+                )
+            )
             history = prompt + token_ids(args.seed, row.row, answer, 2 * replay + 1)
     return sorted(out, key=lambda r: r.arrival_s)
 
@@ -102,24 +117,33 @@ def run_rate(args: argparse.Namespace, server: ps.Server, rate: float, replay: i
     async def go() -> loadgen.OpenLoopRun:
         async with http_client() as client:
             target = HttpTarget(client, server.url, server.model_name, class_header=None)
-            warm = [LoadRequest(f"warm{i}", -1, None, token_ids(args.seed, -2 - i, 32), 32, 4)
-                    for i in range(2)]
+            warm = [
+                LoadRequest(f"warm{i}", -1, None, token_ids(args.seed, -2 - i, 32), 32, 4)
+                for i in range(2)
+            ]
             await loadgen.open_loop(target, warm)
             return await loadgen.open_loop(target, workload, cutoff_s=last + DRAIN_S)
 
     run = asyncio.run(go())
-    summary = rp.summarize(run.records, rate, lambda _: (args.slo_ttft_s, args.slo_tpot_s),
-                           run.wall_s)
+    summary = rp.summarize(
+        run.records, rate, lambda _: (args.slo_ttft_s, args.slo_tpot_s), run.wall_s
+    )
     done = [r for r in run.records if r["status"] == "finished"]
     prompt = sum(r["prompt_tokens"] for r in done)
     cached = sum(r.get("cached_tokens") or 0 for r in done)
-    summary.update(prompt_tokens=prompt, cached_tokens=cached,
-                   hit_rate=cached / prompt if prompt else None,
-                   prefill_tokens_computed=prompt - cached,
-                   reported_cached=sum("cached_tokens" in r for r in done))
-    print(f"[prefix] {server.label} at {rate} req/s: attainment "
-          f"{summary['attainment']:.0%}, hit rate {rp.pct(summary['hit_rate'])}, TTFT p50 "
-          f"{rp.fmt(summary['ttft_s']['p50'])} s", flush=True)
+    summary.update(
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        hit_rate=cached / prompt if prompt else None,
+        prefill_tokens_computed=prompt - cached,
+        reported_cached=sum("cached_tokens" in r for r in done),
+    )
+    print(
+        f"[prefix] {server.label} at {rate} req/s: attainment "
+        f"{summary['attainment']:.0%}, hit rate {rp.pct(summary['hit_rate'])}, TTFT p50 "
+        f"{rp.fmt(summary['ttft_s']['p50'])} s",
+        flush=True,
+    )
     summary["records"] = [rp.compact_record(r) for r in run.records]
     return summary
 
@@ -128,8 +152,12 @@ def run_system(args: argparse.Namespace, name: str, model_dir: str) -> dict:
     spec = SYSTEMS[name]
     with ps.Server(spec, model_dir, mix=False, slo=(args.slo_ttft_s, args.slo_tpot_s)) as server:
         rates = [run_rate(args, server, r, i) for i, r in enumerate(args.rates)]
-    return {"label": spec.label, "command": server.command, "rates": rates,
-            "goodput": rp.goodput(rates)}
+    return {
+        "label": spec.label,
+        "command": server.command,
+        "rates": rates,
+        "goodput": rp.goodput(rates),
+    }
 
 
 def expected_s(args: argparse.Namespace) -> float:
@@ -141,25 +169,53 @@ def table(report: dict) -> str:
     rows = []
     for name, res in report["systems"].items():
         for s in res["rates"]:
-            rows.append([name, f"{s['rate']:g}", f"{s['ok']}/{s['requests']}",
-                         rp.pct(s["hit_rate"]),
-                         f"{s['prefill_tokens_computed']}", rp.fmt(s["ttft_s"]["p50"]),
-                         rp.fmt(s["ttft_s"]["p99"]), rp.pct(s["attainment"]),
-                         rp.fmt(res["goodput"]["rps"], ".2f", "none")])
-    return rp.table(["system", "req/s", "finished", "hit rate", "prefill tokens computed",
-                     "TTFT p50 s", "TTFT p99 s", "SLO attainment", "goodput req/s"], rows)
+            rows.append(
+                [
+                    name,
+                    f"{s['rate']:g}",
+                    f"{s['ok']}/{s['requests']}",
+                    rp.pct(s["hit_rate"]),
+                    f"{s['prefill_tokens_computed']}",
+                    rp.fmt(s["ttft_s"]["p50"]),
+                    rp.fmt(s["ttft_s"]["p99"]),
+                    rp.pct(s["attainment"]),
+                    rp.fmt(res["goodput"]["rps"], ".2f", "none"),
+                ]
+            )
+    return rp.table(
+        [
+            "system",
+            "req/s",
+            "finished",
+            "hit rate",
+            "prefill tokens computed",
+            "TTFT p50 s",
+            "TTFT p99 s",
+            "SLO attainment",
+            "goodput req/s",
+        ],
+        rows,
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--systems", type=lambda s: s.split(","),
-                   default=[s for s in SYSTEMS if s != "iterserve-one-replica"])
-    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")],
-                   default=[1.0, 2.0, 3.0], help="requests/s (all turns), comma-separated")
+    p.add_argument(
+        "--systems",
+        type=lambda s: s.split(","),
+        default=[s for s in SYSTEMS if s != "iterserve-one-replica"],
+    )
+    p.add_argument(
+        "--rates",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[1.0, 2.0, 3.0],
+        help="requests/s (all turns), comma-separated",
+    )
     p.add_argument("--conversations", type=int, default=24)
     p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--think-s", type=float, default=6.0,
-                   help="seconds from one turn's arrival to the next's")
+    p.add_argument(
+        "--think-s", type=float, default=6.0, help="seconds from one turn's arrival to the next's"
+    )
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.25)
     p.add_argument("--trace", default=str(TRACE))
@@ -178,9 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[prefix] expected duration ~{expected_s(args) / 60:.0f} min", flush=True)
     t0 = time.monotonic()
     model_dir = ps.model_dir()
-    report = {"args": vars(args), "machine": ps.machine_info(), "model_dir": model_dir,
-              "trace_attribution": ATTRIBUTION, "lengths": LENGTHS.describe(),
-              "systems": {n: run_system(args, n, model_dir) for n in args.systems}}
+    report = {
+        "args": vars(args),
+        "machine": ps.machine_info(),
+        "model_dir": model_dir,
+        "trace_attribution": ATTRIBUTION,
+        "lengths": LENGTHS.describe(),
+        "systems": {n: run_system(args, n, model_dir) for n in args.systems},
+    }
     report["wall_s"] = time.monotonic() - t0
     text = table(report)
     out = Path(args.out)

@@ -45,8 +45,9 @@ class PromptMaker:
         self.corpus_sha256 = hashlib.sha256(text.encode()).hexdigest()
         self.ids = self.tok.encode(text, add_special_tokens=False, verbose=False)
         # The server calls encode(text), which may prepend BOS (Llama): count it in the length.
-        self.special = (len(self.tok.encode("hi"))
-                        - len(self.tok.encode("hi", add_special_tokens=False)))
+        self.special = len(self.tok.encode("hi")) - len(
+            self.tok.encode("hi", add_special_tokens=False)
+        )
         self.seed = seed
         self._cache: dict[tuple[int, int, int], tuple[str, int]] = {}
 
@@ -70,7 +71,7 @@ class PromptMaker:
         for start in range(first, first + 4):
             k = max(1, n - self.special)
             for _ in range(6):
-                text = self.tok.decode(self.ids[start:start + k], skip_special_tokens=True)
+                text = self.tok.decode(self.ids[start : start + k], skip_special_tokens=True)
                 got = len(self.tok.encode(text))
                 if best is None or abs(got - n) < abs(best[1] - n):
                     best = (text, got)

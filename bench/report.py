@@ -35,8 +35,9 @@ def percentile(values: list[float], p: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def judge(rec: dict[str, Any], ttft_slo_s: float, tpot_slo_s: float,
-          end_s: float | None = None) -> dict[str, Any]:
+def judge(
+    rec: dict[str, Any], ttft_slo_s: float, tpot_slo_s: float, end_s: float | None = None
+) -> dict[str, Any]:
     """Add ``ttft_s``, ``tpot_s``, ``e2e_s``, ``ok`` and ``slo_met`` to ``rec``; returns it.
 
     A cut-off request gets its TTFT so far (``ttft_censored``: a lower bound) and
@@ -50,8 +51,12 @@ def judge(rec: dict[str, Any], ttft_slo_s: float, tpot_slo_s: float,
     rec["tpot_s"] = None
     if rec["ok"] and first is not None:
         rec["tpot_s"] = (rec["end_s"] - first) / (n - 1) if n > 1 else 0.0
-    rec["slo_met"] = (rec["ok"] and rec["ttft_s"] is not None and rec["ttft_s"] <= ttft_slo_s
-                      and rec["tpot_s"] <= tpot_slo_s)
+    rec["slo_met"] = (
+        rec["ok"]
+        and rec["ttft_s"] is not None
+        and rec["ttft_s"] <= ttft_slo_s
+        and rec["tpot_s"] <= tpot_slo_s
+    )
     rec["ttft_censored"] = rec["status"] == "cut_off" and first is None
     rec["could_meet"] = False
     if rec["status"] == "cut_off":
@@ -85,14 +90,15 @@ def stats(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     wall = max(wall_s, 1e-9)
     held = [r["held_s"] for r in records if r.get("held_s") is not None]
     return {
-        "requests": len(records), "ok": len(ok), "slo_met": met,
+        "requests": len(records),
+        "ok": len(ok),
+        "slo_met": met,
         "attainment": met / max(1, len(records)),
-        "attainment_admitted": met / (len(records) - refused) if len(records) > refused
-        else None,
-        "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall,
+        "attainment_admitted": met / (len(records) - refused) if len(records) > refused else None,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall,
         "requests_per_s": len(ok) / wall,
-        "ttft_s": _pcts([r["ttft_s"] for r in records if r["ttft_s"] is not None],
-                        (50, 90, 99)),
+        "ttft_s": _pcts([r["ttft_s"] for r in records if r["ttft_s"] is not None], (50, 90, 99)),
         # One-token outputs have TPOT 0 by definition; leaving them out keeps the spread honest.
         "tpot_s": _pcts([r["tpot_s"] for r in ok if r["output_tokens"] > 1], (50, 90, 99)),
         "itl_s": _pcts([x for r in ok for x in _itls(r)], (50, 99)),
@@ -109,8 +115,13 @@ def stats(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     }
 
 
-def summarize(records: list[dict[str, Any]], rate: float, slo_of: SloOf, wall_s: float,
-              attainment_target: float = GOODPUT_ATTAINMENT) -> dict[str, Any]:
+def summarize(
+    records: list[dict[str, Any]],
+    rate: float,
+    slo_of: SloOf,
+    wall_s: float,
+    attainment_target: float = GOODPUT_ATTAINMENT,
+) -> dict[str, Any]:
     """Judge every record, then one rate's summary: over all, and per class when classed."""
     for r in records:
         judge(r, *slo_of(r["class"]), end_s=wall_s)
@@ -118,13 +129,15 @@ def summarize(records: list[dict[str, Any]], rate: float, slo_of: SloOf, wall_s:
     summary["meets_target"] = summary["attainment"] >= attainment_target
     classes = sorted({r["class"] for r in records if r["class"] is not None})
     if classes:
-        summary["per_class"] = {c: stats([r for r in records if r["class"] == c], wall_s)
-                                for c in classes}
+        summary["per_class"] = {
+            c: stats([r for r in records if r["class"] == c], wall_s) for c in classes
+        }
     return summary
 
 
-def goodput(summaries: list[dict[str, Any]], target: float = GOODPUT_ATTAINMENT,
-            cls: str | None = None) -> dict[str, Any]:
+def goodput(
+    summaries: list[dict[str, Any]], target: float = GOODPUT_ATTAINMENT, cls: str | None = None
+) -> dict[str, Any]:
     """Goodput over one system's rates (req/s).
 
     ``rps``: the highest offered rate whose attainment (of ``cls``, if given) reaches
@@ -133,14 +146,19 @@ def goodput(summaries: list[dict[str, Any]], target: float = GOODPUT_ATTAINMENT,
     ``bound``: ``below_lowest`` (no rate passes), ``at_least_highest`` (all pass) or
     ``bracketed``.
     """
+
     def att(s: dict[str, Any]) -> float:
         return s["attainment"] if cls is None else s["per_class"][cls]["attainment"]
 
     pts = sorted(summaries, key=lambda s: s["rate"])
     ok = [s for s in pts if att(s) >= target]
     if not ok:
-        return {"rps": None, "interpolated": None, "bound": "below_lowest",
-                "lowest_rate": pts[0]["rate"] if pts else None}
+        return {
+            "rps": None,
+            "interpolated": None,
+            "bound": "below_lowest",
+            "lowest_rate": pts[0]["rate"] if pts else None,
+        }
     best = max(ok, key=lambda s: s["rate"])
     above = [s for s in pts if s["rate"] > best["rate"]]
     if not above:
@@ -148,8 +166,12 @@ def goodput(summaries: list[dict[str, Any]], target: float = GOODPUT_ATTAINMENT,
     nxt = above[0]
     a0, a1 = att(best), att(nxt)
     frac = (a0 - target) / (a0 - a1) if a0 > a1 else 0.0
-    return {"rps": best["rate"], "bound": "bracketed", "bracket": [best["rate"], nxt["rate"]],
-            "interpolated": best["rate"] + (nxt["rate"] - best["rate"]) * frac}
+    return {
+        "rps": best["rate"],
+        "bound": "bracketed",
+        "bracket": [best["rate"], nxt["rate"]],
+        "interpolated": best["rate"] + (nxt["rate"] - best["rate"]) * frac,
+    }
 
 
 def fmt(x: float | None, spec: str = ".2f", missing: str = "—") -> str:
@@ -182,8 +204,7 @@ def finite(x: Any) -> Any:
 
 def compact_record(rec: dict[str, Any]) -> dict[str, Any]:
     """A record for the JSON: times rounded to microseconds, per-token times dropped."""
-    return {k: round(v, 6) if isinstance(v, float) else v
-            for k, v in rec.items() if k != "token_s"}
+    return {k: round(v, 6) if isinstance(v, float) else v for k, v in rec.items() if k != "token_s"}
 
 
 def write_json(report: dict[str, Any], path: str | Path) -> None:
@@ -191,16 +212,20 @@ def write_json(report: dict[str, Any], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     report = finite(report)
-    parts = [f"{json.dumps(k)}: {json.dumps(v, indent=1, default=str)}"
-             for k, v in report.items() if k != "records"]
+    parts = [
+        f"{json.dumps(k)}: {json.dumps(v, indent=1, default=str)}"
+        for k, v in report.items()
+        if k != "records"
+    ]
     if "records" in report:
         recs = ",\n".join(json.dumps(r, separators=(",", ":")) for r in report["records"])
         parts.append(f'"records": [\n{recs}\n]')
     path.write_text("{\n" + ",\n".join(parts) + "\n}\n")
 
 
-def plot_attainment(series: dict[str, list[dict[str, Any]]], path: str | Path, *,
-                    title: str, cls: str | None = None) -> str:
+def plot_attainment(
+    series: dict[str, list[dict[str, Any]]], path: str | Path, *, title: str, cls: str | None = None
+) -> str:
     """Attainment and SLO goodput rate against offered rate, one line per system; a PNG."""
     import matplotlib
 
@@ -213,8 +238,12 @@ def plot_attainment(series: dict[str, list[dict[str, Any]]], path: str | Path, *
         st = [s if cls is None else s["per_class"][cls] for s in pts]
         xs = [s["rate"] for s in pts]
         axes[0].plot(xs, [100 * s["attainment"] for s in st], "o-", label=name)
-        axes[1].plot(xs, [s["slo_met"] / max(1e-9, s["requests"]) * x
-                          for s, x in zip(st, xs)], "o-", label=name)
+        axes[1].plot(
+            xs,
+            [s["slo_met"] / max(1e-9, s["requests"]) * x for s, x in zip(st, xs)],
+            "o-",
+            label=name,
+        )
     axes[0].axhline(100 * GOODPUT_ATTAINMENT, color="gray", ls="--", lw=1)
     axes[0].set_ylabel("SLO attainment (%)")
     axes[1].set_ylabel("requests meeting SLOs per second")

@@ -45,10 +45,10 @@ def measure(engine: str, model: str, streams: int, tokens: int, repeats: int) ->
     prompts = [[rng.randrange(1000, 40000) for _ in range(32)] for _ in range(streams)]
     out = {}
     for name, params in SETTINGS.items():
-        long = median_of(functools.partial(eng.run, [(p, tokens) for p in prompts], **params),
-                         repeats)
-        short = median_of(functools.partial(eng.run, [(p, 1) for p in prompts], **params),
-                          repeats)
+        long = median_of(
+            functools.partial(eng.run, [(p, tokens) for p in prompts], **params), repeats
+        )
+        short = median_of(functools.partial(eng.run, [(p, 1) for p in prompts], **params), repeats)
         out[name] = 1000 * (long - short) / (tokens - 1)
     return out
 
@@ -61,36 +61,63 @@ def drive(args: argparse.Namespace) -> dict:
     model = args.model or ps.model_dir()
     print(f"expected duration: about {6 * args.repeats / 2:.0f} min", flush=True)
     res = {}
-    for name, py in (("vllm", Path(args.vllm_venv) / "bin/python"),
-                     ("iterserve", REPO / ".venv/bin/python")):
+    for name, py in (
+        ("vllm", Path(args.vllm_venv) / "bin/python"),
+        ("iterserve", REPO / ".venv/bin/python"),
+    ):
         path = RESULTS / f".sampling_{name}.json"
-        cmd = [str(py), __file__, "--engine", name, "--model", model, "--out", str(path),
-               "--streams", str(args.streams), "--tokens", str(args.tokens),
-               "--repeats", str(args.repeats)]
+        cmd = [
+            str(py),
+            __file__,
+            "--engine",
+            name,
+            "--model",
+            model,
+            "--out",
+            str(path),
+            "--streams",
+            str(args.streams),
+            "--tokens",
+            str(args.tokens),
+            "--repeats",
+            str(args.repeats),
+        ]
         print(f"[sampling] {name}", flush=True)
-        subprocess.run(cmd, check=True, env=ps.engine_env(), stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        subprocess.run(
+            cmd,
+            check=True,
+            env=ps.engine_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         res[name] = json.loads(path.read_text())
         path.unlink()
-    return {"streams": args.streams, "tokens": args.tokens, "model": model,
-            "ms_per_step": res}
+    return {"streams": args.streams, "tokens": args.tokens, "model": model, "ms_per_step": res}
 
 
 def table(rep: dict) -> str:
     ms = rep["ms_per_step"]
-    lines = [f"decode, {rep['streams']} streams: ms per step (added over greedy)",
-             f"{'setting':<14} {'vLLM':>16} {'iterserve':>16}"]
+    lines = [
+        f"decode, {rep['streams']} streams: ms per step (added over greedy)",
+        f"{'setting':<14} {'vLLM':>16} {'iterserve':>16}",
+    ]
     for name in SETTINGS:
-        cells = [f"{ms[e][name]:.1f} ({ms[e][name] - ms[e]['greedy']:+.1f})"
-                 for e in ("vllm", "iterserve")]
+        cells = [
+            f"{ms[e][name]:.1f} ({ms[e][name] - ms[e]['greedy']:+.1f})"
+            for e in ("vllm", "iterserve")
+        ]
         lines.append(f"{name:<14} {cells[0]:>16} {cells[1]:>16}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine", choices=["iterserve", "vllm"], default=None,
-                   help="measure one engine here (the driver runs both)")
+    p.add_argument(
+        "--engine",
+        choices=["iterserve", "vllm"],
+        default=None,
+        help="measure one engine here (the driver runs both)",
+    )
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--tokens", type=int, default=49)

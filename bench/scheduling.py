@@ -89,18 +89,26 @@ def estimate_s(args: argparse.Namespace) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add = ap.add_argument
-    add("--quick", action="store_true", help="smoke run: loads 0.5,2; 15 s per point; "
-        "admission experiment only")
+    add(
+        "--quick",
+        action="store_true",
+        help="smoke run: loads 0.5,2; 15 s per point; admission experiment only",
+    )
     add("--duration", type=float, help="seconds of arrivals per point (30; quick 15)")
     add("--drain", type=float, help="cut-off after the last arrival, s (40; quick 6)")
     add("--loads", help="multiples of capacity (0.25,0.5,1,1.5; quick 0.5,2)")
-    add("--configs", help=f"subset of {','.join(CONFIGS)}, or 'none' "
-        f"(default {','.join(FULL_CONFIGS)})")
-    add("--experiments", help=f"subset of {','.join(EXPERIMENTS)}, or 'none' (default all; "
-        "quick: admission)")
+    add(
+        "--configs",
+        help=f"subset of {','.join(CONFIGS)}, or 'none' (default {','.join(FULL_CONFIGS)})",
+    )
+    add(
+        "--experiments",
+        help=f"subset of {','.join(EXPERIMENTS)}, or 'none' (default all; quick: admission)",
+    )
     add("--capacity", type=float, help="capacity in req/s; skips the measurement")
     add("--capacity-concurrency", type=int, default=12)
     add("--capacity-duration", type=float, help="closed-loop seconds (20; quick 10)")
@@ -110,12 +118,19 @@ def _parser() -> argparse.ArgumentParser:
     add("--prompt-scale", type=float, default=8.0)
     add("--output-scale", type=float, default=8.0)
     add("--interactive-frac", type=float, default=0.7)
-    add("--extra-low-points", type=int, help="points at half the lowest load when it misses "
-        "90%% (1; quick 0)")
+    add(
+        "--extra-low-points",
+        type=int,
+        help="points at half the lowest load when it misses 90%% (1; quick 0)",
+    )
     add("--goodput-refine", type=int, help="points halving each goodput bracket (0)")
     add("--chunk-budget", type=int, default=128, help="max_num_batched_tokens with chunking")
-    add("--nochunk-budget", type=int, default=2048, help="max_num_batched_tokens without "
-        "(raised to the longest prompt)")
+    add(
+        "--nochunk-budget",
+        type=int,
+        default=2048,
+        help="max_num_batched_tokens without (raised to the longest prompt)",
+    )
     add("--max-num-seqs", type=int, default=64)
     add("--num-kv-blocks", type=int, default=1024)
     add("--long-prompt", type=int, default=1024)
@@ -165,10 +180,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.goodput_refine = pick(a.goodput_refine, 0, 0)
     a.loads = [float(x) for x in pick(a.loads, "0.25,0.5,1,1.5", "0.5,2").split(",")]
     a.interactive_loads = [float(x) for x in a.interactive_loads.split(",") if x.strip()]
-    a.config_list = _names(a.configs, QUICK_CONFIGS if q else FULL_CONFIGS, CONFIGS,
-                           "configs", ap)
-    a.experiment_list = _names(a.experiments, ("admission",) if q else EXPERIMENTS,
-                               EXPERIMENTS, "experiments", ap)
+    a.config_list = _names(a.configs, QUICK_CONFIGS if q else FULL_CONFIGS, CONFIGS, "configs", ap)
+    a.experiment_list = _names(
+        a.experiments, ("admission",) if q else EXPERIMENTS, EXPERIMENTS, "experiments", ap
+    )
     a.out = a.out or RESULTS / ("scheduling_quick.json" if q else "scheduling.json")
     return a
 
@@ -179,17 +194,23 @@ def window(args: argparse.Namespace, scale: float) -> Window:
     return Window(args.trace, args.window_start, args.window_rows, lengths, mix, args.seed)
 
 
-async def capacity_of(wl: Window, args: argparse.Namespace, given: float | None,
-                      what: str) -> dict[str, Any]:
+async def capacity_of(
+    wl: Window, args: argparse.Namespace, given: float | None, what: str
+) -> dict[str, Any]:
     """``given`` req/s, or measured by :func:`sched_sweep.measure_capacity`."""
     if given:
         return {"rps": given, "source": "given"}
-    print(f"# measuring capacity{what}: {args.capacity_concurrency} closed-loop clients for "
-          f"{args.capacity_duration:g} s on cont-chunk-fixed ...", flush=True)
+    print(
+        f"# measuring capacity{what}: {args.capacity_concurrency} closed-loop clients for "
+        f"{args.capacity_duration:g} s on cont-chunk-fixed ...",
+        flush=True,
+    )
     m = await measure_capacity(wl, args)
-    print(f"# capacity{what} {m['measured_rps']:.3f} req/s ({m['output_tok_s']:.1f} out "
-          f"tok/s); step-model SLO capacity {rp.fmt(m['model_slo_rps'], '.3f')} req/s",
-          flush=True)
+    print(
+        f"# capacity{what} {m['measured_rps']:.3f} req/s ({m['output_tok_s']:.1f} out "
+        f"tok/s); step-model SLO capacity {rp.fmt(m['model_slo_rps'], '.3f')} req/s",
+        flush=True,
+    )
     return {"rps": m["measured_rps"], "source": m["method"], **m}
 
 
@@ -200,15 +221,18 @@ def problems_of(sweep: dict, experiments: dict) -> list[str]:
         for p in res["points"]:
             where, s = f"{name} @ {p['load_x']:g}x", p["summary"]
             if not p["blocks_ok"]:
-                out.append(f"{where}: KV blocks leaked ({p['blocks_free']}/"
-                           f"{p['blocks_total']} free)")
+                out.append(
+                    f"{where}: KV blocks leaked ({p['blocks_free']}/{p['blocks_total']} free)"
+                )
             if p.get("engine_error"):
                 out.append(f"{where}: engine loop failed: {p['engine_error']}")
             if s["failed"] or s["incomplete"]:
-                errs = sorted({r.get("error") or "" for r in p["records"]
-                               if r["status"] == "error"})
-                out.append(f"{where}: {s['failed']} failed, {s['incomplete']} wrong length "
-                           f"{errs[:2]}")
+                errs = sorted(
+                    {r.get("error") or "" for r in p["records"] if r["status"] == "error"}
+                )
+                out.append(
+                    f"{where}: {s['failed']} failed, {s['incomplete']} wrong length {errs[:2]}"
+                )
     runs = dict((experiments.get("chunk") or {}).get("variants") or {})
     pr = experiments.get("priority") or {}
     runs.update({f"batch-alone#{k}": r for k, r in enumerate(pr.get("batch_alone") or [])})
@@ -217,8 +241,10 @@ def problems_of(sweep: dict, experiments: dict) -> list[str]:
             runs[f"{r['engine']['policy']}@{key}x#{len(runs)}"] = r
     for name, r in runs.items():
         if not r.get("blocks_ok", True) or r.get("error") or r.get("engine_error"):
-            out.append(f"{name}: blocks_ok={r.get('blocks_ok')} "
-                       f"{r.get('error') or r.get('engine_error') or ''}")
+            out.append(
+                f"{name}: blocks_ok={r.get('blocks_ok')} "
+                f"{r.get('error') or r.get('engine_error') or ''}"
+            )
     return out
 
 
@@ -228,13 +254,14 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     wl = window(args, args.prompt_scale)
     args.nochunk_budget = max(args.nochunk_budget, wl.lengths.max_prompt)
     t_start, est = time.perf_counter(), estimate_s(args)
-    print(f"# scheduling benchmark: configs {args.config_list or 'none'}, loads {args.loads} x "
-          f"capacity, experiments {args.experiment_list or 'none'}; {args.duration:g} s per "
-          f"point (+ up to {args.drain:g} s drain). Expected duration: ~{est / 60:.0f} min.",
-          flush=True)
+    print(
+        f"# scheduling benchmark: configs {args.config_list or 'none'}, loads {args.loads} x "
+        f"capacity, experiments {args.experiment_list or 'none'}; {args.duration:g} s per "
+        f"point (+ up to {args.drain:g} s drain). Expected duration: ~{est / 60:.0f} min.",
+        flush=True,
+    )
     capacity = await capacity_of(wl, args, args.capacity, "")
-    sweep = {name: await run_config(wl, args, capacity["rps"], name)
-             for name in args.config_list}
+    sweep = {name: await run_config(wl, args, capacity["rps"], name) for name in args.config_list}
     experiments: dict[str, Any] = {}
     if "chunk" in args.experiment_list:
         experiments["chunk"] = await exp_chunk(wl, args)
@@ -246,30 +273,45 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         if s != args.prompt_scale or s != args.output_scale:
             pwl = window(args, s)
             pcap = await capacity_of(pwl, args, args.priority_capacity, f" (lengths / {s:g})")
-        experiments["priority"] = {**await exp_priority(pwl, args, pcap["rps"]),
-                                   "capacity": pcap}
+        experiments["priority"] = {**await exp_priority(pwl, args, pcap["rps"]), "capacity": pcap}
     import torch
 
     first, last = wl.rows[0], wl.rows[wl.max_row_used - args.window_start]
     report = {
-        "benchmark": "scheduling", "quick": args.quick,
+        "benchmark": "scheduling",
+        "quick": args.quick,
         "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "torch_threads": torch.get_num_threads()},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
         "model": "SmolLM2-135M-Instruct (embedded), fp32 on CPU",
-        "trace": {"file": os.path.relpath(args.trace, REPO), "attribution": ATTRIBUTION,
-                  "window": f"rows {first.row}-{last.row} ({first.timestamp} .. "
-                            f"{last.timestamp}); per point the first round(rate x duration) "
-                            "rows, arrivals rescaled to the rate",
-                  "scaling": wl.lengths.describe(),
-                  "mix": f"{100 * args.interactive_frac:.0f}% interactive per row"},
-        "classes": {k: {"ttft_slo_s": v.ttft_slo_s, "tpot_slo_s": v.tpot_slo_s}
-                    for k, v in DEFAULT_CLASSES.items() if k in ("interactive", "batch")},
-        "capacity": capacity, "loads_x": args.loads, "duration_s": args.duration,
-        "drain_s": args.drain, "configs": {n: CONFIGS[n]["desc"] for n in args.config_list},
-        "sweep": sweep, "experiments": experiments, "targets_spec": sched_report.TARGETS,
+        "trace": {
+            "file": os.path.relpath(args.trace, REPO),
+            "attribution": ATTRIBUTION,
+            "window": f"rows {first.row}-{last.row} ({first.timestamp} .. "
+            f"{last.timestamp}); per point the first round(rate x duration) "
+            "rows, arrivals rescaled to the rate",
+            "scaling": wl.lengths.describe(),
+            "mix": f"{100 * args.interactive_frac:.0f}% interactive per row",
+        },
+        "classes": {
+            k: {"ttft_slo_s": v.ttft_slo_s, "tpot_slo_s": v.tpot_slo_s}
+            for k, v in DEFAULT_CLASSES.items()
+            if k in ("interactive", "batch")
+        },
+        "capacity": capacity,
+        "loads_x": args.loads,
+        "duration_s": args.duration,
+        "drain_s": args.drain,
+        "configs": {n: CONFIGS[n]["desc"] for n in args.config_list},
+        "sweep": sweep,
+        "experiments": experiments,
+        "targets_spec": sched_report.TARGETS,
         "problems": problems_of(sweep, experiments),
     }
     report["targets"] = sched_report.targets(report)
@@ -294,8 +336,10 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - plots are a convenience
         report["plots_error"] = repr(e)
     rp.write_json(report, args.out)
-    print(f"wrote {args.out} ({report['elapsed_s']:.0f} s in all; expected "
-          f"{report['estimated_s']:.0f} s)")
+    print(
+        f"wrote {args.out} ({report['elapsed_s']:.0f} s in all; expected "
+        f"{report['estimated_s']:.0f} s)"
+    )
     return 0
 
 

@@ -70,8 +70,7 @@ class BenchConfig:
     class_mix: dict[str, float] | None = None  # class -> weight; None: no classes
     class_header: str | None = "x-iterserve-class"  # None/"": send no class header
     priority_field: bool = False  # send the class's ``priority`` in the JSON body
-    class_priority: dict[str, int] = field(
-        default_factory=lambda: {"interactive": 0, "batch": 10})
+    class_priority: dict[str, int] = field(default_factory=lambda: {"interactive": 0, "batch": 10})
     attainment_target: float = 0.9
     warmup: int = 4  # short sequential requests sent (and discarded) before the first rate
     cooldown_s: float = 2.0
@@ -91,8 +90,14 @@ class BenchConfig:
 
     @property
     def lengths(self) -> Lengths:
-        return Lengths(self.length_scale, self.output_scale or self.length_scale,
-                       self.min_prompt, self.max_prompt, 1, self.max_output)
+        return Lengths(
+            self.length_scale,
+            self.output_scale or self.length_scale,
+            self.min_prompt,
+            self.max_prompt,
+            1,
+            self.max_output,
+        )
 
 
 def build_workload(cfg: BenchConfig, rate: float, replay: int = 0) -> list[LoadRequest]:
@@ -113,38 +118,63 @@ def build_workload(cfg: BenchConfig, rate: float, replay: int = 0) -> list[LoadR
     out = []
     for r, at in zip(rows, offsets):
         text, got = maker.make(r.row, cfg.lengths.prompt(r.context_tokens), replay)
-        out.append(LoadRequest(f"{cfg.label}-{rate:g}-r{r.row}", r.row,
-                               pick_class(cfg.class_mix, cfg.seed, r.row), text, got,
-                               cfg.lengths.output(r.generated_tokens), at))
+        out.append(
+            LoadRequest(
+                f"{cfg.label}-{rate:g}-r{r.row}",
+                r.row,
+                pick_class(cfg.class_mix, cfg.seed, r.row),
+                text,
+                got,
+                cfg.lengths.output(r.generated_tokens),
+                at,
+            )
+        )
     return out
 
 
 def target(cfg: BenchConfig, client) -> HttpTarget:
-    return HttpTarget(client, cfg.base_url, cfg.model, class_header=cfg.class_header,
-                      priority_field=cfg.priority_field, class_priority=cfg.class_priority,
-                      extra_headers=cfg.extra_headers)
+    return HttpTarget(
+        client,
+        cfg.base_url,
+        cfg.model,
+        class_header=cfg.class_header,
+        priority_field=cfg.priority_field,
+        class_priority=cfg.class_priority,
+        extra_headers=cfg.extra_headers,
+    )
 
 
-async def run_rate(cfg: BenchConfig, workload: list[LoadRequest], rate: float,
-                   client) -> dict[str, Any]:
+async def run_rate(
+    cfg: BenchConfig, workload: list[LoadRequest], rate: float, client
+) -> dict[str, Any]:
     """Replay ``workload`` at its arrivals; {"summary": ..., "records": [...]} (times in s)."""
     run = await loadgen.open_loop(target(cfg, client), workload, cutoff_s=cfg.max_duration_s)
     for rec in run.records:
         rec["rate"] = rate
         if rec["status"] == "cut_off":
             rec["error"] = f"cancelled after max_duration_s={cfg.max_duration_s}"
-    summary = rp.summarize(run.records, rate, lambda _: (cfg.slo_ttft_s, cfg.slo_tpot_s),
-                           run.wall_s, cfg.attainment_target)
+    summary = rp.summarize(
+        run.records,
+        rate,
+        lambda _: (cfg.slo_ttft_s, cfg.slo_tpot_s),
+        run.wall_s,
+        cfg.attainment_target,
+    )
     return {"summary": summary, "records": [rp.compact_record(r) for r in run.records]}
 
 
 def expected_duration_s(cfg: BenchConfig) -> float:
     """Rough wall time (s): N/R plus an allowance per rate, warmup and cooldowns; with
     every extension of :func:`next_rate` run (at most)."""
-    rates = cfg.rates + [cfg.rates[-1] * cfg.extend_factor ** j
-                         for j in range(1, cfg.extend_rates + 1 + bool(cfg.limit_factor))]
-    return (sum(cfg.num_requests / r + RATE_ALLOWANCE_S for r in rates)
-            + cfg.warmup * 1.0 + cfg.cooldown_s * max(0, len(rates) - 1))
+    rates = cfg.rates + [
+        cfg.rates[-1] * cfg.extend_factor**j
+        for j in range(1, cfg.extend_rates + 1 + bool(cfg.limit_factor))
+    ]
+    return (
+        sum(cfg.num_requests / r + RATE_ALLOWANCE_S for r in rates)
+        + cfg.warmup * 1.0
+        + cfg.cooldown_s * max(0, len(rates) - 1)
+    )
 
 
 async def _warmup(cfg: BenchConfig, client) -> int:
@@ -161,13 +191,18 @@ async def _warmup(cfg: BenchConfig, client) -> int:
 def _window_info(cfg: BenchConfig, workload: list[LoadRequest]) -> dict[str, Any]:
     maker = prompt_maker(cfg.tokenizer, cfg.seed)
     rows = read_trace(cfg.trace, cfg.window_start, cfg.num_requests)
-    return {"first_row": workload[0].row, "last_row": workload[-1].row,
-            "num_requests": len(workload), "trace_span_s": rows[-1].offset_s,
-            "prompt_tokens_total": sum(r.prompt_tokens for r in workload),
-            "output_tokens_total": sum(r.max_tokens for r in workload),
-            "classes": {c: sum(r.cls == c for r in workload) for c in (cfg.class_mix or {})},
-            "corpus": CORPUS_DESCRIPTION, "corpus_sha256": maker.corpus_sha256,
-            "tokenizer_special_tokens": maker.special}
+    return {
+        "first_row": workload[0].row,
+        "last_row": workload[-1].row,
+        "num_requests": len(workload),
+        "trace_span_s": rows[-1].offset_s,
+        "prompt_tokens_total": sum(r.prompt_tokens for r in workload),
+        "output_tokens_total": sum(r.max_tokens for r in workload),
+        "classes": {c: sum(r.cls == c for r in workload) for c in (cfg.class_mix or {})},
+        "corpus": CORPUS_DESCRIPTION,
+        "corpus_sha256": maker.corpus_sha256,
+        "tokenizer_special_tokens": maker.special,
+    }
 
 
 def next_rate(cfg: BenchConfig, summaries: list[dict[str, Any]]) -> float | None:
@@ -180,8 +215,9 @@ def next_rate(cfg: BenchConfig, summaries: list[dict[str, Any]]) -> float | None
         return None
 
     def passed(s: dict[str, Any]) -> bool:
-        att = s["per_class"][cfg.extend_class]["attainment"] if cfg.extend_class \
-            else s["attainment"]
+        att = (
+            s["per_class"][cfg.extend_class]["attainment"] if cfg.extend_class else s["attainment"]
+        )
         return att >= cfg.attainment_target
 
     last, top = summaries[-1], max(s["rate"] for s in summaries)
@@ -198,45 +234,68 @@ def next_rate(cfg: BenchConfig, summaries: list[dict[str, Any]]) -> float | None
 async def run(cfg: BenchConfig) -> dict[str, Any]:
     """Warm up, replay every rate in ``cfg.rates`` (and the extensions :func:`next_rate`
     asks for), compute goodput; the JSON-able report."""
-    print(f"[serve_bench] {cfg.label}: expected duration ~{expected_duration_s(cfg):.0f} s "
-          f"(at most {len(cfg.rates) + cfg.extend_rates + bool(cfg.limit_factor)} rates x "
-          f"{cfg.num_requests} requests; N/R + "
-          f"{RATE_ALLOWANCE_S:.0f} s each; cap {cfg.max_duration_s:.0f} s per rate)", flush=True)
+    print(
+        f"[serve_bench] {cfg.label}: expected duration ~{expected_duration_s(cfg):.0f} s "
+        f"(at most {len(cfg.rates) + cfg.extend_rates + bool(cfg.limit_factor)} rates x "
+        f"{cfg.num_requests} requests; N/R + "
+        f"{RATE_ALLOWANCE_S:.0f} s each; cap {cfg.max_duration_s:.0f} s per rate)",
+        flush=True,
+    )
     summaries, records = [], []
     async with http_client(cfg.timeout_s) as client:
         if cfg.warmup and (failed := await _warmup(cfg, client)):
-            print(f"[serve_bench] warning: {failed}/{cfg.warmup} warmup requests failed",
-                  file=sys.stderr)
+            print(
+                f"[serve_bench] warning: {failed}/{cfg.warmup} warmup requests failed",
+                file=sys.stderr,
+            )
         rate, i = cfg.rates[0], 0
         while rate is not None:
             if i:
                 await asyncio.sleep(cfg.cooldown_s)
             workload = build_workload(cfg, rate, replay=i)
-            print(f"[serve_bench] rate {rate:g} req/s: {len(workload)} requests over "
-                  f"{len(workload) / rate:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"[serve_bench] rate {rate:g} req/s: {len(workload)} requests over "
+                f"{len(workload) / rate:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
             result = await run_rate(cfg, workload, rate, client)
             summaries.append(result["summary"])
             if (result["summary"]["max_lag_s"] or 0) > 0.05:  # TTFT includes this lag
-                print(f"[serve_bench] warning: generator fell behind by up to "
-                      f"{result['summary']['max_lag_s']:.3f} s", file=sys.stderr)
+                print(
+                    f"[serve_bench] warning: generator fell behind by up to "
+                    f"{result['summary']['max_lag_s']:.3f} s",
+                    file=sys.stderr,
+                )
             records.extend(result["records"])
             i += 1
             rate = next_rate(cfg, summaries)
     classes = sorted(cfg.class_mix or {})
     good = rp.goodput(summaries, cfg.attainment_target)
     return {
-        "benchmark": "serve_bench", "label": cfg.label, "config": asdict(cfg),
+        "benchmark": "serve_bench",
+        "label": cfg.label,
+        "config": asdict(cfg),
         "endpoint": completions_url(cfg.base_url),
         "trace": {"path": cfg.trace, "attribution": ATTRIBUTION},
         "window": _window_info(cfg, workload),
-        "scaling": ("arrival_i = (t_i - t_0) * N / (R * (t_N - t_0)), t_N the row after the "
-                    "window, so N requests span N/R s; " + cfg.lengths.describe()),
-        "slo": {"ttft_s": cfg.slo_ttft_s, "tpot_s": cfg.slo_tpot_s,
-                "attainment_target": cfg.attainment_target},
+        "scaling": (
+            "arrival_i = (t_i - t_0) * N / (R * (t_N - t_0)), t_N the row after the "
+            "window, so N requests span N/R s; " + cfg.lengths.describe()
+        ),
+        "slo": {
+            "ttft_s": cfg.slo_ttft_s,
+            "tpot_s": cfg.slo_tpot_s,
+            "attainment_target": cfg.attainment_target,
+        },
         "summaries": summaries,
-        "goodput": {"overall": good["rps"], "detail": good,
-                    "per_class": {c: rp.goodput(summaries, cfg.attainment_target, c)["rps"]
-                                  for c in classes}},
+        "goodput": {
+            "overall": good["rps"],
+            "detail": good,
+            "per_class": {
+                c: rp.goodput(summaries, cfg.attainment_target, c)["rps"] for c in classes
+            },
+        },
         "records": records,
     }
 
@@ -244,20 +303,47 @@ async def run(cfg: BenchConfig) -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     """One line per rate to stdout: attainment, goodput flag, tok/s, TTFT/TPOT (s), errors."""
     slo = report["slo"]
-    print(f"\n{report['label']}  (SLO: TTFT <= {slo['ttft_s']} s, TPOT <= {slo['tpot_s']} s; "
-          f"'*' = attainment >= {slo['attainment_target']})")
+    print(
+        f"\n{report['label']}  (SLO: TTFT <= {slo['ttft_s']} s, TPOT <= {slo['tpot_s']} s; "
+        f"'*' = attainment >= {slo['attainment_target']})"
+    )
     rows = []
     for s in report["summaries"]:
         classes = " ".join(f"{c}={v['attainment']:.2f}" for c, v in s.get("per_class", {}).items())
-        rows.append([f"{s['rate']:g}", f"{s['attainment']:.3f}{'*' if s['meets_target'] else ''}",
-                     f"{s['output_tokens_per_s']:.1f}", rp.fmt(s["ttft_s"]["p50"], ".3f"),
-                     rp.fmt(s["ttft_s"]["p99"], ".3f"), rp.fmt(s["tpot_s"]["p50"], ".3f"),
-                     rp.fmt(s["tpot_s"]["p99"], ".3f"), str(s["refused"]),
-                     str(s["failed"] + s["cut_off"]),
-                     rp.fmt(None if s["mean_lag_s"] is None else 1e3 * s["mean_lag_s"], ".1f"),
-                     classes or "-"])
-    print(rp.table(["rate", "attain", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
-                    "TPOT p99", "refused", "failed", "lag ms", "classes"], rows, "r" * 10 + "l"))
+        rows.append(
+            [
+                f"{s['rate']:g}",
+                f"{s['attainment']:.3f}{'*' if s['meets_target'] else ''}",
+                f"{s['output_tokens_per_s']:.1f}",
+                rp.fmt(s["ttft_s"]["p50"], ".3f"),
+                rp.fmt(s["ttft_s"]["p99"], ".3f"),
+                rp.fmt(s["tpot_s"]["p50"], ".3f"),
+                rp.fmt(s["tpot_s"]["p99"], ".3f"),
+                str(s["refused"]),
+                str(s["failed"] + s["cut_off"]),
+                rp.fmt(None if s["mean_lag_s"] is None else 1e3 * s["mean_lag_s"], ".1f"),
+                classes or "-",
+            ]
+        )
+    print(
+        rp.table(
+            [
+                "rate",
+                "attain",
+                "out tok/s",
+                "TTFT p50",
+                "TTFT p99",
+                "TPOT p50",
+                "TPOT p99",
+                "refused",
+                "failed",
+                "lag ms",
+                "classes",
+            ],
+            rows,
+            "r" * 10 + "l",
+        )
+    )
     g = report["goodput"]
     per = " ".join(f"{c}={v}" for c, v in g["per_class"].items())
     print(f"goodput: {g['overall']} req/s{'  per class: ' + per if per else ''}")
@@ -265,12 +351,14 @@ def print_table(report: dict[str, Any]) -> None:
 
 # -- command line ------------------------------------------------------------------------
 
+
 def _mapping(cast):
     def parse(text: str) -> dict:
         pairs = [item.partition("=") for item in text.split(",") if item.strip()]
         if any(not sep for _, sep, _ in pairs):
             raise argparse.ArgumentTypeError(f"expected k=v[,k=v...], got {text!r}")
         return {k.strip(): cast(v) for k, _, v in pairs}
+
     return parse
 
 
@@ -290,18 +378,38 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=d.trace)
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=d.rates)
     p.add_argument("--output-scale", type=float, default=None)
-    p.add_argument("--class-mix", type=_mapping(float), default=None,
-                   help="e.g. interactive=0.7,batch=0.3")
+    p.add_argument(
+        "--class-mix", type=_mapping(float), default=None, help="e.g. interactive=0.7,batch=0.3"
+    )
     p.add_argument("--class-header", default=d.class_header, help="'' to send no header")
     p.add_argument("--priority-field", action="store_true")
     p.add_argument("--class-priority", type=_mapping(int), default=d.class_priority)
-    p.add_argument("--header", type=_header, action="append", default=[],
-                   help="extra header NAME:VALUE (repeatable)")
-    for name in ("window_start", "num_requests", "min_prompt", "max_prompt", "max_output",
-                 "warmup", "seed"):
+    p.add_argument(
+        "--header",
+        type=_header,
+        action="append",
+        default=[],
+        help="extra header NAME:VALUE (repeatable)",
+    )
+    for name in (
+        "window_start",
+        "num_requests",
+        "min_prompt",
+        "max_prompt",
+        "max_output",
+        "warmup",
+        "seed",
+    ):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    for name in ("length_scale", "slo_ttft_s", "slo_tpot_s", "attainment_target",
-                 "cooldown_s", "max_duration_s", "timeout_s"):
+    for name in (
+        "length_scale",
+        "slo_ttft_s",
+        "slo_tpot_s",
+        "attainment_target",
+        "cooldown_s",
+        "max_duration_s",
+        "timeout_s",
+    ):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     p.add_argument("--label", default=d.label)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "serve_bench.json"))

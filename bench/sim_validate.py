@@ -61,9 +61,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--window-start", type=int, default=3000, help="first trace row")
-    ap.add_argument("--rates", default=None,
-                    help="req/s, comma-separated (default: light, near and past capacity, "
-                         "1/3, 1 and 1.5 times the simulated capacity on this host)")
+    ap.add_argument(
+        "--rates",
+        default=None,
+        help="req/s, comma-separated (default: light, near and past capacity, "
+        "1/3, 1 and 1.5 times the simulated capacity on this host)",
+    )
     ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate")
     ap.add_argument("--drain", type=float, default=60.0)
     ap.add_argument("--steps-per-level", type=int, default=None)
@@ -77,8 +80,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def estimate_s(args: argparse.Namespace) -> float:
-    return 20 + len(args.rates or CAPACITY_MULTIPLES) * (
-        args.duration + 40 + args.steps_per_level * 2.2) + args.duration + 30
+    return (
+        20
+        + len(args.rates or CAPACITY_MULTIPLES) * (args.duration + 40 + args.steps_per_level * 2.2)
+        + args.duration
+        + 30
+    )
 
 
 CAPACITY_MULTIPLES = (1 / 3, 0.85, 1.0, 1.5)
@@ -104,8 +111,7 @@ def window_requests(args: argparse.Namespace, rate: float, seed: int, tag: str) 
 def simulated_capacity(args: argparse.Namespace, cost) -> float:
     """The highest rate (x1.25 steps from 0.4 req/s; 0.4 if none) at which the simulator,
     with this run's fit, meets 90% attainment on the window: where to put the real loads."""
-    service = ServiceConfig(num_replicas=1, admission=False,
-                            engine=dict(SERVER_ENGINE_DEFAULTS))
+    service = ServiceConfig(num_replicas=1, admission=False, engine=dict(SERVER_ENGINE_DEFAULTS))
     rate, best = 0.4, 0.4
     while rate < 50:
         reqs = window_requests(args, rate, 0, "capacity")
@@ -126,9 +132,11 @@ def real_latencies(records: list[dict]) -> dict[str, dict[str, Any]]:
     for r in records:
         cls = DEFAULT_CLASSES[r["class"]]
         rp.judge(r, cls.ttft_slo_s, cls.tpot_slo_s)
-        out[r["id"]] = {"ttft": r["ttft_s"] if r["ok"] else None,
-                        "tpot": r["tpot_s"] if r["ok"] and r["output_tokens"] > 1 else None,
-                        "met": r["slo_met"]}
+        out[r["id"]] = {
+            "ttft": r["ttft_s"] if r["ok"] else None,
+            "tpot": r["tpot_s"] if r["ok"] and r["output_tokens"] > 1 else None,
+            "met": r["slo_met"],
+        }
     return out
 
 
@@ -140,7 +148,8 @@ def sim_latencies(run, cutoff_s: float) -> dict[str, dict[str, Any]]:
         out[o.request.id] = {
             "ttft": o.ttft_s if done else None,
             "tpot": o.tpot_s if done and o.request.output_tokens > 1 else None,
-            "met": done and o.ttft_s <= cls.ttft_slo_s and o.tpot_s <= cls.tpot_slo_s}
+            "met": done and o.ttft_s <= cls.ttft_slo_s and o.tpot_s <= cls.tpot_slo_s,
+        }
     return out
 
 
@@ -170,11 +179,16 @@ def run_calibration(args: argparse.Namespace) -> tuple[Any, dict]:
     """A fresh fit (``engine.sim.calibrate``), with its predictions for
     :data:`REFERENCE_SHAPES` (ms) added to its summary."""
     t0 = time.perf_counter()
-    cost, fit = calibrate(EngineConfig(**SERVER_ENGINE_DEFAULTS), args.steps_per_level,
-                          progress=lambda m: print(m, flush=True))
+    cost, fit = calibrate(
+        EngineConfig(**SERVER_ENGINE_DEFAULTS),
+        args.steps_per_level,
+        progress=lambda m: print(m, flush=True),
+    )
     fit["reference_ms"] = {k: 1000 * cost.step_seconds(v) for k, v in REFERENCE_SHAPES.items()}
-    print(f"calibrated in {time.perf_counter() - t0:.0f} s: held-out MAPE "
-          f"{fit['held_out_mape']:.1%}", flush=True)
+    print(
+        f"calibrated in {time.perf_counter() - t0:.0f} s: held-out MAPE {fit['held_out_mape']:.1%}",
+        flush=True,
+    )
     return cost, fit
 
 
@@ -198,21 +212,31 @@ async def replay(args: argparse.Namespace, i: int, cost, fit: dict) -> tuple[dic
     with ``cost``: the row of the report, and the real run's latencies."""
     rate, cutoff = args.rates[i], args.duration + args.drain
     reqs, real, info, steps = await run_real(args, i)
-    service = ServiceConfig(num_replicas=1, admission=False,
-                            engine=dict(SERVER_ENGINE_DEFAULTS))
+    service = ServiceConfig(num_replicas=1, admission=False, engine=dict(SERVER_ENGINE_DEFAULTS))
     sim = Fleet(service, cost).run(sim_requests(reqs))
     row = compare(real, sim_latencies(sim, cutoff))
     step_error = step_errors(cost, steps)
     drift = step_error["all"]["total_predicted_over_real"]
-    rescaled = compare(real, sim_latencies(
-        Fleet(service, scaled(cost, 1 / drift)).run(sim_requests(reqs)), cutoff))
-    row.update(step_error=step_error, fit=fit, rescaled=rescaled,
-               sensitivity=sensitivity(service, cost, reqs, cutoff, real),
-               rate=rate, load=args.loads[i] if args.loads else None, cut_off=info["cut_off"],
-               preemptions_real=info["preemptions"], preemptions_sim=sim.preemptions)
-    print(f"rate {rate}: attainment real {row['attainment_real']:.1%} sim "
-          f"{row['attainment_sim']:.1%}; TTFT mean {row['ttft_mean']['real']:.2f} / "
-          f"{row['ttft_mean']['sim']:.2f} s", flush=True)
+    rescaled = compare(
+        real, sim_latencies(Fleet(service, scaled(cost, 1 / drift)).run(sim_requests(reqs)), cutoff)
+    )
+    row.update(
+        step_error=step_error,
+        fit=fit,
+        rescaled=rescaled,
+        sensitivity=sensitivity(service, cost, reqs, cutoff, real),
+        rate=rate,
+        load=args.loads[i] if args.loads else None,
+        cut_off=info["cut_off"],
+        preemptions_real=info["preemptions"],
+        preemptions_sim=sim.preemptions,
+    )
+    print(
+        f"rate {rate}: attainment real {row['attainment_real']:.1%} sim "
+        f"{row['attainment_sim']:.1%}; TTFT mean {row['ttft_mean']['real']:.2f} / "
+        f"{row['ttft_mean']['sim']:.2f} s",
+        flush=True,
+    )
     return row, real
 
 
@@ -231,9 +255,14 @@ def run_all(args: argparse.Namespace, cost, fit: dict) -> dict[str, Any]:
         again = compare(reals[REPEAT_INDEX], asyncio.run(run_real(args, REPEAT_INDEX))[1])
         again.update(rate=args.rates[REPEAT_INDEX], load=rows[REPEAT_INDEX]["load"])
     span = max(round(r * args.duration) for r in args.rates) + 2  # the highest rate's rows
-    return {"fit": fit, "rows": rows, "repeat": again, "args": vars(args),
-            "host": platform.node(),
-            "trace": f"{TRACE.name} rows {args.window_start}+{span}, lengths / 8; {ATTRIBUTION}"}
+    return {
+        "fit": fit,
+        "rows": rows,
+        "repeat": again,
+        "args": vars(args),
+        "host": platform.node(),
+        "trace": f"{TRACE.name} rows {args.window_start}+{span}, lengths / 8; {ATTRIBUTION}",
+    }
 
 
 def step_errors(cost, records: list) -> dict[str, Any]:
@@ -242,17 +271,25 @@ def step_errors(cost, records: list) -> dict[str, Any]:
     ``total_predicted_over_real``: the predicted seconds of all those steps over their
     measured seconds, the host's speed during the replay against the fit's."""
     out: dict[str, Any] = {}
-    pairs = [(r, cost.step_seconds(StepShape.of_record(r.seqs, r.num_decodes)), p)
-             for r, p in zip(records, periods(records)) if p > 0]
-    for name, keep in (("all", lambda r: True),
-                       ("decode_only", lambda r: r.num_prefill_tokens == 0)):
+    pairs = [
+        (r, cost.step_seconds(StepShape.of_record(r.seqs, r.num_decodes)), p)
+        for r, p in zip(records, periods(records))
+        if p > 0
+    ]
+    for name, keep in (
+        ("all", lambda r: True),
+        ("decode_only", lambda r: r.num_prefill_tokens == 0),
+    ):
         kept = [(pred, p) for r, pred, p in pairs if keep(r)]
         out[name] = {
             "steps": len(kept),
-            "median_predicted_over_real":
-                statistics.median(pred / p for pred, p in kept) if kept else None,
-            "total_predicted_over_real":
-                sum(pred for pred, _ in kept) / sum(p for _, p in kept) if kept else None}
+            "median_predicted_over_real": statistics.median(pred / p for pred, p in kept)
+            if kept
+            else None,
+            "total_predicted_over_real": sum(pred for pred, _ in kept) / sum(p for _, p in kept)
+            if kept
+            else None,
+        }
     return out
 
 
@@ -265,8 +302,9 @@ SCALES = (0.95, 1.0, 1.05)
 """Cost-model scales for :func:`sensitivity`."""
 
 
-def sensitivity(service: ServiceConfig, cost, reqs: list, cutoff_s: float,
-                real: dict) -> dict[str, Any]:
+def sensitivity(
+    service: ServiceConfig, cost, reqs: list, cutoff_s: float, real: dict
+) -> dict[str, Any]:
     """The same requests simulated with every cost coefficient scaled by each of
     :data:`SCALES`: mean TTFT and TPOT (s, over the requests that both this simulation
     and the real run finished, as :func:`compare` takes them) and attainment per scale,
@@ -274,11 +312,14 @@ def sensitivity(service: ServiceConfig, cost, reqs: list, cutoff_s: float,
     amplifies it)."""
     out = {}
     for f in SCALES:
-        row = compare(real, sim_latencies(Fleet(service, scaled(cost, f)).run(
-            sim_requests(reqs)), cutoff_s))
-        out[f"{f:g}"] = {"ttft_mean": row["ttft_mean"]["sim"],
-                         "tpot_mean": row["tpot_mean"]["sim"],
-                         "attainment": row["attainment_sim"]}
+        row = compare(
+            real, sim_latencies(Fleet(service, scaled(cost, f)).run(sim_requests(reqs)), cutoff_s)
+        )
+        out[f"{f:g}"] = {
+            "ttft_mean": row["ttft_mean"]["sim"],
+            "tpot_mean": row["tpot_mean"]["sim"],
+            "attainment": row["attainment_sim"],
+        }
     return out
 
 

@@ -34,21 +34,26 @@ def run(engine, variant: str, seqs: int, max_tokens: int, seed: int) -> dict[str
     from engine import SamplingParams
 
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0,
-                            json_schema=SCHEMA if variant == "json" else None)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0, json_schema=SCHEMA if variant == "json" else None
+    )
     steps = []
     engine.on_step = steps.append
     for i in range(seqs):
-        engine.add_request(f"{variant}-{seed}-{i}",
-                           {"prompt_token_ids": [rng.randrange(1000, 40000) for _ in range(16)]},
-                           params)
+        engine.add_request(
+            f"{variant}-{seed}-{i}",
+            {"prompt_token_ids": [rng.randrange(1000, 40000) for _ in range(16)]},
+            params,
+        )
     while engine.has_unfinished_requests():
         engine.step()
     engine.on_step = None
     full = [r for r in steps if r.num_decodes == len(r.seqs) == seqs][2:]
-    return {"step_s": statistics.median(r.seconds for r in full),
-            "sample_s": statistics.median(dict(r.phases)["sample"] for r in full),
-            "steps": len(full)}
+    return {
+        "step_s": statistics.median(r.seconds for r in full),
+        "sample_s": statistics.median(dict(r.phases)["sample"] for r in full),
+        "steps": len(full),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,8 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "structured_cost.json"))
     args = ap.parse_args(argv)
-    print(f"# structured output cost: {args.seqs} sequences, {2 * args.runs} runs; expected "
-          "duration about 1 min", flush=True)
+    print(
+        f"# structured output cost: {args.seqs} sequences, {2 * args.runs} runs; expected "
+        "duration about 1 min",
+        flush=True,
+    )
     from engine import LLMEngine
     from engine.config import EngineConfig
 
@@ -70,18 +78,34 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(args.runs):
         for variant in results:
             results[variant].append(run(engine, variant, args.seqs, args.max_tokens, seed=k))
-    summary = {v: {key: statistics.median(r[key] for r in rs) for key in ("step_s", "sample_s")}
-               for v, rs in results.items()}
+    summary = {
+        v: {key: statistics.median(r[key] for r in rs) for key in ("step_s", "sample_s")}
+        for v, rs in results.items()
+    }
     extra = summary["json"]["step_s"] - summary["plain"]["step_s"]
-    rows = [[v, f"{1000 * s['step_s']:.1f}", f"{1000 * s['sample_s']:.2f}"]
-            for v, s in summary.items()]
+    rows = [
+        [v, f"{1000 * s['step_s']:.1f}", f"{1000 * s['sample_s']:.2f}"] for v, s in summary.items()
+    ]
     print(table(["variant", "step ms (median)", "sample phase ms (median)"], rows))
-    print(f"structured output adds {1000 * extra:.1f} ms a step at {args.seqs} sequences "
-          f"({100 * extra / summary['plain']['step_s']:.1f}%)")
+    print(
+        f"structured output adds {1000 * extra:.1f} ms a step at {args.seqs} sequences "
+        f"({100 * extra / summary['plain']['step_s']:.1f}%)"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "seqs": args.seqs, "max_tokens": args.max_tokens, "schema": SCHEMA, "runs": results,
-        "summary": summary, "extra_step_s": extra, "wall_s": time.time() - t0}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "seqs": args.seqs,
+                "max_tokens": args.max_tokens,
+                "schema": SCHEMA,
+                "runs": results,
+                "summary": summary,
+                "extra_step_s": extra,
+                "wall_s": time.time() - t0,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -52,21 +52,24 @@ class EngineTarget:
         if self.predict:
             p = self.aeng.admission.predict(self.aeng.load_snapshot(), cls, req.prompt_tokens)
             rec["pred_ttft_s"], rec["pred_tpot_s"] = p.ttft_s, p.tpot_s
-        prompt = ({"prompt_token_ids": req.prompt} if isinstance(req.prompt, list)
-                  else req.prompt)
-        sp = SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
+        prompt = {"prompt_token_ids": req.prompt} if isinstance(req.prompt, list) else req.prompt
+        sp = SamplingParams(
+            max_tokens=req.max_tokens,
+            temperature=0,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.DELTA,
+        )
         async for out in self.aeng.generate(prompt, sp, request_id=req.id, traffic_class=cls):
             yield len(out.outputs[0].token_ids)
 
-    async def _admit(self, req: LoadRequest, cls: str, rec: dict[str, Any],
-                     start: float) -> None:
+    async def _admit(self, req: LoadRequest, cls: str, rec: dict[str, Any], start: float) -> None:
         from policies import Admit, Reject
 
         rec["holds"] = 0
         while True:
-            d = self.aeng.admission_decision(req.prompt_tokens, req.max_tokens, cls,
-                                             waited_s=time.perf_counter() - start)
+            d = self.aeng.admission_decision(
+                req.prompt_tokens, req.max_tokens, cls, waited_s=time.perf_counter() - start
+            )
             if isinstance(d, Admit):
                 return
             if isinstance(d, Reject):
@@ -88,7 +91,9 @@ def http_client(timeout_s: float = 600.0) -> httpx.AsyncClient:
     """A client with no connection limit; ``trust_env=False`` keeps environment proxies out."""
     return httpx.AsyncClient(
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-        timeout=httpx.Timeout(timeout_s), trust_env=False)
+        timeout=httpx.Timeout(timeout_s),
+        trust_env=False,
+    )
 
 
 class HttpTarget:
@@ -100,10 +105,17 @@ class HttpTarget:
     usage's ``completion_tokens`` when a chunk carried several.
     """
 
-    def __init__(self, client: httpx.AsyncClient, base_url: str, model: str, *,
-                 class_header: str | None = "x-iterserve-class", priority_field: bool = False,
-                 class_priority: dict[str, int] | None = None,
-                 extra_headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        base_url: str,
+        model: str,
+        *,
+        class_header: str | None = "x-iterserve-class",
+        priority_field: bool = False,
+        class_priority: dict[str, int] | None = None,
+        extra_headers: dict[str, str] | None = None,
+    ) -> None:
         self.client = client
         self.url = completions_url(base_url)
         self.model = model
@@ -114,8 +126,12 @@ class HttpTarget:
 
     def request_parts(self, req: LoadRequest) -> tuple[dict, dict[str, str]]:
         body: dict[str, Any] = {
-            "model": self.model, "prompt": req.prompt, "max_tokens": req.max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True,
+            "model": self.model,
+            "prompt": req.prompt,
+            "max_tokens": req.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
             "stream_options": {"include_usage": True},
         }
         headers = dict(self.extra_headers)
@@ -166,8 +182,9 @@ class AiohttpTarget(HttpTarget):
 
 def aiohttp_session(timeout_s: float = 600.0) -> aiohttp.ClientSession:
     """A session for :class:`AiohttpTarget`, with no connection limit."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=timeout_s)
+    )
 
 
 def _raise_for(status: int, text: str) -> None:

@@ -27,7 +27,7 @@ METHOD = {
     "output_tok_s": "sum of each request's own output length / wall",
     "total_tok_s": "(prompt tokens + output tokens) / wall",
     "peak_rss": "resource.getrusage(RUSAGE_SELF).ru_maxrss in each system's own "
-                "subprocess, one subprocess per (system, run)",
+    "subprocess, one subprocess per (system, run)",
     "run_order": "interleaved: run i of every system, then run i+1",
 }
 
@@ -50,8 +50,9 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     firsts = []
     for x, y in zip(a, b):
         if x != y:
-            firsts.append(next((i for i, (u, v) in enumerate(zip(x, y)) if u != v),
-                               min(len(x), len(y))))
+            firsts.append(
+                next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            )
     return {
         "requests": len(a),
         "identical": len(a) - len(firsts),
@@ -66,13 +67,14 @@ def greedy_agreement(runs: dict[str, list[dict]], systems: list[str]) -> dict:
     first_ok = {n: next((r for r in rs if "error" not in r), None) for n, rs in runs.items()}
     names = [n for n in systems if first_ok[n] is not None]
     for i, a in enumerate(names):
-        for b in names[i + 1:]:
+        for b in names[i + 1 :]:
             greedy[f"{a} vs {b}"] = agreement(first_ok[a]["token_ids"], first_ok[b]["token_ids"])
     for n in names:  # run-to-run determinism of each system
         for k, r in enumerate(runs[n]):
             if "error" not in r and r is not first_ok[n]:
                 greedy[f"{n} run 1 vs run {k + 1}"] = agreement(
-                    first_ok[n]["token_ids"], r["token_ids"])
+                    first_ok[n]["token_ids"], r["token_ids"]
+                )
     return greedy
 
 
@@ -89,16 +91,24 @@ def _aggregate_one(rs: list[dict]) -> dict:
         "output_tok_s_median": median(r["output_tok_s"] for r in ok),
         "total_tok_s_median": median(r["total_tok_s"] for r in ok),
         "wall_s_median": median(r["wall_s"] for r in ok),
-        "peak_rss_mib_max": max((r["peak_rss_mib"] for r in rs if "peak_rss_mib" in r),
-                                default=None),
+        "peak_rss_mib_max": max(
+            (r["peak_rss_mib"] for r in rs if "peak_rss_mib" in r), default=None
+        ),
         "rss_after_load_mib": median(r.get("rss_after_load_mib") for r in ok),
         "setup_s_median": median(r.get("setup_s") for r in ok),
         "foreign_cores_runs": [r.get("foreign_cores") for r in rs],
         "own_cores_runs": [r.get("own_cores") for r in rs],
         "torch_threads": next((r["torch_threads"] for r in rs if "torch_threads" in r), None),
     }
-    for key in ("output_tokens_computed", "preemptions", "ttft_s_p50", "e2e_s_p50",
-                "manager_setup_s", "note", "resolved_config"):
+    for key in (
+        "output_tokens_computed",
+        "preemptions",
+        "ttft_s_p50",
+        "e2e_s_p50",
+        "manager_setup_s",
+        "note",
+        "resolved_config",
+    ):
         vals = [r[key] for r in ok if key in r]
         if vals:
             entry[key] = vals[0] if key in ("note", "resolved_config") else vals
@@ -130,9 +140,13 @@ def ratios(systems: dict, runs: int) -> dict:
         med = median(per_run)
         a, b = base["output_tok_s_median"], systems[other]["output_tok_s_median"]
         target = TARGETS.get(key)
-        res[key] = {"per_run": per_run, "median": med,
-                    "ratio_of_medians": a / b if a and b else None, "target": target,
-                    "met": None if med is None or target is None else med >= target}
+        res[key] = {
+            "per_run": per_run,
+            "median": med,
+            "ratio_of_medians": a / b if a and b else None,
+            "target": target,
+            "met": None if med is None or target is None else med >= target,
+        }
     return res
 
 
@@ -142,8 +156,8 @@ def _target_met(report: dict, sweep: dict | None) -> None:
         at64 = next((p for p in sweep["points"] if p["num_seqs"] == 64), None)
         if at64:
             report["target_met"] = {
-                "decode_pct_roofline_at_64":
-                    at64["pct_roofline"] >= TARGETS["decode_pct_roofline_at_64"],
+                "decode_pct_roofline_at_64": at64["pct_roofline"]
+                >= TARGETS["decode_pct_roofline_at_64"],
                 "sched_prep_pct_at_64": at64["sched_prep_pct"] <= TARGETS["sched_prep_pct_at_64"],
             }
     for name, r in report["ratios"].items():
@@ -154,11 +168,18 @@ def contention(report: dict, sweep: dict | None) -> bool:
     """Flag (``report["contention_warning"]``) the measurements other processes disturbed;
     True when there are any."""
     agg = report["systems"]
-    loads = [(f"{n} run {i + 1}", x) for n, e in agg.items()
-             for i, x in enumerate(e["foreign_cores_runs"]) if x is not None]
+    loads = [
+        (f"{n} run {i + 1}", x)
+        for n, e in agg.items()
+        for i, x in enumerate(e["foreign_cores_runs"])
+        if x is not None
+    ]
     if sweep and "points" in sweep:
-        loads += [(f"sweep {p['num_seqs']} seqs", p["foreign_cores"]) for p in sweep["points"]
-                  if p.get("foreign_cores") is not None]
+        loads += [
+            (f"sweep {p['num_seqs']} seqs", p["foreign_cores"])
+            for p in sweep["points"]
+            if p.get("foreign_cores") is not None
+        ]
     # A worker with T threads on C cores is undisturbed while others use at most C - T cores.
     threads = report["machine"]["torch_threads"] or os.cpu_count() or 1
     spare = max(0, (os.cpu_count() or 1) - threads)
@@ -184,9 +205,16 @@ def _machine() -> dict:
     }
 
 
-def assemble(args: argparse.Namespace, wl: dict, stats: dict, configs: dict,
-             runs: dict[str, list[dict]], sweeps: tuple[dict | None, dict | None],
-             greedy: dict, t_start: float) -> dict:
+def assemble(
+    args: argparse.Namespace,
+    wl: dict,
+    stats: dict,
+    configs: dict,
+    runs: dict[str, list[dict]],
+    sweeps: tuple[dict | None, dict | None],
+    greedy: dict,
+    t_start: float,
+) -> dict:
     """The report written to the JSON, ``target_met`` included (not the contention flag)."""
     agg = aggregate(runs)
     sweep, sweep_plain = sweeps
@@ -212,6 +240,7 @@ def assemble(args: argparse.Namespace, wl: dict, stats: dict, configs: dict,
     }
     report["machine"]["torch_threads"] = next(
         (s["torch_threads"] for s in agg.values() if s["torch_threads"]),
-        (sweep or {}).get("torch_threads"))
+        (sweep or {}).get("torch_threads"),
+    )
     _target_met(report, sweep)
     return report

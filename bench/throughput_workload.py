@@ -25,15 +25,15 @@ def _trace_info(args: argparse.Namespace, first: str, last: str, raw: list[tuple
             "ignored, all submitted at once"
         ),
         "prompt_len": f"round(ContextTokens / {args.prompt_scale:g}) "
-                      f"clamped to [1, {args.max_prompt}]",
+        f"clamped to [1, {args.max_prompt}]",
         "output_len": f"round(GeneratedTokens / {args.output_scale:g}) "
-                      f"clamped to [1, {args.max_output}]",
+        f"clamped to [1, {args.max_output}]",
         "prompt_scale": args.prompt_scale,
         "output_scale": args.output_scale,
         "max_prompt": args.max_prompt,
         "max_output": args.max_output,
         "prompt_token_ids": f"uniform in [{TOKEN_ID_RANGE[0]}, {TOKEN_ID_RANGE[1]}), "
-                            f"random.Random({args.seed})",
+        f"random.Random({args.seed})",
         "raw_context_tokens_total": sum(c for c, _ in raw),
         "raw_generated_tokens_total": sum(g for _, g in raw),
     }
@@ -42,14 +42,16 @@ def _trace_info(args: argparse.Namespace, first: str, last: str, raw: list[tuple
 def build_workload(args: argparse.Namespace) -> dict:
     """Read the trace window, scale the lengths and make deterministic prompt token ids."""
     if not Path(args.trace).is_file():
-        raise SystemExit(f"trace not found: {args.trace} (the shipped ones are in "
-                         "deploy/sim/traces/)")
-    window = read_trace(args.trace, args.window_start, args.num_requests)[:args.num_requests]
-    lengths = Lengths(args.prompt_scale, args.output_scale, 1, args.max_prompt, 1,
-                      args.max_output)
+        raise SystemExit(
+            f"trace not found: {args.trace} (the shipped ones are in deploy/sim/traces/)"
+        )
+    window = read_trace(args.trace, args.window_start, args.num_requests)[: args.num_requests]
+    lengths = Lengths(args.prompt_scale, args.output_scale, 1, args.max_prompt, 1, args.max_output)
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(*TOKEN_ID_RANGE) for _ in range(lengths.prompt(r.context_tokens))]
-               for r in window]
+    prompts = [
+        [rng.randrange(*TOKEN_ID_RANGE) for _ in range(lengths.prompt(r.context_tokens))]
+        for r in window
+    ]
     out_lens = [lengths.output(r.generated_tokens) for r in window]
     raw = [(r.context_tokens, r.generated_tokens) for r in window]
     return {
@@ -89,10 +91,10 @@ def _hf_generate_config(args: argparse.Namespace) -> dict:
     return {
         "batch_size": args.hf_batch_size,
         "batching": "static, trace order, left-padded with pad=eos, "
-                    "max_new_tokens = max L of the batch",
+        "max_new_tokens = max L of the batch",
         "attn_implementation": "sdpa",
         "eos": "disabled (model.generation_config.eos_token_id=None), "
-               "min_new_tokens = max_new_tokens",
+        "min_new_tokens = max_new_tokens",
         "dtype": "float32",
     }
 
@@ -103,12 +105,12 @@ def _hf_generate_batch_config(args: argparse.Namespace) -> dict:
         "api_note": (
             "continuous_batching_context_manager + add_request(max_new_tokens=L_i, "
             "eos_token_id=-1): the manager generate_batch builds, with per-request lengths"
-            if args.hf_cb_api == "manager" else
-            "model.generate_batch(max_new_tokens = max L for all requests); "
+            if args.hf_cb_api == "manager"
+            else "model.generate_batch(max_new_tokens = max L for all requests); "
             "only each request's own L tokens are counted"
         ),
         "attn_implementation": "sdpa (CB accepts sdpa, paged|eager or flash; "
-                               "no flash on CPU; paged|sdpa is deprecated in 5.2x)",
+        "no flash on CPU; paged|sdpa is deprecated in 5.2x)",
         "page_size": args.block_size,
         "num_blocks": args.num_kv_blocks,
         "kv_tokens": args.num_kv_blocks * args.block_size,
@@ -119,7 +121,7 @@ def _hf_generate_batch_config(args: argparse.Namespace) -> dict:
         "scheduler_type": "fifo",
         "default_compile_level": 0,
         "max_memory_percent": "default (0.6 on CPU): only a cap here, since num_blocks and "
-                              "max_batch_tokens are fixed",
+        "max_batch_tokens are fixed",
         "dtype": "float32",
     }
 

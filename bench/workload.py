@@ -55,17 +55,21 @@ class Lengths:
     max_output: int = 512
 
     def prompt(self, context_tokens: int) -> int:
-        return min(max(self.min_prompt, round(context_tokens / self.prompt_divisor)),
-                   self.max_prompt)
+        return min(
+            max(self.min_prompt, round(context_tokens / self.prompt_divisor)), self.max_prompt
+        )
 
     def output(self, generated_tokens: int) -> int:
-        return min(max(self.min_output, round(generated_tokens / self.output_divisor)),
-                   self.max_output)
+        return min(
+            max(self.min_output, round(generated_tokens / self.output_divisor)), self.max_output
+        )
 
     def describe(self) -> str:
-        return (f"prompt = round(ContextTokens / {self.prompt_divisor:g}) clamped to "
-                f"[{self.min_prompt}, {self.max_prompt}], output = round(GeneratedTokens / "
-                f"{self.output_divisor:g}) clamped to [{self.min_output}, {self.max_output}]")
+        return (
+            f"prompt = round(ContextTokens / {self.prompt_divisor:g}) clamped to "
+            f"[{self.min_prompt}, {self.max_prompt}], output = round(GeneratedTokens / "
+            f"{self.output_divisor:g}) clamped to [{self.min_output}, {self.max_output}]"
+        )
 
 
 def read_trace(path: str | Path, start: int, n: int) -> list[TraceRow]:
@@ -79,9 +83,16 @@ def read_trace(path: str | Path, start: int, n: int) -> list[TraceRow]:
     if len(rows) < n:
         raise ValueError(f"{path} has {len(rows)} rows from row {start}; {n} needed")
     t0 = datetime.fromisoformat(rows[0]["TIMESTAMP"])
-    return [TraceRow(start + i, (datetime.fromisoformat(r["TIMESTAMP"]) - t0).total_seconds(),
-                     r["TIMESTAMP"], int(r["ContextTokens"]), int(r["GeneratedTokens"]))
-            for i, r in enumerate(rows)]
+    return [
+        TraceRow(
+            start + i,
+            (datetime.fromisoformat(r["TIMESTAMP"]) - t0).total_seconds(),
+            r["TIMESTAMP"],
+            int(r["ContextTokens"]),
+            int(r["GeneratedTokens"]),
+        )
+        for i, r in enumerate(rows)
+    ]
 
 
 def arrival_offsets(rows: list[TraceRow], n: int, rate: float) -> tuple[list[float], float]:
@@ -127,8 +138,15 @@ class Window:
     ``pick_class``), so configs and loads see the same requests.
     """
 
-    def __init__(self, trace: str | Path, start: int, rows: int, lengths: Lengths,
-                 mix: dict[str, float] | None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        trace: str | Path,
+        start: int,
+        rows: int,
+        lengths: Lengths,
+        mix: dict[str, float] | None,
+        seed: int = 0,
+    ) -> None:
         self.rows = read_trace(trace, start, rows)
         self.lengths = lengths
         self.mix = mix
@@ -141,13 +159,19 @@ class Window:
 
         r = self.rows[i]
         p = self.lengths.prompt(r.context_tokens)
-        return LoadRequest(f"{tag}-r{r.row}", r.row,
-                           cls or pick_class(self.mix, self.seed, r.row),
-                           token_ids(self.seed, r.row, p), p,
-                           self.lengths.output(r.generated_tokens), arrival_s)
+        return LoadRequest(
+            f"{tag}-r{r.row}",
+            r.row,
+            cls or pick_class(self.mix, self.seed, r.row),
+            token_ids(self.seed, r.row, p),
+            p,
+            self.lengths.output(r.generated_tokens),
+            arrival_s,
+        )
 
-    def at_rate(self, rate: float, duration_s: float, tag: str, start: int = 0,
-                cls: str | None = None) -> tuple[list, float]:
+    def at_rate(
+        self, rate: float, duration_s: float, tag: str, start: int = 0, cls: str | None = None
+    ) -> tuple[list, float]:
         """The ``round(rate * duration_s)`` requests from index ``start``, arrivals rescaled
         (:func:`arrival_offsets`); returns (requests, time scale).
 
@@ -156,9 +180,11 @@ class Window:
         """
         n = max(1, round(rate * duration_s))
         if start + n >= len(self.rows):
-            raise SystemExit(f"the trace window has {len(self.rows)} rows; {rate} req/s for "
-                             f"{duration_s} s needs {start + n + 1}")
-        offsets, scale = arrival_offsets(self.rows[start:start + n + 1], n, n / duration_s)
+            raise SystemExit(
+                f"the trace window has {len(self.rows)} rows; {rate} req/s for "
+                f"{duration_s} s needs {start + n + 1}"
+            )
+        offsets, scale = arrival_offsets(self.rows[start : start + n + 1], n, n / duration_s)
         self.max_row_used = max(self.max_row_used, self.rows[start + n - 1].row)
         return [self.request(start + k, tag, at, cls) for k, at in enumerate(offsets)], scale
 

@@ -37,20 +37,23 @@ def build_app(config: ServiceConfig) -> serve.Application:
         actor_options["num_gpus"] = config.replica_num_gpus
     router_config = RequestRouterConfig(
         request_router_class=LoadAwareRouter,
-        request_router_kwargs={"traffic_classes": classes,
-                               "policy": policy},
+        request_router_kwargs={"traffic_classes": classes, "policy": policy},
         request_routing_stats_period_s=config.routing_stats_period_s,
         request_routing_stats_timeout_s=max(5.0, 10 * config.routing_stats_period_s),
     )
-    replica = serve.deployment(ModelReplica, name=REPLICA_NAME).options(
-        num_replicas=config.num_replicas,
-        max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options=actor_options,
-        request_router_config=router_config,
-        health_check_period_s=2.0,
-        health_check_timeout_s=30.0,
-        graceful_shutdown_timeout_s=5.0,
-    ).bind(engine.model_dump(), max(1, math.floor(config.replica_num_cpus)))
+    replica = (
+        serve.deployment(ModelReplica, name=REPLICA_NAME)
+        .options(
+            num_replicas=config.num_replicas,
+            max_ongoing_requests=config.max_ongoing_requests,
+            ray_actor_options=actor_options,
+            request_router_config=router_config,
+            health_check_period_s=2.0,
+            health_check_timeout_s=30.0,
+            graceful_shutdown_timeout_s=5.0,
+        )
+        .bind(engine.model_dump(), max(1, math.floor(config.replica_num_cpus)))
+    )
     ingress = serve.deployment(OpenAIIngress, name=INGRESS_NAME).options(
         num_replicas=1,
         max_ongoing_requests=100_000,  # it holds requests for admission; replicas cap work

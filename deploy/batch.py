@@ -39,8 +39,17 @@ EXIT_UNANSWERED = 3
 """Exit status when ``--via-service`` left requests unanswered (a rerun sends them)."""
 
 
-ENGINE_FLAGS = ("config", "model", "served_model_name", "num_replicas", "replica_num_cpus",
-                "replica_num_gpus", "max_num_seqs", "max_num_batched_tokens", "address")
+ENGINE_FLAGS = (
+    "config",
+    "model",
+    "served_model_name",
+    "num_replicas",
+    "replica_num_cpus",
+    "replica_num_gpus",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "address",
+)
 """Flags of the engine-replica run; ``--via-service`` refuses them (it would ignore them)."""
 
 
@@ -58,39 +67,87 @@ def positive(kind: type) -> Any:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The batch command's flags (shared by ``iterserve batch run`` and the module)."""
     p.add_argument("--input", "-i", required=True, help="OpenAI batch file (JSONL)")
-    p.add_argument("--output", "-o", required=True,
-                   help="results (JSONL), appended; a rerun skips the custom_ids it holds")
-    p.add_argument("--ordered", action="store_true",
-                   help="also write OUTPUT.ordered.jsonl in input order at the end")
-    p.add_argument("--config", metavar="FILE", default=None,
-                   help="a service config (the YAML `iterserve serve --config` reads): its "
-                        "model, served_model_name, num_replicas, replica_num_cpus/gpus and "
-                        "engine section as written; flags win")
-    p.add_argument("--model", default=None,
-                   help="transformers directory or .gguf file (default: embedded SmolLM2-135M)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the `model` the lines name (default: the model's name)")
-    p.add_argument("--num-replicas", type=positive(int), default=None,
-                   help="engine replicas (default: on a cluster, as many as it can place; "
-                        "else 1, in this process)")
-    p.add_argument("--replica-num-cpus", type=positive(float), default=None,
-                   help="CPUs per replica; torch uses as many threads (default: a node's; "
-                        "1 with --replica-num-gpus)")
-    p.add_argument("--replica-num-gpus", type=positive(float), default=None,
-                   help="GPUs per replica (default: none)")
-    p.add_argument("--max-num-seqs", type=positive(int), default=None,
-                   help="running requests per engine step (default: the offline engine's, "
-                        "engine.llm.OFFLINE_MAX_NUM_SEQS)")
-    p.add_argument("--max-num-batched-tokens", type=positive(int), default=None,
-                   help="token budget of one step (default: the offline engine's, "
-                        "engine.llm.OFFLINE_MAX_NUM_BATCHED_TOKENS)")
-    p.add_argument("--address", default=None,
-                   help="Ray cluster (default: the job's cluster; else none for one replica, a "
-                        "local one for more)")
-    p.add_argument("--via-service", metavar="URL", default=None,
-                   help="send the lines to a running iterserve service instead")
-    p.add_argument("--max-concurrency", type=positive(int), default=None,
-                   help="--via-service: requests in flight at most (default: 8)")
+    p.add_argument(
+        "--output",
+        "-o",
+        required=True,
+        help="results (JSONL), appended; a rerun skips the custom_ids it holds",
+    )
+    p.add_argument(
+        "--ordered",
+        action="store_true",
+        help="also write OUTPUT.ordered.jsonl in input order at the end",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="a service config (the YAML `iterserve serve --config` reads): its "
+        "model, served_model_name, num_replicas, replica_num_cpus/gpus and "
+        "engine section as written; flags win",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="transformers directory or .gguf file (default: embedded SmolLM2-135M)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the `model` the lines name (default: the model's name)",
+    )
+    p.add_argument(
+        "--num-replicas",
+        type=positive(int),
+        default=None,
+        help="engine replicas (default: on a cluster, as many as it can place; "
+        "else 1, in this process)",
+    )
+    p.add_argument(
+        "--replica-num-cpus",
+        type=positive(float),
+        default=None,
+        help="CPUs per replica; torch uses as many threads (default: a node's; "
+        "1 with --replica-num-gpus)",
+    )
+    p.add_argument(
+        "--replica-num-gpus",
+        type=positive(float),
+        default=None,
+        help="GPUs per replica (default: none)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=positive(int),
+        default=None,
+        help="running requests per engine step (default: the offline engine's, "
+        "engine.llm.OFFLINE_MAX_NUM_SEQS)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive(int),
+        default=None,
+        help="token budget of one step (default: the offline engine's, "
+        "engine.llm.OFFLINE_MAX_NUM_BATCHED_TOKENS)",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster (default: the job's cluster; else none for one replica, a "
+        "local one for more)",
+    )
+    p.add_argument(
+        "--via-service",
+        metavar="URL",
+        default=None,
+        help="send the lines to a running iterserve service instead",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=positive(int),
+        default=None,
+        help="--via-service: requests in flight at most (default: 8)",
+    )
 
 
 class _Progress:
@@ -98,8 +155,14 @@ class _Progress:
 
     def __init__(self, out: OutputFile, total: int) -> None:
         self.out = out
-        self.bar = tqdm(total=total, unit="req", desc="batch", mininterval=1.0,
-                        file=sys.stderr, dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total,
+            unit="req",
+            desc="batch",
+            mininterval=1.0,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
         self.start = time.monotonic()
         self.tokens = 0
         self.errors = 0
@@ -112,8 +175,9 @@ class _Progress:
         self.bar.update(1)
 
     def answered(self, cid: str, answer: Answer) -> None:
-        self.write(record(cid, answer.status, answer.request_id, answer.body),
-                   answer.completion_tokens)
+        self.write(
+            record(cid, answer.status, answer.request_id, answer.body), answer.completion_tokens
+        )
 
     def restart(self) -> None:
         """Count time and rates from now (the replicas' start-up is not batch work)."""
@@ -127,8 +191,13 @@ class _Progress:
         return max(1e-9, time.monotonic() - self.start)
 
 
-CONFIG_FLAGS = ("model", "served_model_name", "num_replicas", "replica_num_cpus",
-                "replica_num_gpus")
+CONFIG_FLAGS = (
+    "model",
+    "served_model_name",
+    "num_replicas",
+    "replica_num_cpus",
+    "replica_num_gpus",
+)
 """ServiceConfig fields that ``--config`` fills in for flags not given."""
 
 
@@ -162,8 +231,11 @@ def _engine_config(args: argparse.Namespace, section: dict[str, Any]) -> dict:
     from engine import EngineConfig
     from engine.llm import OFFLINE_DEFAULTS
 
-    fields = {"model": args.model, "max_num_seqs": args.max_num_seqs,
-              "max_num_batched_tokens": args.max_num_batched_tokens}
+    fields = {
+        "model": args.model,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
     given = {k: v for k, v in fields.items() if v is not None}
     return EngineConfig(**{**OFFLINE_DEFAULTS, **section, **given}).model_dump()
 
@@ -171,8 +243,7 @@ def _engine_config(args: argparse.Namespace, section: dict[str, Any]) -> dict:
 def _model_name(args: argparse.Namespace) -> str:
     from deploy.config import ServiceConfig
 
-    return ServiceConfig(model=args.model,
-                         served_model_name=args.served_model_name).model_name()
+    return ServiceConfig(model=args.model, served_model_name=args.served_model_name).model_name()
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -183,14 +254,17 @@ def check_flags(args: argparse.Namespace) -> None:
             without it.
     """
     if args.via_service:
-        given = [f"--{f.replace('_', '-')}" for f in ENGINE_FLAGS
-                 if getattr(args, f) is not None]
+        given = [f"--{f.replace('_', '-')}" for f in ENGINE_FLAGS if getattr(args, f) is not None]
         if given:
-            raise ValueError(f"{', '.join(given)}: these set up engine replicas, which "
-                             "--via-service does not start (the service has its own)")
+            raise ValueError(
+                f"{', '.join(given)}: these set up engine replicas, which "
+                "--via-service does not start (the service has its own)"
+            )
     elif args.max_concurrency is not None:
-        raise ValueError("--max-concurrency applies to --via-service only; engine replicas "
-                         "are kept 2 * max_num_seqs deep")
+        raise ValueError(
+            "--max-concurrency applies to --via-service only; engine replicas "
+            "are kept 2 * max_num_seqs deep"
+        )
 
 
 def _run_engine(args: argparse.Namespace, todo: list[BatchLine], progress: _Progress) -> None:
@@ -206,13 +280,16 @@ def _run_engine(args: argparse.Namespace, todo: list[BatchLine], progress: _Prog
 
 
 def _starting(progress: _Progress, plan: Any, where: str) -> None:
-    progress.bar.write(f"iterserve batch: starting {plan.num_replicas} replica(s) of "
-                       f"{plan.num_cpus:g} CPUs, {plan.num_gpus:g} GPUs {where}",
-                       file=sys.stderr)
+    progress.bar.write(
+        f"iterserve batch: starting {plan.num_replicas} replica(s) of "
+        f"{plan.num_cpus:g} CPUs, {plan.num_gpus:g} GPUs {where}",
+        file=sys.stderr,
+    )
 
 
-def _run_here(args: argparse.Namespace, engine: dict[str, Any], work: list[tuple],
-              progress: _Progress) -> None:
+def _run_here(
+    args: argparse.Namespace, engine: dict[str, Any], work: list[tuple], progress: _Progress
+) -> None:
     from deploy.batch_engine import BatchReplica, plan_local, run_on_replicas
 
     plan = plan_local(args.replica_num_cpus, args.replica_num_gpus or 0.0)
@@ -229,19 +306,24 @@ def _run_here(args: argparse.Namespace, engine: dict[str, Any], work: list[tuple
     asyncio.run(run())
 
 
-def _run_on_ray(args: argparse.Namespace, engine: dict[str, Any], work: list[tuple],
-                progress: _Progress, local: bool) -> None:
+def _run_on_ray(
+    args: argparse.Namespace,
+    engine: dict[str, Any],
+    work: list[tuple],
+    progress: _Progress,
+    local: bool,
+) -> None:
     import ray
 
     from deploy.batch_engine import plan_replicas, run_on_replicas, start_replicas
 
     # A local cluster of this run's own ("local"), unless a cluster was named.
-    kwargs = {"address": "local", "include_dashboard": False} if local else {
-        "address": args.address}
+    kwargs = (
+        {"address": "local", "include_dashboard": False} if local else {"address": args.address}
+    )
     ray.init(logging_level=logging.WARNING, **kwargs)
     try:
-        plan = plan_replicas(args.num_replicas, args.replica_num_cpus,
-                             args.replica_num_gpus or 0.0)
+        plan = plan_replicas(args.num_replicas, args.replica_num_cpus, args.replica_num_gpus or 0.0)
         _starting(progress, plan, "as Ray actors")
         replicas = start_replicas(plan, engine, _model_name(args))
         progress.restart()
@@ -254,8 +336,14 @@ def _run_service(args: argparse.Namespace, todo: list[BatchLine], progress: _Pro
     from deploy.batch_service import DEFAULT_CONCURRENCY, run_via_service
 
     work = [(line.custom_id, line.url, line.body) for line in todo]
-    asyncio.run(run_via_service(args.via_service, work, progress.answered,
-                                concurrency=args.max_concurrency or DEFAULT_CONCURRENCY))
+    asyncio.run(
+        run_via_service(
+            args.via_service,
+            work,
+            progress.answered,
+            concurrency=args.max_concurrency or DEFAULT_CONCURRENCY,
+        )
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -270,11 +358,17 @@ def run(args: argparse.Namespace) -> int:
     lines = read_input(args.input)
     out = OutputFile(args.output, {line.custom_id for line in lines})
     if out.repaired_bytes:
-        print(f"iterserve batch: removed a torn last line ({out.repaired_bytes} bytes) from "
-              f"{args.output}", file=sys.stderr)
+        print(
+            f"iterserve batch: removed a torn last line ({out.repaired_bytes} bytes) from "
+            f"{args.output}",
+            file=sys.stderr,
+        )
     todo = [line for line in lines if line.custom_id not in out.done]
-    print(f"iterserve batch: {len(lines)} lines in {args.input}, {len(lines) - len(todo)} "
-          f"already in {args.output}, {len(todo)} to run", file=sys.stderr)
+    print(
+        f"iterserve batch: {len(lines)} lines in {args.input}, {len(lines) - len(todo)} "
+        f"already in {args.output}, {len(todo)} to run",
+        file=sys.stderr,
+    )
     progress = _Progress(out, len(todo))
     status = 0
     try:
@@ -293,9 +387,12 @@ def run(args: argparse.Namespace) -> int:
         out.close()
     if args.ordered and status == 0:
         print(f"iterserve batch: input order in {out.write_ordered(lines)}", file=sys.stderr)
-    print(f"iterserve batch: wrote {progress.bar.n} records ({progress.errors} errors) in "
-          f"{progress.elapsed:.1f} s, {progress.tokens / progress.elapsed:.1f} output tok/s; "
-          f"{args.output} holds {len(out.done)} of {len(lines)}", file=sys.stderr)
+    print(
+        f"iterserve batch: wrote {progress.bar.n} records ({progress.errors} errors) in "
+        f"{progress.elapsed:.1f} s, {progress.tokens / progress.elapsed:.1f} output tok/s; "
+        f"{args.output} holds {len(out.done)} of {len(lines)}",
+        file=sys.stderr,
+    )
     return status
 
 
@@ -307,14 +404,20 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"iterserve batch: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"\niterserve batch: interrupted; {args.output} keeps what finished: rerun the "
-              "same command to run the rest", file=sys.stderr)
+        print(
+            f"\niterserve batch: interrupted; {args.output} keeps what finished: rerun the "
+            "same command to run the rest",
+            file=sys.stderr,
+        )
         return 130
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.batch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.batch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

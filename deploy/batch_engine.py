@@ -49,8 +49,7 @@ class BatchReplica:
         num_threads: torch intra-op threads (the CPUs Ray reserved for it).
     """
 
-    def __init__(self, engine_config: dict[str, Any], model_name: str,
-                 num_threads: int) -> None:
+    def __init__(self, engine_config: dict[str, Any], model_name: str, num_threads: int) -> None:
         import torch
 
         torch.set_num_threads(max(1, num_threads))
@@ -74,8 +73,9 @@ class BatchReplica:
             return Answer(e.status, rid, e.body())
         except Exception as e:  # a bug of ours: the line says so, the batch goes on
             logger.exception("batch request failed")
-            return Answer(500, rid, ApiError(500, f"internal error: {e}",
-                                             code="internal_error").body())
+            return Answer(
+                500, rid, ApiError(500, f"internal error: {e}", code="internal_error").body()
+            )
 
     async def _answer(self, rid: str, chat: bool, body: dict[str, Any]) -> Answer:
         from deploy.engine_replica import engine_items
@@ -90,13 +90,22 @@ class BatchReplica:
         try:
             for p, (ids, text) in enumerate(prompts):
                 shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
-                call = LocalCall(engine_items(self.engine, self.replica_id,
-                                               rid if len(prompts) == 1 else f"{rid}-{p}",
-                                               ids, params, shape, send_load=False))
+                call = LocalCall(
+                    engine_items(
+                        self.engine,
+                        self.replica_id,
+                        rid if len(prompts) == 1 else f"{rid}-{p}",
+                        ids,
+                        params,
+                        shape,
+                        send_load=False,
+                    )
+                )
                 calls.append(responses.PromptCall(ids, text, call))
                 await call.start()
-            reply = responses.Reply(req, chat, rid, self.model_name, self.tokenizer, calls,
-                                    scores_only)
+            reply = responses.Reply(
+                req, chat, rid, self.model_name, self.tokenizer, calls, scores_only
+            )
             out = await responses.collect(reply)
         finally:
             for c in calls:
@@ -113,8 +122,7 @@ class ReplicaPlan:
     num_gpus: float
 
 
-def plan_replicas(num_replicas: int | None, num_cpus: float | None,
-                  num_gpus: float) -> ReplicaPlan:
+def plan_replicas(num_replicas: int | None, num_cpus: float | None, num_gpus: float) -> ReplicaPlan:
     """Fill in what was not given from the Ray cluster's alive nodes.
 
     Default CPUs per replica: a whole node's (the smallest node's), as ``iterserve serve``
@@ -129,30 +137,43 @@ def plan_replicas(num_replicas: int | None, num_cpus: float | None,
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     if num_cpus is None:
         num_cpus = 1.0 if num_gpus else float(max(1, int(min(n.get("CPU", 0) for n in nodes))))
-    fits = sum(min(int(n.get("CPU", 0) // num_cpus),
-                   int(n.get("GPU", 0) // num_gpus) if num_gpus else 1 << 30)
-               for n in nodes)
+    fits = sum(
+        min(
+            int(n.get("CPU", 0) // num_cpus),
+            int(n.get("GPU", 0) // num_gpus) if num_gpus else 1 << 30,
+        )
+        for n in nodes
+    )
     if num_replicas is None:
         num_replicas = fits
     if num_replicas < 1 or num_replicas > fits:
-        raise ValueError(f"{num_replicas or 1} replicas of {num_cpus:g} CPUs and "
-                         f"{num_gpus:g} GPUs do not fit this cluster ({fits} do): lower "
-                         "--num-replicas, --replica-num-cpus or --replica-num-gpus")
+        raise ValueError(
+            f"{num_replicas or 1} replicas of {num_cpus:g} CPUs and "
+            f"{num_gpus:g} GPUs do not fit this cluster ({fits} do): lower "
+            "--num-replicas, --replica-num-cpus or --replica-num-gpus"
+        )
     return ReplicaPlan(num_replicas, num_cpus, num_gpus)
 
 
-def start_replicas(plan: ReplicaPlan, engine_config: dict[str, Any],
-                   model_name: str) -> list[ActorReplica]:
+def start_replicas(
+    plan: ReplicaPlan, engine_config: dict[str, Any], model_name: str
+) -> list[ActorReplica]:
     """The replicas as Ray actors, once every one has loaded the model."""
     import ray
 
-    options: dict[str, Any] = {"num_cpus": plan.num_cpus, "max_restarts": 2,
-                               "max_task_retries": 2, "max_concurrency": 4096}
+    options: dict[str, Any] = {
+        "num_cpus": plan.num_cpus,
+        "max_restarts": 2,
+        "max_task_retries": 2,
+        "max_concurrency": 4096,
+    }
     if plan.num_gpus:
         options["num_gpus"] = plan.num_gpus
     cls = ray.remote(BatchReplica).options(**options)
-    actors = [cls.remote(engine_config, model_name, max(1, math.floor(plan.num_cpus)))
-              for _ in range(plan.num_replicas)]
+    actors = [
+        cls.remote(engine_config, model_name, max(1, math.floor(plan.num_cpus)))
+        for _ in range(plan.num_replicas)
+    ]
     seqs = ray.get([a.ready.remote() for a in actors])
     return [ActorReplica(a, n) for a, n in zip(actors, seqs)]
 
@@ -188,15 +209,19 @@ def plan_local(num_cpus: float | None, num_gpus: float) -> ReplicaPlan:
 
         gpus = torch.cuda.device_count()
     if num_cpus > cpus or num_gpus > gpus:
-        raise ValueError(f"a replica of {num_cpus:g} CPUs and {num_gpus:g} GPUs does not fit "
-                         f"this machine ({cpus} CPUs, {gpus} GPUs): lower --replica-num-cpus "
-                         "or --replica-num-gpus")
+        raise ValueError(
+            f"a replica of {num_cpus:g} CPUs and {num_gpus:g} GPUs does not fit "
+            f"this machine ({cpus} CPUs, {gpus} GPUs): lower --replica-num-cpus "
+            "or --replica-num-gpus"
+        )
     return ReplicaPlan(1, num_cpus, num_gpus)
 
 
-async def run_on_replicas(replicas: list[BatchReplica | ActorReplica],
-                          work: list[tuple[str, bool, dict]],
-                          done: Callable[[str, Answer], None]) -> None:
+async def run_on_replicas(
+    replicas: list[BatchReplica | ActorReplica],
+    work: list[tuple[str, bool, dict]],
+    done: Callable[[str, Answer], None],
+) -> None:
     """Answer every ``(custom_id, chat, body)`` of ``work`` on ``replicas``; ``done`` is
     called (in this event loop) as each finishes, in completion order.
 

@@ -61,27 +61,46 @@ def _parse_line(n: int, text: str) -> tuple[BatchLine | None, str | None]:
     try:
         obj = json.loads(text)
     except ValueError as e:
-        return BatchLine(n, f"line-{n}", error=ApiError(
-            400, f"line {n} is not valid JSON: {e}", code="invalid_json")), None
+        return BatchLine(
+            n,
+            f"line-{n}",
+            error=ApiError(400, f"line {n} is not valid JSON: {e}", code="invalid_json"),
+        ), None
     if not isinstance(obj, dict):
-        return BatchLine(n, f"line-{n}", error=ApiError(
-            400, f"line {n} is not a JSON object", code="invalid_json")), None
+        return BatchLine(
+            n,
+            f"line-{n}",
+            error=ApiError(400, f"line {n} is not a JSON object", code="invalid_json"),
+        ), None
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
         return None, "has no custom_id (a non-empty string)"
     line = BatchLine(n, cid, url=obj.get("url"), body=obj.get("body"))
     if obj.get("method", "POST") != "POST":
-        line.error = ApiError(400, f"method {obj.get('method')!r}: only POST is supported",
-                              param="method", code="invalid_value")
+        line.error = ApiError(
+            400,
+            f"method {obj.get('method')!r}: only POST is supported",
+            param="method",
+            code="invalid_value",
+        )
     elif line.url not in URLS:
-        line.error = ApiError(404, f"url {line.url!r} is not a batch endpoint; use one of "
-                                   f"{sorted(URLS)}", param="url", code="unknown_url")
+        line.error = ApiError(
+            404,
+            f"url {line.url!r} is not a batch endpoint; use one of {sorted(URLS)}",
+            param="url",
+            code="unknown_url",
+        )
     elif not isinstance(line.body, dict):
-        line.error = ApiError(400, "body must be a JSON object (the API's request body)",
-                              param="body", code="invalid_value")
+        line.error = ApiError(
+            400,
+            "body must be a JSON object (the API's request body)",
+            param="body",
+            code="invalid_value",
+        )
     elif line.body.get("stream"):
-        line.error = ApiError(400, "stream: a batch request cannot be streamed",
-                              param="stream", code="invalid_value")
+        line.error = ApiError(
+            400, "stream: a batch request cannot be streamed", param="stream", code="invalid_value"
+        )
     return line, None
 
 
@@ -109,15 +128,18 @@ def read_input(path: str | Path) -> list[BatchLine]:
                 missing.append(f"line {n} {why}")
                 continue
             if line.custom_id in first_seen:
-                repeated.append(f"line {n} repeats custom_id {line.custom_id!r} of line "
-                                f"{first_seen[line.custom_id]}")
+                repeated.append(
+                    f"line {n} repeats custom_id {line.custom_id!r} of line "
+                    f"{first_seen[line.custom_id]}"
+                )
             first_seen.setdefault(line.custom_id, n)
             lines.append(line)
     if missing or repeated:
         shown = (missing + repeated)[:20]
         more = len(missing) + len(repeated) - len(shown)
-        raise BatchFileError(f"{path}: nothing was run: " + "; ".join(shown)
-                             + (f"; and {more} more" if more else ""))
+        raise BatchFileError(
+            f"{path}: nothing was run: " + "; ".join(shown) + (f"; and {more} more" if more else "")
+        )
     return lines
 
 
@@ -131,9 +153,12 @@ def record(custom_id: str, status: int, request_id: str, body: dict[str, Any]) -
     if status != 200:
         err = body.get("error") or {}
         error = {"code": err.get("code") or str(status), "message": err.get("message", "")}
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
-            "response": {"status_code": status, "request_id": request_id, "body": body},
-            "error": error}
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": request_id, "body": body},
+        "error": error,
+    }
 
 
 def error_record(custom_id: str, error: ApiError) -> dict:
@@ -175,12 +200,16 @@ class OutputFile:
                 cid = rec["custom_id"]
                 rec["response"]  # an input line has a custom_id too, but no response
             except (ValueError, KeyError, TypeError):
-                raise BatchFileError(f"{self.path}: line {n} is not a batch output "
-                                     "record; is this the right output file?") from None
+                raise BatchFileError(
+                    f"{self.path}: line {n} is not a batch output "
+                    "record; is this the right output file?"
+                ) from None
             if cid not in known_ids:
-                raise BatchFileError(f"{self.path}: line {n} answers custom_id {cid!r}, "
-                                     "which the input does not have; is this the output "
-                                     "of another input?")
+                raise BatchFileError(
+                    f"{self.path}: line {n} answers custom_id {cid!r}, "
+                    "which the input does not have; is this the output "
+                    "of another input?"
+                )
             self.done.add(cid)
 
     def write(self, rec: dict) -> None:

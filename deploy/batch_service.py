@@ -49,8 +49,7 @@ def _retry_after(resp: httpx.Response | None) -> float:
         return 1.0
 
 
-async def _send(client: httpx.AsyncClient, url: str, body: dict,
-                max_retries: int) -> Answer:
+async def _send(client: httpx.AsyncClient, url: str, body: dict, max_retries: int) -> Answer:
     """The service's answer.
 
     A 429 means the service is holding work back for its SLOs: it is always retried and
@@ -67,16 +66,22 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict,
         except httpx.TransportError as e:
             resp, error = None, e
         if resp is not None and resp.status_code == AUTH_FAILED:
-            raise ServiceGaveUp(f"the service refused the API key ({resp.text[:300]}); set "
-                                "OPENAI_API_KEY to a key it accepts and rerun")
+            raise ServiceGaveUp(
+                f"the service refused the API key ({resp.text[:300]}); set "
+                "OPENAI_API_KEY to a key it accepts and rerun"
+            )
         if resp is not None and resp.status_code not in RETRY_STATUSES:
             try:
                 data = resp.json()
             except ValueError:  # not the API's answer (a proxy's error page, say)
                 data = {"error": {"message": resp.text[:500], "code": str(resp.status_code)}}
             tokens = (data.get("usage") or {}).get("completion_tokens", 0)
-            return Answer(resp.status_code, resp.headers.get("x-request-id", ""), data,
-                          tokens if resp.status_code == 200 else 0)
+            return Answer(
+                resp.status_code,
+                resp.headers.get("x-request-id", ""),
+                data,
+                tokens if resp.status_code == 200 else 0,
+            )
         if resp is None or resp.status_code != 429:
             failures += 1
         if failures <= max_retries:
@@ -84,11 +89,15 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict,
     raise _NoAnswer(_failure(resp, error))
 
 
-async def run_via_service(base_url: str, work: list[tuple[str, str, dict]],
-                          done: Callable[[str, Answer], None],
-                          concurrency: int = DEFAULT_CONCURRENCY,
-                          max_retries: int = 30, timeout_s: float = 600.0,
-                          transport: httpx.AsyncBaseTransport | None = None) -> None:
+async def run_via_service(
+    base_url: str,
+    work: list[tuple[str, str, dict]],
+    done: Callable[[str, Answer], None],
+    concurrency: int = DEFAULT_CONCURRENCY,
+    max_retries: int = 30,
+    timeout_s: float = 600.0,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> None:
     """Send every ``(custom_id, url path, body)`` of ``work`` to the service at
     ``base_url``; ``done`` is called as each is answered.
 
@@ -119,13 +128,19 @@ async def run_via_service(base_url: str, work: list[tuple[str, str, dict]],
                 failures.append(str(e))
 
     limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
-                                 timeout=timeout_s, limits=limits,
-                                 transport=transport) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url.rstrip("/"),
+        headers=headers,
+        timeout=timeout_s,
+        limits=limits,
+        transport=transport,
+    ) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     while not queue.empty():
         unanswered.append(queue.get_nowait()[0])
     if unanswered:
-        raise ServiceGaveUp(f"{len(unanswered)} requests got no answer from {base_url} "
-                            f"(e.g. {unanswered[0]!r}: {failures[0]}, {max_retries} retries); "
-                            "they were not written: rerun the same command to send them")
+        raise ServiceGaveUp(
+            f"{len(unanswered)} requests got no answer from {base_url} "
+            f"(e.g. {unanswered[0]!r}: {failures[0]}, {max_retries} retries); "
+            "they were not written: rerun the same command to send them"
+        )

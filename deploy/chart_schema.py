@@ -46,39 +46,77 @@ def _obj(**props: Any) -> dict[str, Any]:
 CHART_VALUES: dict[str, Any] = {
     "nameOverride": _STR,
     "fullnameOverride": _STR,
-    "image": _obj(repository={"type": "string", "minLength": 1}, tag=_STR,
-                  pullPolicy={"enum": ["Always", "IfNotPresent", "Never"]}),
+    "image": _obj(
+        repository={"type": "string", "minLength": 1},
+        tag=_STR,
+        pullPolicy={"enum": ["Always", "IfNotPresent", "Never"]},
+    ),
     "imagePullSecrets": {"type": "array", "items": _OBJ},
     "rayVersion": {"type": "string", "minLength": 1},
     "rayAuthToken": {"type": "boolean", "description": "KubeRay's token authentication"},
     "apiKeysSecret": {"type": "string", "description": "a Secret with the key api_keys.yaml"},
-    "modelVolume": _obj(claimName=_STR, hostPath=_STR,
-                        mountPath={"type": "string", "pattern": "^/"}),
-    "head": _obj(cpu={"type": ["string", "number"]}, memory=_STR,
-                 nodeSelector=_MAP, tolerations={"type": "array", "items": _OBJ}),
-    "worker": _obj(memory=_STR, nodeSelector=_MAP,
-                   tolerations={"type": "array", "items": _OBJ}),
-    "service": _obj(type={"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
-                    port={"type": "integer", "minimum": 1, "maximum": 65535},
-                    annotations=_MAP),
-    "ingress": _obj(enabled={"type": "boolean"}, className=_STR, host=_STR,
-                    annotations=_MAP, tls={"type": "array", "items": _OBJ}),
+    "modelVolume": _obj(
+        claimName=_STR, hostPath=_STR, mountPath={"type": "string", "pattern": "^/"}
+    ),
+    "head": _obj(
+        cpu={"type": ["string", "number"]},
+        memory=_STR,
+        nodeSelector=_MAP,
+        tolerations={"type": "array", "items": _OBJ},
+    ),
+    "worker": _obj(memory=_STR, nodeSelector=_MAP, tolerations={"type": "array", "items": _OBJ}),
+    "service": _obj(
+        type={"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+        port={"type": "integer", "minimum": 1, "maximum": 65535},
+        annotations=_MAP,
+    ),
+    "ingress": _obj(
+        enabled={"type": "boolean"},
+        className=_STR,
+        host=_STR,
+        annotations=_MAP,
+        tls={"type": "array", "items": _OBJ},
+    ),
     "podMonitor": _obj(enabled={"type": "boolean"}, interval=_STR, labels=_MAP),
     "grafanaDashboard": _obj(enabled={"type": "boolean"}, labels=_MAP),
-    "batchJob": _obj(enabled={"type": "boolean"}, input=_STR, output=_STR,
-                     claimName=_STR, mountPath={"type": "string", "pattern": "^/"},
-                     args={"type": "array", "items": _STR},
-                     ttlSecondsAfterFinished={"type": "integer", "minimum": 0}),
+    "batchJob": _obj(
+        enabled={"type": "boolean"},
+        input=_STR,
+        output=_STR,
+        claimName=_STR,
+        mountPath={"type": "string", "pattern": "^/"},
+        args={"type": "array", "items": _STR},
+        ttlSecondsAfterFinished={"type": "integer", "minimum": 0},
+    ),
 }
 
 GPU_RULE = {
-    "if": {"required": ["config"], "properties": {"config": {
-        "required": ["replica_num_gpus"],
-        "properties": {"replica_num_gpus": {"exclusiveMinimum": 0}}}}},
-    "then": {"properties": {"config": {"properties": {"engine": {"properties": {
-        "dtype": {"enum": ["auto", "bfloat16", "float16"],
-                  "description": "with GPUs: float32 is the CPU dtype"},
-        "device": {"enum": ["auto", "cuda"]}}}}}}},
+    "if": {
+        "required": ["config"],
+        "properties": {
+            "config": {
+                "required": ["replica_num_gpus"],
+                "properties": {"replica_num_gpus": {"exclusiveMinimum": 0}},
+            }
+        },
+    },
+    "then": {
+        "properties": {
+            "config": {
+                "properties": {
+                    "engine": {
+                        "properties": {
+                            "dtype": {
+                                "enum": ["auto", "bfloat16", "float16"],
+                                "description": "with GPUs: float32 is the CPU dtype",
+                            },
+                            "device": {"enum": ["auto", "cuda"]},
+                        }
+                    }
+                }
+            }
+        }
+    },
 }
 
 
@@ -97,12 +135,14 @@ def values_schema() -> dict[str, Any]:
         config["properties"].pop(name)
     config["properties"]["replica_num_cpus"] = {
         **config["properties"]["replica_num_cpus"]["anyOf"][0],
-        "description": "CPUs per replica: its worker pod's CPU request and Ray's num-cpus"}
+        "description": "CPUs per replica: its worker pod's CPU request and Ray's num-cpus",
+    }
     config["required"] = ["replica_num_cpus"]
     engine = defs["EngineConfig"]["properties"]
     engine.pop("model")
     engine["traffic_classes"]["anyOf"][0]["additionalProperties"] = {
-        "$ref": "#/$defs/TrafficClassOverride"}
+        "$ref": "#/$defs/TrafficClassOverride"
+    }
     defs["TrafficClassOverride"] = traffic_class_override()
     defs["ServiceConfig"] = config
     return {

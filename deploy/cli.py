@@ -11,8 +11,11 @@ def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
     params = SamplingParams(  # first: a bad flag should not wait for the model to load
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        seed=args.seed, stop=args.stop or [],
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop or [],
     )
     llm = LLM(model=args.model)
     prompt = args.prompt
@@ -36,8 +39,13 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from deploy.config import ServiceConfig
 
-    config = ServiceConfig.load(args.config, model=args.model, num_replicas=args.num_replicas,
-                                host=args.host, port=args.port)
+    config = ServiceConfig.load(
+        args.config,
+        model=args.model,
+        num_replicas=args.num_replicas,
+        host=args.host,
+        port=args.port,
+    )
     from deploy.server import run_server
 
     return run_server(config, address=args.address)
@@ -87,17 +95,24 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")
-    srv.add_argument("--model", default=None,
-                     help="transformers directory or .gguf file (default: embedded SmolLM2-135M)")
+    srv.add_argument(
+        "--model",
+        default=None,
+        help="transformers directory or .gguf file (default: embedded SmolLM2-135M)",
+    )
     srv.add_argument("--num-replicas", type=int, default=None, help="model replicas (default 1)")
     srv.add_argument("--host", default=None, help="HTTP host (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
-    srv.add_argument("--config", default=None,
-                     help="YAML ServiceConfig; flags given here override it")
-    srv.add_argument("--address", default=None,
-                     help="a Ray cluster to serve on, or 'local' for an embedded one "
-                          "(default: one replica runs in this process without Ray; "
-                          "more replicas start an embedded cluster)")
+    srv.add_argument(
+        "--config", default=None, help="YAML ServiceConfig; flags given here override it"
+    )
+    srv.add_argument(
+        "--address",
+        default=None,
+        help="a Ray cluster to serve on, or 'local' for an embedded one "
+        "(default: one replica runs in this process without Ray; "
+        "more replicas start an embedded cluster)",
+    )
     srv.set_defaults(func=_serve)
 
 
@@ -106,8 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="print one completion (a quick look at a model)")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--model", default=None,
-                     help="transformers directory or .gguf file (default: embedded SmolLM2-135M)")
+    gen.add_argument(
+        "--model",
+        default=None,
+        help="transformers directory or .gguf file (default: embedded SmolLM2-135M)",
+    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -124,39 +142,52 @@ def build_parser() -> argparse.ArgumentParser:
     from deploy.batch import add_arguments as batch_arguments
     from deploy.batch import positive
 
-    top.add_argument("--interval", type=positive(float), default=2.0,
-                     help="seconds between refreshes")
+    top.add_argument(
+        "--interval", type=positive(float), default=2.0, help="seconds between refreshes"
+    )
     top.set_defaults(func=_top)
 
     batch = sub.add_parser("batch", help="offline batches (OpenAI batch files)")
     batch_sub = batch.add_subparsers(dest="action", required=True)
     batch_run = batch_sub.add_parser(
-        "run", help="answer every line of a batch file; rerun to resume after a kill")
+        "run", help="answer every line of a batch file; rerun to resume after a kill"
+    )
     batch_arguments(batch_run)
     batch_run.set_defaults(func=_batch_run)
 
     from deploy.sim.cli import add_arguments as simulate_arguments
 
-    sim = sub.add_parser("simulate", help="replay a trace through simulated replicas in "
-                                          "virtual time (the real scheduler and router)")
+    sim = sub.add_parser(
+        "simulate",
+        help="replay a trace through simulated replicas in "
+        "virtual time (the real scheduler and router)",
+    )
     simulate_arguments(sim)
     sim.set_defaults(func=_simulate)
-    cal = sub.add_parser("calibrate", help="fit the simulator's step-time model to the real "
-                                           "engine on this machine")
+    cal = sub.add_parser(
+        "calibrate", help="fit the simulator's step-time model to the real engine on this machine"
+    )
     cal.add_argument("--output", default="sim_cost.json", help="where to write the fit")
     cal.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
-    cal.add_argument("--steps-per-level", type=int, default=40,
-                     help="steps measured at each concurrency level")
+    cal.add_argument(
+        "--steps-per-level", type=int, default=40, help="steps measured at each concurrency level"
+    )
     cal.set_defaults(func=_calibrate)
 
     dash = sub.add_parser("dashboard", help="the Grafana dashboard")
     dash_sub = dash.add_subparsers(dest="action", required=True)
     push = dash_sub.add_parser("push", help="create or replace it in Grafana")
     push.add_argument("--grafana-url", required=True, help="e.g. http://grafana:3000")
-    push.add_argument("--api-key-env", required=True,
-                      help="environment variable holding a Grafana API key or token")
-    push.add_argument("--prometheus-url", default=None,
-                      help="also create the Prometheus data source, pointing here")
+    push.add_argument(
+        "--api-key-env",
+        required=True,
+        help="environment variable holding a Grafana API key or token",
+    )
+    push.add_argument(
+        "--prometheus-url",
+        default=None,
+        help="also create the Prometheus data source, pointing here",
+    )
     push.add_argument("--folder-uid", default=None, help="Grafana folder for the dashboard")
     push.set_defaults(func=_dashboard_push)
     return parser
@@ -168,8 +199,11 @@ def _one_line(e: Exception) -> str:
     from pydantic import ValidationError
 
     if isinstance(e, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: "
-                         f"{err['msg'].removeprefix('Value error, ')}" for err in e.errors())
+        return "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'config'}: "
+            f"{err['msg'].removeprefix('Value error, ')}"
+            for err in e.errors()
+        )
     return str(e)
 
 

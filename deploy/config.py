@@ -48,8 +48,10 @@ class ServiceConfig(IngressOptions):
     )
     num_replicas: int = Field(1, ge=1)
     replica_num_cpus: float | None = Field(
-        None, gt=0, description="CPUs Ray reserves per replica; torch uses as many threads. "
-                                "None: this host's CPUs divided among the replicas",
+        None,
+        gt=0,
+        description="CPUs Ray reserves per replica; torch uses as many threads. "
+        "None: this host's CPUs divided among the replicas",
     )
     replica_num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (0: CPU)")
     max_ongoing_requests: int = Field(
@@ -58,15 +60,16 @@ class ServiceConfig(IngressOptions):
     engine: EngineConfig = Field(
         default_factory=lambda: EngineConfig(**SERVER_ENGINE_DEFAULTS),
         description="engine.EngineConfig fields except `model` (set at the top level); "
-                    "a partial section is merged over SERVER_ENGINE_DEFAULTS",
+        "a partial section is merged over SERVER_ENGINE_DEFAULTS",
     )
     routing_stats_period_s: float = Field(
         0.25, gt=0, description="how often each replica publishes its load snapshot"
     )
     prefix_affinity: bool = Field(
-        True, description="route a request to a replica that was sent a longer prefix of "
-                          "its prompt, when that meets the TTFT SLO (needs "
-                          "engine.enable_prefix_caching)",
+        True,
+        description="route a request to a replica that was sent a longer prefix of "
+        "its prompt, when that meets the TTFT SLO (needs "
+        "engine.enable_prefix_caching)",
     )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -98,8 +101,10 @@ class ServiceConfig(IngressOptions):
         if self.replica_num_gpus > 0 and self.engine.device == "cpu":
             raise ValueError("replica_num_gpus > 0 with engine.device 'cpu'; use 'auto'")
         if self.replica_num_gpus > 0 and self.engine.dtype == "float32":
-            raise ValueError("replica_num_gpus > 0 with engine.dtype 'float32', the CPU dtype: "
-                             "flash-attn needs bfloat16 or float16 ('auto' picks bfloat16)")
+            raise ValueError(
+                "replica_num_gpus > 0 with engine.dtype 'float32', the CPU dtype: "
+                "flash-attn needs bfloat16 or float16 ('auto' picks bfloat16)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -122,10 +127,14 @@ class ServiceConfig(IngressOptions):
         classes = {name: asdict(c) for name, c in self.traffic_classes().items()}
         return IngressSettings(
             **self.model_dump(include=set(IngressOptions.model_fields)),
-            model_name=self.model_name(), traffic_classes=classes,
-            policy=engine.policy_spec(), num_replicas=self.num_replicas,
-            prefix_block_size=(engine.block_size if self.prefix_affinity
-                               and engine.enable_prefix_caching else None))
+            model_name=self.model_name(),
+            traffic_classes=classes,
+            policy=engine.policy_spec(),
+            num_replicas=self.num_replicas,
+            prefix_block_size=(
+                engine.block_size if self.prefix_affinity and engine.enable_prefix_caching else None
+            ),
+        )
 
     def model_name(self) -> str:
         """The name the API serves the model under."""

@@ -25,8 +25,13 @@ def load_dashboard() -> dict[str, Any]:
     return json.loads(DASHBOARD.read_text())
 
 
-def push(grafana_url: str, api_key: str, *, prometheus_url: str | None = None,
-         folder_uid: str | None = None) -> dict[str, Any]:
+def push(
+    grafana_url: str,
+    api_key: str,
+    *,
+    prometheus_url: str | None = None,
+    folder_uid: str | None = None,
+) -> dict[str, Any]:
     """Create or replace the dashboard; with ``prometheus_url``, its data source too.
 
     Returns:
@@ -39,8 +44,13 @@ def push(grafana_url: str, api_key: str, *, prometheus_url: str | None = None,
     api = GrafanaApi.from_url(grafana_url, credential=api_key)
     datasource = None
     if prometheus_url:
-        body = {"name": DATASOURCE_NAME, "type": "prometheus", "url": prometheus_url,
-                "access": "proxy", "isDefault": False}
+        body = {
+            "name": DATASOURCE_NAME,
+            "type": "prometheus",
+            "url": prometheus_url,
+            "access": "proxy",
+            "isDefault": False,
+        }
         try:
             datasource = api.datasource.create_datasource(body)
         except GrafanaClientError as e:
@@ -48,8 +58,11 @@ def push(grafana_url: str, api_key: str, *, prometheus_url: str | None = None,
                 raise
             existing = api.datasource.get_datasource_by_name(DATASOURCE_NAME)
             datasource = api.datasource.update_datasource_by_uid(existing["uid"], body)
-    payload: dict[str, Any] = {"dashboard": {**load_dashboard(), "id": None},
-                               "overwrite": True, "message": "iterserve dashboard push"}
+    payload: dict[str, Any] = {
+        "dashboard": {**load_dashboard(), "id": None},
+        "overwrite": True,
+        "message": "iterserve dashboard push",
+    }
     if folder_uid:
         payload["folderUid"] = folder_uid
     return {"dashboard": api.dashboard.update_dashboard(payload), "datasource": datasource}
@@ -60,10 +73,13 @@ def main(args: Any) -> int:
     folder_uid)."""
     key = os.environ.get(args.api_key_env)
     if not key:
-        raise ValueError(f"environment variable {args.api_key_env} (--api-key-env) holds no "
-                         "Grafana API key or service-account token")
-    out = push(args.grafana_url, key, prometheus_url=args.prometheus_url,
-               folder_uid=args.folder_uid)
+        raise ValueError(
+            f"environment variable {args.api_key_env} (--api-key-env) holds no "
+            "Grafana API key or service-account token"
+        )
+    out = push(
+        args.grafana_url, key, prometheus_url=args.prometheus_url, folder_uid=args.folder_uid
+    )
     print(f"dashboard pushed: {args.grafana_url.rstrip('/')}{out['dashboard'].get('url', '')}")
     if out["datasource"] is not None:
         print(f"data source {DATASOURCE_NAME!r} -> {args.prometheus_url}")

@@ -39,8 +39,7 @@ class EngineReplica:
         replica_id: the id the ingress knows this replica by.
     """
 
-    def __init__(self, engine_config: dict[str, Any], num_threads: int,
-                 replica_id: str) -> None:
+    def __init__(self, engine_config: dict[str, Any], num_threads: int, replica_id: str) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.engine = AsyncLLMEngine.from_config(EngineConfig(**engine_config))
         self.step_metrics = StepMetrics()
@@ -53,11 +52,18 @@ class EngineReplica:
         engine = self.engine.engine
         return {"tokenizer": engine.tokenizer, "limits": engine.limits}
 
-    def items(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any],
-              shape: RequestShape, send_load: bool = True) -> AsyncIterator[dict]:
+    def items(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        shape: RequestShape,
+        send_load: bool = True,
+    ) -> AsyncIterator[dict]:
         """One request's items (:func:`engine_items`) on this replica's engine."""
-        return engine_items(self.engine, self.replica_id, request_id, prompt_token_ids,
-                            params, shape, send_load)
+        return engine_items(
+            self.engine, self.replica_id, request_id, prompt_token_ids, params, shape, send_load
+        )
 
     def record_routing_stats(self) -> dict[str, Any]:
         """The load snapshot and, under ``"metrics"``, :class:`deploy.metrics.StepMetrics`
@@ -65,14 +71,23 @@ class EngineReplica:
         it from a served replica; the ingress's admission, routing and ``/metrics`` read
         it."""
         bm = self.engine.engine.block_manager
-        metrics = {**self.step_metrics.to_dict(), "prefix_cache_queries": bm.num_queried_tokens,
-                   "prefix_cache_hits": bm.num_hit_tokens}
+        metrics = {
+            **self.step_metrics.to_dict(),
+            "prefix_cache_queries": bm.num_queried_tokens,
+            "prefix_cache_hits": bm.num_hit_tokens,
+        }
         return {**self.engine.load_snapshot().to_dict(), "metrics": metrics}
 
 
-async def engine_items(engine: AsyncLLMEngine, replica_id: str, request_id: str,
-                       prompt_token_ids: list[int], params: dict[str, Any],
-                       shape: RequestShape, send_load: bool = True) -> AsyncIterator[dict]:
+async def engine_items(
+    engine: AsyncLLMEngine,
+    replica_id: str,
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: dict[str, Any],
+    shape: RequestShape,
+    send_load: bool = True,
+) -> AsyncIterator[dict]:
     """Run one request on ``engine``; yield dicts the ingress turns into OpenAI chunks.
 
     The first item is ``{"accepted": True, "prompt_tokens": n, "replica": id}`` once the
@@ -97,23 +112,48 @@ async def engine_items(engine: AsyncLLMEngine, replica_id: str, request_id: str,
         sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
         ids = engine.validate(prompt_token_ids, sampling, shape.traffic_class)
     except RequestRejectedError as e:
-        yield {"error": {"message": str(e), "status": 400, "param": "prompt",
-                         "code": "context_length_exceeded"}}
+        yield {
+            "error": {
+                "message": str(e),
+                "status": 400,
+                "param": "prompt",
+                "code": "context_length_exceeded",
+            }
+        }
         return
     except ValueError as e:  # ParamError names the request field
-        yield {"error": {"message": str(e), "status": 400,
-                         "param": getattr(e, "param", None), "code": "invalid_value"}}
+        yield {
+            "error": {
+                "message": str(e),
+                "status": 400,
+                "param": getattr(e, "param", None),
+                "code": "invalid_value",
+            }
+        }
         return
-    yield _with_load(engine, {"accepted": True, "prompt_tokens": len(ids),
-                              "replica": replica_id}, send_load)
+    yield _with_load(
+        engine, {"accepted": True, "prompt_tokens": len(ids), "replica": replica_id}, send_load
+    )
     first = True
-    async for out in engine.generate(ids, sampling, request_id=request_id,
-                                     priority=shape.priority,
-                                     traffic_class=shape.traffic_class):
-        items = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
-                  "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                  "stop_reason": c.stop_reason}
-                 for c in out.outputs if c.text or c.token_ids or c.finish_reason]
+    async for out in engine.generate(
+        ids,
+        sampling,
+        request_id=request_id,
+        priority=shape.priority,
+        traffic_class=shape.traffic_class,
+    ):
+        items = [
+            {
+                "index": c.index,
+                "text": c.text,
+                "token_ids": c.token_ids,
+                "logprobs": c.logprobs,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in out.outputs
+            if c.text or c.token_ids or c.finish_reason
+        ]
         item = {"outputs": items, "finished": out.finished}
         if first:
             first, m = False, out.metrics

@@ -104,13 +104,20 @@ def build_local(config: ServiceConfig) -> tuple[_Server, EngineReplica]:
     """The server (not yet started) and its replica, once the model has loaded."""
     threads = max(1, math.floor(config.replica_num_cpus))
     replica = EngineReplica(config.engine_config().model_dump(), threads, REPLICA_ID)
-    ingress = Ingress(LocalReplicas(replica), config.ingress_settings().model_dump(),
-                      watch_disconnects=True)
+    ingress = Ingress(
+        LocalReplicas(replica), config.ingress_settings().model_dump(), watch_disconnects=True
+    )
     app = make_app()
     add_routes(app, ingress)
-    server = _Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level="warning",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + CUT_MARGIN_S))
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + CUT_MARGIN_S,
+        )
+    )
     return server, replica
 
 

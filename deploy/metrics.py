@@ -51,10 +51,26 @@ disable_created_metrics()
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # Buckets in seconds: vLLM's for TTFT and ITL, extended to the SLO range of CPU serving.
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-               2.5, 5.0)
+TTFT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -107,16 +123,24 @@ class StepMetrics:
         self.preemptions += len(step.preempted)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step_s": self.step_s.to_dict(), "preemptions": self.preemptions,
-                "prefill_tokens": self.prefill_tokens.to_dict(),
-                "decode_tokens": self.decode_tokens.to_dict()}
+        return {
+            "step_s": self.step_s.to_dict(),
+            "preemptions": self.preemptions,
+            "prefill_tokens": self.prefill_tokens.to_dict(),
+            "decode_tokens": self.decode_tokens.to_dict(),
+        }
 
 
 # -- ingress side -----------------------------------------------------------------------
 
 
-def _histogram(name: str, doc: str, labels: list[str], bounds: Iterable[float],
-               data: Iterable[tuple[list[str], Mapping[str, Any]]]) -> HistogramMetricFamily:
+def _histogram(
+    name: str,
+    doc: str,
+    labels: list[str],
+    bounds: Iterable[float],
+    data: Iterable[tuple[list[str], Mapping[str, Any]]],
+) -> HistogramMetricFamily:
     fam = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
     bounds = list(bounds)
     for values, h in data:
@@ -142,10 +166,16 @@ class IngressMetrics:
         clock: monotonic seconds.
     """
 
-    def __init__(self, model: str, slos: Mapping[str, tuple[float, float]],
-                 replica_stats: Callable[[], Mapping[str, Mapping[str, Any]]],
-                 held: Callable[[], Mapping[str, int]], replicas: Callable[[], int],
-                 target_replicas: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        model: str,
+        slos: Mapping[str, tuple[float, float]],
+        replica_stats: Callable[[], Mapping[str, Mapping[str, Any]]],
+        held: Callable[[], Mapping[str, int]],
+        replicas: Callable[[], int],
+        target_replicas: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.model, self.slos, self.clock = model, dict(slos), clock
         self._replica_stats, self._held = replica_stats, held
         self._replicas, self.target_replicas = replicas, target_replicas
@@ -155,44 +185,71 @@ class IngressMetrics:
         labels = ["model", "traffic_class"]
 
         def hist(name: str, doc: str, bounds: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=bounds,
-                             registry=self.registry)
+            return Histogram(PREFIX + name, doc, labels, buckets=bounds, registry=self.registry)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
 
-        self.ttft = hist("time_to_first_token_seconds",
-                         "Seconds from arrival at the ingress to the first token.", TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds",
-                        "Seconds between a request's successive streamed tokens.", ITL_BUCKETS)
-        self.tpot = hist("request_time_per_output_token_seconds",
-                         "Per request: (last token - first token) / (output tokens - 1).",
-                         ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds",
-                        "Seconds from arrival to the last token.", E2E_BUCKETS)
-        self.queue = hist("request_queue_time_seconds",
-                          "Seconds from arrival until the engine first scheduled the request "
-                          "(held by admission plus queued on the replica).", TTFT_BUCKETS)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted at "
-                                     "each request's first token).")
+        self.ttft = hist(
+            "time_to_first_token_seconds",
+            "Seconds from arrival at the ingress to the first token.",
+            TTFT_BUCKETS,
+        )
+        self.itl = hist(
+            "inter_token_latency_seconds",
+            "Seconds between a request's successive streamed tokens.",
+            ITL_BUCKETS,
+        )
+        self.tpot = hist(
+            "request_time_per_output_token_seconds",
+            "Per request: (last token - first token) / (output tokens - 1).",
+            ITL_BUCKETS,
+        )
+        self.e2e = hist(
+            "e2e_request_latency_seconds", "Seconds from arrival to the last token.", E2E_BUCKETS
+        )
+        self.queue = hist(
+            "request_queue_time_seconds",
+            "Seconds from arrival until the engine first scheduled the request "
+            "(held by admission plus queued on the replica).",
+            TTFT_BUCKETS,
+        )
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Prompt tokens prefilled (counted at each request's first token)."
+        )
         self.generation_tokens = counter("generation_tokens", "Output tokens streamed.")
-        self.success = counter("request_success", "Requests finished, by finish reason.",
-                               ("finish_reason",))
+        self.success = counter(
+            "request_success", "Requests finished, by finish reason.", ("finish_reason",)
+        )
         self.aborted = counter("request_aborted", "Requests whose client left before the end.")
-        self.rejected = counter("admission_rejections", "Requests refused by admission (429).",
-                                ("reason",))
-        self.slo_met = counter("slo_met_requests",
-                               "Ended requests that met the SLO named by `slo` (ttft, tpot, "
-                               "or both: goodput).", ("slo",))
-        self.slo_missed = counter("slo_missed_requests",
-                                  "Ended requests that missed the SLO named by `slo`; refused "
-                                  "and failed requests miss all three.", ("slo",))
+        self.rejected = counter(
+            "admission_rejections", "Requests refused by admission (429).", ("reason",)
+        )
+        self.slo_met = counter(
+            "slo_met_requests",
+            "Ended requests that met the SLO named by `slo` (ttft, tpot, or both: goodput).",
+            ("slo",),
+        )
+        self.slo_missed = counter(
+            "slo_missed_requests",
+            "Ended requests that missed the SLO named by `slo`; refused "
+            "and failed requests miss all three.",
+            ("slo",),
+        )
         self.registry.register(_StateCollector(self))
         # Every class's series exist from the start at 0: a ratio such as missed / (met +
         # missed) has no value for a class while one of its terms has no series.
         for cls in self.slos:
-            for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue,
-                           self.prompt_tokens, self.generation_tokens, self.aborted):
+            for metric in (
+                self.ttft,
+                self.itl,
+                self.tpot,
+                self.e2e,
+                self.queue,
+                self.prompt_tokens,
+                self.generation_tokens,
+                self.aborted,
+            ):
                 metric.labels(model, cls)
             for reason in REJECT_REASONS:
                 self.rejected.labels(model, cls, reason)
@@ -200,8 +257,9 @@ class IngressMetrics:
                 self.slo_met.labels(model, cls, slo)
                 self.slo_missed.labels(model, cls, slo)
 
-    def request(self, traffic_class: str, arrival_s: float, prompt_tokens: int,
-                held_s: float = 0.0) -> RequestRecord:
+    def request(
+        self, traffic_class: str, arrival_s: float, prompt_tokens: int, held_s: float = 0.0
+    ) -> RequestRecord:
         """A record for one request (one prompt) sent to a replica after ``held_s``
         seconds held by admission."""
         return RequestRecord(self, traffic_class, arrival_s, prompt_tokens, held_s)
@@ -212,10 +270,8 @@ class IngressMetrics:
         self._outcome(traffic_class, ttft_met=False, tpot_met=False)
 
     def _outcome(self, traffic_class: str, *, ttft_met: bool, tpot_met: bool) -> None:
-        for slo, met in (("ttft", ttft_met), ("tpot", tpot_met),
-                         ("both", ttft_met and tpot_met)):
-            (self.slo_met if met else self.slo_missed).labels(
-                self.model, traffic_class, slo).inc()
+        for slo, met in (("ttft", ttft_met), ("tpot", tpot_met), ("both", ttft_met and tpot_met)):
+            (self.slo_met if met else self.slo_missed).labels(self.model, traffic_class, slo).inc()
         window = self._outcomes.setdefault(traffic_class, deque())
         window.append((self.clock(), ttft_met and tpot_met))
 
@@ -243,54 +299,72 @@ class _StateCollector:
 
     def collect(self) -> Iterable:
         m = self.m
-        held = GaugeMetricFamily(PREFIX + "num_requests_held",
-                                 "Requests held by admission at the ingress now.",
-                                 labels=["model", "traffic_class"])
+        held = GaugeMetricFamily(
+            PREFIX + "num_requests_held",
+            "Requests held by admission at the ingress now.",
+            labels=["model", "traffic_class"],
+        )
         counts = m._held()
         for cls in sorted({*m.slos, *counts}):
             held.add_metric([m.model, cls], counts.get(cls, 0))
-        att = GaugeMetricFamily(PREFIX + "slo_attainment",
-                                f"Share of requests ended in the last {ATTAINMENT_WINDOW_S:g} s "
-                                "that met both SLOs (refusals count as misses).",
-                                labels=["model", "traffic_class"])
+        att = GaugeMetricFamily(
+            PREFIX + "slo_attainment",
+            f"Share of requests ended in the last {ATTAINMENT_WINDOW_S:g} s "
+            "that met both SLOs (refusals count as misses).",
+            labels=["model", "traffic_class"],
+        )
         for cls in sorted(m._outcomes):
             att.add_metric([m.model, cls], m.attainment(cls))
         yield held
         yield att
-        for name, doc, n in (("num_replicas", "Model replicas running.", m._replicas()),
-                             ("num_replicas_target", "Model replicas asked for.",
-                              m.target_replicas),
-                             ("start_time_seconds", "When the ingress started (Unix time).",
-                              m.started)):
+        for name, doc, n in (
+            ("num_replicas", "Model replicas running.", m._replicas()),
+            ("num_replicas_target", "Model replicas asked for.", m.target_replicas),
+            ("start_time_seconds", "When the ingress started (Unix time).", m.started),
+        ):
             fam = GaugeMetricFamily(PREFIX + name, doc, labels=["model"])
             fam.add_metric([m.model], n)
             yield fam
         yield from replica_families(m.model, m._replica_stats(), m.slos)
 
 
-def replica_families(model: str, stats: Mapping[str, Mapping[str, Any]],
-                     classes: Iterable[str] = ()) -> list:
+def replica_families(
+    model: str, stats: Mapping[str, Mapping[str, Any]], classes: Iterable[str] = ()
+) -> list:
     """The replica series from each live replica's routing stats; running and waiting
     for every class in ``classes`` (0 when none), so that an idle replica reads 0."""
     labels = ["model", "replica"]
-    running = GaugeMetricFamily(PREFIX + "num_requests_running",
-                                "Requests in the replica's running batch.",
-                                labels=[*labels, "traffic_class"])
-    waiting = GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests queued on the "
-                                "replica.", labels=[*labels, "traffic_class"])
-    kv = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache blocks in use (0-1).",
-                           labels=labels)
-    preempt = CounterMetricFamily(PREFIX + "num_preemptions",
-                                  "Requests preempted (KV cache full, or shed for more urgent "
-                                  "decodes).", labels=labels)
-    queries = CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up "
-                                  "in the prefix cache at admission.", labels=labels)
-    hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Of those, tokens found cached "
-                               "(their prefill skipped).", labels=labels)
+    running = GaugeMetricFamily(
+        PREFIX + "num_requests_running",
+        "Requests in the replica's running batch.",
+        labels=[*labels, "traffic_class"],
+    )
+    waiting = GaugeMetricFamily(
+        PREFIX + "num_requests_waiting",
+        "Requests queued on the replica.",
+        labels=[*labels, "traffic_class"],
+    )
+    kv = GaugeMetricFamily(
+        PREFIX + "kv_cache_usage_perc", "KV-cache blocks in use (0-1).", labels=labels
+    )
+    preempt = CounterMetricFamily(
+        PREFIX + "num_preemptions",
+        "Requests preempted (KV cache full, or shed for more urgent decodes).",
+        labels=labels,
+    )
+    queries = CounterMetricFamily(
+        PREFIX + "prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache at admission.",
+        labels=labels,
+    )
+    hits = CounterMetricFamily(
+        PREFIX + "prefix_cache_hits",
+        "Of those, tokens found cached (their prefill skipped).",
+        labels=labels,
+    )
     steps, prefill, decode = [], [], []
     for rid, s in sorted(stats.items()):
-        for cls in sorted({*classes, *s.get("running_seqs", {}),
-                           *s.get("waiting_requests", {})}):
+        for cls in sorted({*classes, *s.get("running_seqs", {}), *s.get("waiting_requests", {})}):
             running.add_metric([model, rid, cls], s.get("running_seqs", {}).get(cls, 0))
             waiting.add_metric([model, rid, cls], s.get("waiting_requests", {}).get(cls, 0))
         kv.add_metric([model, rid], s.get("kv_usage", 0.0))
@@ -302,12 +376,22 @@ def replica_families(model: str, stats: Mapping[str, Mapping[str, Any]],
             steps.append(([model, rid], met["step_s"]))
             prefill.append(([model, rid, "prefill"], met["prefill_tokens"]))
             decode.append(([model, rid, "decode"], met["decode_tokens"]))
-    return [running, waiting, kv, preempt, queries, hits,
-            _histogram("step_time_seconds", "Seconds per engine step.", labels, STEP_BUCKETS,
-                       steps),
-            _histogram("iteration_tokens_total", "Tokens per engine step, by phase (prefill "
-                       "tokens; decode: one per running sequence).", [*labels, "phase"],
-                       TOKEN_BUCKETS, prefill + decode)]
+    return [
+        running,
+        waiting,
+        kv,
+        preempt,
+        queries,
+        hits,
+        _histogram("step_time_seconds", "Seconds per engine step.", labels, STEP_BUCKETS, steps),
+        _histogram(
+            "iteration_tokens_total",
+            "Tokens per engine step, by phase (prefill tokens; decode: one per running sequence).",
+            [*labels, "phase"],
+            TOKEN_BUCKETS,
+            prefill + decode,
+        ),
+    ]
 
 
 class RequestRecord:
@@ -317,8 +401,14 @@ class RequestRecord:
     :meth:`aborted` (client gone) or :meth:`failed`; later calls are ignored.
     """
 
-    def __init__(self, m: IngressMetrics, traffic_class: str, arrival_s: float,
-                 prompt_tokens: int, held_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        m: IngressMetrics,
+        traffic_class: str,
+        arrival_s: float,
+        prompt_tokens: int,
+        held_s: float = 0.0,
+    ) -> None:
         self.m, self.cls, self.arrival = m, traffic_class, arrival_s
         self.prompt_tokens, self.held_s = prompt_tokens, held_s
         self.labels = (m.model, traffic_class)

@@ -22,13 +22,19 @@ class ModelReplica(EngineReplica):
     but its id, which is Serve's unique id of the replica)."""
 
     def __init__(self, engine_config: dict[str, Any], num_threads: int = 1) -> None:
-        super().__init__(engine_config, num_threads,
-                         serve.get_replica_context().replica_id.unique_id)
+        super().__init__(
+            engine_config, num_threads, serve.get_replica_context().replica_id.unique_id
+        )
         self._outboxes = Outboxes()
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: dict[str, Any], shape: RequestShape,
-                       ingress: str) -> AsyncIterator[dict]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        shape: RequestShape,
+        ingress: str,
+    ) -> AsyncIterator[dict]:
         """Run one request: yield the first dict of :func:`deploy.engine_replica.engine_items`
         ("accepted" or a refusal) and put the later ones in ``ingress``'s
         :meth:`step_items` stream.

@@ -28,8 +28,10 @@ SHUTDOWN_TIMEOUT_S = 20.0
 PORT_RELEASE_S = 65.0
 """Longest wait for a just-stopped server's connections on the port (TIME_WAIT is 60 s)."""
 
-SERVE_ENV_DEFAULTS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
-                      "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+SERVE_ENV_DEFAULTS = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+}
 """Set (unless already set) for the embedded cluster, whose processes inherit them.
 
 - Serve's controller wakes every 0.1 s by default; on a few cores each wake-up preempts
@@ -54,13 +56,15 @@ def embedded_serve_env(config: ServiceConfig) -> dict[str, str]:
     71.3 ms per step at 8 streams against 72.7 / 77.1 / 74.8 through the proxy, and
     44.5 / 43.7 / 43.5 ms at 1 stream against 45.5 / 46.0 / 43.3.
     """
-    return {**{k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()},
-            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(config.port),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(config.port + 1),
-            # Serve holds a stopping direct-ingress replica for 30 s so that an external
-            # load balancer can deregister it; a single embedded node has none, and
-            # Ctrl-C would otherwise wait out SHUTDOWN_TIMEOUT_S.
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+    return {
+        **{k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()},
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(config.port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(config.port + 1),
+        # Serve holds a stopping direct-ingress replica for 30 s so that an external
+        # load balancer can deregister it; a single embedded node has none, and
+        # Ctrl-C would otherwise wait out SHUTDOWN_TIMEOUT_S.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+    }
 
 
 def spare_port(host: str) -> int:
@@ -95,8 +99,10 @@ def start_ray(address: str | None, config: ServiceConfig) -> None:
     except (ConnectionError, RuntimeError) as e:
         hint = ""
         if "auth" in str(e).lower() or "token" in str(e).lower():
-            hint = (" The cluster uses token authentication: set RAY_AUTH_MODE=token and "
-                    "put its token in ~/.ray/auth_token or RAY_AUTH_TOKEN.")
+            hint = (
+                " The cluster uses token authentication: set RAY_AUTH_MODE=token and "
+                "put its token in ~/.ray/auth_token or RAY_AUTH_TOKEN."
+            )
         raise ServeError(f"cannot start or join Ray ({address or 'local'}): {e}.{hint}") from e
 
 
@@ -155,15 +161,18 @@ def banner(config: ServiceConfig, url: str, where: str) -> str:
     """What ``iterserve serve`` prints once it accepts requests."""
     name = config.model_name()
     # A placeholder, not a configured key: the banner goes to logs.
-    auth = ' -H "Authorization: Bearer $OPENAI_API_KEY"' if (
-        config.api_keys or config.api_keys_file) else ""
+    auth = (
+        ' -H "Authorization: Bearer $OPENAI_API_KEY"'
+        if (config.api_keys or config.api_keys_file)
+        else ""
+    )
     n = config.num_replicas
     return (
         f"\niterserve is ready: {url}/v1 (model {name!r}, {n} replica{'s' * (n != 1)} "
         f"{where}, pid {os.getpid()})\n"
         f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
-        f"    -d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", "
-        f"\"max_tokens\": 16, \"temperature\": 0}}'\n"
+        f'    -d \'{{"model": "{name}", "prompt": "The capital of France is", '
+        f'"max_tokens": 16, "temperature": 0}}\'\n'
         "Stop with Ctrl-C."
     )
 
@@ -180,14 +189,18 @@ def wait_port_released(host: str, port: int, timeout_s: float = PORT_RELEASE_S) 
 
     deadline = time.monotonic() + timeout_s
     if not bindable(host, port, reuse_addr=False):
-        print(f"iterserve: waiting for the closed connections of port {port} to clear "
-              f"(at most {timeout_s:.0f} s)", flush=True)
+        print(
+            f"iterserve: waiting for the closed connections of port {port} to clear "
+            f"(at most {timeout_s:.0f} s)",
+            flush=True,
+        )
     while not bindable(host, port, reuse_addr=False):
         if not bindable(host, port):
             raise ServeError(f"port {port} on {host} is in use (choose another with --port)")
         if time.monotonic() > deadline:
-            raise ServeError(f"port {port} on {host} is still held by closed connections "
-                             f"after {timeout_s:.0f} s")
+            raise ServeError(
+                f"port {port} on {host} is still held by closed connections after {timeout_s:.0f} s"
+            )
         time.sleep(0.5)
 
 
@@ -198,8 +211,9 @@ def run_server(config: ServiceConfig, address: str | None = None) -> int:
 
         try:
             check_api_keys(config)
-            return run_local(config, banner(config, f"http://{config.host}:{config.port}",
-                                            "in this process"))
+            return run_local(
+                config, banner(config, f"http://{config.host}:{config.port}", "in this process")
+            )
         except (ServeError, PortInUse) as e:
             print(f"iterserve: error: {e}", flush=True)
             return 1

@@ -102,6 +102,7 @@ class View:
 
 def view(now: Samples, then: Samples, window_s: float, since_start: bool) -> View:
     """The figures shown, from two scrapes ``window_s`` apart (``then`` empty: since start)."""
+
     def delta(name: str, key: str, **match: str) -> dict[str, float]:
         a, b = _by(now, name, key, **match), _by(then, name, key, **match)
         return {k: a[k] - b.get(k, 0.0) for k in a}
@@ -115,17 +116,24 @@ def view(now: Samples, then: Samples, window_s: float, since_start: bool) -> Vie
         total = met.get(cls, 0.0) + missed.get(cls, 0.0)
         ttft = _histogram(now, then, "time_to_first_token_seconds", cls)
         tpot = _histogram(now, then, "request_time_per_output_token_seconds", cls)
-        out.classes.append(ClassRow(
-            cls, (ended.get(cls, 0.0) + refused.get(cls, 0.0)) / window_s,
-            (quantile(0.5, ttft), quantile(0.99, ttft)),
-            (quantile(0.5, tpot), quantile(0.99, tpot)),
-            met.get(cls, 0.0) / total if total else math.nan,
-            met.get(cls, 0.0) / window_s, refused.get(cls, 0.0)))
+        out.classes.append(
+            ClassRow(
+                cls,
+                (ended.get(cls, 0.0) + refused.get(cls, 0.0)) / window_s,
+                (quantile(0.5, ttft), quantile(0.99, ttft)),
+                (quantile(0.5, tpot), quantile(0.99, tpot)),
+                met.get(cls, 0.0) / total if total else math.nan,
+                met.get(cls, 0.0) / window_s,
+                refused.get(cls, 0.0),
+            )
+        )
     running = _by(now, "num_requests_running", "replica")
     waiting = _by(now, "num_requests_waiting", "replica")
     kv = _by(now, "kv_cache_usage_perc", "replica")
-    out.replicas = [(r, running.get(r, 0.0), waiting.get(r, 0.0), kv.get(r, 0.0))
-                    for r in sorted({*running, *kv})]
+    out.replicas = [
+        (r, running.get(r, 0.0), waiting.get(r, 0.0), kv.get(r, 0.0))
+        for r in sorted({*running, *kv})
+    ]
     return out
 
 
@@ -136,15 +144,26 @@ def _f(x: float, spec: str) -> str:
 def render(v: View, url: str) -> Group:
     span = "since the server started" if v.since_start else f"last {v.window_s:.0f} s"
     classes = Table(title=f"iterserve at {url}: traffic classes, {span}", expand=True)
-    for col in ("class", "req/s", "TTFT p50 / p99 s", "TPOT p50 / p99 s", "SLO attainment",
-                "goodput req/s", "refused"):
+    for col in (
+        "class",
+        "req/s",
+        "TTFT p50 / p99 s",
+        "TPOT p50 / p99 s",
+        "SLO attainment",
+        "goodput req/s",
+        "refused",
+    ):
         classes.add_column(col, justify="left" if col == "class" else "right")
     for c in v.classes:
-        classes.add_row(c.name, _f(c.rate, ".2f"),
-                        f"{_f(c.ttft[0], '.2f')} / {_f(c.ttft[1], '.2f')}",
-                        f"{_f(c.tpot[0], '.3f')} / {_f(c.tpot[1], '.3f')}",
-                        "-" if math.isnan(c.attainment) else f"{100 * c.attainment:.1f}%",
-                        _f(c.goodput, ".2f"), f"{c.refused:.0f}")
+        classes.add_row(
+            c.name,
+            _f(c.rate, ".2f"),
+            f"{_f(c.ttft[0], '.2f')} / {_f(c.ttft[1], '.2f')}",
+            f"{_f(c.tpot[0], '.3f')} / {_f(c.tpot[1], '.3f')}",
+            "-" if math.isnan(c.attainment) else f"{100 * c.attainment:.1f}%",
+            _f(c.goodput, ".2f"),
+            f"{c.refused:.0f}",
+        )
     replicas = Table(title="replicas, now", expand=True)
     for col in ("replica", "running", "waiting", "KV cache"):
         replicas.add_column(col, justify="left" if col == "replica" else "right")

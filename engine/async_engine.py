@@ -57,8 +57,9 @@ class AsyncLLMEngine:
     nothing is unfinished, and the next request starts it again.
     """
 
-    def __init__(self, engine: LLMEngine,
-                 executor: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
+    def __init__(
+        self, engine: LLMEngine, executor: concurrent.futures.ThreadPoolExecutor | None = None
+    ) -> None:
         """Wrap ``engine``; ``executor`` (one worker) steps it, a new one if None."""
         self.engine = engine
         # The worker thread detokenizes with the engine's tokenizer; this copy encodes
@@ -70,9 +71,7 @@ class AsyncLLMEngine:
         engine.on_scheduled = self._step_scheduled
         self._sent: LoadSnapshot | None = None
         """The snapshot :meth:`load_update` last returned a copy of."""
-        self.admission = AdmissionController(
-            engine.traffic_classes, policy=engine.scheduler.policy
-        )
+        self.admission = AdmissionController(engine.traffic_classes, policy=engine.scheduler.policy)
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._lock = threading.Lock()
         """Guards ``_to_add``, ``_to_abort``, ``_running`` and the ``_snapshot`` that
@@ -150,8 +149,11 @@ class AsyncLLMEngine:
         ids = self.validate(prompt, params, traffic_class)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
-        self._queue_news(add=_Pending(rid, {"prompt_token_ids": ids}, params, priority,
-                                      traffic_class, self.engine.clock()))
+        self._queue_news(
+            add=_Pending(
+                rid, {"prompt_token_ids": ids}, params, priority, traffic_class, self.engine.clock()
+            )
+        )
         finished = False
         try:
             while True:
@@ -169,8 +171,9 @@ class AsyncLLMEngine:
             if not finished:
                 self._queue_news(abort=rid)
 
-    def validate(self, prompt: PromptType, sampling_params: SamplingParams,
-                 traffic_class: str | None = None) -> list[int]:
+    def validate(
+        self, prompt: PromptType, sampling_params: SamplingParams, traffic_class: str | None = None
+    ) -> list[int]:
         """Check a request as :meth:`generate` will, without queuing it.
 
         Returns:
@@ -180,8 +183,7 @@ class AsyncLLMEngine:
             ValueError: empty prompt, token id outside the vocabulary, unknown class.
             RequestRejectedError: prompt plus max_tokens exceeds the context or KV cache.
         """
-        _, ids, _ = self.engine.validate(prompt, sampling_params, traffic_class,
-                                         self._tokenizer)
+        _, ids, _ = self.engine.validate(prompt, sampling_params, traffic_class, self._tokenizer)
         return ids
 
     @property
@@ -209,11 +211,12 @@ class AsyncLLMEngine:
         with self._lock:
             snap, queued = self._snapshot, list(self._to_add)
         snap = snap.with_queued(
-            (p.traffic_class or DEFAULT_CLASS, len(p.prompt["prompt_token_ids"]))
-            for p in queued)
+            (p.traffic_class or DEFAULT_CLASS, len(p.prompt["prompt_token_ids"])) for p in queued
+        )
         now = time.time()
         return dataclasses.replace(
-            snap, timestamp=now, step_left_s=max(0.0, snap.step_left_s - (now - snap.timestamp)))
+            snap, timestamp=now, step_left_s=max(0.0, snap.step_left_s - (now - snap.timestamp))
+        )
 
     def load_update(self) -> LoadSnapshot | None:
         """:meth:`load_snapshot` when the engine's load changed since the last call that
@@ -224,9 +227,14 @@ class AsyncLLMEngine:
         self._sent = self._snapshot
         return self.load_snapshot()
 
-    def admission_decision(self, prompt_tokens: int, max_tokens: int | None,
-                           traffic_class: str = DEFAULT_CLASS, priority: int | None = None,
-                           waited_s: float = 0.0) -> Decision:
+    def admission_decision(
+        self,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        traffic_class: str = DEFAULT_CLASS,
+        priority: int | None = None,
+        waited_s: float = 0.0,
+    ) -> Decision:
         """Admit, wait (bounded) or reject a request of this shape, from the current load.
 
         Args:
@@ -236,9 +244,12 @@ class AsyncLLMEngine:
         """
         cls = self.engine.traffic_classes[traffic_class]
         return self.admission.decide(
-            self.load_snapshot(), traffic_class, prompt_tokens,
+            self.load_snapshot(),
+            traffic_class,
+            prompt_tokens,
             max_tokens if max_tokens is not None else self.engine.max_model_len,
-            cls.default_priority if priority is None else priority, waited_s,
+            cls.default_priority if priority is None else priority,
+            waited_s,
         )
 
     @property
@@ -272,13 +283,19 @@ class AsyncLLMEngine:
             engine.abort(list(aborted))
         for p in adds:
             try:
-                engine.add_request(p.request_id, p.prompt, p.params, priority=p.priority,
-                                   traffic_class=p.traffic_class, arrival_time=p.arrival_time)
+                engine.add_request(
+                    p.request_id,
+                    p.prompt,
+                    p.params,
+                    priority=p.priority,
+                    traffic_class=p.traffic_class,
+                    arrival_time=p.arrival_time,
+                )
             except ValueError as e:  # validated in generate(); only a race can land here
                 self._deliver_soon([e], p.request_id)
         snapshot = engine.load_snapshot()
         with self._lock:
-            del self._to_add[:len(adds)]  # the event loop only appends
+            del self._to_add[: len(adds)]  # the event loop only appends
             self._snapshot = snapshot
 
     def _step_scheduled(self, snapshot: LoadSnapshot) -> None:

@@ -164,7 +164,9 @@ def paged_attention(
         from flash_attn import flash_attn_varlen_func
 
         out = flash_attn_varlen_func(
-            q.contiguous(), k_cache, v_cache,
+            q.contiguous(),
+            k_cache,
+            v_cache,
             cu_seqlens_q=md.query_start_loc,
             cu_seqlens_k=_cumsum0(md.context_lens),
             max_seqlen_q=md.max_query_len,
@@ -181,8 +183,14 @@ def paged_attention(
     return out.unsqueeze(0), None
 
 
-def _attend_decodes(md: AttentionMetadata, q: torch.Tensor, k_flat: torch.Tensor,
-                    v_flat: torch.Tensor, scaling: float | None, out: torch.Tensor) -> None:
+def _attend_decodes(
+    md: AttentionMetadata,
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    scaling: float | None,
+    out: torch.Tensor,
+) -> None:
     """Decode rows of ``out`` (``[T, H, D]``): one padded SDPA call per decode group, each
     ``[n, H, 1, D]`` against its gathered ``[n, KVH, L, D]`` context."""
     for g in md.decode_groups:
@@ -192,15 +200,26 @@ def _attend_decodes(md: AttentionMetadata, q: torch.Tensor, k_flat: torch.Tensor
         kd = k_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)
         vd = v_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q[g.start:g.end].unsqueeze(2), kd, vd, attn_mask=g.mask, scale=scaling,
+            q[g.start : g.end].unsqueeze(2),
+            kd,
+            vd,
+            attn_mask=g.mask,
+            scale=scaling,
             enable_gqa=True,
         )
-        out[g.start:g.end] = o.squeeze(2)
+        out[g.start : g.end] = o.squeeze(2)
 
 
-def attend_prefills(md: AttentionMetadata, q: torch.Tensor, k_new: torch.Tensor,
-                    v_new: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                    scaling: float | None, out: torch.Tensor) -> None:
+def attend_prefills(
+    md: AttentionMetadata,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    scaling: float | None,
+    out: torch.Tensor,
+) -> None:
     """Prefill rows of ``out``: one SDPA call per chunk, against the chunk's own K/V for a
     first chunk (plain causal), else its whole cached context with the offset mask.
 
@@ -209,17 +228,22 @@ def attend_prefills(md: AttentionMetadata, q: torch.Tensor, k_new: torch.Tensor,
     ``[num_slots, KVH, D]``. Used by :func:`paged_attention` and
     :class:`engine.kernel_layers.KernelDecoderLayer`."""
     for p in md.prefills:
-        qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+        qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
         if p.context_slots is None:
-            kp, vp = k_new[p.start:p.end], v_new[p.start:p.end]
+            kp, vp = k_new[p.start : p.end], v_new[p.start : p.end]
         else:
             kp = k_flat.index_select(0, p.context_slots)
             vp = v_flat.index_select(0, p.context_slots)
         o = F.scaled_dot_product_attention(
-            qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
-            attn_mask=p.mask, is_causal=p.mask is None, scale=scaling, enable_gqa=True,
+            qp,
+            kp.transpose(0, 1).unsqueeze(0),
+            vp.transpose(0, 1).unsqueeze(0),
+            attn_mask=p.mask,
+            is_causal=p.mask is None,
+            scale=scaling,
+            enable_gqa=True,
         )
-        out[p.start:p.end] = o[0].transpose(0, 1)
+        out[p.start : p.end] = o[0].transpose(0, 1)
 
 
 def _cumsum0(x: torch.Tensor) -> torch.Tensor:

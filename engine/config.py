@@ -49,17 +49,22 @@ class EngineConfig(BaseModel):
         8, ge=0, description="priority policy: admissions past a head that lacks KV room"
     )
     tpot_slo_guard: bool = Field(
-        False, description="shed less urgent decodes and cap prefill chunks so the step "
-                           "time stays within the running requests' TPOT SLOs",
+        False,
+        description="shed less urgent decodes and cap prefill chunks so the step "
+        "time stays within the running requests' TPOT SLOs",
     )
     tpot_slo_guard_target: float = Field(
-        0.85, gt=0, le=1, description="the TPOT guard aims the predicted step time at this "
-                                      "fraction of the tightest TPOT SLO (headroom for "
-                                      "step-time jitter, which is about 10-15% on a shared CPU)",
+        0.85,
+        gt=0,
+        le=1,
+        description="the TPOT guard aims the predicted step time at this "
+        "fraction of the tightest TPOT SLO (headroom for "
+        "step-time jitter, which is about 10-15% on a shared CPU)",
     )
     tpot_slo_guard_rules_off: list[GuardRule] = Field(
-        default_factory=list, description="TPOT guard rules to switch off, for ablation "
-                                          "studies (iterserve simulate --ablate)",
+        default_factory=list,
+        description="TPOT guard rules to switch off, for ablation "
+        "studies (iterserve simulate --ablate)",
     )
     batch_wait_timeout_s: float = Field(
         0.5, ge=0, description="static policy: wait this long to fill a batch"
@@ -68,8 +73,9 @@ class EngineConfig(BaseModel):
         None, description="overrides of policies.DEFAULT_CLASSES fields, by class name"
     )
     cpu_weight_prepack: bool = Field(
-        True, description="fp32 on CPU: run linear layers through oneDNN on weights "
-                          "prepacked once at load (engine.cpu_linear)",
+        True,
+        description="fp32 on CPU: run linear layers through oneDNN on weights "
+        "prepacked once at load (engine.cpu_linear)",
     )
     seed: int = 0
 
@@ -91,10 +97,14 @@ class EngineConfig(BaseModel):
     def _policy_options(self) -> dict[str, Any]:
         return {
             "fcfs": {},
-            "priority": {"aging_s_per_level": self.aging_s_per_level,
-                         "max_head_of_line_skips": self.max_head_of_line_skips},
-            "static": {"max_num_seqs": self.max_num_seqs,
-                       "batch_wait_timeout_s": self.batch_wait_timeout_s},
+            "priority": {
+                "aging_s_per_level": self.aging_s_per_level,
+                "max_head_of_line_skips": self.max_head_of_line_skips,
+            },
+            "static": {
+                "max_num_seqs": self.max_num_seqs,
+                "batch_wait_timeout_s": self.batch_wait_timeout_s,
+            },
         }[self.policy]
 
     def torch_device(self) -> torch.device:

@@ -53,10 +53,14 @@ _SIGNATURES = {
     "silu_mul": (None, [_P, _P, _I, _I, _I]),
     "rope": (None, [_P, _I, _I, _I, _I, _P, _P, _I]),
     "cache_write": (None, [_P, _I, _P, _I, _P, _I, _I, _P, _P, _I]),
-    "decode_attention": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F,
-                                        _P, _I, _I]),
-    "prefill_attention": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I,
-                                         _I, _F, _P, _I, _I]),
+    "decode_attention": (
+        ctypes.c_int,
+        [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I],
+    ),
+    "prefill_attention": (
+        ctypes.c_int,
+        [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I],
+    ),
 }
 
 
@@ -75,8 +79,14 @@ class CpuKernels:
         self.parallel = parallel
         """The attention kernels run on ``torch.get_num_threads()`` threads, else on one."""
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 delta: torch.Tensor | None = None, parallel: bool = False) -> torch.Tensor:
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        delta: torch.Tensor | None = None,
+        parallel: bool = False,
+    ) -> torch.Tensor:
         """RMSNorm of ``x`` (``[T, h]``) times ``weight`` (``[h]``), as a new ``[T, h]``.
 
         With ``delta`` (``[T, h]``), ``x += delta`` first, in place: the residual add that
@@ -84,11 +94,18 @@ class CpuKernels:
         the attention kernels' threads."""
         rows, h = x.shape
         out = torch.empty((rows, h), dtype=x.dtype)
-        self._lib.add_rms_norm(x.data_ptr(), x.stride(0),
-                               None if delta is None else delta.data_ptr(),
-                               0 if delta is None else delta.stride(0),
-                               weight.data_ptr(), out.data_ptr(), rows, h, eps,
-                               self._threads() if parallel else 1)
+        self._lib.add_rms_norm(
+            x.data_ptr(),
+            x.stride(0),
+            None if delta is None else delta.data_ptr(),
+            0 if delta is None else delta.stride(0),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            h,
+            eps,
+            self._threads() if parallel else 1,
+        )
         return out
 
     def silu_mul(self, gate_up: torch.Tensor, parallel: bool = False) -> torch.Tensor:
@@ -97,33 +114,66 @@ class CpuKernels:
         (worth waking them for a prefill step's rows, not a decode step's)."""
         rows, n2 = gate_up.shape
         out = torch.empty((rows, n2 // 2), dtype=gate_up.dtype)
-        self._lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n2 // 2,
-                           self._threads() if parallel else 1)
+        self._lib.silu_mul(
+            gate_up.data_ptr(), out.data_ptr(), rows, n2 // 2, self._threads() if parallel else 1
+        )
         return out
 
-    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              parallel: bool = False) -> None:
+    def rope_(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parallel: bool = False
+    ) -> None:
         """Rotary embedding in place on ``x`` (``[T, heads, d]``, heads contiguous within a
         row); ``cos``, ``sin``: ``[T, d]`` contiguous, as transformers' rotary module makes
         them (attention scaling folded in). ``parallel``: rows shared among the attention
         kernels' threads."""
         rows, heads, d = x.shape
-        self._lib.rope(x.data_ptr(), x.stride(0), rows, heads, d, cos.data_ptr(),
-                       sin.data_ptr(), self._threads() if parallel else 1)
+        self._lib.rope(
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            heads,
+            d,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            self._threads() if parallel else 1,
+        )
 
-    def cache_write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, parallel: bool = False) -> None:
+    def cache_write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        parallel: bool = False,
+    ) -> None:
         """Write ``k``, ``v`` (``[T, width]``, rows contiguous) to the flat caches
         (``[num_slots, width]`` contiguous) at ``slots`` (``[T]`` int64). ``parallel``: rows
         shared among the attention kernels' threads."""
         rows, width = k.shape
-        self._lib.cache_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                              slots.data_ptr(), rows, width, k_cache.data_ptr(),
-                              v_cache.data_ptr(), self._threads() if parallel else 1)
+        self._lib.cache_write(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            slots.data_ptr(),
+            rows,
+            width,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            self._threads() if parallel else 1,
+        )
 
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                         out: torch.Tensor) -> None:
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
         """One query per sequence against its paged context, into ``out``.
 
         Args:
@@ -139,19 +189,41 @@ class CpuKernels:
         n, heads, d = q.shape
         _, bs, kv_heads, _ = k_cache.shape
         rc = self._lib.decode_attention(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), n,
-            heads, kv_heads, d, bs, scale, out.data_ptr(), out.stride(0), self._threads())
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            context_lens.data_ptr(),
+            n,
+            heads,
+            kv_heads,
+            d,
+            bs,
+            scale,
+            out.data_ptr(),
+            out.stride(0),
+            self._threads(),
+        )
         if rc:
             raise MemoryError("decode_attention: no memory for the attention scores")
 
     def _threads(self) -> int:
         return torch.get_num_threads() if self.parallel else 1
 
-    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                          context_lens: torch.Tensor, first: int, scale: float,
-                          out: torch.Tensor) -> None:
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        first: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
         """Causal attention of the step's sequences ``first..B-1`` (prefill chunks, their
         K/V already in the cache) on the paged cache, into their rows of ``out``.
 
@@ -169,10 +241,25 @@ class CpuKernels:
         _, heads, d = q.shape
         _, bs, kv_heads, _ = k_cache.shape
         rc = self._lib.prefill_attention(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(),
-            context_lens.data_ptr(), first, len(context_lens) - first, heads, kv_heads, d, bs,
-            scale, out.data_ptr(), out.stride(0), self._threads())
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            query_start_loc.data_ptr(),
+            context_lens.data_ptr(),
+            first,
+            len(context_lens) - first,
+            heads,
+            kv_heads,
+            d,
+            bs,
+            scale,
+            out.data_ptr(),
+            out.stride(0),
+            self._threads(),
+        )
         if rc == -2:
             raise ValueError(f"prefill_attention: head_dim {d} is not a multiple of 64")
         if rc:
@@ -182,13 +269,15 @@ class CpuKernels:
 def _cpu_key() -> str:
     """What the compiled code depends on besides the source: compiler and CPU."""
     try:
-        cc = subprocess.run(["cc", "--version"], capture_output=True, text=True,
-                            check=True).stdout
+        cc = subprocess.run(["cc", "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         cc = ""
     try:
-        cpu = "".join(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith(("model name", "flags")))
+        cpu = "".join(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith(("model name", "flags"))
+        )
     except OSError:
         cpu = ""
     return cc + cpu
@@ -204,8 +293,7 @@ def build(out_dir: Path) -> tuple[Path, bool]:
     try:
         return _build(out_dir, (*FLAGS, OPENMP_FLAG)), True
     except subprocess.CalledProcessError as e:
-        logger.warning("CPU kernels without OpenMP (attention on one thread): %s",
-                       e.stderr)
+        logger.warning("CPU kernels without OpenMP (attention on one thread): %s", e.stderr)
         return _build(out_dir, FLAGS), False
 
 
@@ -219,8 +307,12 @@ def _build(out_dir: Path, flags: tuple[str, ...]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".build.", dir=out_dir))
     try:
         so = tmp / target.name
-        subprocess.run(["cc", *flags, *map(str, SOURCES), "-o", str(so), "-lm"], check=True,
-                       capture_output=True, text=True)
+        subprocess.run(
+            ["cc", *flags, *map(str, SOURCES), "-o", str(so), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         os.replace(so, target)  # atomic: a concurrent build of the same key is identical
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -243,8 +335,10 @@ def load() -> CpuKernels | None:
         return None
     runtimes = openmp_runtimes()
     if openmp and len(runtimes) > 1:
-        logger.warning("two OpenMP runtimes in this process (%s): the attention kernels run "
-                       "on one thread", ", ".join(sorted(runtimes)))
+        logger.warning(
+            "two OpenMP runtimes in this process (%s): the attention kernels run on one thread",
+            ", ".join(sorted(runtimes)),
+        )
     return CpuKernels(lib, parallel=openmp and len(runtimes) <= 1)
 
 
@@ -254,5 +348,8 @@ def openmp_runtimes() -> set[str]:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return set()
-    return {os.path.realpath(line.split()[-1]) for line in maps.splitlines()
-            if re.search(r"/lib[gi]?omp[^/]*\.so", line)}
+    return {
+        os.path.realpath(line.split()[-1])
+        for line in maps.splitlines()
+        if re.search(r"/lib[gi]?omp[^/]*\.so", line)
+    }

@@ -24,8 +24,7 @@ logger = logging.getLogger(__name__)
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """True where prepacking applies: fp32 on a CPU build with oneDNN."""
-    return (device.type == "cpu" and dtype == torch.float32
-            and torch.backends.mkldnn.is_available())
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
 class PackedLinear(nn.Module):
@@ -42,11 +41,15 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, tied: bool = False) -> None:
         w = linear.weight
         if not prepack_supported(w.device, w.dtype):
-            raise ValueError(f"PackedLinear needs an fp32 CPU weight with oneDNN; got "
-                             f"{w.dtype} on {w.device}")
+            raise ValueError(
+                f"PackedLinear needs an fp32 CPU weight with oneDNN; got {w.dtype} on {w.device}"
+            )
         super().__init__()
         self.in_features, self.out_features, self.tied = (
-            linear.in_features, linear.out_features, tied)
+            linear.in_features,
+            linear.out_features,
+            tied,
+        )
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight, None)
         self.register_buffer("packed_weight", packed, persistent=False)
@@ -54,12 +57,13 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
-                                                  "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, tied={self.tied}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, tied={self.tied}"
+        )
 
 
 def prepack_linears(model: nn.Module) -> int:
@@ -75,8 +79,12 @@ def prepack_linears(model: nn.Module) -> int:
         The number of layers replaced.
     """
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    others = {id(p) for m in model.modules() if not isinstance(m, nn.Linear)
-              for p in m.parameters(recurse=False)}
+    others = {
+        id(p)
+        for m in model.modules()
+        if not isinstance(m, nn.Linear)
+        for p in m.parameters(recurse=False)
+    }
     for name, lin in linears:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

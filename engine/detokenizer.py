@@ -27,8 +27,9 @@ class IncrementalDetokenizer:
         ValueError: a stop string is empty.
     """
 
-    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = (),
-                 skip_special_tokens: bool = True):
+    def __init__(
+        self, tokenizer, stop: list[str] | tuple[str, ...] = (), skip_special_tokens: bool = True
+    ):
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._tokenizer = tokenizer
@@ -57,8 +58,7 @@ class IncrementalDetokenizer:
         """Every token id fed so far, including any that completed a stop string."""
         return list(self._token_ids)
 
-    def update(self, new_token_ids: list[int], check_stop: bool = True
-               ) -> tuple[str, str | None]:
+    def update(self, new_token_ids: list[int], check_stop: bool = True) -> tuple[str, str | None]:
         """Feed the newly sampled token ids of this sequence (usually one per step).
 
         ``check_stop=False`` (a request's ``min_tokens`` not yet reached) emits the text
@@ -108,15 +108,15 @@ class IncrementalDetokenizer:
     def _decode_window(self, force: bool) -> str:
         """Text of the tokens not yet read, up to the last token that ends a character."""
         ids = self._token_ids
-        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+        prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
         # A partial character's bytes (at most 3) lie in the last 3 tokens, so when several
         # tokens arrive at once the text before them can still be released now.
         for end in range(len(ids), max(self._read_offset, len(ids) - 4), -1):
-            text = self._decode(ids[self._prefix_offset:end])
+            text = self._decode(ids[self._prefix_offset : end])
             if len(text) > len(prefix_text) and not text.endswith(REPLACEMENT_CHAR):
-                return self._advance(end, text[len(prefix_text):])
+                return self._advance(end, text[len(prefix_text) :])
             if end == len(ids) and (force or end - self._read_offset >= MAX_PENDING_TOKENS):
-                return self._advance(end, text[len(prefix_text):])
+                return self._advance(end, text[len(prefix_text) :])
         return ""
 
     def _advance(self, end: int, new_text: str) -> str:
@@ -140,6 +140,6 @@ class IncrementalDetokenizer:
             if any(s.startswith(pending[-k:]) for s in self._stop):
                 hold = k
                 break
-        delta, self._pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
+        delta, self._pending = pending[: len(pending) - hold], pending[len(pending) - hold :]
         self._chunks.append(delta)
         return delta, None

@@ -29,8 +29,13 @@ def _concat_linear(parts: list[nn.Linear]) -> nn.Linear:
     if any((p.bias is not None) != has_bias for p in parts):
         raise ValueError("cannot fuse linear layers where only some have a bias")
     w = parts[0].weight
-    fused = nn.Linear(w.shape[1], sum(p.out_features for p in parts), bias=has_bias,
-                      device=w.device, dtype=w.dtype)
+    fused = nn.Linear(
+        w.shape[1],
+        sum(p.out_features for p in parts),
+        bias=has_bias,
+        device=w.device,
+        dtype=w.dtype,
+    )
     with torch.no_grad():
         fused.weight.copy_(torch.cat([p.weight for p in parts]))
         if has_bias:
@@ -88,18 +93,26 @@ class FusedAttention(nn.Module):
         self.k_norm = getattr(attn, "k_norm", None)
         self.apply_rotary = apply_rotary
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None,
-                attention_mask=None, attn_metadata=None, **kwargs):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings=None,
+        attention_mask=None,
+        attn_metadata=None,
+        **kwargs,
+    ):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         q, k, v = self.qkv_proj(hidden_states).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1)
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
         q, k, v = q.view(shape), k.view(shape), v.view(shape)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
         q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        out, _ = paged_attention(self, q, k, v.transpose(1, 2), None, scaling=self.scaling,
-                                 attn_metadata=attn_metadata)
+        out, _ = paged_attention(
+            self, q, k, v.transpose(1, 2), None, scaling=self.scaling, attn_metadata=attn_metadata
+        )
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
 
@@ -140,6 +153,7 @@ def _rms_norm(norm: nn.Module) -> RMSNorm:
     """
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None or not isinstance(getattr(norm, "weight", None), torch.Tensor):
-        raise ValueError(f"{type(norm).__name__} is not an RMSNorm with weight and "
-                         "variance_epsilon")
+        raise ValueError(
+            f"{type(norm).__name__} is not an RMSNorm with weight and variance_epsilon"
+        )
     return RMSNorm(norm.weight, eps)

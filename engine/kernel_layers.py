@@ -58,8 +58,11 @@ class KernelDecoderLayer(nn.Module):
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not (isinstance(attn, FusedAttention) and isinstance(mlp, FusedMLP)
-                and all(isinstance(n, RMSNorm) for n in norms)):
+        if not (
+            isinstance(attn, FusedAttention)
+            and isinstance(mlp, FusedMLP)
+            and all(isinstance(n, RMSNorm) for n in norms)
+        ):
             raise ValueError("KernelDecoderLayer needs a layer fused by fuse_layers")
         if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
             raise ValueError(f"KernelDecoderLayer runs SiLU MLPs, not {type(mlp.act_fn)}")
@@ -70,8 +73,13 @@ class KernelDecoderLayer(nn.Module):
         """Prefill chunks are attended by the kernel (else by SDPA, with the step's
         ``AttentionMetadata.prefills``)."""
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None,
-                attn_metadata: AttentionMetadata | None = None, **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings=None,
+        attn_metadata: AttentionMetadata | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         if attn_metadata is None:
             raise ValueError("KernelDecoderLayer needs attn_metadata; run it through the engine")
         k, n1, n2 = self.kernels, self.input_layernorm, self.post_attention_layernorm
@@ -85,16 +93,22 @@ class KernelDecoderLayer(nn.Module):
         h += mlp.down_proj(k.silu_mul(mlp.gate_up_proj(x), parallel=par))
         return hidden_states
 
-    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   md: AttentionMetadata, par: bool) -> torch.Tensor:
+    def _attention(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        md: AttentionMetadata,
+        par: bool,
+    ) -> torch.Tensor:
         """``[T, hidden]`` in (normed), the attention block's output ``[T, hidden]``;
         ``par``: RoPE and the cache write on all threads."""
         a, k = self.self_attn, self.kernels
         t, d = x.shape[0], a.head_dim
         qkv = a.qkv_proj(x)
-        q = qkv[:, :a.q_size].view(t, -1, d)
-        key = qkv[:, a.q_size:a.q_size + a.kv_size].view(t, -1, d)
-        value = qkv[:, a.q_size + a.kv_size:]
+        q = qkv[:, : a.q_size].view(t, -1, d)
+        key = qkv[:, a.q_size : a.q_size + a.kv_size].view(t, -1, d)
+        value = qkv[:, a.q_size + a.kv_size :]
         if a.q_norm is not None:
             q, key = a.q_norm(q), a.k_norm(key)
         k.rope_(q, cos, sin, parallel=par)
@@ -102,16 +116,38 @@ class KernelDecoderLayer(nn.Module):
         k_cache, v_cache = md.kv_caches[a.layer_idx]
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        k.cache_write(key.reshape(t, a.kv_size), value, md.slot_mapping,
-                      k_flat.view(-1, a.kv_size), v_flat.view(-1, a.kv_size), parallel=par)
+        k.cache_write(
+            key.reshape(t, a.kv_size),
+            value,
+            md.slot_mapping,
+            k_flat.view(-1, a.kv_size),
+            v_flat.view(-1, a.kv_size),
+            parallel=par,
+        )
         out = torch.empty_like(q)
         nd = md.num_decodes
         if nd:
-            k.decode_attention(q[:nd], k_cache, v_cache, md.block_tables[:nd],
-                               md.context_lens[:nd], a.scaling, out[:nd])
+            k.decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                md.block_tables[:nd],
+                md.context_lens[:nd],
+                a.scaling,
+                out[:nd],
+            )
         if self.prefill_kernel and len(md.context_lens) > nd:
-            k.prefill_attention(q, k_cache, v_cache, md.block_tables, md.query_start_loc,
-                                md.context_lens, nd, a.scaling, out)
+            k.prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                md.block_tables,
+                md.query_start_loc,
+                md.context_lens,
+                nd,
+                a.scaling,
+                out,
+            )
         elif md.prefills:
             attend_prefills(md, q, key, value.view(t, -1, d), k_flat, v_flat, a.scaling, out)
         return a.o_proj(out.view(t, -1))

@@ -30,8 +30,13 @@ class BlockManager:
     cache maps to a block that carries it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_salt: str = "") -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        cache_salt: str = "",
+    ) -> None:
         """``cache_salt`` goes into the first block's hash: KV computed under another
         salt (another model or dtype) never matches."""
         if num_blocks < 1 or block_size < 1:
@@ -204,6 +209,6 @@ class BlockManager:
         bs = self.block_size
         while len(names) <= i:
             k = len(names)
-            tokens = array("q", token_ids[k * bs:(k + 1) * bs]).tobytes()
+            tokens = array("q", token_ids[k * bs : (k + 1) * bs]).tobytes()
             names.append(hashlib.sha256((names[-1] if names else self._root) + tokens).digest())
         return names[i]

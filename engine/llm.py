@@ -27,8 +27,10 @@ it 6% faster at 128 than at 64 in process and 2-7% faster through ``iterserve ba
 and no faster at 256 (``docs/batch.md``, eighteenth session). vLLM's ``run_batch``
 defaults to 128 (``SchedulerConfig.DEFAULT_MAX_NUM_SEQS``, vLLM 0.32), its ``LLM`` class on
 CPU to 256."""
-OFFLINE_DEFAULTS = {"max_num_batched_tokens": OFFLINE_MAX_NUM_BATCHED_TOKENS,
-                    "max_num_seqs": OFFLINE_MAX_NUM_SEQS}
+OFFLINE_DEFAULTS = {
+    "max_num_batched_tokens": OFFLINE_MAX_NUM_BATCHED_TOKENS,
+    "max_num_seqs": OFFLINE_MAX_NUM_SEQS,
+}
 """The :class:`EngineConfig` fields offline work defaults to (``LLM``, ``iterserve batch``)."""
 
 

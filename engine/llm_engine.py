@@ -37,10 +37,16 @@ class LLMEngine:
     (``AsyncLLMEngine`` serialises them onto its loop).
     """
 
-    def __init__(self, config: EngineConfig, *, runner: ModelRunner, tokenizer,
-                 scheduler: Scheduler | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 model_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        runner: ModelRunner,
+        tokenizer,
+        scheduler: Scheduler | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        model_dir: str | None = None,
+    ) -> None:
         """Assemble an engine from its parts (:meth:`from_config` loads the model).
 
         Args:
@@ -64,9 +70,15 @@ class LLMEngine:
         self.vocab_size = runner.vocab_size
         self.eos_token_ids = set(runner.eos_token_ids)
         self.scheduler = scheduler or Scheduler.from_config(
-            config, BlockManager(runner.num_kv_blocks, config.block_size,
-                                 config.enable_prefix_caching,
-                                 cache_salt=f"{config.model}:{config.dtype}"), clock)
+            config,
+            BlockManager(
+                runner.num_kv_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+                cache_salt=f"{config.model}:{config.dtype}",
+            ),
+            clock,
+        )
         self.block_manager = self.scheduler.block_manager
         self.step_time_model = self.scheduler.step_time
         self.traffic_classes = make_classes(config.traffic_classes)
@@ -84,8 +96,9 @@ class LLMEngine:
         """Tokens the last ``step()`` ran (0: it had nothing to schedule)."""
 
     @classmethod
-    def from_config(cls, config: EngineConfig,
-                    clock: Callable[[], float] = time.monotonic) -> LLMEngine:
+    def from_config(
+        cls, config: EngineConfig, clock: Callable[[], float] = time.monotonic
+    ) -> LLMEngine:
         """Load ``config.model`` onto a :class:`engine.runner.TorchModelRunner` and
         build the engine around it.
 
@@ -96,11 +109,17 @@ class LLMEngine:
         from engine.runner import TorchModelRunner
 
         runner, tokenizer, model_dir = TorchModelRunner.load(config)
-        engine = cls(config, runner=runner, tokenizer=tokenizer, clock=clock,
-                     model_dir=str(model_dir))
-        logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s",
-                    model_dir, runner.num_kv_blocks, config.block_size,
-                    engine.max_model_len, runner.device)
+        engine = cls(
+            config, runner=runner, tokenizer=tokenizer, clock=clock, model_dir=str(model_dir)
+        )
+        logger.info(
+            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s",
+            model_dir,
+            runner.num_kv_blocks,
+            config.block_size,
+            engine.max_model_len,
+            runner.device,
+        )
         return engine
 
     @property
@@ -110,9 +129,12 @@ class LLMEngine:
     @property
     def limits(self) -> RequestLimits:
         """What this engine can ever run; the replica hands it to the ingress."""
-        return RequestLimits(self.max_model_len, self.kv_capacity_tokens,
-                             self.config.max_num_batched_tokens,
-                             self.config.enable_chunked_prefill)
+        return RequestLimits(
+            self.max_model_len,
+            self.kv_capacity_tokens,
+            self.config.max_num_batched_tokens,
+            self.config.enable_chunked_prefill,
+        )
 
     def tokenize(self, prompt: PromptType, tokenizer=None) -> tuple[str | None, list[int]]:
         """Return ``(prompt text or None, prompt token ids)``.
@@ -177,9 +199,19 @@ class LLMEngine:
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             cls = self.traffic_classes[traffic_class]
-            req = Request(seq_id, ids, params, now, max_tokens, priority=priority,
-                          traffic_class=traffic_class, parent_id=request_id, index=i,
-                          ttft_slo_s=cls.ttft_slo_s, tpot_slo_s=cls.tpot_slo_s)
+            req = Request(
+                seq_id,
+                ids,
+                params,
+                now,
+                max_tokens,
+                priority=priority,
+                traffic_class=traffic_class,
+                parent_id=request_id,
+                index=i,
+                ttft_slo_s=cls.ttft_slo_s,
+                tpot_slo_s=cls.tpot_slo_s,
+            )
             if params.seed is not None and params.n > 1:
                 req.params = replace(params, seed=params.seed + i)
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
@@ -188,8 +220,7 @@ class LLMEngine:
             if params.json_schema is not None:
                 req.grammar = self.structured.matcher(params.json_schema)
             seqs.append(req)
-        self._groups[request_id] = RequestGroup(request_id, text, seqs, now,
-                                                params.output_kind)
+        self._groups[request_id] = RequestGroup(request_id, text, seqs, now, params.output_kind)
         for req in seqs:
             self.scheduler.add(req)
 
@@ -201,9 +232,13 @@ class LLMEngine:
         """
         return self.limits.check(prompt_len, max_tokens)
 
-    def validate(self, prompt: PromptType, params: SamplingParams,
-                 traffic_class: str | None = None,
-                 tokenizer=None) -> tuple[str | None, list[int], int]:
+    def validate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        traffic_class: str | None = None,
+        tokenizer=None,
+    ) -> tuple[str | None, list[int], int]:
         """Check a request as :meth:`add_request` will: ``(prompt text or None, prompt
         token ids, effective max_tokens)``. The one request check of the engine, the
         replica and the offline API (``tokenizer``: see :meth:`tokenize`).
@@ -219,12 +254,15 @@ class LLMEngine:
                 f"unknown traffic_class {traffic_class!r}; known: {sorted(self.traffic_classes)}"
             )
         vocab = self.runner.vocab_size
-        for name, token_ids in (("logit_bias", params.logit_bias),
-                                ("stop_token_ids", params.stop_token_ids)):
+        for name, token_ids in (
+            ("logit_bias", params.logit_bias),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
-                raise ParamError(name, f"{name}: token id {bad[0]} is outside the "
-                                       f"vocabulary (ids 0-{vocab - 1})")
+                raise ParamError(
+                    name, f"{name}: token id {bad[0]} is outside the vocabulary (ids 0-{vocab - 1})"
+                )
         if params.json_schema is not None:
             self.structured.compile(params.json_schema)
         text, ids = self.tokenize(prompt, tokenizer)
@@ -283,7 +321,8 @@ class LLMEngine:
             if sample.logprobs is not None:
                 req.logprobs.append(sample.logprobs)
             text, stop_str = req.detokenizer.update(
-                [sample.token_id], len(req.output_token_ids) >= req.params.min_tokens)
+                [sample.token_id], len(req.output_token_ids) >= req.params.min_tokens
+            )
             reason = self._stop_reason(req, sample.token_id, stop_str)
             if reason is not None:
                 if stop_str is None:
@@ -312,18 +351,31 @@ class LLMEngine:
         prefill = out.num_batched_tokens - out.num_decodes
         return model.predict(prefill, out.num_decodes) * model.local_ratio()
 
-    def _record(self, out: SchedulerOutput, start: float, seconds: float, schedule_s: float,
-                predicted: float) -> StepRecord:
+    def _record(
+        self,
+        out: SchedulerOutput,
+        start: float,
+        seconds: float,
+        schedule_s: float,
+        predicted: float,
+    ) -> StepRecord:
         sched, plan = self.scheduler, self.scheduler.last_guard
         return StepRecord(
-            index=self._num_steps - 1, start=start, seconds=seconds, schedule_s=schedule_s,
-            phases=tuple(getattr(self.runner, "last_phases", ())), predicted_s=predicted,
+            index=self._num_steps - 1,
+            start=start,
+            seconds=seconds,
+            schedule_s=schedule_s,
+            phases=tuple(getattr(self.runner, "last_phases", ())),
+            predicted_s=predicted,
             num_decodes=out.num_decodes,
             num_prefill_tokens=out.num_batched_tokens - out.num_decodes,
-            num_waiting=len(sched.waiting), num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
             seqs=tuple((s.request.request_id, s.start, s.num_tokens) for s in out.seqs),
             preempted=tuple(r.request_id for r in out.preempted),
-            prefill_cap=plan.cap, owed_cap=plan.owed, sat_out=tuple(sorted(plan.deferred)),
+            prefill_cap=plan.cap,
+            owed_cap=plan.owed,
+            sat_out=tuple(sorted(plan.deferred)),
             shed=tuple(r.request_id for r in plan.shed),
         )
 
@@ -348,8 +400,11 @@ class LLMEngine:
             c = req.traffic_class
             running[c] = running.get(c, 0) + 1
             chunk = chunks.get(req.request_id)
-            left = req.num_pending_tokens if chunk is None else (
-                0 if chunk.samples else req.num_pending_tokens - chunk.num_tokens)
+            left = (
+                req.num_pending_tokens
+                if chunk is None
+                else (0 if chunk.samples else req.num_pending_tokens - chunk.num_tokens)
+            )
             if left > 1 or (chunk is not None and left > 0):  # still prefilling
                 waiting_tokens[c] = waiting_tokens.get(c, 0) + left
             blocks[c] = blocks.get(c, 0) + len(bm.block_table(req.request_id))
@@ -369,8 +424,11 @@ class LLMEngine:
             tpot_slo_guard=self.config.tpot_slo_guard,
             tpot_slo_guard_target=self.config.tpot_slo_guard_target,
             owed_step_s=self._owed_step_s(),
-            recent_step_s=(statistics.fmean(self._recent_step_s)
-                           if self._recent_step_s and self.has_unfinished_requests() else 0.0),
+            recent_step_s=(
+                statistics.fmean(self._recent_step_s)
+                if self._recent_step_s and self.has_unfinished_requests()
+                else 0.0
+            ),
             step_left_s=0.0 if in_flight is None else self._predict(in_flight),
             timestamp=time.time(),
         )

@@ -17,8 +17,9 @@ import torch
 from engine.request import Request
 
 
-def apply(logits: torch.Tensor, requests: list[Request],
-          eos_token_ids: Collection[int]) -> torch.Tensor:
+def apply(
+    logits: torch.Tensor, requests: list[Request], eos_token_ids: Collection[int]
+) -> torch.Tensor:
     """``logits`` with each request's processors applied to its row.
 
     Args:
@@ -47,13 +48,11 @@ def _process_row(row: torch.Tensor, req: Request, eos_token_ids: Collection[int]
         row[held] = float("-inf")
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), device=row.device)
-        row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device,
-                                 dtype=row.dtype)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device, dtype=row.dtype)
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(req.token_ids)), device=row.device)
         vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
-                                vals * p.repetition_penalty)
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and req.output_token_ids:
         out_ids = torch.tensor(req.output_token_ids, device=row.device)
         counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(row.dtype)

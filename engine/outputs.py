@@ -49,25 +49,27 @@ def make_output(group: RequestGroup, deltas: dict[str, tuple[str, int]]) -> Requ
             continue  # nothing new: a finished sequence reports its finish_reason once
         if delta:
             text, new = deltas.get(req.request_id, ("", 0))
-            token_ids = req.output_token_ids[len(req.output_token_ids) - new:]
-            logprobs = req.logprobs[len(req.logprobs) - new:] if want_lp else None
+            token_ids = req.output_token_ids[len(req.output_token_ids) - new :]
+            logprobs = req.logprobs[len(req.logprobs) - new :] if want_lp else None
         else:
             text, token_ids = req.detokenizer.text, list(req.output_token_ids)
             logprobs = list(req.logprobs) if want_lp else None
-        completions.append(CompletionOutput(
-            index=req.index,
-            text=text,
-            token_ids=token_ids,
-            finish_reason=req.finish_reason.value if req.finish_reason else None,
-            stop_reason=req.stop_reason,
-            logprobs=logprobs,
-        ))
+        completions.append(
+            CompletionOutput(
+                index=req.index,
+                text=text,
+                token_ids=token_ids,
+                finish_reason=req.finish_reason.value if req.finish_reason else None,
+                stop_reason=req.stop_reason,
+                logprobs=logprobs,
+            )
+        )
     firsts = [r.first_token_time for r in group.seqs if r.first_token_time is not None]
-    scheduled = [r.first_scheduled_time for r in group.seqs
-                 if r.first_scheduled_time is not None]
+    scheduled = [r.first_scheduled_time for r in group.seqs if r.first_scheduled_time is not None]
     plp = group.seqs[0].prompt_logprobs
-    if plp is not None and (len(plp) < len(group.seqs[0].prompt_token_ids)
-                            or (delta and group.prompt_logprobs_sent)):
+    if plp is not None and (
+        len(plp) < len(group.seqs[0].prompt_token_ids) or (delta and group.prompt_logprobs_sent)
+    ):
         plp = None
     group.prompt_logprobs_sent |= plp is not None
     return RequestOutput(

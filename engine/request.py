@@ -97,44 +97,96 @@ class SamplingParams:
     def _checks(self) -> list[tuple[str, Any, bool, str]]:
         finite = math.isfinite
         return [
-            ("max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens >= 1,
-             "must be >= 1 or None"),
-            ("temperature", self.temperature,
-             finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
+            (
+                "max_tokens",
+                self.max_tokens,
+                self.max_tokens is None or self.max_tokens >= 1,
+                "must be >= 1 or None",
+            ),
+            (
+                "temperature",
+                self.temperature,
+                finite(self.temperature) and self.temperature >= 0,
+                "must be >= 0",
+            ),
             ("top_p", self.top_p, 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("seed", self.seed, self.seed is None or -2**63 <= self.seed < 2**63,
-             "must be a signed 64-bit integer"),
+            (
+                "seed",
+                self.seed,
+                self.seed is None or -(2**63) <= self.seed < 2**63,
+                "must be a signed 64-bit integer",
+            ),
             ("top_k", self.top_k, self.top_k == -1 or self.top_k >= 0, "must be -1, 0 or >= 1"),
             ("min_p", self.min_p, 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("presence_penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2,
-             "must be in [-2, 2]"),
-            ("frequency_penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2,
-             "must be in [-2, 2]"),
-            ("repetition_penalty", self.repetition_penalty,
-             finite(self.repetition_penalty) and self.repetition_penalty > 0, "must be > 0"),
-            ("logit_bias", self.logit_bias,
-             all(-100 <= v <= 100 for v in self.logit_bias.values()),
-             "biases must be in [-100, 100]"),
-            ("min_tokens", self.min_tokens, self.min_tokens >= 0 and (
-                self.max_tokens is None or self.min_tokens <= self.max_tokens),
-             "must be >= 0 and <= max_tokens"),
-            ("json_schema", self.json_schema, self.json_schema is None or (
-                isinstance(self.json_schema, dict) and not self.ignore_eos),
-             "must be a JSON schema object, and cannot be combined with ignore_eos"),
+            (
+                "presence_penalty",
+                self.presence_penalty,
+                -2 <= self.presence_penalty <= 2,
+                "must be in [-2, 2]",
+            ),
+            (
+                "frequency_penalty",
+                self.frequency_penalty,
+                -2 <= self.frequency_penalty <= 2,
+                "must be in [-2, 2]",
+            ),
+            (
+                "repetition_penalty",
+                self.repetition_penalty,
+                finite(self.repetition_penalty) and self.repetition_penalty > 0,
+                "must be > 0",
+            ),
+            (
+                "logit_bias",
+                self.logit_bias,
+                all(-100 <= v <= 100 for v in self.logit_bias.values()),
+                "biases must be in [-100, 100]",
+            ),
+            (
+                "min_tokens",
+                self.min_tokens,
+                self.min_tokens >= 0
+                and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+                "must be >= 0 and <= max_tokens",
+            ),
+            (
+                "json_schema",
+                self.json_schema,
+                self.json_schema is None
+                or (isinstance(self.json_schema, dict) and not self.ignore_eos),
+                "must be a JSON schema object, and cannot be combined with ignore_eos",
+            ),
             ("n", self.n, self.n >= 1, "must be >= 1"),
-            ("logprobs", self.logprobs, self.logprobs is None or self.logprobs >= 0,
-             "must be >= 0 or None"),
-            ("prompt_logprobs", self.prompt_logprobs,
-             self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0 or None"),
-            ("stop", self.stop, all(isinstance(s, str) and s for s in self.stop),
-             "must be non-empty strings"),
+            (
+                "logprobs",
+                self.logprobs,
+                self.logprobs is None or self.logprobs >= 0,
+                "must be >= 0 or None",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                "must be >= 0 or None",
+            ),
+            (
+                "stop",
+                self.stop,
+                all(isinstance(s, str) and s for s in self.stop),
+                "must be non-empty strings",
+            ),
         ]
 
     @property
     def penalized(self) -> bool:
         """Whether any logits processor applies (penalties, bias, min_tokens)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0 or self.min_tokens)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:

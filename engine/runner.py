@@ -60,8 +60,16 @@ class TorchModelRunner:
     The KV cache is one ``(k, v)`` pair per layer, each ``[num_blocks, block_size, KVH, D]``.
     """
 
-    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, seed: int, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+        max_model_len: int | None = None,
+    ) -> None:
         cfg = model.config
         self.model = model
         self.device = device
@@ -72,7 +80,8 @@ class TorchModelRunner:
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos]) - {None}
         self.use_flash = (
-            device.type == "cuda" and flash_attn_available()
+            device.type == "cuda"
+            and flash_attn_available()
             and block_size % FLASH_BLOCK_MULTIPLE == 0
         )
         kernel_layers = [m for m in model.modules() if isinstance(m, KernelDecoderLayer)]
@@ -88,8 +97,10 @@ class TorchModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(device, seed)
@@ -121,8 +132,9 @@ class TorchModelRunner:
             num_blocks = budget // (config.block_size * kv_bytes_per_token(model.config, dtype))
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block")
-        runner = cls(model, num_blocks, config.block_size, device, dtype, config.seed,
-                     config.max_model_len)
+        runner = cls(
+            model, num_blocks, config.block_size, device, dtype, config.seed, config.max_model_len
+        )
         if not runner.eos_token_ids and tokenizer.eos_token_id is not None:
             runner.eos_token_ids = frozenset([tokenizer.eos_token_id])
         return runner, tokenizer, model_dir
@@ -149,8 +161,11 @@ class TorchModelRunner:
         ns = len(sampling_reqs)
         if spans:
             record_prompt_logprobs(logits[ns:], spans)
-        results = (self.sampler.sample(logits[:ns], sampling_reqs, self.eos_token_ids)
-                   if sampling_reqs else [])
+        results = (
+            self.sampler.sample(logits[:ns], sampling_reqs, self.eos_token_ids)
+            if sampling_reqs
+            else []
+        )
         t3 = time.perf_counter()
         self.last_phases = (("prepare", t1 - t0), ("forward", t2 - t1), ("sample", t3 - t2))
         return {r.request_id: s for r, s in zip(sampling_reqs, results)}
@@ -172,7 +187,7 @@ class TorchModelRunner:
         bm_tables = out.block_tables
         for seq in seqs:
             req, start, n = seq.request, seq.start, seq.num_tokens
-            ids.extend(req.token_ids[start:start + n])
+            ids.extend(req.token_ids[start : start + n])
             pos.extend(range(start, start + n))
             qsl.append(qsl[-1] + n)
             ctx.append(start + n)
@@ -215,8 +230,15 @@ class TorchModelRunner:
             spans,
         )
 
-    def _prepare_sdpa(self, md: AttentionMetadata, seqs: list[ScheduledSeq], nd: int,
-                      block_tables: torch.Tensor, ctx: list[int], qsl: list[int]) -> None:
+    def _prepare_sdpa(
+        self,
+        md: AttentionMetadata,
+        seqs: list[ScheduledSeq],
+        nd: int,
+        block_tables: torch.Tensor,
+        ctx: list[int],
+        qsl: list[int],
+    ) -> None:
         """Gather indices and masks for the SDPA backend, shared by every layer."""
         bs, dev = self.block_size, self.device
         # Kernel layers attend decodes on the paged cache in place: no gather, no groups.
@@ -224,20 +246,23 @@ class TorchModelRunner:
             n, max_ctx = end - start, ctx[start]
             p = torch.arange(max_ctx)
             lens = torch.tensor(ctx[start:end])
-            md.decode_groups.append(DecodeGroup(
-                start, end,
-                slots=(block_tables[start:end, p // bs].to(torch.int64) * bs + p % bs).to(dev),
-                mask=(p[None, :] < lens[:, None]).view(n, 1, 1, max_ctx).to(dev),
-            ))
+            md.decode_groups.append(
+                DecodeGroup(
+                    start,
+                    end,
+                    slots=(block_tables[start:end, p // bs].to(torch.int64) * bs + p % bs).to(dev),
+                    mask=(p[None, :] < lens[:, None]).view(n, 1, 1, max_ctx).to(dev),
+                )
+            )
         for i in range(nd, len(seqs)) if not self.kernel_prefill else ():
             seq = seqs[i]
             chunk = PrefillChunk(qsl[i], qsl[i + 1], None, None)
             if seq.start > 0:
                 c = seq.start + seq.num_tokens
                 p = torch.arange(c)
-                chunk.context_slots = (
-                    block_tables[i, p // bs].to(torch.int64) * bs + p % bs
-                ).to(dev)
+                chunk.context_slots = (block_tables[i, p // bs].to(torch.int64) * bs + p % bs).to(
+                    dev
+                )
                 q_pos = torch.arange(seq.start, c)
                 chunk.mask = (p[None, :] <= q_pos[:, None]).to(dev)
             md.prefills.append(chunk)

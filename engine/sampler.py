@@ -34,8 +34,9 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request],
-               eos_token_ids: Collection[int] = ()) -> list[SampleResult]:
+    def sample(
+        self, logits: torch.Tensor, requests: list[Request], eos_token_ids: Collection[int] = ()
+    ) -> list[SampleResult]:
         """Sample one token per row.
 
         Args:
@@ -47,8 +48,9 @@ class Sampler:
             One result per row; log-probabilities are the model's, before any processor.
         """
         raw = logits.float()
-        logits = structured.mask(logits_processors.apply(raw, requests, eos_token_ids), raw,
-                                 requests)
+        logits = structured.mask(
+            logits_processors.apply(raw, requests, eos_token_ids), raw, requests
+        )
         params = [r.params for r in requests]
         token_ids = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -83,8 +85,14 @@ class Sampler:
         exponential race over the whole vocabulary, the method before, drew ``V`` numbers
         a row: about 1 ms a row for 49,152 tokens on the 2-core CPU. Returns ``[R]`` int64.
         """
-        u = torch.stack([torch.rand((), dtype=torch.float64, device=logits.device,
-                                    generator=self._generator(r)) for r in requests])
+        u = torch.stack(
+            [
+                torch.rand(
+                    (), dtype=torch.float64, device=logits.device, generator=self._generator(r)
+                )
+                for r in requests
+            ]
+        )
         # 1 - u lies in (0, 1]: the target mass is never 0, so the token found has
         # positive probability.
         return _locate(logits.softmax(dim=-1), 1.0 - u)
@@ -109,8 +117,9 @@ def _locate(probs: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
     target = frac * across[:, -1]
     block = torch.searchsorted(across, target.unsqueeze(1)).squeeze(1)
     block = block.clamp_(max=across.shape[1] - 1)
-    before = torch.where(block > 0, across.gather(1, (block - 1).clamp(min=0).unsqueeze(1))
-                         .squeeze(1), 0.0)
+    before = torch.where(
+        block > 0, across.gather(1, (block - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0
+    )
     inner = within[torch.arange(rows, device=probs.device), block].double()  # [R, BLOCK]
     # Capped at the block's total: then the first index reaching it is the block's last
     # token of positive probability, never padding.
@@ -145,14 +154,14 @@ def _filter(logits: torch.Tensor, params) -> torch.Tensor:
     kept, covered = _top_k_top_p_candidates(sub, ks, ps)
     if not all(covered):
         rest = [j for j, c in enumerate(covered) if not c]
-        kept[rest] = _top_k_top_p_sorted(sub[rest], [ks[j] for j in rest],
-                                         [ps[j] for j in rest])
+        kept[rest] = _top_k_top_p_sorted(sub[rest], [ks[j] for j in rest], [ps[j] for j in rest])
     out[todo] = kept
     return out
 
 
-def _top_k_top_p_candidates(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]
-                            ) -> tuple[torch.Tensor, list[bool]]:
+def _top_k_top_p_candidates(
+    logits: torch.Tensor, top_ks: list[int], top_ps: list[float]
+) -> tuple[torch.Tensor, list[bool]]:
     """Top-k then top-p over each row's :data:`TOP_CANDIDATES` (or ``max(top_ks)``) best
     tokens. Returns the filtered ``[R, V]`` logits and, per row, whether the candidates
     held the whole kept set; rows that did not need :func:`_top_k_top_p_sorted`."""
@@ -163,7 +172,8 @@ def _top_k_top_p_candidates(logits: torch.Tensor, top_ks: list[int], top_ps: lis
     vals, idx = logits.topk(n, dim=-1)  # sorted, largest first
     has_k = torch.tensor([k < vocab for k in top_ks], device=dev)
     cut = torch.arange(n, device=dev).unsqueeze(0) >= torch.tensor(
-        [min(k, n) for k in top_ks], device=dev).unsqueeze(1)
+        [min(k, n) for k in top_ks], device=dev
+    ).unsqueeze(1)
     kept_vals = vals.masked_fill(cut, float("-inf"))
     # Top-p applies to the distribution after top-k: renormalised over the top k, or over
     # the whole vocabulary for a row without top-k.
@@ -179,8 +189,9 @@ def _top_k_top_p_candidates(logits: torch.Tensor, top_ks: list[int], top_ps: lis
     return out, covered
 
 
-def _top_k_top_p_sorted(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]
-                        ) -> torch.Tensor:
+def _top_k_top_p_sorted(
+    logits: torch.Tensor, top_ks: list[int], top_ps: list[float]
+) -> torch.Tensor:
     """Top-k then top-p by a sort of each whole row (``[R, V]`` in and out)."""
     vocab = logits.shape[-1]
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
@@ -195,8 +206,9 @@ def _top_k_top_p_sorted(logits: torch.Tensor, top_ks: list[int], top_ps: list[fl
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def prompt_logprob_rows(seqs, query_start_loc: list[int]
-                        ) -> tuple[list[tuple[Request, int, int]], list[int]]:
+def prompt_logprob_rows(
+    seqs, query_start_loc: list[int]
+) -> tuple[list[tuple[Request, int, int]], list[int]]:
     """Which positions of a step's flat tokens give prompt log-probabilities.
 
     Position ``p`` of a request's prompt predicts token ``p + 1``; a request that asked
@@ -220,8 +232,7 @@ def prompt_logprob_rows(seqs, query_start_loc: list[int]
     return spans, rows
 
 
-def record_prompt_logprobs(logits: torch.Tensor,
-                           spans: list[tuple[Request, int, int]]) -> None:
+def record_prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> None:
     """Append each span's entries to its request: the log-probability of the prompt's
     next token, and the top ``prompt_logprobs`` of the distribution.
 
@@ -230,9 +241,9 @@ def record_prompt_logprobs(logits: torch.Tensor,
     """
     k = 0
     for req, first, count in spans:
-        lp = logits[k:k + count].float().log_softmax(dim=-1)
+        lp = logits[k : k + count].float().log_softmax(dim=-1)
         k += count
-        targets = req.prompt_token_ids[first + 1:first + 1 + count]
+        targets = req.prompt_token_ids[first + 1 : first + 1 + count]
         own = lp.gather(1, torch.tensor(targets, device=lp.device).unsqueeze(1))[:, 0].tolist()
         top = req.params.prompt_logprobs
         top_v, top_i = lp.topk(max(top, 1), dim=-1)

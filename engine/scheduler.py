@@ -48,12 +48,18 @@ class Scheduler:
         ``config.tpot_slo_guard`` says so."""
         self.config = config
         self.step_time = step_time or StepTimeModel()
-        self.guard = TpotGuard(
-            policy, self.step_time, target=config.tpot_slo_guard_target,
-            block_size=block_manager.block_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            rules_off=frozenset(config.tpot_slo_guard_rules_off),
-        ) if config.tpot_slo_guard else None
+        self.guard = (
+            TpotGuard(
+                policy,
+                self.step_time,
+                target=config.tpot_slo_guard_target,
+                block_size=block_manager.block_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                rules_off=frozenset(config.tpot_slo_guard_rules_off),
+            )
+            if config.tpot_slo_guard
+            else None
+        )
         """The TPOT SLO guard (:mod:`policies.slo_guard`), or None when it is off."""
         self.block_manager = block_manager
         self.policy = policy
@@ -73,8 +79,12 @@ class Scheduler:
         )
 
     @classmethod
-    def from_config(cls, config: EngineConfig, block_manager: BlockManager,
-                    clock: Callable[[], float] = time.monotonic) -> Scheduler:
+    def from_config(
+        cls,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> Scheduler:
         """The scheduler ``config`` describes: its policy (``config.policy`` and its
         options) and, when ``config.tpot_slo_guard``, the TPOT guard."""
         return cls(config, block_manager, config.make_policy(), clock)
@@ -159,8 +169,14 @@ class Scheduler:
             waiting_order = [r for r in waiting_order if r.status is RequestStatus.WAITING]
         self._admit(out, waiting_order, budget, now, guard.slo)
 
-    def _decodes(self, out: SchedulerOutput, order: list[Request], budget: int,
-                 scheduled: set[str], deferred: frozenset[str]) -> int:
+    def _decodes(
+        self,
+        out: SchedulerOutput,
+        order: list[Request],
+        budget: int,
+        scheduled: set[str],
+        deferred: frozenset[str],
+    ) -> int:
         """Schedule the decode token of each running request in ``order`` that has one,
         except ``deferred``; return the budget left. Iterating most urgent first means
         any victim taken from the not-yet-scheduled tail is no more urgent than the
@@ -168,8 +184,11 @@ class Scheduler:
         for req in order:
             if budget == 0:
                 break
-            if (req.status is not RequestStatus.RUNNING or req.num_pending_tokens != 1
-                    or req.request_id in deferred):
+            if (
+                req.status is not RequestStatus.RUNNING
+                or req.num_pending_tokens != 1
+                or req.request_id in deferred
+            ):
                 continue
             if not self._make_room(req, req.num_tokens, scheduled, out):
                 continue
@@ -179,8 +198,9 @@ class Scheduler:
         out.num_decodes = len(out.seqs)
         return budget
 
-    def _guard_plan(self, order: list[Request], waiting_order: list[Request],
-                    now: float) -> GuardPlan:
+    def _guard_plan(
+        self, order: list[Request], waiting_order: list[Request], now: float
+    ) -> GuardPlan:
         """The TPOT guard's plan for this step; the defaults (no cap) with the guard off."""
         if self.guard is None:
             return GuardPlan()
@@ -195,8 +215,14 @@ class Scheduler:
             return budget.capped
         return budget.owed
 
-    def _admit(self, out: SchedulerOutput, waiting_order: list[Request],
-               budget: PrefillBudget, now: float, slo: float = math.inf) -> None:
+    def _admit(
+        self,
+        out: SchedulerOutput,
+        waiting_order: list[Request],
+        budget: PrefillBudget,
+        now: float,
+        slo: float = math.inf,
+    ) -> None:
         """Admit waiting requests in ``waiting_order`` with their first chunks, taking
         their tokens from ``budget``."""
         policy, bm = self.policy, self.block_manager
@@ -207,9 +233,11 @@ class Scheduler:
                 break
             if not policy.may_admit(req, num_running, len(self.waiting), now):
                 continue
-            if (self.guard is not None
-                    and self.guard.sheds_at_once(req, len(self.running), slo)
-                    and not policy.preempts(req, policy.pick_victim(self.running), now)):
+            if (
+                self.guard is not None
+                and self.guard.sheds_at_once(req, len(self.running), slo)
+                and not policy.preempts(req, policy.pick_victim(self.running), now)
+            ):
                 # The TPOT guard would shed it again at once. A request that outranks
                 # running work is admitted: the guard sheds that work for it instead.
                 continue
@@ -247,8 +275,9 @@ class Scheduler:
             out.seqs.append(ScheduledSeq(req, start, n))
             budget.take(n)
 
-    def _preempt_for_urgent(self, out: SchedulerOutput, waiting_order: list[Request],
-                            now: float) -> None:
+    def _preempt_for_urgent(
+        self, out: SchedulerOutput, waiting_order: list[Request], now: float
+    ) -> None:
         """Let waiting requests the policy deems more urgent displace running ones.
 
         Walks the waiting order; for each request blocked by ``max_num_seqs`` or KV room,
@@ -262,8 +291,7 @@ class Scheduler:
             seats += 1
             blocks += bm.blocks_needed(chunk)
             while self.running and (
-                len(self.running) + seats > self.config.max_num_seqs
-                or bm.num_free_blocks < blocks
+                len(self.running) + seats > self.config.max_num_seqs or bm.num_free_blocks < blocks
             ):
                 victim = self.policy.pick_victim(self.running)
                 if not self.policy.preempts(req, victim, now):
@@ -304,9 +332,7 @@ class Scheduler:
         """
         bm = self.block_manager
         while not bm.can_allocate(req.request_id, total_tokens):
-            candidates = [
-                r for r in self.running if r.request_id not in scheduled and r is not req
-            ]
+            candidates = [r for r in self.running if r.request_id not in scheduled and r is not req]
             victim = self.policy.pick_victim([*candidates, req])
             self.preempt(victim)
             out.preempted.append(victim)

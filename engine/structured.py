@@ -46,7 +46,8 @@ class StructuredOutput:
         if key not in self._cache:
             try:
                 self._cache[key] = self._get_compiler().compile_json_schema(
-                    key, any_whitespace=False)
+                    key, any_whitespace=False
+                )
             except (RuntimeError, ValueError, TypeError) as e:
                 raise ParamError(FIELD, f"{FIELD}: cannot compile the JSON schema: {e}") from e
         return self._cache[key]

@@ -143,22 +143,29 @@ class AdmissionController:
         try:
             return self.classes[name]
         except KeyError:
-            raise ValueError(f"unknown traffic class {name!r}; known: "
-                             f"{sorted(self.classes)}") from None
+            raise ValueError(
+                f"unknown traffic class {name!r}; known: {sorted(self.classes)}"
+            ) from None
 
     def _goes_before(self, name: str, priority: int) -> bool:
         """Whether class ``name``'s work is served before a request of ``priority``: the
         policy does not rank the request above the class (unknown classes: ahead)."""
         if name not in self.classes:
             return True
-        return not self.policy.outranks(_Rank(priority),
-                                        _Rank(self.classes[name].default_priority))
+        return not self.policy.outranks(_Rank(priority), _Rank(self.classes[name].default_priority))
 
     # -- the model ---------------------------------------------------------------------
 
-    def _ttft(self, s: LoadSnapshot, tokens: int, d: int, *, total: int = 0,
-              cap: tuple[float, float] = (math.inf, math.inf),
-              residual_s: float = 0.0) -> tuple[float, int]:
+    def _ttft(
+        self,
+        s: LoadSnapshot,
+        tokens: int,
+        d: int,
+        *,
+        total: int = 0,
+        cap: tuple[float, float] = (math.inf, math.inf),
+        residual_s: float = 0.0,
+    ) -> tuple[float, int]:
         """(seconds, steps) to prefill ``tokens`` alongside ``d`` decodes.
 
         Steps take at most ``cap`` prefill tokens (the TPOT guard's: the first step's,
@@ -172,8 +179,9 @@ class AdmissionController:
         executed = min(first + (steps - 1) * per_step, max(tokens, total))
         return residual_s + steps * (a + c * d) + b * executed, steps
 
-    def _tpot(self, s: LoadSnapshot, tokens: int, d: int,
-              cap: tuple[float, float] = (math.inf, math.inf)) -> float:
+    def _tpot(
+        self, s: LoadSnapshot, tokens: int, d: int, cap: tuple[float, float] = (math.inf, math.inf)
+    ) -> float:
         _, steps = self._ttft(s, tokens, d, cap=cap)
         return s.step_time(tokens / max(steps, self.tpot_horizon_steps), d + 1)
 
@@ -194,25 +202,39 @@ class AdmissionController:
         return math.ceil(tokens / s.block_size) + 1 <= s.num_kv_blocks_free + reclaimable
 
     def _load(self, s: LoadSnapshot, priority: int) -> _Load:
-        before = {k for k in {*s.waiting_prefill_tokens, *s.waiting_requests,
-                              *s.running_seqs, *s.kv_blocks_used}
-                  if self._goes_before(k, priority)}
+        before = {
+            k
+            for k in {
+                *s.waiting_prefill_tokens,
+                *s.waiting_requests,
+                *s.running_seqs,
+                *s.kv_blocks_used,
+            }
+            if self._goes_before(k, priority)
+        }
         return _Load(
             tokens_ahead=sum(n for k, n in s.waiting_prefill_tokens.items() if k in before),
             requests_ahead=sum(n for k, n in s.waiting_requests.items() if k in before),
             running_before=sum(n for k, n in s.running_seqs.items() if k in before),
             tokens_total=sum(s.waiting_prefill_tokens.values()),
             reclaimable_blocks=sum(n for k, n in s.kv_blocks_used.items() if k not in before),
-            tpot_slos=tuple(self.classes[k].tpot_slo_s for k, n in s.running_seqs.items()
-                            if n > 0 and k in self.classes),
+            tpot_slos=tuple(
+                self.classes[k].tpot_slo_s
+                for k, n in s.running_seqs.items()
+                if n > 0 and k in self.classes
+            ),
             # A running class unknown here might outrank it (conservative, as above).
-            owed=not any(k not in self.classes or self.policy.outranks(
-                             _Rank(self.classes[k].default_priority), _Rank(priority))
-                         for k, n in s.running_seqs.items() if n > 0),
+            owed=not any(
+                k not in self.classes
+                or self.policy.outranks(_Rank(self.classes[k].default_priority), _Rank(priority))
+                for k, n in s.running_seqs.items()
+                if n > 0
+            ),
         )
 
-    def _predict_at(self, s: LoadSnapshot, cls: TrafficClass, load: _Load, tokens_ahead: int,
-                    prompt_tokens: int) -> Prediction:
+    def _predict_at(
+        self, s: LoadSnapshot, cls: TrafficClass, load: _Load, tokens_ahead: int, prompt_tokens: int
+    ) -> Prediction:
         """The prediction with ``tokens_ahead`` queued ahead instead of the snapshot's."""
         d = s.total_running
         if s.tpot_slo_guard and self.policy.by_priority and load.owed:
@@ -221,8 +243,7 @@ class AdmissionController:
         tokens = tokens_ahead + prompt_tokens
         cap = self._guard_cap(s, load, d)
         total = load.tokens_total - load.tokens_ahead + tokens
-        ttft, steps = self._ttft(s, tokens, d, total=total, cap=cap,
-                                 residual_s=s.step_left_s)
+        ttft, steps = self._ttft(s, tokens, d, total=total, cap=cap, residual_s=s.step_left_s)
         if s.tpot_slo_guard and self.policy.by_priority:
             # The replica's TPOT guard sheds less urgent decodes for this request's SLO
             # and sheds this request's decodes for more urgent ones' SLOs: only the
@@ -250,8 +271,13 @@ class AdmissionController:
             kv_fits=self._kv_fits(s, tokens, load.reclaimable_blocks),
         )
 
-    def predict(self, snapshot: LoadSnapshot, traffic_class: str, prompt_tokens: int,
-                priority: int | None = None) -> Prediction:
+    def predict(
+        self,
+        snapshot: LoadSnapshot,
+        traffic_class: str,
+        prompt_tokens: int,
+        priority: int | None = None,
+    ) -> Prediction:
         """Predicted latency of a request if admitted to ``snapshot``'s replica now.
 
         Args:
@@ -271,8 +297,15 @@ class AdmissionController:
 
     # -- the decision ------------------------------------------------------------------
 
-    def decide(self, snapshot: LoadSnapshot, traffic_class: str, prompt_tokens: int,
-               max_tokens: int, priority: int, waited_s: float) -> Decision:
+    def decide(
+        self,
+        snapshot: LoadSnapshot,
+        traffic_class: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        priority: int,
+        waited_s: float,
+    ) -> Decision:
         """Admit, Wait or Reject a request of ``traffic_class`` for ``snapshot``'s replica.
 
         Admit when the predicted TTFT fits ``slo_margin`` of the class's TTFT SLO less
@@ -297,8 +330,10 @@ class AdmissionController:
         """
         cls = self._class(traffic_class)
         if waited_s < 0 or max_tokens < 0 or prompt_tokens < 0:
-            raise ValueError(f"prompt_tokens={prompt_tokens!r}, max_tokens={max_tokens!r}, "
-                             f"waited_s={waited_s!r}: must be >= 0")
+            raise ValueError(
+                f"prompt_tokens={prompt_tokens!r}, max_tokens={max_tokens!r}, "
+                f"waited_s={waited_s!r}: must be >= 0"
+            )
         s = snapshot
         load = self._load(s, priority)
         pred = self._predict_at(s, cls, load, load.tokens_ahead, prompt_tokens)
@@ -308,8 +343,11 @@ class AdmissionController:
         reason = f"{cls.name}: " + "; ".join(text for _, text in failed)
         cap = cls.hard_queue_cap
         if cap is not None and s.waiting_requests.get(cls.name, 0) >= cap:
-            return Reject(self._retry_after(s, cls, load, prompt_tokens),
-                          f"{cls.name}: queue at its cap of {cap} requests", "queue_cap")
+            return Reject(
+                self._retry_after(s, cls, load, prompt_tokens),
+                f"{cls.name}: queue at its cap of {cap} requests",
+                "queue_cap",
+            )
         if waited_s < cls.max_queue_wait_s and not self._lost(s, cls, prompt_tokens, waited_s):
             return Wait(cls.max_queue_wait_s - waited_s, reason)
         if cls.rejectable:
@@ -318,17 +356,20 @@ class AdmissionController:
         # hold, and its search cost grew with every held request's every re-decision.
         return Wait(cls.max_queue_wait_s, reason)
 
-    def _lost(self, s: LoadSnapshot, cls: TrafficClass, prompt_tokens: int,
-              waited_s: float) -> bool:
+    def _lost(
+        self, s: LoadSnapshot, cls: TrafficClass, prompt_tokens: int, waited_s: float
+    ) -> bool:
         """A held request past its TTFT SLO's point of no return (even an idle replica
         would miss the margin of what is left): holding it longer only delays the later
         arrivals that count it as queued ahead. One out of reach on arrival keeps its hold."""
         idle_ttft, _ = self._ttft(s, prompt_tokens, 0)
-        return (idle_ttft <= self.slo_margin * cls.ttft_slo_s
-                and idle_ttft > self.slo_margin * (cls.ttft_slo_s - waited_s))
+        return idle_ttft <= self.slo_margin * cls.ttft_slo_s and idle_ttft > self.slo_margin * (
+            cls.ttft_slo_s - waited_s
+        )
 
-    def _failures(self, s: LoadSnapshot, pred: Prediction, prompt_tokens: int,
-                  ttft_budget_s: float) -> list[tuple[str, str]]:
+    def _failures(
+        self, s: LoadSnapshot, pred: Prediction, prompt_tokens: int, ttft_budget_s: float
+    ) -> list[tuple[str, str]]:
         """The admission conditions ``pred`` fails, as ``(Reject.kind, text)`` (empty:
         admit)."""
         # What an idle replica would achieve: an SLO tighter than that is out of reach
@@ -339,23 +380,39 @@ class AdmissionController:
         tpot_limit = self.slo_margin * pred.tpot_slo_s
         failed = []
         if pred.ttft_s > max(ttft_limit, idle_ttft):
-            failed.append(("ttft", f"predicted TTFT {pred.ttft_s:.2f} s > {ttft_limit:.2f} s "
-                                   f"({self.slo_margin:g} of the budget; "
-                                   f"{pred.tokens_ahead} tokens ahead)" if ttft_budget_s > 0
-                           else f"its TTFT SLO passed while it was held (predicted TTFT "
-                                f"{pred.ttft_s:.2f} s; {pred.tokens_ahead} tokens ahead)"))
+            failed.append(
+                (
+                    "ttft",
+                    f"predicted TTFT {pred.ttft_s:.2f} s > {ttft_limit:.2f} s "
+                    f"({self.slo_margin:g} of the budget; "
+                    f"{pred.tokens_ahead} tokens ahead)"
+                    if ttft_budget_s > 0
+                    else f"its TTFT SLO passed while it was held (predicted TTFT "
+                    f"{pred.ttft_s:.2f} s; {pred.tokens_ahead} tokens ahead)",
+                )
+            )
         if pred.tpot_s > max(tpot_limit, idle_tpot):
-            failed.append(("tpot", f"predicted TPOT {pred.tpot_s:.3f} s > {tpot_limit:.3f} s "
-                                   f"({self.slo_margin:g} of the SLO)"))
+            failed.append(
+                (
+                    "tpot",
+                    f"predicted TPOT {pred.tpot_s:.3f} s > {tpot_limit:.3f} s "
+                    f"({self.slo_margin:g} of the SLO)",
+                )
+            )
         if not pred.seats_free:
-            failed.append(("seats", f"no seat ({pred.requests_ahead} queued ahead, "
-                                    f"max_num_seqs {s.max_num_seqs})"))
+            failed.append(
+                (
+                    "seats",
+                    f"no seat ({pred.requests_ahead} queued ahead, max_num_seqs {s.max_num_seqs})",
+                )
+            )
         if not pred.kv_fits:
             failed.append(("kv_cache", f"KV cache full ({s.num_kv_blocks_free} blocks free)"))
         return failed
 
-    def _retry_after(self, s: LoadSnapshot, cls: TrafficClass, load: _Load,
-                     prompt_tokens: int) -> float:
+    def _retry_after(
+        self, s: LoadSnapshot, cls: TrafficClass, load: _Load, prompt_tokens: int
+    ) -> float:
         """Whole seconds (>= 1) until the queue ahead drains enough to admit a fresh one.
 
         Finds the largest backlog ``x <= tokens_ahead`` at which the TTFT and TPOT

@@ -51,24 +51,29 @@ class RequestLimits:
                     f"prompt has {prompt_len} tokens; the limit is {limit - 1} "
                     f"(max_model_len {self.max_model_len}, "
                     f"KV cache {self.kv_capacity_tokens} tokens)",
-                    prompt_len + 1, limit,
+                    prompt_len + 1,
+                    limit,
                 )
         need = prompt_len + max_tokens
         asked = f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) = {need} tokens"
         if need > self.max_model_len:
             raise RequestRejectedError(
                 f"{asked} exceeds the model's context of {self.max_model_len} tokens",
-                need, self.max_model_len,
+                need,
+                self.max_model_len,
             )
         if not self.chunked_prefill and need > self.max_num_batched_tokens:
             raise RequestRejectedError(
                 f"{asked} exceeds max_num_batched_tokens ({self.max_num_batched_tokens}) "
-                "with chunked prefill disabled", need, self.max_num_batched_tokens,
+                "with chunked prefill disabled",
+                need,
+                self.max_num_batched_tokens,
             )
         if need > self.kv_capacity_tokens:
             raise RequestRejectedError(
                 f"{asked} exceeds the KV cache capacity of {self.kv_capacity_tokens} tokens",
-                need, self.kv_capacity_tokens,
+                need,
+                self.kv_capacity_tokens,
             )
         return max_tokens
 

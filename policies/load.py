@@ -91,8 +91,7 @@ class LoadSnapshot:
         # A shallow copy of the fields, not dataclasses.replace (which re-runs __init__):
         # admission re-decides held requests against every replica many times a second.
         out = object.__new__(LoadSnapshot)
-        out.__dict__.update(self.__dict__, waiting_requests=waiting,
-                            waiting_prefill_tokens=tokens)
+        out.__dict__.update(self.__dict__, waiting_requests=waiting, waiting_prefill_tokens=tokens)
         return out
 
     @property
@@ -114,8 +113,7 @@ class LoadSnapshot:
         """
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
-        for k in ("waiting_prefill_tokens", "running_seqs", "waiting_requests",
-                  "kv_blocks_used"):
+        for k in ("waiting_prefill_tokens", "running_seqs", "waiting_requests", "kv_blocks_used"):
             if k in kwargs:
                 kwargs[k] = {str(name): int(n) for name, n in kwargs[k].items()}
         if "step_coefficients" in kwargs:

@@ -38,5 +38,8 @@ class PredictionLog:
         return statistics.median(rel) if rel else math.nan
 
     def summary(self) -> dict[str, float]:
-        return {"count": float(len(self)), "mae_s": self.mean_absolute_error(),
-                "median_rel_error": self.median_relative_error()}
+        return {
+            "count": float(len(self)),
+            "mae_s": self.mean_absolute_error(),
+            "median_rel_error": self.median_relative_error(),
+        }

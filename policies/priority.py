@@ -45,12 +45,24 @@ class TrafficClass:
             ("name", self.name, isinstance(self.name, str) and bool(self.name), "non-empty"),
             ("ttft_slo_s", self.ttft_slo_s, _positive(self.ttft_slo_s), "must be > 0"),
             ("tpot_slo_s", self.tpot_slo_s, _positive(self.tpot_slo_s), "must be > 0"),
-            ("default_priority", self.default_priority,
-             isinstance(self.default_priority, int), "must be an int"),
-            ("max_queue_wait_s", self.max_queue_wait_s,
-             _positive(self.max_queue_wait_s) or self.max_queue_wait_s == 0, "must be >= 0"),
-            ("hard_queue_cap", self.hard_queue_cap,
-             self.hard_queue_cap is None or self.hard_queue_cap >= 1, "must be >= 1 or None"),
+            (
+                "default_priority",
+                self.default_priority,
+                isinstance(self.default_priority, int),
+                "must be an int",
+            ),
+            (
+                "max_queue_wait_s",
+                self.max_queue_wait_s,
+                _positive(self.max_queue_wait_s) or self.max_queue_wait_s == 0,
+                "must be >= 0",
+            ),
+            (
+                "hard_queue_cap",
+                self.hard_queue_cap,
+                self.hard_queue_cap is None or self.hard_queue_cap >= 1,
+                "must be >= 1 or None",
+            ),
         ]
         for field_name, value, ok, rule in checks:
             if not ok:
@@ -67,12 +79,21 @@ DEFAULT_CLASS = "standard"
 DEFAULT_CLASSES: dict[str, TrafficClass] = {
     # SLOs sized for SmolLM2-135M on a slow CPU, where one step takes ~100-300 ms;
     # override them (make_classes) for faster hardware.
-    "interactive": TrafficClass("interactive", ttft_slo_s=2.0, tpot_slo_s=0.5,
-                                default_priority=0, max_queue_wait_s=1.0),
-    DEFAULT_CLASS: TrafficClass(DEFAULT_CLASS, ttft_slo_s=5.0, tpot_slo_s=1.0,
-                             default_priority=1, max_queue_wait_s=3.0),
-    "batch": TrafficClass("batch", ttft_slo_s=60.0, tpot_slo_s=5.0, default_priority=2,
-                          max_queue_wait_s=30.0, hard_queue_cap=1000, rejectable=False),
+    "interactive": TrafficClass(
+        "interactive", ttft_slo_s=2.0, tpot_slo_s=0.5, default_priority=0, max_queue_wait_s=1.0
+    ),
+    DEFAULT_CLASS: TrafficClass(
+        DEFAULT_CLASS, ttft_slo_s=5.0, tpot_slo_s=1.0, default_priority=1, max_queue_wait_s=3.0
+    ),
+    "batch": TrafficClass(
+        "batch",
+        ttft_slo_s=60.0,
+        tpot_slo_s=5.0,
+        default_priority=2,
+        max_queue_wait_s=30.0,
+        hard_queue_cap=1000,
+        rejectable=False,
+    ),
 }
 """The built-in classes by name. Do not mutate; build a variant with :func:`make_classes`."""
 
@@ -101,11 +122,16 @@ def make_classes(
         if name in classes:
             classes[name] = dataclasses.replace(classes[name], **values)
             continue
-        missing = sorted(f.name for f in dataclasses.fields(TrafficClass)
-                         if f.default is dataclasses.MISSING and f.name not in values)
+        missing = sorted(
+            f.name
+            for f in dataclasses.fields(TrafficClass)
+            if f.default is dataclasses.MISSING and f.name not in values
+        )
         if missing:
-            raise ValueError(f"traffic class {name!r} is new (known: {sorted(classes)}): "
-                             f"give {', '.join(missing)} too")
+            raise ValueError(
+                f"traffic class {name!r} is new (known: {sorted(classes)}): "
+                f"give {', '.join(missing)} too"
+            )
         classes[name] = TrafficClass(**values)
     return classes
 
@@ -153,7 +179,8 @@ class PriorityPolicy:
         if max_head_of_line_skips < 0:
             raise ValueError(f"max_head_of_line_skips={max_head_of_line_skips!r}: must be >= 0")
         self.aging_s_per_level = (
-            None if aging_s_per_level is None or math.isinf(aging_s_per_level)
+            None
+            if aging_s_per_level is None or math.isinf(aging_s_per_level)
             else float(aging_s_per_level)
         )
         self.max_head_of_line_skips = max_head_of_line_skips
@@ -167,8 +194,9 @@ class PriorityPolicy:
         kept = self._admitted_deadline.get(request.request_id)
         if kept is not None:
             return kept
-        start = max(request.arrival_time,
-                    self._level_served.get(request.priority, request.arrival_time))
+        start = max(
+            request.arrival_time, self._level_served.get(request.priority, request.arrival_time)
+        )
         return start + request.priority * self.aging_s_per_level
 
     def effective_priority(self, request: R, now: float) -> float:

@@ -97,8 +97,9 @@ class _Limits:
     lent: float
 
 
-def prefill_within(coefficients: tuple[float, float, float], limit_s: float, decodes: int,
-                   ratio: float = 1.0) -> float:
+def prefill_within(
+    coefficients: tuple[float, float, float], limit_s: float, decodes: int, ratio: float = 1.0
+) -> float:
     """Prefill tokens that keep a step with ``decodes`` decodes within ``limit_s`` seconds
     under the step-time model ``(a, b, c)`` (:mod:`policies.step_time`) scaled by ``ratio``
     (the measured / predicted correction); inf when a prefill token costs nothing, negative
@@ -109,9 +110,13 @@ def prefill_within(coefficients: tuple[float, float, float], limit_s: float, dec
     return math.floor(spare / (b * ratio)) if b > 0 else math.inf
 
 
-def prompt_line(order: Sequence[Req], waiting_order: Sequence[Req], now: float,
-                policy: SchedulingPolicy,
-                prefilling: Callable[[Req], bool]) -> list[tuple[list[Req], Req | None]]:
+def prompt_line(
+    order: Sequence[Req],
+    waiting_order: Sequence[Req],
+    now: float,
+    policy: SchedulingPolicy,
+    prefilling: Callable[[Req], bool],
+) -> list[tuple[list[Req], Req | None]]:
     """The prompts in the order the scheduler gives them prefill, in groups: for each
     prompt being prefilled (in ``order``, where ``prefilling`` holds), the waiting
     requests not placed yet that outrank it enough to preempt it, then that prompt; last,
@@ -145,9 +150,16 @@ class TpotGuard:
         ValueError: an unknown rule name.
     """
 
-    def __init__(self, policy: SchedulingPolicy, model: StepTimeModel, *, target: float,
-                 block_size: int, max_num_batched_tokens: int,
-                 rules_off: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        policy: SchedulingPolicy,
+        model: StepTimeModel,
+        *,
+        target: float,
+        block_size: int,
+        max_num_batched_tokens: int,
+        rules_off: frozenset[str] = frozenset(),
+    ) -> None:
         unknown = set(rules_off) - set(RULES)
         if unknown:
             raise ValueError(f"unknown TPOT guard rules {sorted(unknown)}; known: {RULES}")
@@ -168,11 +180,19 @@ class TpotGuard:
         SLO is no tighter than this step's shedding limit ``slo`` and one more decode
         already breaks that limit. Never with ``shed`` off: the gate is the admission
         side of shedding, and without it nothing would shed the request."""
-        return ("shed" not in self.off and req.tpot_slo_s * self.target >= slo
-                and self.model.predict(0, num_running + 1) * self.ratio > slo)
+        return (
+            "shed" not in self.off
+            and req.tpot_slo_s * self.target >= slo
+            and self.model.predict(0, num_running + 1) * self.ratio > slo
+        )
 
-    def plan(self, order: Sequence[Req], waiting_order: Sequence[Req], now: float,
-             prefilling: Callable[[Req], bool]) -> GuardPlan:
+    def plan(
+        self,
+        order: Sequence[Req],
+        waiting_order: Sequence[Req],
+        now: float,
+        prefilling: Callable[[Req], bool],
+    ) -> GuardPlan:
         """This step's plan (see the module's table of rules).
 
         Shedding: walks the running requests most urgent first (``order``), tracking the
@@ -212,9 +232,12 @@ class TpotGuard:
             is_decoding = req.num_pending_tokens == 1
             if req.tpot_slo_s * target < slo and is_decoding:
                 slo, owner = req.tpot_slo_s * target, req
-            if ("shed" not in self.off and owner is not req
-                    and model.predict(0, len(decoding) + 1) * ratio > slo
-                    and self.policy.outranks(owner, req)):
+            if (
+                "shed" not in self.off
+                and owner is not req
+                and model.predict(0, len(decoding) + 1) * ratio > slo
+                and self.policy.outranks(owner, req)
+            ):
                 shed.append(req)
                 continue
             if is_decoding:
@@ -227,28 +250,50 @@ class TpotGuard:
         cap, owed_cap, deferred = self._caps(decoding, owed, limits, slo, now)
         if "cap" in self.off:
             cap = owed_cap = math.inf
-        return GuardPlan(cap=cap, owed=owed_cap, slo=slo, binder=limits.binder,
-                         lent_s=limits.lent / ratio,
-                         deferred=frozenset(deferred), shed=tuple(shed))
+        return GuardPlan(
+            cap=cap,
+            owed=owed_cap,
+            slo=slo,
+            binder=limits.binder,
+            lent_s=limits.lent / ratio,
+            deferred=frozenset(deferred),
+            shed=tuple(shed),
+        )
 
-    def _owed(self, order: Sequence[Req], waiting_order: Sequence[Req], now: float,
-              prefilling: Callable[[Req], bool], shed: list[Req], binder: Req) -> list[Req]:
+    def _owed(
+        self,
+        order: Sequence[Req],
+        waiting_order: Sequence[Req],
+        now: float,
+        prefilling: Callable[[Req], bool],
+        shed: list[Req],
+        binder: Req,
+    ) -> list[Req]:
         """Prompts owed their TTFT SLO, in line: those ``binder`` does not outrank."""
         if "owed" in self.off:
             return []
         shed_ids = {r.request_id for r in shed}
-        line = prompt_line(order, waiting_order, now, self.policy,
-                           lambda r: r.request_id not in shed_ids and prefilling(r))
-        return [r for urgent, req in line for r in (*urgent, req)
-                if r is not None and not r.output_token_ids
-                and not self.policy.outranks(binder, r)]
+        line = prompt_line(
+            order,
+            waiting_order,
+            now,
+            self.policy,
+            lambda r: r.request_id not in shed_ids and prefilling(r),
+        )
+        return [
+            r
+            for urgent, req in line
+            for r in (*urgent, req)
+            if r is not None and not r.output_token_ids and not self.policy.outranks(binder, r)
+        ]
 
     def _tokens_within(self, limit: float, decodes: int) -> float:
         """Prefill tokens that keep a step with ``decodes`` decodes within ``limit`` s."""
         return prefill_within(self.model.coefficients(), limit, decodes, self.ratio)
 
-    def _caps(self, decoding: list[Req], owed: list[Req], limits: _Limits, slo: float,
-              now: float) -> tuple[float, float, set[str]]:
+    def _caps(
+        self, decoding: list[Req], owed: list[Req], limits: _Limits, slo: float, now: float
+    ) -> tuple[float, float, set[str]]:
         """(cap, owed cap, ids of decodes that sit out) for this step."""
         target, ratio = self.target, self.ratio
         # The TTFT plan counts steps at the full SLO, not at the guard's target: steps run
@@ -262,8 +307,11 @@ class TpotGuard:
         kept, deferred = len(decoding), set()
         for req in reversed(decoding):  # least urgent first
             # Sitting out frees step time and a budget token: it helps while either binds.
-            if "sit_out" in self.off or not owed or need <= min(max_tokens - kept,
-                                       self._tokens_within(limits.owed, kept)):
+            if (
+                "sit_out" in self.off
+                or not owed
+                or need <= min(max_tokens - kept, self._tokens_within(limits.owed, kept))
+            ):
                 break
             if not self.policy.preempts(owed[0], req, now):
                 break  # the rest are at least as urgent
@@ -279,8 +327,11 @@ class TpotGuard:
         # predictions for them) wait behind.
         # (need is 0 when no owed prompt can still meet a TTFT SLO: none is stretched for.)
         owed_cap = max(cap, self._tokens_within(limits.lent, kept)) if need > 0 else cap
-        if ("deadline" not in self.off and owed
-                and owed[0].num_pending_tokens <= min(owed_cap, max_tokens - kept)):
+        if (
+            "deadline" not in self.off
+            and owed
+            and owed[0].num_pending_tokens <= min(owed_cap, max_tokens - kept)
+        ):
             # The first prompt in line samples its first token when this step ends: the
             # prompts behind it (later deadlines) may add only what still ends the step
             # by its deadline.
@@ -358,8 +409,16 @@ class TpotGuard:
             stretch_own = max(own, share + credit)
             stretch = min(stretch, stretch_own)
             borrow = 0.0 if "lend" in self.off else OWED_BORROW
-            lent = min(lent, max(stretch_own, min(
-                req.tpot_slo_s, share + credit + borrow * (req.tpot_slo_s - share) * (gaps - 1))))
+            lent = min(
+                lent,
+                max(
+                    stretch_own,
+                    min(
+                        req.tpot_slo_s,
+                        share + credit + borrow * (req.tpot_slo_s - share) * (gaps - 1),
+                    ),
+                ),
+            )
             if gaps <= 1 and req.first_token_time is not None and "last_gap" not in self.off:
                 left = req.tpot_slo_s * len(req.output_token_ids) - (now - req.first_token_time)
                 if left > 0:  # else it has missed its SLO already: no step saves it
@@ -373,6 +432,7 @@ class TpotGuard:
                 limit, binder = own, req
             share_min = min(share_min, share)
         stretch, lent = max(stretch, share_min), max(lent, share_min)
-        self.acted["last_gap"] += (binder.request_id in lowered or last_gap < stretch
-                                   or last_gap < lent)
+        self.acted["last_gap"] += (
+            binder.request_id in lowered or last_gap < stretch or last_gap < lent
+        )
         return _Limits(limit, binder, min(stretch, last_gap), min(lent, last_gap))

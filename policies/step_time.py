@@ -74,9 +74,11 @@ class StepTimeModel:
         if len(prior) != 3 or not all(math.isfinite(p) and p >= 0 for p in prior):
             raise ValueError(f"prior={prior!r}: must be three finite numbers >= 0")
         if window < 3 or min_samples < 1 or not prior_weight > 0:
-            raise ValueError(f"window={window}, min_samples={min_samples}, "
-                             f"prior_weight={prior_weight}: need window >= 3, "
-                             "min_samples >= 1, prior_weight > 0")
+            raise ValueError(
+                f"window={window}, min_samples={min_samples}, "
+                f"prior_weight={prior_weight}: need window >= 3, "
+                "min_samples >= 1, prior_weight > 0"
+            )
         self.prior = tuple(float(p) for p in prior)
         self.min_samples = min_samples
         self.prior_weight = float(prior_weight)
@@ -102,10 +104,13 @@ class StepTimeModel:
         Raises:
             ValueError: a negative or non-finite value.
         """
-        if not (prefill_tokens >= 0 and decode_seqs >= 0 and math.isfinite(seconds)
-                and seconds >= 0):
-            raise ValueError(f"observe({prefill_tokens!r}, {decode_seqs!r}, {seconds!r}): "
-                             "counts and seconds must be finite and >= 0")
+        if not (
+            prefill_tokens >= 0 and decode_seqs >= 0 and math.isfinite(seconds) and seconds >= 0
+        ):
+            raise ValueError(
+                f"observe({prefill_tokens!r}, {decode_seqs!r}, {seconds!r}): "
+                "counts and seconds must be finite and >= 0"
+            )
         if len(self._obs) >= self.min_samples:
             predicted = self.predict(prefill_tokens, decode_seqs)
             if predicted > 0:
@@ -181,8 +186,7 @@ class StepTimeModel:
         # Ridge weight per coefficient: prior_weight observations' worth of the feature's
         # variance (the information the data carry about a slope), at least 1 so that a
         # constant feature, which the data cannot separate from ``a``, stays at its prior.
-        lam = [self.prior_weight * max(xtx[i][i] / n - (xtx[0][i] / n) ** 2, 1.0)
-               for i in range(3)]
+        lam = [self.prior_weight * max(xtx[i][i] / n - (xtx[0][i] / n) ** 2, 1.0) for i in range(3)]
         h = [[xtx[i][j] + (lam[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
         g = [xty[i] + lam[i] * self.prior[i] for i in range(3)]
 
@@ -196,8 +200,9 @@ class StepTimeModel:
             # clamp it to 0 and check the optimality conditions before enumerating.
             free = tuple(i for i in range(3) if sol[i] > 0)
             x = _on_free_set(h, g, free)
-            if x is not None and all(sum(h[i][j] * x[j] for j in range(3)) - g[i] >= 0
-                                     for i in range(3) if i not in free):
+            if x is not None and all(
+                sum(h[i][j] * x[j] for j in range(3)) - g[i] >= 0 for i in range(3) if i not in free
+            ):
                 return x
         # Minimise 0.5 x'Hx - g'x subject to x >= 0 by enumerating the free sets: the
         # constrained optimum is the unconstrained optimum on its own free set.
@@ -213,8 +218,9 @@ class StepTimeModel:
         return best
 
 
-def _on_free_set(h: list[list[float]], g: list[float],
-                 free: tuple[int, ...]) -> tuple[float, float, float] | None:
+def _on_free_set(
+    h: list[list[float]], g: list[float], free: tuple[int, ...]
+) -> tuple[float, float, float] | None:
     """The minimiser of ``0.5 x'Hx - g'x`` with the coefficients outside ``free`` at 0;
     None when it is not >= 0 (or the system is singular)."""
     if not free:
@@ -228,8 +234,9 @@ def _on_free_set(h: list[list[float]], g: list[float],
     return (x[0], x[1], x[2])
 
 
-def predict_step(coefficients: tuple[float, float, float], prefill_tokens: float,
-                 decode_seqs: float) -> float:
+def predict_step(
+    coefficients: tuple[float, float, float], prefill_tokens: float, decode_seqs: float
+) -> float:
     """Seconds of a step under the linear model with these (a, b, c)."""
     a, b, c = coefficients
     return a + b * prefill_tokens + c * decode_seqs
@@ -252,6 +259,8 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
     if abs(det) < 1e-300:
         return None
     x, y, z = v
-    return [(x * co[0] + b * (f * z - y * i) + c * (y * h - e * z)) / det,
-            (a * (y * i - f * z) + x * co[1] + c * (d * z - y * g)) / det,
-            (a * (e * z - y * h) + b * (y * g - d * z) + x * co[2]) / det]
+    return [
+        (x * co[0] + b * (f * z - y * i) + c * (y * h - e * z)) / det,
+        (a * (y * i - f * z) + x * co[1] + c * (d * z - y * g)) / det,
+        (a * (e * z - y * h) + b * (y * g - d * z) + x * co[2]) / det,
+    ]

@@ -62,9 +62,14 @@ class IngressAdmission:
         clock: monotonic seconds, injectable for tests.
     """
 
-    def __init__(self, classes: Mapping[str, TrafficClass], *,
-                 policy: SchedulingPolicy | None = None, enabled: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        classes: Mapping[str, TrafficClass],
+        *,
+        policy: SchedulingPolicy | None = None,
+        enabled: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.controller = AdmissionController(classes, policy=policy)
         self.enabled = enabled
         self.clock = clock
@@ -80,9 +85,15 @@ class IngressAdmission:
         """Requests held at this ingress now, per class."""
         return dict(Counter(cls for cls, _, _ in self._held.values()))
 
-    async def admit(self, loads: Callable[[], list[tuple[LoadSnapshot, int]]], traffic_class: str,
-                    prompt_tokens: int, max_tokens: int, priority: int,
-                    arrival_s: float) -> float:
+    async def admit(
+        self,
+        loads: Callable[[], list[tuple[LoadSnapshot, int]]],
+        traffic_class: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        priority: int,
+        arrival_s: float,
+    ) -> float:
         """Return once the request may go to a replica; the seconds it was held.
 
         Args:
@@ -105,8 +116,9 @@ class IngressAdmission:
                 if not snaps:
                     break
                 self.recount(token, computed_tokens(prompt_tokens, snaps))
-                d = self.decide(snaps, traffic_class, prompt_tokens, max_tokens, priority,
-                                arrival_s)
+                d = self.decide(
+                    snaps, traffic_class, prompt_tokens, max_tokens, priority, arrival_s
+                )
                 if isinstance(d, Admit):
                     break
                 if isinstance(d, Reject):
@@ -114,8 +126,10 @@ class IngressAdmission:
                     if held_for is not None:
                         # After a long hold the last failure is often only that the
                         # budget ran out; the first says what held it.
-                        reason += (f" (held {self.clock() - arrival_s:.1f} s; first held "
-                                   f"because {held_for})")
+                        reason += (
+                            f" (held {self.clock() - arrival_s:.1f} s; first held "
+                            f"because {held_for})"
+                        )
                     raise AdmissionRejected(d.retry_after_s, reason, d.kind)
                 if held_for is None:
                     held_for = d.reason
@@ -146,16 +160,28 @@ class IngressAdmission:
         del self._held[token]
         self._index = None
 
-    def decide(self, snaps: list[tuple[LoadSnapshot, int]], traffic_class: str,
-               prompt_tokens: int, max_tokens: int, priority: int,
-               arrival_s: float) -> Decision:
+    def decide(
+        self,
+        snaps: list[tuple[LoadSnapshot, int]],
+        traffic_class: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        priority: int,
+        arrival_s: float,
+    ) -> Decision:
         """One decision over every replica's load (``(snapshot, cached tokens)`` pairs):
         Admit when any replica admits, Reject (the soonest retry) when all reject, else
         the first replica's Wait. The caller holds the request meanwhile (:meth:`hold`)."""
         waited = max(0.0, self.clock() - arrival_s)
         decisions = [
-            self.controller.decide(self._with_held(s, arrival_s), traffic_class,
-                                   prompt_tokens - cached, max_tokens, priority, waited)
+            self.controller.decide(
+                self._with_held(s, arrival_s),
+                traffic_class,
+                prompt_tokens - cached,
+                max_tokens,
+                priority,
+                waited,
+            )
             for s, cached in snaps
         ]
         for d in decisions:

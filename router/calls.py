@@ -26,8 +26,7 @@ def accepted(first: dict) -> tuple[int, str]:
     """
     if "error" in first:
         err = first["error"]
-        raise ApiError(err["status"], err["message"], param=err.get("param"),
-                       code=err.get("code"))
+        raise ApiError(err["status"], err["message"], param=err.get("param"), code=err.get("code"))
     return first["prompt_tokens"], first["replica"]
 
 
@@ -37,7 +36,9 @@ def record_item(record: Any, item: dict) -> None:
         return
     if "queue_s" in item:
         record.scheduled(item["queue_s"])
-    record.tokens(sum(len(o["token_ids"]) for o in item["outputs"]),
-                  [o["finish_reason"] for o in item["outputs"] if o["finish_reason"]])
+    record.tokens(
+        sum(len(o["token_ids"]) for o in item["outputs"]),
+        [o["finish_reason"] for o in item["outputs"] if o["finish_reason"]],
+    )
     if item["finished"]:
         record.finished()

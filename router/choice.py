@@ -53,8 +53,9 @@ class RoutedSince:
     def __init__(self) -> None:
         self._routed: dict[Hashable, deque[Routed]] = {}
 
-    def record(self, replica: Hashable, now: float, shape: RequestShape,
-               matched_blocks: int = 0) -> None:
+    def record(
+        self, replica: Hashable, now: float, shape: RequestShape, matched_blocks: int = 0
+    ) -> None:
         """``shape`` was routed to ``replica`` at ``now``; ``matched_blocks``: leading
         blocks of its prompt the prefix map said ``replica`` was sent before (read before
         recording this request's own prefix)."""
@@ -69,9 +70,14 @@ class RoutedSince:
         while routed and routed[0].time_s < min(snap.timestamp, now - ROUTED_MEMORY_S):
             routed.popleft()
         return snap.with_queued(
-            (r.shape.traffic_class, r.shape.prompt_tokens
-             - cached_tokens(r.matched_blocks, snap.block_size, r.shape.prompt_tokens))
-            for r in routed if r.time_s >= snap.timestamp)
+            (
+                r.shape.traffic_class,
+                r.shape.prompt_tokens
+                - cached_tokens(r.matched_blocks, snap.block_size, r.shape.prompt_tokens),
+            )
+            for r in routed
+            if r.time_s >= snap.timestamp
+        )
 
     def forget(self, replica: Hashable) -> None:
         self._routed.pop(replica, None)
@@ -91,9 +97,13 @@ class ReplicaChooser:
         self.prefixes = PrefixMap()
         """Which replicas were sent which prompt prefixes (:mod:`router.prefix`)."""
 
-    def choose(self, candidates: Sequence[R], shape: RequestShape,
-               snapshot: Callable[[R], LoadSnapshot | None],
-               key: Callable[[R], Hashable]) -> list[list[R]]:
+    def choose(
+        self,
+        candidates: Sequence[R],
+        shape: RequestShape,
+        snapshot: Callable[[R], LoadSnapshot | None],
+        key: Callable[[R], Hashable],
+    ) -> list[list[R]]:
         """Ranks of replicas to try, best first (one replica per rank).
 
         ``snapshot`` gives a replica's adjusted load (None: it has not published one: the
@@ -116,8 +126,9 @@ class ReplicaChooser:
             if snap is None:
                 return [pair]
             cached = cached_tokens(matched.get(key(r), 0), snap.block_size, shape.prompt_tokens)
-            pred = self.admission.predict(snap, shape.traffic_class,
-                                          shape.prompt_tokens - cached, shape.priority)
+            pred = self.admission.predict(
+                snap, shape.traffic_class, shape.prompt_tokens - cached, shape.priority
+            )
             load = snap.total_running + sum(snap.waiting_requests.values())
             keys.append((pred.ttft_s, load, snap.step_time(0, snap.total_running + 1), cached))
         first, second = pair if self.first_is_better(*keys) else pair[::-1]

@@ -22,6 +22,7 @@ class ConfiguredCORS:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._cors is None:
-            self._cors = CORSMiddleware(self.app, allow_origins=list(self.origins),
-                                        allow_methods=["*"], allow_headers=["*"])
+            self._cors = CORSMiddleware(
+                self.app, allow_origins=list(self.origins), allow_methods=["*"], allow_headers=["*"]
+            )
         await self._cors(scope, receive, send)

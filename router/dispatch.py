@@ -39,8 +39,14 @@ class Dispatch:
     replica's step stream (:mod:`router.step_streams`).
     """
 
-    def __init__(self, handle: DeploymentHandle, args: tuple, shape: RequestShape,
-                 streams: StepStreams, record: Any = None) -> None:
+    def __init__(
+        self,
+        handle: DeploymentHandle,
+        args: tuple,
+        shape: RequestShape,
+        streams: StepStreams,
+        record: Any = None,
+    ) -> None:
         self.handle = handle
         self.args = args
         self.shape = shape
@@ -67,14 +73,16 @@ class Dispatch:
         while True:
             self.attempts += 1
             self.streams.register(self.request_id)
-            self.gen = self.handle.generate.remote(*self.args, shape=self.shape,
-                                                   ingress=self.streams.ingress_id)
+            self.gen = self.handle.generate.remote(
+                *self.args, shape=self.shape, ingress=self.streams.ingress_id
+            )
             try:
                 first = await self.gen.__anext__()
             except REPLICA_LOST as e:
                 if self.attempts >= MAX_DISPATCH_ATTEMPTS:
-                    raise ApiError(503, f"no replica could take the request: {e}",
-                                   code="replica_unavailable") from e
+                    raise ApiError(
+                        503, f"no replica could take the request: {e}", code="replica_unavailable"
+                    ) from e
                 logger.warning("replica lost before accepting a request; re-sending: %s", e)
                 continue
             if "error" in first:

@@ -48,9 +48,13 @@ from router.tenants import CLASS_HEADER, authenticate, check_key_classes, resolv
 
 logger = logging.getLogger(__name__)
 
-ROUTES = (("GET", "/health", "health"), ("GET", "/metrics", "prometheus_metrics"),
-          ("GET", "/v1/models", "models"), ("POST", "/v1/completions", "completions"),
-          ("POST", "/v1/chat/completions", "chat_completions"))
+ROUTES = (
+    ("GET", "/health", "health"),
+    ("GET", "/metrics", "prometheus_metrics"),
+    ("GET", "/v1/models", "models"),
+    ("POST", "/v1/completions", "completions"),
+    ("POST", "/v1/chat/completions", "chat_completions"),
+)
 """(method, path, :class:`Ingress` method name) of every route."""
 CLIENT_GONE = 499
 """Status of a response nobody reads: its client disconnected (nginx's code for it)."""
@@ -99,8 +103,9 @@ class Ingress:
             Serve cancels such a handler itself; uvicorn alone does not.
     """
 
-    def __init__(self, replicas: Any, settings: dict[str, Any],
-                 watch_disconnects: bool = False) -> None:
+    def __init__(
+        self, replicas: Any, settings: dict[str, Any], watch_disconnects: bool = False
+    ) -> None:
         self.watch_disconnects = watch_disconnects
         self.settings = IngressSettings(**settings)
         ConfiguredCORS.origins = self.settings.allowed_origins
@@ -109,7 +114,8 @@ class Ingress:
         self.api_keys = self.settings.all_api_keys()
         check_key_classes(self.api_keys, self.classes)
         self.admission = IngressAdmission(
-            self.classes, policy=policy_from_spec(self.settings.policy),
+            self.classes,
+            policy=policy_from_spec(self.settings.policy),
             enabled=self.settings.admission,
         )
         self._info: _ModelInfo | None = None
@@ -118,8 +124,11 @@ class Ingress:
         self.metrics = IngressMetrics(
             self.settings.model_name,
             {k: (c.ttft_slo_s, c.tpot_slo_s) for k, c in self.classes.items()},
-            replicas.stats, lambda: self.admission.held, replicas.count,
-            self.settings.num_replicas)
+            replicas.stats,
+            lambda: self.admission.held,
+            replicas.count,
+            self.settings.num_replicas,
+        )
 
     # -- routes ------------------------------------------------------------------------
     # (No `from __future__ import annotations` in this module: FastAPI reads the
@@ -130,19 +139,23 @@ class Ingress:
         try:
             await asyncio.wait_for(self._model_info(), timeout=5)
         except (ApiError, TimeoutError):
-            return self._error(ApiError(503, "no model replica is ready yet",
-                                        code="not_ready"))
+            return self._error(ApiError(503, "no model replica is ready yet", code="not_ready"))
         replicas = [
-            {"replica": rid, "kv_usage": round(s.kv_usage, 4),
-             "num_kv_blocks_free": s.num_kv_blocks_free, "running": s.total_running,
-             "waiting": sum(s.waiting_requests.values())}
+            {
+                "replica": rid,
+                "kv_usage": round(s.kv_usage, 4),
+                "num_kv_blocks_free": s.num_kv_blocks_free,
+                "running": s.total_running,
+                "waiting": sum(s.waiting_requests.values()),
+            }
             for rid, s in self.replicas.snapshots().items()
         ]
         num = self.replicas.count()
         if num == 0:
             return self._error(ApiError(503, "no model replica is running", code="not_ready"))
-        return JSONResponse({"status": "ok", "num_replicas": num, "replicas": replicas,
-                             "held": self.admission.held})
+        return JSONResponse(
+            {"status": "ok", "num_replicas": num, "replicas": replicas, "held": self.admission.held}
+        )
 
     async def prometheus_metrics(self) -> Response:
         """Prometheus exposition of every ``iterserve:`` metric (:mod:`deploy.metrics`)."""
@@ -154,10 +167,20 @@ class Ingress:
             info = await self._model_info()
         except ApiError as e:
             return self._error(e)
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.settings.model_name, "object": "model", "created": self._created,
-            "owned_by": "iterserve", "max_model_len": info.limits.max_model_len,
-        }]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.settings.model_name,
+                        "object": "model",
+                        "created": self._created,
+                        "owned_by": "iterserve",
+                        "max_model_len": info.limits.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
@@ -177,9 +200,13 @@ class Ingress:
             body = await self._read_json(request)
             req = fmt.validate(body, ChatCompletionRequest if chat else CompletionRequest)
             fmt.check_served(req, chat, self.settings.model_name, self.settings.max_n)
-            caller = resolve_caller(self.api_keys, self.classes,
-                                    request.headers.get("authorization"),
-                                    request.headers.get(CLASS_HEADER), req.priority)
+            caller = resolve_caller(
+                self.api_keys,
+                self.classes,
+                request.headers.get("authorization"),
+                request.headers.get(CLASS_HEADER),
+                req.priority,
+            )
             info = await self._model_info()
             prompts = fmt.prompts(req, chat, info.tokenizer)
             scores_only = fmt.scores_only(req, chat)
@@ -187,8 +214,11 @@ class Ingress:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             for p, (ids, text) in enumerate(prompts):
                 call_id = rid if len(prompts) == 1 else f"{rid}-{p}"
-                calls.append(PromptCall(ids, text, await self._dispatch(
-                    call_id, ids, params, caller, info, arrival)))
+                calls.append(
+                    PromptCall(
+                        ids, text, await self._dispatch(call_id, ids, params, caller, info, arrival)
+                    )
+                )
         except ApiError as e:
             self._cancel(calls)
             return self._error(e)
@@ -197,16 +227,22 @@ class Ingress:
             if not isinstance(e, Exception):
                 raise
             logger.exception("request failed")
-            return self._error(ApiError(500, "internal error; see the server log",
-                                        code="internal_error"))
-        reply = responses.Reply(req, chat, rid, self.settings.model_name, info.tokenizer,
-                                calls, scores_only)
-        headers = {"x-request-id": rid, "x-iterserve-class": caller.traffic_class,
-                   "x-iterserve-priority": str(caller.priority),
-                   "x-iterserve-replica": calls[0].dispatch.replica}
+            return self._error(
+                ApiError(500, "internal error; see the server log", code="internal_error")
+            )
+        reply = responses.Reply(
+            req, chat, rid, self.settings.model_name, info.tokenizer, calls, scores_only
+        )
+        headers = {
+            "x-request-id": rid,
+            "x-iterserve-class": caller.traffic_class,
+            "x-iterserve-priority": str(caller.priority),
+            "x-iterserve-replica": calls[0].dispatch.replica,
+        }
         if req.stream:
-            return StreamingResponse(responses.stream(reply), media_type="text/event-stream",
-                                     headers=headers)
+            return StreamingResponse(
+                responses.stream(reply), media_type="text/event-stream", headers=headers
+            )
         try:
             body = await self._collect(request, reply)
             if body is None:  # the client left; its calls are aborted below
@@ -217,12 +253,14 @@ class Ingress:
         finally:
             self._cancel(calls)
 
-    async def _dispatch(self, rid: str, ids: list[int], params: dict, caller: Any,
-                        info: _ModelInfo, arrival: float) -> Any:
+    async def _dispatch(
+        self, rid: str, ids: list[int], params: dict, caller: Any, info: _ModelInfo, arrival: float
+    ) -> Any:
         """Admit one prompt and send it to a replica; its call once accepted."""
         bs = self.settings.prefix_block_size
-        shape = RequestShape(len(ids), caller.traffic_class, caller.priority,
-                             prefix_hashes(ids, bs) if bs else ())
+        shape = RequestShape(
+            len(ids), caller.traffic_class, caller.priority, prefix_hashes(ids, bs) if bs else ()
+        )
         # A request that can never fit skips admission: the replica answers it with a
         # 400 that has the numbers, not a 429.
         held_s = 0.0
@@ -259,19 +297,29 @@ class Ingress:
 
     # -- helpers -----------------------------------------------------------------------
 
-    async def _admit(self, caller: Any, shape: RequestShape, max_tokens: int | None,
-                     arrival: float) -> float:
+    async def _admit(
+        self, caller: Any, shape: RequestShape, max_tokens: int | None, arrival: float
+    ) -> float:
         """Wait for admission; the seconds held. Raises ApiError 429 with Retry-After
         when refused."""
         try:
             return await self.admission.admit(
-                lambda: self.replicas.loads(shape), caller.traffic_class, shape.prompt_tokens,
-                max_tokens or 0, caller.priority, arrival)
+                lambda: self.replicas.loads(shape),
+                caller.traffic_class,
+                shape.prompt_tokens,
+                max_tokens or 0,
+                caller.priority,
+                arrival,
+            )
         except AdmissionRejected as e:
             self.metrics.reject(caller.traffic_class, e.kind)
             retry = str(int(e.retry_after_s))
-            raise ApiError(429, f"server busy, retry after {retry} s ({e.reason})",
-                           code="rate_limit_exceeded", headers={"Retry-After": retry}) from None
+            raise ApiError(
+                429,
+                f"server busy, retry after {retry} s ({e.reason})",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": retry},
+            ) from None
 
     async def _model_info(self) -> _ModelInfo:
         """The replicas' tokenizer and limits, fetched from one replica on first use.
@@ -290,28 +338,39 @@ class Ingress:
         limit = self.settings.max_request_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body of {declared} bytes is over the limit of "
-                                f"{limit} bytes", code="request_too_large")
+            raise ApiError(
+                413,
+                f"request body of {declared} bytes is over the limit of {limit} bytes",
+                code="request_too_large",
+            )
         body = bytearray()
         async for part in request.stream():
             body += part
             if len(body) > limit:
-                raise ApiError(413, f"request body is over the limit of {limit} bytes",
-                               code="request_too_large")
+                raise ApiError(
+                    413,
+                    f"request body is over the limit of {limit} bytes",
+                    code="request_too_large",
+                )
         try:
             data = json.loads(body)
             if b"\\u" in body or b"\xed" in body:  # how a lone UTF-16 surrogate gets in
                 json.dumps(data, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as e:  # a string no tokenizer can encode
-            raise ApiError(400, "request body is not valid Unicode text: a lone UTF-16 "
-                                f"surrogate ({e.object[e.start:e.end]!a})",
-                           code="invalid_json") from None
+            raise ApiError(
+                400,
+                "request body is not valid Unicode text: a lone UTF-16 "
+                f"surrogate ({e.object[e.start : e.end]!a})",
+                code="invalid_json",
+            ) from None
         except ValueError as e:
-            raise ApiError(400, f"request body is not valid JSON: {e}",
-                           code="invalid_json") from None
+            raise ApiError(
+                400, f"request body is not valid JSON: {e}", code="invalid_json"
+            ) from None
         except RecursionError:
-            raise ApiError(400, "request body is not valid JSON: nested too deeply",
-                           code="invalid_json") from None
+            raise ApiError(
+                400, "request body is not valid JSON: nested too deeply", code="invalid_json"
+            ) from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object", code="invalid_json")
         return data

@@ -114,20 +114,17 @@ class LocalReplicas:
             ApiError: 503 when the engine has failed.
         """
         if not self._alive:
-            raise ApiError(503, "the engine failed; restart the server",
-                           code="replica_unavailable")
+            raise ApiError(503, "the engine failed; restart the server", code="replica_unavailable")
         rid, ids, params = args
         self.prefixes.record(shape.prefix_hashes, self.replica.replica_id)
-        return LocalCall(self.replica.items(rid, ids, params, shape, send_load=False),
-                         record)
+        return LocalCall(self.replica.items(rid, ids, params, shape, send_load=False), record)
 
     def loads(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
         """The replica's snapshot now and the tokens of ``shape``'s prompt it likely holds."""
         if not self._alive:
             return []
         snap = self.replica.engine.load_snapshot()
-        matched = self.prefixes.matched_blocks(shape.prefix_hashes).get(
-            self.replica.replica_id, 0)
+        matched = self.prefixes.matched_blocks(shape.prefix_hashes).get(self.replica.replica_id, 0)
         return [(snap, cached_tokens(matched, snap.block_size, shape.prompt_tokens))]
 
     def snapshots(self) -> dict[str, LoadSnapshot]:

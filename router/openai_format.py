@@ -18,8 +18,12 @@ def validate(body: dict, schema: type[BaseModel]) -> Any:
     """``body`` parsed as ``schema``. Raises ApiError 400 naming the first bad field: an
     unsupported OpenAI field, an unknown one, or a value out of range."""
     if (name := unsupported_field(body, schema.unsupported)) is not None:
-        raise ApiError(400, f"`{name}` is not supported by this server", param=name,
-                       code="unsupported_parameter")
+        raise ApiError(
+            400,
+            f"`{name}` is not supported by this server",
+            param=name,
+            code="unsupported_parameter",
+        )
     try:
         return schema.model_validate(body)
     except ValidationError as e:
@@ -38,8 +42,7 @@ def validate(body: dict, schema: type[BaseModel]) -> Any:
 
 
 def _union_member(loc: str | int) -> bool:
-    return isinstance(loc, str) and (loc in ("str", "int", "float", "bool", "dict")
-                                     or "[" in loc)
+    return isinstance(loc, str) and (loc in ("str", "int", "float", "bool", "dict") or "[" in loc)
 
 
 def check_served(req: Any, chat: bool, model_name: str, max_n: int) -> None:
@@ -50,12 +53,20 @@ def check_served(req: Any, chat: bool, model_name: str, max_n: int) -> None:
             number of prompts is over ``max_n``.
     """
     if req.model != model_name:
-        raise ApiError(404, f"model {req.model!r} does not exist; this server serves "
-                            f"{model_name!r}", param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"model {req.model!r} does not exist; this server serves {model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
     num_prompts = 1 if chat else len(req.prompt)
     if req.n * num_prompts > max_n:
-        raise ApiError(400, f"n={req.n} for {num_prompts} prompt(s) is over the server's "
-                            f"cap of {max_n} choices", param="n", code="invalid_value")
+        raise ApiError(
+            400,
+            f"n={req.n} for {num_prompts} prompt(s) is over the server's cap of {max_n} choices",
+            param="n",
+            code="invalid_value",
+        )
 
 
 def prompts(req: Any, chat: bool, tokenizer: Any) -> list[tuple[list[int], str]]:
@@ -76,11 +87,14 @@ def prompts(req: Any, chat: bool, tokenizer: Any) -> list[tuple[list[int], str]]
         return out
     try:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # jinja errors from a model's template: bad messages
-        raise ApiError(400, f"messages: cannot apply the chat template: {e}",
-                       param="messages", code="invalid_value") from None
+        raise ApiError(
+            400,
+            f"messages: cannot apply the chat template: {e}",
+            param="messages",
+            code="invalid_value",
+        ) from None
     return [(tokenizer.encode(text, add_special_tokens=False), text)]
 
 
@@ -94,8 +108,12 @@ def scores_only(req: Any, chat: bool) -> bool:
     if chat or req.max_tokens != 0:
         return False
     if not req.echo:
-        raise ApiError(400, "max_tokens: 0 needs echo (it returns the prompt's scores)",
-                       param="max_tokens", code="invalid_value")
+        raise ApiError(
+            400,
+            "max_tokens: 0 needs echo (it returns the prompt's scores)",
+            param="max_tokens",
+            code="invalid_value",
+        )
     return True
 
 
@@ -109,16 +127,26 @@ def sampling_params(req: Any, chat: bool) -> dict[str, Any]:
         max_tokens = None if req.max_tokens is None else max(1, req.max_tokens)
         logprobs = req.logprobs
     echo_logprobs = not chat and req.echo and req.logprobs is not None
-    return {"max_tokens": max_tokens, "prompt_logprobs": req.logprobs if echo_logprobs else None,
-            "temperature": req.temperature, "top_p": req.top_p,
-            "top_k": req.top_k if req.top_k is not None else 0, "min_p": req.min_p,
-            "presence_penalty": req.presence_penalty,
-            "frequency_penalty": req.frequency_penalty,
-            "repetition_penalty": req.repetition_penalty, "logit_bias": req.logit_bias or {},
-            "min_tokens": req.min_tokens, "stop_token_ids": req.stop_token_ids or [],
-            "json_schema": req.response_format.output_schema() if req.response_format else None,
-            "n": req.n, "stop": req.stop or [], "seed": req.seed, "ignore_eos": req.ignore_eos,
-            "logprobs": logprobs}
+    return {
+        "max_tokens": max_tokens,
+        "prompt_logprobs": req.logprobs if echo_logprobs else None,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k if req.top_k is not None else 0,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "logit_bias": req.logit_bias or {},
+        "min_tokens": req.min_tokens,
+        "stop_token_ids": req.stop_token_ids or [],
+        "json_schema": req.response_format.output_schema() if req.response_format else None,
+        "n": req.n,
+        "stop": req.stop or [],
+        "seed": req.seed,
+        "ignore_eos": req.ignore_eos,
+        "logprobs": logprobs,
+    }
 
 
 def wants_logprobs(req: Any, chat: bool) -> bool:
@@ -126,14 +154,16 @@ def wants_logprobs(req: Any, chat: bool) -> bool:
     return bool(req.logprobs) if chat else req.logprobs is not None
 
 
-def logprobs_object(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]],
-                    req: Any, chat: bool) -> dict:
+def logprobs_object(
+    tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]], req: Any, chat: bool
+) -> dict:
     """OpenAI's logprobs object for these tokens (chat and legacy completion forms).
 
     ``entries[i]`` maps token id to log-probability and always holds ``token_ids[i]``
     (the sampler adds the sampled token to the top ones); it is None for an echoed
     prompt's first token, which has no log-probability (completions only).
     """
+
     def tok(t: int) -> str:
         return tokenizer.decode([t])
 
@@ -143,11 +173,17 @@ def logprobs_object(tokenizer: Any, token_ids: list[int], entries: list[dict[int
         for t, e in zip(token_ids, entries):
             s = tok(t)
             top = sorted(e.items(), key=lambda kv: -kv[1])[:k]
-            content.append({
-                "token": s, "logprob": e[t], "bytes": list(s.encode()),
-                "top_logprobs": [{"token": tok(i), "logprob": lp,
-                                  "bytes": list(tok(i).encode())} for i, lp in top],
-            })
+            content.append(
+                {
+                    "token": s,
+                    "logprob": e[t],
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [
+                        {"token": tok(i), "logprob": lp, "bytes": list(tok(i).encode())}
+                        for i, lp in top
+                    ],
+                }
+            )
         return {"content": content}
     tokens, offsets, offset = [], [], 0
     for t in token_ids:
@@ -158,9 +194,12 @@ def logprobs_object(tokenizer: Any, token_ids: list[int], entries: list[dict[int
     return {
         "tokens": tokens,
         "token_logprobs": [None if e is None else e[t] for t, e in zip(token_ids, entries)],
-        "top_logprobs": [None if e is None else
-                         {tok(i): lp for i, lp in sorted(e.items(), key=lambda kv: -kv[1])}
-                         for e in entries],
+        "top_logprobs": [
+            None
+            if e is None
+            else {tok(i): lp for i, lp in sorted(e.items(), key=lambda kv: -kv[1])}
+            for e in entries
+        ],
         "text_offset": offsets,
     }
 
@@ -168,6 +207,9 @@ def logprobs_object(tokenizer: Any, token_ids: list[int], entries: list[dict[int
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the prefix
     cache (``prompt_tokens_details.cached_tokens``, as OpenAI and vLLM report it)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

@@ -26,8 +26,9 @@ MAX_ENTRIES = 200_000
 """Prefix names the router remembers (each with its few replicas), about 50 MB at most."""
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int,
-                  max_blocks: int = MAX_PREFIX_BLOCKS) -> tuple[int, ...]:
+def prefix_hashes(
+    token_ids: Sequence[int], block_size: int, max_blocks: int = MAX_PREFIX_BLOCKS
+) -> tuple[int, ...]:
     """Chained hashes of the first full blocks of ``token_ids`` (block ``i``'s hash covers
     blocks ``0..i``), at most ``max_blocks``. Python's hash of int tuples is the same in
     every process; a collision only misroutes a request, it never shares KV (the
@@ -35,7 +36,7 @@ def prefix_hashes(token_ids: Sequence[int], block_size: int,
     out: list[int] = []
     parent = 0
     for i in range(min(len(token_ids) // block_size, max_blocks)):
-        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
         out.append(parent)
     return tuple(out)
 

@@ -42,10 +42,15 @@ class LoadAwareRouter(RequestRouter):
     (the replicas' ``EngineConfig.policy_spec``; None: the priority policy).
     """
 
-    def initialize_state(self, traffic_classes: Mapping[str, Mapping] | None = None,
-                         policy: Mapping | None = None, **_: object) -> None:
-        self.admission = AdmissionController(classes_from_fields(traffic_classes),
-                                             policy=policy_from_spec(policy))
+    def initialize_state(
+        self,
+        traffic_classes: Mapping[str, Mapping] | None = None,
+        policy: Mapping | None = None,
+        **_: object,
+    ) -> None:
+        self.admission = AdmissionController(
+            classes_from_fields(traffic_classes), policy=policy_from_spec(policy)
+        )
         self.chooser = ReplicaChooser(self.admission)
         self.prefixes = self.chooser.prefixes
         """Which replicas were sent which prompt prefixes (:mod:`router.prefix`)."""
@@ -84,8 +89,11 @@ class LoadAwareRouter(RequestRouter):
 
     def replica_stats(self) -> dict[str, dict]:
         """Every running replica's last published routing stats, by its unique id."""
-        return {rid.unique_id: dict(r.routing_stats)
-                for rid, r in list(self._replicas.items()) if r.routing_stats}
+        return {
+            rid.unique_id: dict(r.routing_stats)
+            for rid, r in list(self._replicas.items())
+            if r.routing_stats
+        }
 
     def snapshots(self) -> dict[ReplicaID, LoadSnapshot]:
         """Adjusted snapshots of every running replica that has published one."""
@@ -101,8 +109,10 @@ class LoadAwareRouter(RequestRouter):
         sent before (so likely holds in its prefix cache), as ingress admission takes them."""
         with self._lock:
             matched = self.prefixes.matched_blocks(shape.prefix_hashes)
-        return [(snap, cached_tokens(matched.get(rid, 0), snap.block_size, shape.prompt_tokens))
-                for rid, snap in self.snapshots().items()]
+        return [
+            (snap, cached_tokens(matched.get(rid, 0), snap.block_size, shape.prompt_tokens))
+            for rid, snap in self.snapshots().items()
+        ]
 
     # -- RequestRouter -------------------------------------------------------------------
 
@@ -120,11 +130,13 @@ class LoadAwareRouter(RequestRouter):
         if shape is None:
             return [self.chooser.rng.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         with self._lock:  # reentrant: snapshot() takes it again
-            return self.chooser.choose(candidate_replicas, shape, self.snapshot,
-                                       key=lambda r: r.replica_id)
+            return self.chooser.choose(
+                candidate_replicas, shape, self.snapshot, key=lambda r: r.replica_id
+            )
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
-                          result: object) -> None:
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: object
+    ) -> None:
         shape = shape_of(pending_request)
         if shape is None:
             return

@@ -134,18 +134,26 @@ async def collect(reply: Reply) -> dict:
         if reply.echo:
             ptext, pids, pentries = _echo_parts(reply, k // n)
             text, ids, entries = ptext + text, pids + ids, pentries + entries
-        choice: dict[str, Any] = {"index": k, "logprobs": reply.logprobs(ids, entries),
-                                  "finish_reason": c.finish_reason,
-                                  "stop_reason": c.stop_reason}
+        choice: dict[str, Any] = {
+            "index": k,
+            "logprobs": reply.logprobs(ids, entries),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
         if reply.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         out.append(choice)
     completion = sum(len(c.token_ids) for c in choices)
-    return {"id": reply.rid, "object": "chat.completion" if reply.chat else "text_completion",
-            "created": int(time.time()), "model": reply.model, "choices": out,
-            "usage": reply.usage(completion)}
+    return {
+        "id": reply.rid,
+        "object": "chat.completion" if reply.chat else "text_completion",
+        "created": int(time.time()),
+        "model": reply.model,
+        "choices": out,
+        "usage": reply.usage(completion),
+    }
 
 
 def _stream_choice(reply: Reply, k: int, o: dict, first: bool) -> dict:
@@ -155,8 +163,11 @@ def _stream_choice(reply: Reply, k: int, o: dict, first: bool) -> dict:
     if first and reply.echo:
         ptext, pids, pentries = _echo_parts(reply, k // reply.req.n)
         text, ids, entries = ptext + text, pids + ids, pentries + entries
-    choice: dict[str, Any] = {"index": k, "logprobs": reply.logprobs(ids, entries),
-                              "finish_reason": o["finish_reason"]}
+    choice: dict[str, Any] = {
+        "index": k,
+        "logprobs": reply.logprobs(ids, entries),
+        "finish_reason": o["finish_reason"],
+    }
     if o["finish_reason"]:
         choice["stop_reason"] = o["stop_reason"]
     if reply.chat:
@@ -175,8 +186,13 @@ async def stream(reply: Reply) -> AsyncIterator[str]:
     completion, seen = 0, set()
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        data: dict[str, Any] = {"id": reply.rid, "object": obj, "created": created,
-                                "model": reply.model, "choices": choices}
+        data: dict[str, Any] = {
+            "id": reply.rid,
+            "object": obj,
+            "created": created,
+            "model": reply.model,
+            "choices": choices,
+        }
         if include_usage:
             data["usage"] = usage
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
@@ -184,8 +200,16 @@ async def stream(reply: Reply) -> AsyncIterator[str]:
     try:
         if reply.chat:
             for i in range(reply.req.n):
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
         async for p, item in merged(reply.calls):
             for o in item["outputs"]:
                 k = p * reply.req.n + o["index"]

@@ -34,6 +34,7 @@ __all__ = ["RequestShape", "load_view", "register", "shape_of"]
 if TYPE_CHECKING:
     from router.request_router import LoadAwareRouter
 
+
 def shape_of(pending: PendingRequest | None) -> RequestShape | None:
     """The shape the ingress attached to a call (``shape=`` keyword), if any."""
     if pending is None:

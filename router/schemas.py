@@ -16,12 +16,19 @@ from typing import Any, ClassVar, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "parallel_tool_calls": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
     "suffix": (None, ""),
-    "best_of": (None, 1), "modalities": (None, ["text"]),
-    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
-    "web_search_options": (None,), "logit_bias_type": (None,),
+    "best_of": (None, 1),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "logit_bias_type": (None,),
     "verbosity": (None, "medium"),
 }
 """OpenAI fields this server does not implement -> the values that ask for nothing (and
@@ -32,12 +39,12 @@ CHAT_UNSUPPORTED = {**UNSUPPORTED, "echo": (None, False)}
 """Chat requests also refuse ``echo`` (a completions field)."""
 
 
-def unsupported_field(body: dict[str, Any], table: dict[str, tuple[Any, ...]] = UNSUPPORTED
-                      ) -> str | None:
+def unsupported_field(
+    body: dict[str, Any], table: dict[str, tuple[Any, ...]] = UNSUPPORTED
+) -> str | None:
     """The first field of ``body`` in ``table`` (see :data:`UNSUPPORTED`) set to ask for
     something; None when there is none."""
-    return next((k for k, neutral in table.items()
-                 if k in body and body[k] not in neutral), None)
+    return next((k for k, neutral in table.items() if k in body and body[k] not in neutral), None)
 
 
 class StreamOptions(BaseModel):
@@ -93,7 +100,7 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     """A signed 64-bit integer, as vLLM's API."""
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -138,8 +145,11 @@ class _SamplingFields(BaseModel):
         if (name := unsupported_field(data, cls.unsupported)) is not None:
             raise ValueError(f"`{name}` is not supported by this server")
         # null asks for the default (as OpenAI's API), where null is not a value itself
-        return {k: v for k, v in data.items()
-                if k not in cls.unsupported and not (v is None and _default_for_null(cls, k))}
+        return {
+            k: v
+            for k, v in data.items()
+            if k not in cls.unsupported and not (v is None and _default_for_null(cls, k))
+        }
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> Any:
@@ -202,13 +212,21 @@ class CompletionRequest(_SamplingFields):
 def _default_for_null(model: type[BaseModel], name: str) -> bool:
     """Whether ``name`` is a field of ``model`` that has a default and cannot be null."""
     field = model.model_fields.get(name)
-    return (field is not None and not field.is_required()
-            and types.NoneType not in get_args(field.annotation))
+    return (
+        field is not None
+        and not field.is_required()
+        and types.NoneType not in get_args(field.annotation)
+    )
 
 
 MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "name": (None, ""), "tool_calls": (None, []), "tool_call_id": (None,),
-    "function_call": (None,), "refusal": (None,), "annotations": (None, []), "audio": (None,),
+    "name": (None, ""),
+    "tool_calls": (None, []),
+    "tool_call_id": (None,),
+    "function_call": (None,),
+    "refusal": (None,),
+    "annotations": (None, []),
+    "audio": (None,),
 }
 """Message fields OpenAI defines that this server does not use: accepted only empty (as
 clients echo a previous response's message back), refused when set."""
@@ -244,8 +262,9 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"content part of type {part.get('type')!r} is not "
-                                 "supported (text only)")
+                raise ValueError(
+                    f"content part of type {part.get('type')!r} is not supported (text only)"
+                )
             parts.append(part["text"])
         return "".join(parts)
 

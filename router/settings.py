@@ -20,13 +20,15 @@ class IngressOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     api_keys: dict[str, ApiKeyConfig] = Field(
-        default_factory=dict, description="key -> tenant, class, priority ceiling; "
-                                          "empty: no key needed, every request `standard`",
+        default_factory=dict,
+        description="key -> tenant, class, priority ceiling; "
+        "empty: no key needed, every request `standard`",
     )
     api_keys_file: str | None = Field(
-        None, description="a YAML file of more api_keys in the same form, read where the "
-                          "ingress runs (a mounted Kubernetes Secret), so that keys never "
-                          "travel in the config",
+        None,
+        description="a YAML file of more api_keys in the same form, read where the "
+        "ingress runs (a mounted Kubernetes Secret), so that keys never "
+        "travel in the config",
     )
     admission: bool = Field(True, description="SLO-aware admission at the ingress")
     max_n: int = Field(8, ge=1, description="cap on a request's choices: `n` times its prompts")

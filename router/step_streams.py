@@ -50,8 +50,7 @@ class StepStreams:
         self._replica_of[request_id] = replica
         task = self._streams.get(replica)
         if task is None or task.done():
-            self._streams[replica] = asyncio.get_running_loop().create_task(
-                self._consume(replica))
+            self._streams[replica] = asyncio.get_running_loop().create_task(self._consume(replica))
 
     def forget(self, request_id: str) -> None:
         """Drop the request's queue; its later items, if any, are discarded."""

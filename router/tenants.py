@@ -27,20 +27,24 @@ class ApiKeyConfig(BaseModel):
     tenant: str
     traffic_class: str = DEFAULT_CLASS
     max_priority: int | None = Field(
-        None, description="the most urgent priority (lowest number) its requests may carry; "
-                          "None: its class's default priority",
+        None,
+        description="the most urgent priority (lowest number) its requests may carry; "
+        "None: its class's default priority",
     )
 
 
-def check_key_classes(api_keys: Mapping[str, ApiKeyConfig],
-                      classes: Mapping[str, TrafficClass]) -> None:
+def check_key_classes(
+    api_keys: Mapping[str, ApiKeyConfig], classes: Mapping[str, TrafficClass]
+) -> None:
     """Raises:
-        ValueError: a key names a traffic class that is not in ``classes``.
+    ValueError: a key names a traffic class that is not in ``classes``.
     """
     for k in api_keys.values():
         if k.traffic_class not in classes:
-            raise ValueError(f"api key of tenant {k.tenant!r}: unknown traffic_class "
-                             f"{k.traffic_class!r}; known: {sorted(classes)}")
+            raise ValueError(
+                f"api key of tenant {k.tenant!r}: unknown traffic_class "
+                f"{k.traffic_class!r}; known: {sorted(classes)}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +56,9 @@ class Caller:
     priority: int
 
 
-def authenticate(api_keys: Mapping[str, ApiKeyConfig],
-                 authorization: str | None) -> ApiKeyConfig | None:
+def authenticate(
+    api_keys: Mapping[str, ApiKeyConfig], authorization: str | None
+) -> ApiKeyConfig | None:
     """The caller's key, from the ``Authorization`` header (``Bearer <key>``, the scheme
     in any case, as RFC 9110 allows); None when no keys are configured.
 
@@ -66,17 +71,22 @@ def authenticate(api_keys: Mapping[str, ApiKeyConfig],
     scheme, _, rest = header.partition(" ")
     key = rest.strip() if scheme.lower() == "bearer" else header
     if not key:
-        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                       code="missing_api_key")
+        raise ApiError(
+            401, "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key"
+        )
     entry = api_keys.get(key)
     if entry is None:
         raise ApiError(401, "invalid API key", code="invalid_api_key")
     return entry
 
 
-def resolve_caller(api_keys: Mapping[str, ApiKeyConfig], classes: Mapping[str, TrafficClass],
-                   authorization: str | None, class_header: str | None,
-                   priority: int | None) -> Caller:
+def resolve_caller(
+    api_keys: Mapping[str, ApiKeyConfig],
+    classes: Mapping[str, TrafficClass],
+    authorization: str | None,
+    class_header: str | None,
+    priority: int | None,
+) -> Caller:
     """The caller's tenant, class and priority for one request.
 
     Args:
@@ -99,17 +109,28 @@ def resolve_caller(api_keys: Mapping[str, ApiKeyConfig], classes: Mapping[str, T
     if class_header:
         name = class_header.strip()
         if name not in classes:
-            raise ApiError(400, f"unknown traffic class {name!r} in {CLASS_HEADER}; "
-                                f"known: {sorted(classes)}", param=CLASS_HEADER,
-                           code="invalid_value")
+            raise ApiError(
+                400,
+                f"unknown traffic class {name!r} in {CLASS_HEADER}; known: {sorted(classes)}",
+                param=CLASS_HEADER,
+                code="invalid_value",
+            )
         if classes[name].default_priority < ceiling:
-            raise ApiError(403, f"traffic class {name!r} (priority "
-                                f"{classes[name].default_priority}) is more urgent than this "
-                                f"key allows (priority {ceiling} at most urgent)",
-                           param=CLASS_HEADER, code="priority_not_allowed")
+            raise ApiError(
+                403,
+                f"traffic class {name!r} (priority "
+                f"{classes[name].default_priority}) is more urgent than this "
+                f"key allows (priority {ceiling} at most urgent)",
+                param=CLASS_HEADER,
+                code="priority_not_allowed",
+            )
     effective = classes[name].default_priority if priority is None else priority
     if effective < ceiling:
-        raise ApiError(403, f"priority {effective} is more urgent than this key allows "
-                            f"({ceiling}; lower numbers are more urgent)", param="priority",
-                       code="priority_not_allowed")
+        raise ApiError(
+            403,
+            f"priority {effective} is more urgent than this key allows "
+            f"({ceiling}; lower numbers are more urgent)",
+            param="priority",
+            code="priority_not_allowed",
+        )
     return Caller(tenant, name, effective)

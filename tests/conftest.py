@@ -36,8 +36,32 @@ the hour. The stew simmered from dawn until dusk, and travellers who arrived lat
 bread, cheese and a seat by the fire, whatever the hour and whatever they could pay.
 """
 
-PROMPT_LENGTHS = [1, 2, 3, 5, 8, 12, 17, 24, 33, 45, 60, 80, 105, 135, 170, 210, 260, 315,
-                  375, 440, 510, 580, 640, 700]
+PROMPT_LENGTHS = [
+    1,
+    2,
+    3,
+    5,
+    8,
+    12,
+    17,
+    24,
+    33,
+    45,
+    60,
+    80,
+    105,
+    135,
+    170,
+    210,
+    260,
+    315,
+    375,
+    440,
+    510,
+    580,
+    640,
+    700,
+]
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +86,7 @@ def prompts(tokenizer) -> list[list[int]]:
     out = []
     for k, n in enumerate(PROMPT_LENGTHS):
         start = (k * 37) % len(ids)
-        out.append(stream[start:start + n])
+        out.append(stream[start : start + n])
     assert [len(p) for p in out] == PROMPT_LENGTHS
     return out
 

@@ -19,17 +19,26 @@ BIN = Path(sys.executable).parent
 
 def ray_env(**extra: str) -> dict[str, str]:
     """The environment for ``ray`` and ``serve`` commands against a token-auth cluster."""
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "RAY_AUTH_MODE": "token", **extra}
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "RAY_AUTH_MODE": "token",
+        **extra,
+    }
     env.pop("RAY_ADDRESS", None)
     return env
 
 
-def cli(command: str, *args: str, env: dict,
-        timeout: float = 120) -> subprocess.CompletedProcess:
+def cli(command: str, *args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run one of the venv's commands (``ray``, ``serve``) from the repository root."""
-    return subprocess.run([str(BIN / command), *args], env=env, capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [str(BIN / command), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
 def ray(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -40,17 +49,46 @@ def start_head(temp_dir: str, env: dict) -> tuple[subprocess.Popen, str]:
     """A Ray head of our own (own temp dir and ports, token authentication); its job
     server's address once it answers."""
     dash = free_port()
-    ports = ["--port", str(free_port()), "--dashboard-port", str(dash),
-             "--ray-client-server-port", str(free_port()),
-             "--dashboard-agent-listen-port", str(free_port()),
-             "--metrics-export-port", str(free_port()),
-             "--min-worker-port", "21000", "--max-worker-port", "21200"]
+    ports = [
+        "--port",
+        str(free_port()),
+        "--dashboard-port",
+        str(dash),
+        "--ray-client-server-port",
+        str(free_port()),
+        "--dashboard-agent-listen-port",
+        str(free_port()),
+        "--metrics-export-port",
+        str(free_port()),
+        "--min-worker-port",
+        "21000",
+        "--max-worker-port",
+        "21200",
+    ]
     head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--temp-dir", temp_dir,
-         "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
-         "--include-dashboard", "true", "--num-cpus", "2", *ports],
-        env=env, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--temp-dir",
+            temp_dir,
+            "--node-ip-address",
+            "127.0.0.1",
+            "--dashboard-host",
+            "127.0.0.1",
+            "--include-dashboard",
+            "true",
+            "--num-cpus",
+            "2",
+            *ports,
+        ],
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     address = f"http://127.0.0.1:{dash}"
     deadline = time.monotonic() + 120
     while ray("job", "list", "--address", address, env=env).returncode != 0:

@@ -17,9 +17,15 @@ def make(policy, num_blocks=1000, block_size=4, **cfg):
 
 
 def req(rid, prompt_len, max_tokens, arrival, priority=0, cls="standard"):
-    return Request(rid, distinct_prompt(rid, prompt_len), SamplingParams(max_tokens=max_tokens),
-                   arrival_time=arrival, max_tokens=max_tokens, priority=priority,
-                   traffic_class=cls)
+    return Request(
+        rid,
+        distinct_prompt(rid, prompt_len),
+        SamplingParams(max_tokens=max_tokens),
+        arrival_time=arrival,
+        max_tokens=max_tokens,
+        priority=priority,
+        traffic_class=cls,
+    )
 
 
 def guarded(max_num_seqs=32, budget=512, target=1.0):
@@ -28,12 +34,22 @@ def guarded(max_num_seqs=32, budget=512, target=1.0):
     from policies import StepTimeModel
 
     model = StepTimeModel(prior=(0.1, 0.001, 0.02), min_samples=10**9)  # fixed: the prior
-    config = EngineConfig(block_size=4, num_kv_blocks=4000, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=budget, tpot_slo_guard_target=target,
-                          tpot_slo_guard=True)
+    config = EngineConfig(
+        block_size=4,
+        num_kv_blocks=4000,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        tpot_slo_guard_target=target,
+        tpot_slo_guard=True,
+    )
     clock = FakeClock()
-    sched = Scheduler(config, BlockManager(4000, 4), PriorityPolicy(aging_s_per_level=None),
-                      clock, step_time=model)
+    sched = Scheduler(
+        config,
+        BlockManager(4000, 4),
+        PriorityPolicy(aging_s_per_level=None),
+        clock,
+        step_time=model,
+    )
     return sched, clock, model
 
 

@@ -49,22 +49,30 @@ def service_config(tmp_path_factory, num_replicas: int, **more) -> ServiceConfig
         api_keys={"sk-standard": KEYS["sk-standard"]},
         api_keys_file=str(keys_file),
         engine={
-            "policy": "priority", "tpot_slo_guard": True,
+            "policy": "priority",
+            "tpot_slo_guard": True,
             "num_kv_blocks": NUM_KV_BLOCKS // 2,
             "max_num_seqs": MAX_NUM_SEQS,
             "max_model_len": 8192,
             # A class that can never meet its SLO under load and goes after everything:
             # it shows admission's 429 without touching the other classes.
-            "traffic_classes": {"tight": {"ttft_slo_s": 0.01, "tpot_slo_s": 0.01,
-                                          "default_priority": 3, "max_queue_wait_s": 0.3},
-                                "interactive": {"ttft_slo_s": INTERACTIVE_TTFT_SLO_S}},
+            "traffic_classes": {
+                "tight": {
+                    "ttft_slo_s": 0.01,
+                    "tpot_slo_s": 0.01,
+                    "default_priority": 3,
+                    "max_queue_wait_s": 0.3,
+                },
+                "interactive": {"ttft_slo_s": INTERACTIVE_TTFT_SLO_S},
+            },
         },
         **more,
     )
 
 
-def post(url: str, path: str, body: dict | bytes, key: str | None = "sk-standard",
-          **headers: str) -> httpx.Response:
+def post(
+    url: str, path: str, body: dict | bytes, key: str | None = "sk-standard", **headers: str
+) -> httpx.Response:
     h = {"Content-Type": "application/json", **headers}
     if key:
         h["Authorization"] = f"Bearer {key}"
@@ -85,8 +93,7 @@ def running_app(config: ServiceConfig, replicas: int) -> Iterator[str]:
     # As `iterserve serve` runs it: the ingress replica serves the port itself.
     saved = dict(os.environ)
     os.environ.update(embedded_serve_env(config))
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     os.environ.clear()
     os.environ.update(saved)
     try:
@@ -107,9 +114,12 @@ def running_command(config: ServiceConfig, tmp: Path) -> Iterator[subprocess.Pop
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
     log = tmp / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "iterserve"), "serve",
-                                 "--config", str(path)], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "iterserve"), "serve", "--config", str(path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 180
         while "is ready" not in log.read_text():
@@ -151,8 +161,9 @@ def wait_idle(url: str, timeout_s: float = 10) -> float:
     start = time.monotonic()
     while True:
         h = health(url)
-        if h.get("replicas") and all(r["running"] == 0 and r["waiting"] == 0
-                                     and r["kv_usage"] == 0 for r in h["replicas"]):
+        if h.get("replicas") and all(
+            r["running"] == 0 and r["waiting"] == 0 and r["kv_usage"] == 0 for r in h["replicas"]
+        ):
             return time.monotonic() - start
         if time.monotonic() - start > timeout_s:
             raise AssertionError(f"replicas still busy after {timeout_s} s: {h}")

@@ -26,9 +26,15 @@ COEFS = (0.05, 0.002, 0.002)
 
 def snap(waiting_tokens=None, running=None, waiting_requests=None, kv_free=100_000, **kw):
     return LoadSnapshot(
-        max_num_batched_tokens=512, max_num_seqs=64, num_kv_blocks_free=kv_free,
-        waiting_prefill_tokens=waiting_tokens or {}, running_seqs=running or {},
-        waiting_requests=waiting_requests or {}, step_coefficients=COEFS, **kw)
+        max_num_batched_tokens=512,
+        max_num_seqs=64,
+        num_kv_blocks_free=kv_free,
+        waiting_prefill_tokens=waiting_tokens or {},
+        running_seqs=running or {},
+        waiting_requests=waiting_requests or {},
+        step_coefficients=COEFS,
+        **kw,
+    )
 
 
 def queue(cls, tokens, running=None, prompt=200):
@@ -125,8 +131,7 @@ def test_a_held_request_is_refused_once_its_ttft_slo_is_out_of_reach():
 
 def test_predictions_must_fit_the_slo_margin():
     s = queue("interactive", 650)  # 850 tokens: 2 steps, TTFT 0.1 + 1.7 = 1.8 s
-    assert AdmissionController(slo_margin=1.0).decide(s, "interactive", 200, 16, 0, 0.0) \
-        == Admit()
+    assert AdmissionController(slo_margin=1.0).decide(s, "interactive", 200, 16, 0, 0.0) == Admit()
     d = AdmissionController(slo_margin=0.85).decide(s, "interactive", 200, 16, 0, 0.0)
     assert isinstance(d, Wait) and "1.80 s > 1.70 s" in d.reason
     with pytest.raises(ValueError, match="slo_margin"):
@@ -136,14 +141,20 @@ def test_predictions_must_fit_the_slo_margin():
 def test_batch_under_the_same_load_waits_and_is_rejected_only_at_its_queue_cap():
     ac = AdmissionController()
     cap = DEFAULT_CLASSES["batch"].hard_queue_cap
-    heavy = snap({"interactive": 20_000, "batch": 400_000}, {"interactive": 8},
-                 {"interactive": 100, "batch": cap - 1})
+    heavy = snap(
+        {"interactive": 20_000, "batch": 400_000},
+        {"interactive": 8},
+        {"interactive": 100, "batch": cap - 1},
+    )
     for waited in (0.0, 10.0, 30.0, 300.0, 3000.0):
         d = ac.decide(heavy, "batch", 200, 128, 2, waited)
         assert isinstance(d, Wait), (waited, d)
         assert 0 < d.max_wait_s <= DEFAULT_CLASSES["batch"].max_queue_wait_s
-    at_cap = snap({"interactive": 20_000, "batch": 400_000}, {"interactive": 8},
-                  {"interactive": 100, "batch": cap})
+    at_cap = snap(
+        {"interactive": 20_000, "batch": 400_000},
+        {"interactive": 8},
+        {"interactive": 100, "batch": cap},
+    )
     for waited in (0.0, 300.0):
         d = ac.decide(at_cap, "batch", 200, 128, 2, waited)
         assert isinstance(d, Reject) and "cap" in d.reason and d.retry_after_s >= 1
@@ -152,8 +163,7 @@ def test_batch_under_the_same_load_waits_and_is_rejected_only_at_its_queue_cap()
 
 def test_lower_priority_queue_does_not_block_interactive():
     ac = AdmissionController()
-    s = snap({"batch": 500_000, "standard": 50_000}, {"batch": 20},
-             {"batch": 999, "standard": 100})
+    s = snap({"batch": 500_000, "standard": 50_000}, {"batch": 20}, {"batch": 999, "standard": 100})
     assert ac.decide(s, "interactive", 200, 128, 0, 0.0) == Admit()
     assert ac.predict(s, "interactive", 200).tokens_ahead == 0
     # ...but it blocks standard (standard queue ahead) and, under FCFS, interactive too.
@@ -195,12 +205,15 @@ def test_ttft_counts_the_step_in_flight_and_less_urgent_prefill_sharing_its_step
     ac = AdmissionController()
     a, b, c = COEFS
     alone = snap({"interactive": 300}, {"interactive": 12}, {"interactive": 1})
-    assert ac.predict(alone, "interactive", 100).ttft_s == pytest.approx(
-        (a + 12 * c) + 400 * b)
+    assert ac.predict(alone, "interactive", 100).ttft_s == pytest.approx((a + 12 * c) + 400 * b)
     # A step is running (0.3 s) and batch prefill fills the rest of the 500-token budget:
     # under priority the batch tokens do not go first, but they lengthen the shared step.
-    busy = snap({"interactive": 300, "batch": 5000}, {"interactive": 12},
-                {"interactive": 1, "batch": 25}, step_left_s=0.3)
+    busy = snap(
+        {"interactive": 300, "batch": 5000},
+        {"interactive": 12},
+        {"interactive": 1, "batch": 25},
+        step_left_s=0.3,
+    )
     pred = ac.predict(busy, "interactive", 100)
     assert pred.tokens_ahead == 300 and pred.steps == 1
     assert pred.ttft_s == pytest.approx(0.3 + (a + 12 * c) + 500 * b)
@@ -231,8 +244,9 @@ def test_ttft_follows_the_tpot_guards_prefill_cap():
 
 def test_less_urgent_decodes_sit_out_for_an_owed_prompt():
     a, b, c = COEFS
-    guarded = snap(running={"interactive": 2, "batch": 20}, tpot_slo_guard=True,
-                   tpot_slo_guard_target=0.8)
+    guarded = snap(
+        running={"interactive": 2, "batch": 20}, tpot_slo_guard=True, tpot_slo_guard_target=0.8
+    )
     # Priority: the 20 batch decodes sit steps out for the owed interactive prompt, so
     # its steps carry 2 decodes and floor((0.5 - a - 2c) / b) = 223 tokens: 3 steps.
     pred = AdmissionController().predict(guarded, "interactive", 500)
@@ -243,8 +257,11 @@ def test_less_urgent_decodes_sit_out_for_an_owed_prompt():
     assert pred.steps == 3
     assert pred.ttft_s == pytest.approx(3 * (a + 22 * c) + 500 * b)
     # A running class unknown to the controller might outrank it: not owed.
-    unknown = snap(running={"interactive": 2, "batch": 20, "mystery": 1},
-                   tpot_slo_guard=True, tpot_slo_guard_target=0.8)
+    unknown = snap(
+        running={"interactive": 2, "batch": 20, "mystery": 1},
+        tpot_slo_guard=True,
+        tpot_slo_guard_target=0.8,
+    )
     assert AdmissionController().predict(unknown, "interactive", 500).steps == 4
     # A batch prompt is not owed while interactive decodes run: every decode stays and
     # the 0.8 target holds, floor((0.4 - a - 22c) / b) = 153 tokens: 4 steps.
@@ -258,8 +275,12 @@ def test_an_owed_prompts_first_step_may_take_what_the_guard_lends():
     ac = AdmissionController()
 
     def guarded(owed_step_s):
-        return snap(running={"interactive": 10}, tpot_slo_guard=True,
-                    tpot_slo_guard_target=0.8, owed_step_s=owed_step_s)
+        return snap(
+            running={"interactive": 10},
+            tpot_slo_guard=True,
+            tpot_slo_guard_target=0.8,
+            owed_step_s=owed_step_s,
+        )
 
     # The decodes' credit lets the guard run a 1 s step for an owed prompt: the first
     # takes floor((1.0 - a - 10c) / b) = 465 tokens, the rest 35 at the full-SLO cap.
@@ -270,15 +291,15 @@ def test_an_owed_prompts_first_step_may_take_what_the_guard_lends():
     for lent in (0.0, 0.4):
         assert ac.predict(guarded(lent), "interactive", 500).steps == 3
     # A batch prompt is not owed while interactive decodes run: no loan for it.
-    assert (ac.predict(guarded(1.0), "batch", 500)
-            == ac.predict(guarded(0.0), "batch", 500))
+    assert ac.predict(guarded(1.0), "batch", 500) == ac.predict(guarded(0.0), "batch", 500)
 
 
 def test_fcfs_behind_the_guard_is_capped_but_sheds_nothing():
     a, b, c = COEFS
     running = {"interactive": 10, "batch": 20}
-    guarded = snap(running=running, tpot_slo_guard=True, tpot_slo_guard_target=0.8,
-                   recent_step_s=0.6)
+    guarded = snap(
+        running=running, tpot_slo_guard=True, tpot_slo_guard_target=0.8, recent_step_s=0.6
+    )
     fcfs = AdmissionController(policy=FCFSPolicy())
     pred = fcfs.predict(guarded, "interactive", 500)
     # Owed its TTFT (FCFS outranks nothing), the prompt's steps may run to the full
@@ -322,11 +343,18 @@ def test_unknown_class_and_bad_arguments():
 
 def test_load_snapshot_round_trips_through_json():
     s = LoadSnapshot(
-        max_num_batched_tokens=512, max_num_seqs=64, num_kv_blocks_free=1234, block_size=16,
+        max_num_batched_tokens=512,
+        max_num_seqs=64,
+        num_kv_blocks_free=1234,
+        block_size=16,
         waiting_prefill_tokens={"interactive": 300, "batch": 90_000},
-        running_seqs={"standard": 7}, waiting_requests={"interactive": 2, "batch": 450},
-        kv_blocks_used={"standard": 88}, kv_usage=0.42,
-        step_coefficients=(0.031, 0.00071, 0.0042), timestamp=1_700_000_000.25)
+        running_seqs={"standard": 7},
+        waiting_requests={"interactive": 2, "batch": 450},
+        kv_blocks_used={"standard": 88},
+        kv_usage=0.42,
+        step_coefficients=(0.031, 0.00071, 0.0042),
+        timestamp=1_700_000_000.25,
+    )
     wire = json.dumps(s.to_dict())
     back = LoadSnapshot.from_dict(json.loads(wire))
     assert back == s
@@ -335,16 +363,22 @@ def test_load_snapshot_round_trips_through_json():
     newer = {**json.loads(wire), "gpu_temperature": 71}
     assert LoadSnapshot.from_dict(newer) == s
     minimal = LoadSnapshot.from_dict(
-        {"max_num_batched_tokens": 256, "max_num_seqs": 8, "num_kv_blocks_free": 10})
+        {"max_num_batched_tokens": 256, "max_num_seqs": 8, "num_kv_blocks_free": 10}
+    )
     assert minimal.running_seqs == {} and minimal.total_running == 0
     with pytest.raises(TypeError):
         LoadSnapshot.from_dict({"max_num_seqs": 8})
 
 
 def test_load_snapshot_with_queued_counts_each_request_once_and_leaves_the_original():
-    s = LoadSnapshot(max_num_batched_tokens=512, max_num_seqs=64, num_kv_blocks_free=10,
-                     waiting_prefill_tokens={"batch": 100}, waiting_requests={"batch": 1},
-                     running_seqs={"batch": 3})
+    s = LoadSnapshot(
+        max_num_batched_tokens=512,
+        max_num_seqs=64,
+        num_kv_blocks_free=10,
+        waiting_prefill_tokens={"batch": 100},
+        waiting_requests={"batch": 1},
+        running_seqs={"batch": 3},
+    )
     more = s.with_queued([("batch", 40), ("interactive", 7), ("interactive", 5)])
     assert more.waiting_requests == {"batch": 2, "interactive": 2}
     assert more.waiting_prefill_tokens == {"batch": 140, "interactive": 12}

@@ -22,9 +22,15 @@ def test_greedy_matches_transformers(arch, tmp_path, tokenizer, prompts):
     config_name, model_name, expected_len = ARCHS[arch]
     config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     config = config_cls(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        sliding_window=512, tie_word_embeddings=True,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        sliding_window=512,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     model = model_cls(config).eval()
@@ -38,6 +44,7 @@ def test_greedy_matches_transformers(arch, tmp_path, tokenizer, prompts):
     outs = llm.generate([{"prompt_token_ids": p} for p in chosen], params, use_tqdm=False)
     with torch.inference_mode():
         for p, out in zip(chosen, outs):
-            ref = model.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8,
-                                 do_sample=False)
-            assert out.outputs[0].token_ids == ref[0, len(p):].tolist()
+            ref = model.generate(
+                torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+            )
+            assert out.outputs[0].token_ids == ref[0, len(p) :].tolist()

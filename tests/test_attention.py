@@ -62,27 +62,39 @@ def test_grouped_decodes_match_dense_attention_per_sequence():
         query_start_loc=torch.arange(len(contexts) + 1, dtype=torch.int32),
         context_lens=torch.tensor(contexts, dtype=torch.int32),
         block_tables=torch.zeros(len(contexts), max(blocks), dtype=torch.int32),
-        max_query_len=1, max_context_len=max(contexts), num_decodes=len(contexts),
+        max_query_len=1,
+        max_context_len=max(contexts),
+        num_decodes=len(contexts),
         use_flash=False,
     )
     for start, end in groups:
         width = contexts[start]
-        rows = [torch.cat([slots(i, contexts[i]), slots(i, 1).expand(width - contexts[i])])
-                for i in range(start, end)]
+        rows = [
+            torch.cat([slots(i, contexts[i]), slots(i, 1).expand(width - contexts[i])])
+            for i in range(start, end)
+        ]
         lens = torch.tensor(contexts[start:end])
-        md.decode_groups.append(DecodeGroup(
-            start, end, torch.stack(rows),
-            (torch.arange(width)[None, :] < lens[:, None]).view(end - start, 1, 1, width)))
+        md.decode_groups.append(
+            DecodeGroup(
+                start,
+                end,
+                torch.stack(rows),
+                (torch.arange(width)[None, :] < lens[:, None]).view(end - start, 1, 1, width),
+            )
+        )
     t = len(contexts)
     q = torch.randn(1, heads, t, d)
     k_new, v_new = torch.randn(1, kvh, t, d), torch.randn(1, kvh, t, d)
-    out, _ = paged_attention(_Layer(), q, k_new, v_new, None, scaling=d ** -0.5,
-                             attn_metadata=md)
+    out, _ = paged_attention(_Layer(), q, k_new, v_new, None, scaling=d**-0.5, attn_metadata=md)
 
     k_flat, v_flat = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
     for i, c in enumerate(contexts):
         s = slots(i, c)
         ref = F.scaled_dot_product_attention(
-            q[:, :, i:i + 1], k_flat[s].transpose(0, 1)[None], v_flat[s].transpose(0, 1)[None],
-            scale=d ** -0.5, enable_gqa=True)
+            q[:, :, i : i + 1],
+            k_flat[s].transpose(0, 1)[None],
+            v_flat[s].transpose(0, 1)[None],
+            scale=d**-0.5,
+            enable_gqa=True,
+        )
         torch.testing.assert_close(out[0, i], ref[0, :, 0], msg=f"decode {i} (context {c})")

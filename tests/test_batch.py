@@ -39,19 +39,33 @@ def _write(path, lines: list[str]) -> str:
 
 
 def test_both_urls_and_bad_lines_become_error_lines(tmp_path):
-    src = _write(tmp_path / "in.jsonl", [
-        _line("a"),
-        _line("b", url="/v1/chat/completions"),
-        '{"custom_id": "c", "url": ',
-        "",
-        _line("d", url="/v1/embeddings"),
-        _line("e", method="GET"),
-        json.dumps({"custom_id": "f", "method": "POST", "url": "/v1/completions",
-                    "body": "not an object"}),
-        json.dumps({"custom_id": "g", "url": "/v1/completions",
-                    "body": {"model": MODEL, "prompt": "x", "stream": True}}),
-        "[1, 2]",
-    ])
+    src = _write(
+        tmp_path / "in.jsonl",
+        [
+            _line("a"),
+            _line("b", url="/v1/chat/completions"),
+            '{"custom_id": "c", "url": ',
+            "",
+            _line("d", url="/v1/embeddings"),
+            _line("e", method="GET"),
+            json.dumps(
+                {
+                    "custom_id": "f",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": "not an object",
+                }
+            ),
+            json.dumps(
+                {
+                    "custom_id": "g",
+                    "url": "/v1/completions",
+                    "body": {"model": MODEL, "prompt": "x", "stream": True},
+                }
+            ),
+            "[1, 2]",
+        ],
+    )
     lines = {line.custom_id: line for line in read_input(src)}
     assert list(lines) == ["a", "b", "line-3", "d", "e", "f", "g", "line-9"]
     assert lines["a"].error is None and not lines["a"].chat
@@ -66,11 +80,16 @@ def test_both_urls_and_bad_lines_become_error_lines(tmp_path):
 
 
 def test_missing_and_repeated_ids_are_refused_naming_the_lines(tmp_path):
-    src = _write(tmp_path / "in.jsonl", [
-        _line("a"), _line("b"), _line("a"),
-        json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}),
-        _line(""),
-    ])
+    src = _write(
+        tmp_path / "in.jsonl",
+        [
+            _line("a"),
+            _line("b"),
+            _line("a"),
+            json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}),
+            _line(""),
+        ],
+    )
     with pytest.raises(BatchFileError) as e:
         read_input(src)
     msg = str(e.value)
@@ -90,8 +109,11 @@ def test_records_have_openai_batch_shapes():
     ok = record("a", 200, "cmpl-1", {"id": "cmpl-1", "choices": []})
     assert set(ok) == {"id", "custom_id", "response", "error"}
     assert ok["error"] is None and ok["id"].startswith("batch_req_")
-    assert ok["response"] == {"status_code": 200, "request_id": "cmpl-1",
-                              "body": {"id": "cmpl-1", "choices": []}}
+    assert ok["response"] == {
+        "status_code": 200,
+        "request_id": "cmpl-1",
+        "body": {"id": "cmpl-1", "choices": []},
+    }
     bad = error_record("b", ApiError(404, "no such url", param="url", code="unknown_url"))
     assert bad["response"]["status_code"] == 404
     assert bad["response"]["body"]["error"]["type"] == "not_found_error"
@@ -155,15 +177,23 @@ def _service(answers: list[httpx.Response]):
 
 def test_via_service_retries_after_429_and_sends_the_batch_class():
     ok = {"id": "cmpl-1", "choices": [{"text": "x"}], "usage": {"completion_tokens": 1}}
-    transport, seen = _service([
-        httpx.Response(429, headers={"Retry-After": "0"}, json={"error": {}}),
-        httpx.Response(503, headers={"Retry-After": "0"}, json={"error": {}}),
-        httpx.Response(200, headers={"x-request-id": "cmpl-1"}, json=ok),
-    ])
+    transport, seen = _service(
+        [
+            httpx.Response(429, headers={"Retry-After": "0"}, json={"error": {}}),
+            httpx.Response(503, headers={"Retry-After": "0"}, json={"error": {}}),
+            httpx.Response(200, headers={"x-request-id": "cmpl-1"}, json=ok),
+        ]
+    )
     done = {}
-    asyncio.run(run_via_service("http://svc", [("a", "/v1/completions", {"prompt": "p"})],
-                                lambda cid, ans: done.update({cid: ans}), concurrency=1,
-                                transport=transport))
+    asyncio.run(
+        run_via_service(
+            "http://svc",
+            [("a", "/v1/completions", {"prompt": "p"})],
+            lambda cid, ans: done.update({cid: ans}),
+            concurrency=1,
+            transport=transport,
+        )
+    )
     assert len(seen) == 3 and all(r.headers["x-iterserve-class"] == "batch" for r in seen)
     assert done["a"].status == 200 and done["a"].request_id == "cmpl-1"
     assert done["a"].completion_tokens == 1
@@ -172,14 +202,25 @@ def test_via_service_retries_after_429_and_sends_the_batch_class():
 def test_via_service_stops_on_a_refused_key_and_on_endless_503():
     transport, _ = _service([httpx.Response(401, json={"error": {"message": "bad key"}})])
     with pytest.raises(ServiceGaveUp, match="OPENAI_API_KEY"):
-        asyncio.run(run_via_service("http://svc", [("a", "/v1/completions", {})],
-                                    lambda *_: pytest.fail("nothing may be written"),
-                                    transport=transport))
+        asyncio.run(
+            run_via_service(
+                "http://svc",
+                [("a", "/v1/completions", {})],
+                lambda *_: pytest.fail("nothing may be written"),
+                transport=transport,
+            )
+        )
     transport, seen = _service([httpx.Response(503, headers={"Retry-After": "0"})] * 3)
     with pytest.raises(ServiceGaveUp, match="1 requests got no answer"):
-        asyncio.run(run_via_service("http://svc", [("a", "/v1/completions", {})],
-                                    lambda *_: pytest.fail("nothing may be written"),
-                                    max_retries=2, transport=transport))
+        asyncio.run(
+            run_via_service(
+                "http://svc",
+                [("a", "/v1/completions", {})],
+                lambda *_: pytest.fail("nothing may be written"),
+                max_retries=2,
+                transport=transport,
+            )
+        )
     assert len(seen) == 3
 
 
@@ -187,24 +228,43 @@ def test_via_service_sends_nothing_more_once_a_request_gave_up():
     transport, seen = _service([httpx.Response(503, headers={"Retry-After": "0"})] * 2)
     work = [(cid, "/v1/completions", {}) for cid in "abc"]
     with pytest.raises(ServiceGaveUp, match=r"3 requests got no answer .*'a': HTTP 503"):
-        asyncio.run(run_via_service("http://svc", work,
-                                    lambda *_: pytest.fail("nothing may be written"),
-                                    concurrency=1, max_retries=1, transport=transport))
+        asyncio.run(
+            run_via_service(
+                "http://svc",
+                work,
+                lambda *_: pytest.fail("nothing may be written"),
+                concurrency=1,
+                max_retries=1,
+                transport=transport,
+            )
+        )
     assert len(seen) == 2
 
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
 
     with pytest.raises(ServiceGaveUp, match="could not reach it .ConnectError"):
-        asyncio.run(run_via_service("http://svc", work, lambda *_: None, max_retries=0,
-                                    transport=httpx.MockTransport(refuse)))
+        asyncio.run(
+            run_via_service(
+                "http://svc",
+                work,
+                lambda *_: None,
+                max_retries=0,
+                transport=httpx.MockTransport(refuse),
+            )
+        )
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--via-service", "http://svc", "--num-replicas", "2", "--model", "m"],
-     "--model, --num-replicas: these set up engine replicas"),
-    (["--max-concurrency", "4"], "--max-concurrency applies to --via-service only"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--via-service", "http://svc", "--num-replicas", "2", "--model", "m"],
+            "--model, --num-replicas: these set up engine replicas",
+        ),
+        (["--max-concurrency", "4"], "--max-concurrency applies to --via-service only"),
+    ],
+)
 def test_flags_the_run_would_ignore_are_refused(tmp_path, capsys, flags, message):
     src = _write(tmp_path / "in.jsonl", [_line("a")])
     out = tmp_path / "out.jsonl"
@@ -236,14 +296,32 @@ def test_a_local_replica_must_fit_this_machine(tmp_path, capsys):
 
 def test_config_file_fills_what_flags_leave_and_keeps_its_engine_section(tmp_path):
     cfg = tmp_path / "service.yaml"
-    cfg.write_text(yaml.safe_dump({"num_replicas": 3, "replica_num_cpus": 4,
-                                   "served_model_name": "m1",
-                                   "engine": {"dtype": "float32", "max_num_seqs": 16,
-                                              "block_size": 32}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "num_replicas": 3,
+                "replica_num_cpus": 4,
+                "served_model_name": "m1",
+                "engine": {"dtype": "float32", "max_num_seqs": 16, "block_size": 32},
+            }
+        )
+    )
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["-i", "in", "-o", "out", "--config", str(cfg),
-                              "--num-replicas", "2", "--max-num-seqs", "8"])
+    args = parser.parse_args(
+        [
+            "-i",
+            "in",
+            "-o",
+            "out",
+            "--config",
+            str(cfg),
+            "--num-replicas",
+            "2",
+            "--max-num-seqs",
+            "8",
+        ]
+    )
     engine = _engine_config(args, apply_config(args))
     # Flags win; the file fills the rest; its engine section is taken as written, over the
     # offline engine's defaults (FCFS, no TPOT guard, its budget), not the server's.

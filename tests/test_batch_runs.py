@@ -38,21 +38,43 @@ def _batch_file(path: Path, good: int = 24) -> list[str]:
     for i in range(good):
         n = 2 + 2 * i
         if i % 3 == 2:
-            url, body = "/v1/chat/completions", {
-                "messages": [{"role": "user", "content": f"Tell me fact number {i}."}]}
+            url, body = (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": f"Tell me fact number {i}."}]},
+            )
         else:
             url, body = "/v1/completions", {"prompt": f"Item {i}: the city of"}
         body.update(model=MODEL, max_tokens=n, temperature=0)
-        rows.append(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": url,
-                                "body": body}))
+        rows.append(
+            json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body})
+        )
         ids.append(f"req-{i}")
     rows.insert(1, '{"custom_id": "broken", "body": {')
-    rows.append(json.dumps({"custom_id": "badbody", "method": "POST", "url": "/v1/completions",
-                            "body": {"model": MODEL, "prompt": "x", "top_p": 7}}))
-    rows.append(json.dumps({"custom_id": "toolong", "method": "POST", "url": "/v1/completions",
-                            "body": {"model": MODEL, "prompt": [100] * 9000, "max_tokens": 1}}))
-    rows.append(json.dumps({"custom_id": "badurl", "method": "POST", "url": "/v1/edits",
-                            "body": {"model": MODEL}}))
+    rows.append(
+        json.dumps(
+            {
+                "custom_id": "badbody",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": MODEL, "prompt": "x", "top_p": 7},
+            }
+        )
+    )
+    rows.append(
+        json.dumps(
+            {
+                "custom_id": "toolong",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": MODEL, "prompt": [100] * 9000, "max_tokens": 1},
+            }
+        )
+    )
+    rows.append(
+        json.dumps(
+            {"custom_id": "badurl", "method": "POST", "url": "/v1/edits", "body": {"model": MODEL}}
+        )
+    )
     path.write_text("\n".join(rows) + "\n")
     return ids
 
@@ -84,8 +106,9 @@ def _check_complete(out: Path, good: list[str]) -> dict[str, dict]:
         r = recs[cid]
         assert r["error"] is None and r["response"]["status_code"] == 200, r
         assert r["response"]["body"]["choices"], r
-    statuses = {cid: recs["line-2" if cid == "broken" else cid]["response"]["status_code"]
-                for cid in BAD}
+    statuses = {
+        cid: recs["line-2" if cid == "broken" else cid]["response"]["status_code"] for cid in BAD
+    }
     assert statuses == BAD
     assert recs["toolong"]["error"]["code"] == "context_length_exceeded"
     assert recs["badbody"]["response"]["body"]["error"]["param"] == "top_p"
@@ -93,8 +116,10 @@ def _check_complete(out: Path, good: list[str]) -> dict[str, dict]:
 
 
 def _text(body: dict) -> list[tuple[str, str]]:
-    return [(c.get("text", (c.get("message") or {}).get("content")), c["finish_reason"])
-            for c in body["choices"]]
+    return [
+        (c.get("text", (c.get("message") or {}).get("content")), c["finish_reason"])
+        for c in body["choices"]
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +129,9 @@ def resumed(tmp_path_factory) -> tuple[Path, Path, list[str], int, str]:
     src, out = tmp / "in.jsonl", tmp / "out.jsonl"
     good = _batch_file(src)
     cmd = [sys.executable, "-m", "deploy.batch", "--input", str(src), "--output", str(out)]
-    first = subprocess.Popen(cmd, cwd=REPO, start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         # The 4 bad lines are written at once; wait for some answered requests too.
         _wait_records(out, 7, first, timeout_s=240)
@@ -113,8 +139,9 @@ def resumed(tmp_path_factory) -> tuple[Path, Path, list[str], int, str]:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     killed_at = _count(out)
-    rerun = subprocess.run(cmd + ["--ordered"], cwd=REPO, capture_output=True, text=True,
-                           timeout=300)
+    rerun = subprocess.run(
+        cmd + ["--ordered"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     return src, out, good, killed_at, rerun.stderr
 
@@ -127,16 +154,21 @@ def test_killed_run_resumes_with_every_record_exactly_once(resumed):
     assert f"{killed_at} already in" in log
     assert "starting 1 replica(s) of" in log and "GPUs in this process" in log  # no Ray
     assert f"{total - killed_at}/{total - killed_at}" in log  # the progress bar finished
-    ordered = [json.loads(t)["custom_id"] for t in
-               out.with_name("out.ordered.jsonl").read_text().splitlines()]
+    ordered = [
+        json.loads(t)["custom_id"]
+        for t in out.with_name("out.ordered.jsonl").read_text().splitlines()
+    ]
     assert ordered == [good[0], "line-2", *good[1:], "badbody", "toolong", "badurl"]
 
 
 def test_batch_answers_equal_the_apis_and_via_service(resumed, tmp_path):
     src, out, good, _, _ = resumed
     recs = _records(out)
-    lines = {json.loads(t)["custom_id"]: json.loads(t) for t in src.read_text().splitlines()
-             if t.startswith('{"custom_id": "req-')}
+    lines = {
+        json.loads(t)["custom_id"]: json.loads(t)
+        for t in src.read_text().splitlines()
+        if t.startswith('{"custom_id": "req-')
+    }
     config = ServiceConfig(port=free_port())
     with running_app(config, replicas=1) as url:
         for cid in good:
@@ -145,14 +177,28 @@ def test_batch_answers_equal_the_apis_and_via_service(resumed, tmp_path):
             assert _text(resp.json()) == _text(recs[cid]["response"]["body"]), cid
         via = tmp_path / "via.jsonl"
         run = subprocess.run(
-            [sys.executable, "-m", "deploy.batch", "--input", str(src), "--output", str(via),
-             "--via-service", url, "--max-concurrency", "4"],
-            cwd=REPO, capture_output=True, text=True, timeout=300)
+            [
+                sys.executable,
+                "-m",
+                "deploy.batch",
+                "--input",
+                str(src),
+                "--output",
+                str(via),
+                "--via-service",
+                url,
+                "--max-concurrency",
+                "4",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
     via_recs = _check_complete(via, good)
     for cid in good:
-        assert _text(via_recs[cid]["response"]["body"]) == _text(
-            recs[cid]["response"]["body"]), cid
+        assert _text(via_recs[cid]["response"]["body"]) == _text(recs[cid]["response"]["body"]), cid
         assert via_recs[cid]["response"]["request_id"].startswith(("cmpl-", "chatcmpl-"))
 
 
@@ -165,8 +211,7 @@ def test_ray_job_submit_stop_and_resubmit_exactly_once(tmp_path):
     head, address = start_head(temp_dir, env)
     try:
         job = ["job", "submit", "--address", address, "--working-dir", str(REPO)]
-        entry = ["--", "python", "-m", "deploy.batch", "--input", str(src),
-                 "--output", str(out)]
+        entry = ["--", "python", "-m", "deploy.batch", "--input", str(src), "--output", str(out)]
         first = ray(*job, "--submission-id", "batch-1", "--no-wait", *entry, env=env)
         assert first.returncode == 0, first.stderr[-2000:]
         _wait_records(out, 7, None, timeout_s=240)

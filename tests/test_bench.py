@@ -19,8 +19,15 @@ def test_each_replay_sends_new_prompts_of_the_same_lengths(model_dir, tmp_path):
     trace = tmp_path / "trace.csv"  # the trace's format; the real one lives outside the repo
     rows = [f"2023-11-16 18:15:{i:02d}.5,{200 + 40 * i},{10 + i}" for i in range(13)]
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
-    cfg = sb.BenchConfig(base_url="http://unused", model="m", tokenizer=str(model_dir),
-                         trace=str(trace), window_start=0, num_requests=12, rates=[1.0, 2.0])
+    cfg = sb.BenchConfig(
+        base_url="http://unused",
+        model="m",
+        tokenizer=str(model_dir),
+        trace=str(trace),
+        window_start=0,
+        num_requests=12,
+        rates=[1.0, 2.0],
+    )
     first, second = sb.build_workload(cfg, 1.0, replay=0), sb.build_workload(cfg, 1.0, replay=1)
     assert [r.prompt_tokens for r in first] == [r.prompt_tokens for r in second]
     assert [r.max_tokens for r in first] == [r.max_tokens for r in second]
@@ -29,7 +36,8 @@ def test_each_replay_sends_new_prompts_of_the_same_lengths(model_dir, tmp_path):
     assert [r.prompt for r in sb.build_workload(cfg, 1.0, replay=0)] == [r.prompt for r in first]
     # Twice the rate: the same pattern, twice as fast; the 13th row ends the 12-request span.
     assert [2 * r.arrival_s for r in sb.build_workload(cfg, 2.0)] == pytest.approx(
-        [r.arrival_s for r in first])
+        [r.arrival_s for r in first]
+    )
     assert first[-1].arrival_s == pytest.approx(11 / 12 * 12 / 1.0)
 
 
@@ -81,8 +89,10 @@ def test_open_loop_judges_each_request_as_vllm_does():
     import loadgen
     import report as rp
 
-    reqs = [loadgen.LoadRequest(f"r{i}", i, cls, [1, 2, 3], 3, 5, 0.02 * i)
-            for i, cls in enumerate(["ok", "refuse", "fail", "slow", "ok"])]
+    reqs = [
+        loadgen.LoadRequest(f"r{i}", i, cls, [1, 2, 3], 3, 5, 0.02 * i)
+        for i, cls in enumerate(["ok", "refuse", "fail", "slow", "ok"])
+    ]
     run = asyncio.run(loadgen.open_loop(_FakeTarget(), reqs, cutoff_s=0.5))
     summary = rp.summarize(run.records, 10.0, lambda _: (0.2, 0.05), run.wall_s)
     by_id = {r["id"]: r for r in run.records}
@@ -95,8 +105,13 @@ def test_open_loop_judges_each_request_as_vllm_does():
     slow = by_id["r3"]
     assert slow["status"] == "cut_off" and slow["output_tokens"] == 1
     assert not slow["could_meet"]  # 4 tokens left, 0.45 s gone: past a 0.05 s TPOT
-    assert (summary["requests"], summary["slo_met"], summary["refused"], summary["failed"],
-            summary["cut_off"]) == (5, 2, 1, 1, 1)
+    assert (
+        summary["requests"],
+        summary["slo_met"],
+        summary["refused"],
+        summary["failed"],
+        summary["cut_off"],
+    ) == (5, 2, 1, 1, 1)
     assert summary["attainment"] == pytest.approx(0.4)
     assert summary["attainment_admitted"] == pytest.approx(0.5)
     assert run.cut_off == 1
@@ -119,11 +134,16 @@ def test_window_rescales_the_trace_to_the_offered_rate(tmp_path):
 
     trace = tmp_path / "trace.csv"
     gaps = [0, 1, 3, 4, 8, 9, 10]  # bursts and a lull, in trace seconds
-    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
-        f"2023-11-16 18:15:{g:02d}.0,{80 * (i + 1)},{16 * (i + 1)}\n"
-        for i, g in enumerate(gaps)))
-    wl = workload.Window(trace, 0, 6, workload.Lengths(8, 8, 4, 1024, 2, 128),
-                         {"interactive": 0.7, "batch": 0.3})
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        + "".join(
+            f"2023-11-16 18:15:{g:02d}.0,{80 * (i + 1)},{16 * (i + 1)}\n"
+            for i, g in enumerate(gaps)
+        )
+    )
+    wl = workload.Window(
+        trace, 0, 6, workload.Lengths(8, 8, 4, 1024, 2, 128), {"interactive": 0.7, "batch": 0.3}
+    )
     # 6 requests over 6 s: the 7th row, 10 trace seconds in, would arrive at 6 s.
     reqs, scale = wl.at_rate(1.0, 6, "t")
     assert scale == pytest.approx(6 / 10)
@@ -141,17 +161,18 @@ def test_prefix_workload_turns_resend_the_conversation_and_replays_differ(tmp_pa
     trace = tmp_path / "trace.csv"
     rows = [f"2023-11-16 18:15:{i:02d}.5,{200 + 40 * i},{10 + i}" for i in range(13)]
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
-    args = pc.parse_args(["--conversations", "4", "--turns", "3", "--trace", str(trace),
-                          "--window-start", "0"])
+    args = pc.parse_args(
+        ["--conversations", "4", "--turns", "3", "--trace", str(trace), "--window-start", "0"]
+    )
     first = {r.id: r for r in pc.conversations(args, 1.0, replay=0)}
     assert len(first) == 12
-    system = first["c0-t0"].prompt[:pc.SYSTEM_PROMPT_TOKENS]
+    system = first["c0-t0"].prompt[: pc.SYSTEM_PROMPT_TOKENS]
     for c in range(4):
         turns = [first[f"c{c}-t{k}"] for k in range(3)]
-        assert all(t.prompt[:pc.SYSTEM_PROMPT_TOKENS] == system for t in turns)
+        assert all(t.prompt[: pc.SYSTEM_PROMPT_TOKENS] == system for t in turns)
         for before, after in zip(turns, turns[1:]):
             # The next turn re-sends the last prompt, its answer, then a new message.
-            assert after.prompt[:before.prompt_tokens] == before.prompt
+            assert after.prompt[: before.prompt_tokens] == before.prompt
             assert after.prompt_tokens > before.prompt_tokens + before.max_tokens
             assert after.arrival_s == before.arrival_s + args.think_s
     second = {r.id: r for r in pc.conversations(args, 1.0, replay=1)}
@@ -165,13 +186,22 @@ def test_guard_probe_judges_refusals_as_misses_and_in_the_mix_only_interactive()
     import guard_probe
 
     def rec(cls, status, first, end, n):
-        return {"class": cls, "status": status, "arrival_s": 0.0, "first_token_s": first,
-                "end_s": end, "output_tokens": n, "output_tokens_expected": 3}
+        return {
+            "class": cls,
+            "status": status,
+            "arrival_s": 0.0,
+            "first_token_s": first,
+            "end_s": end,
+            "output_tokens": n,
+            "output_tokens_expected": 3,
+        }
 
-    records = [rec("interactive", "finished", 0.5, 0.9, 3),   # TTFT 0.5 s, TPOT 0.2 s: met
-               rec("interactive", "finished", 3.0, 3.2, 3),   # TTFT 3 s: missed
-               rec("interactive", "refused", None, None, 0),  # refused: a miss
-               rec("batch", "finished", 9.0, 19.0, 3)]        # not judged in the mix
+    records = [
+        rec("interactive", "finished", 0.5, 0.9, 3),  # TTFT 0.5 s, TPOT 0.2 s: met
+        rec("interactive", "finished", 3.0, 3.2, 3),  # TTFT 3 s: missed
+        rec("interactive", "refused", None, None, 0),  # refused: a miss
+        rec("batch", "finished", 9.0, 19.0, 3),
+    ]  # not judged in the mix
     args = argparse.Namespace(slo_ttft_s=2.0, slo_tpot_s=0.25, mix=True)
     row = guard_probe.summarize(args, records, wall_s=10.0)
     assert row["requests"] == 3 and row["not_finished"] == 1
@@ -195,8 +225,10 @@ def test_contention_slope_split_and_explained_share():
     engine, other = contention.replica_split(before, after, 10.0, engine_threads=2)
     assert (engine, other) == pytest.approx((1.75, 0.1))
     offline = {str(n): {"ms_at_0": 40.0, "slope": 1.5} for n in contention.STREAMS}
-    served = {str(n): {"ms_per_token": 46.0, "foreign": {"ingress": 0.06, "ray": 0.04}}
-              for n in contention.STREAMS}
+    served = {
+        str(n): {"ms_per_token": 46.0, "foreign": {"ingress": 0.06, "ray": 0.04}}
+        for n in contention.STREAMS
+    }
     row = contention.explain(offline, served)[0]
     assert row["foreign_cores"] == pytest.approx(0.1)
     assert row["predicted_ms"] == pytest.approx(46.0)
@@ -205,13 +237,15 @@ def test_contention_slope_split_and_explained_share():
 
 def _summary(rate: float, overall: float, interactive: float | None = None) -> dict:
     inter = overall if interactive is None else interactive
-    return {"rate": rate, "attainment": overall,
-            "per_class": {"interactive": {"attainment": inter}}}
+    return {
+        "rate": rate,
+        "attainment": overall,
+        "per_class": {"interactive": {"attainment": inter}},
+    }
 
 
 def test_rates_extend_past_the_grid_while_the_system_passes():
-    cfg = sb.BenchConfig(base_url="x", model="m", tokenizer="t", rates=[1.0, 2.0],
-                         extend_rates=2)
+    cfg = sb.BenchConfig(base_url="x", model="m", tokenizer="t", rates=[1.0, 2.0], extend_rates=2)
     assert sb.next_rate(cfg, [_summary(1, 1.0)]) == 2.0
     assert sb.next_rate(cfg, [_summary(1, 1.0), _summary(2, 0.95)]) == 2.5
     assert sb.next_rate(cfg, [_summary(1, 1.0), _summary(2, 0.5)]) is None
@@ -228,8 +262,7 @@ def test_rates_extend_past_the_grid_while_the_system_passes():
     assert sb.next_rate(cfg, ran) == 5.99
 
 
-def test_paired_probes_alternate_which_side_goes_first_and_take_the_median_ratio(
-        monkeypatch):
+def test_paired_probes_alternate_which_side_goes_first_and_take_the_median_ratio(monkeypatch):
     import asyncio
 
     import peer_servers as ps
@@ -251,8 +284,16 @@ def test_paired_probes_alternate_which_side_goes_first_and_take_the_median_ratio
 
     monkeypatch.setattr(ps, "token_cost", fake_token_cost)
     out = asyncio.run(ps.paired_token_cost(None, Offline(), 8, 96, rounds=3))
-    assert [c[0] for c in calls] == ["served", "offline", "offline", "served", "served",
-                                     "offline", "offline", "served"]
+    assert [c[0] for c in calls] == [
+        "served",
+        "offline",
+        "offline",
+        "served",
+        "served",
+        "offline",
+        "offline",
+        "served",
+    ]
     assert calls[0][1:] == (8, 8, False) and calls[1][1:] == (8, 8)  # warm-ups, this shape
     assert all(c[1:3] == (8, 96) for c in calls[2:])
     # Ratios 1.0, 1.1, 3.0: the outlier round does not move the median.
@@ -263,6 +304,7 @@ def test_paired_probes_alternate_which_side_goes_first_and_take_the_median_ratio
 
 def _chunk(text: str = "", usage: dict | None = None) -> str:
     import json
+
     obj = {"choices": [{"index": 0, "text": text}] if text else [], "usage": usage}
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -300,10 +342,19 @@ def test_both_http_targets_count_tokens_and_fail_alike():
     from loadgen import Refused
 
     # A chunk per token, then the usage counting two more (a chunk that carried several).
-    body = (_chunk("a") + _chunk("b") + _chunk("c")
-            + _chunk(usage={"prompt_tokens": 2, "completion_tokens": 5,
-                            "prompt_tokens_details": {"cached_tokens": 1}})
-            + "data: [DONE]\n\n")
+    body = (
+        _chunk("a")
+        + _chunk("b")
+        + _chunk("c")
+        + _chunk(
+            usage={
+                "prompt_tokens": 2,
+                "completion_tokens": 5,
+                "prompt_tokens_details": {"cached_tokens": 1},
+            }
+        )
+        + "data: [DONE]\n\n"
+    )
     for tokens, rec in asyncio.run(_targets_on(body)):
         assert tokens == [1, 1, 1, 2]
         assert (rec["server_prompt_tokens"], rec["cached_tokens"]) == (2, 1)

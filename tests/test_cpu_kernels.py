@@ -30,8 +30,10 @@ def test_rms_norm_with_and_without_the_residual_add(rows, parallel):
     x, delta, w = torch.randn(rows, 48), torch.randn(rows, 48), torch.randn(48)
     close(kernels.rms_norm(x, w, 1e-5, parallel=parallel), F.rms_norm(x, (48,), w, 1e-5))
     summed = x + delta
-    close(kernels.rms_norm(x, w, 1e-6, delta=delta, parallel=parallel),
-          F.rms_norm(summed, (48,), w, 1e-6))
+    close(
+        kernels.rms_norm(x, w, 1e-6, delta=delta, parallel=parallel),
+        F.rms_norm(summed, (48,), w, 1e-6),
+    )
     close(x, summed)  # the residual stream was updated in place
 
 
@@ -81,7 +83,7 @@ def test_decode_attention_matches_dense_attention_over_paged_blocks(lens):  # tw
     perm = torch.randperm(len(kc)).int()
     tables = torch.zeros(3, max(need), dtype=torch.int32)
     for i, off in enumerate([0, need[0], need[0] + need[1]]):
-        tables[i, :need[i]] = perm[off:off + need[i]]
+        tables[i, : need[i]] = perm[off : off + need[i]]
     lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(3, heads, d)
     out = torch.empty_like(q)
@@ -103,8 +105,7 @@ def test_decode_attention_matches_dense_attention_over_paged_blocks(lens):  # tw
 @needs_kernels
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 64), (4, 2, 128), (4, 4, 64), (8, 2, 64)])
-def test_prefill_attention_matches_causal_attention_over_paged_blocks(threads, heads,
-                                                                      kv_heads, d):
+def test_prefill_attention_matches_causal_attention_over_paged_blocks(threads, heads, kv_heads, d):
     """Three chunks in one step: a first chunk longer than one work unit (16 tokens), a later
     chunk after 21 cached tokens, and a one-token chunk; scattered blocks. The head shapes
     give a work unit 16 to 64 query rows (1 to 4 lanes of 16) and 1 or 2 column tiles."""
@@ -116,7 +117,7 @@ def test_prefill_attention_matches_causal_attention_over_paged_blocks(threads, h
     perm = torch.randperm(sum(need) + 3).int()
     tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
     for i, off in enumerate([0, need[0], need[0] + need[1]]):
-        tables[i, :need[i]] = perm[off:off + need[i]]
+        tables[i, : need[i]] = perm[off : off + need[i]]
     kc, vc = (torch.randn(len(perm), bs, kv_heads, d) for _ in range(2))
     qsl = torch.tensor([0, 37, 46, 47], dtype=torch.int32)
     q = torch.randn(47, heads, d)
@@ -124,8 +125,9 @@ def test_prefill_attention_matches_causal_attention_over_paged_blocks(threads, h
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        kernels.prefill_attention(q, kc, vc, tables, qsl, torch.tensor(lens, dtype=torch.int32),
-                                  0, 0.3, out)
+        kernels.prefill_attention(
+            q, kc, vc, tables, qsl, torch.tensor(lens, dtype=torch.int32), 0, 0.3, out
+        )
     finally:
         torch.set_num_threads(saved)
     for i, n in enumerate(lens):
@@ -135,8 +137,9 @@ def test_prefill_attention_matches_causal_attention_over_paged_blocks(threads, h
         v = vc.view(-1, kv_heads, d)[slots].transpose(0, 1)
         rows = slice(qsl[i].item(), qsl[i + 1].item())
         mask = pos[None] <= torch.arange(before[i], n)[:, None]  # [chunk, n]
-        ref = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k, v, attn_mask=mask,
-                                             scale=0.3, enable_gqa=True)
+        ref = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), k, v, attn_mask=mask, scale=0.3, enable_gqa=True
+        )
         close(out[rows], ref.transpose(0, 1))
 
 
@@ -145,8 +148,17 @@ def test_prefill_attention_refuses_a_head_dim_it_does_not_tile():
     kc, q = torch.zeros(2, 4, 1, 32), torch.zeros(1, 2, 32)
     one, table = torch.ones(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="multiple of 64"):
-        kernels.prefill_attention(q, kc, kc, table, torch.tensor([0, 1], dtype=torch.int32),
-                                  one, 0, 1.0, torch.zeros_like(q))
+        kernels.prefill_attention(
+            q,
+            kc,
+            kc,
+            table,
+            torch.tensor([0, 1], dtype=torch.int32),
+            one,
+            0,
+            1.0,
+            torch.zeros_like(q),
+        )
 
 
 def step_metadata(caches, decodes, prefills, tables) -> AttentionMetadata:
@@ -165,18 +177,30 @@ def step_metadata(caches, decodes, prefills, tables) -> AttentionMetadata:
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     md = AttentionMetadata(
-        kv_caches=caches, slot_mapping=torch.tensor(slots),
+        kv_caches=caches,
+        slot_mapping=torch.tensor(slots),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        context_lens=torch.tensor(ctx, dtype=torch.int32), block_tables=block_tables,
-        max_query_len=max(prefills, default=1), max_context_len=max(ctx),
-        num_decodes=len(decodes), use_flash=False,
-        prefills=[PrefillChunk(qsl[len(decodes) + j], qsl[len(decodes) + j + 1], None, None)
-                  for j in range(len(prefills))])
+        context_lens=torch.tensor(ctx, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(prefills, default=1),
+        max_context_len=max(ctx),
+        num_decodes=len(decodes),
+        use_flash=False,
+        prefills=[
+            PrefillChunk(qsl[len(decodes) + j], qsl[len(decodes) + j + 1], None, None)
+            for j in range(len(prefills))
+        ],
+    )
     if decodes:
         p = torch.arange(decodes[0])
-        md.decode_groups.append(DecodeGroup(
-            0, len(decodes), slots=block_tables[:len(decodes), p // BLOCK].long() * BLOCK
-            + p % BLOCK, mask=(p[None] < torch.tensor(decodes)[:, None]).view(-1, 1, 1, len(p))))
+        md.decode_groups.append(
+            DecodeGroup(
+                0,
+                len(decodes),
+                slots=block_tables[: len(decodes), p // BLOCK].long() * BLOCK + p % BLOCK,
+                mask=(p[None] < torch.tensor(decodes)[:, None]).view(-1, 1, 1, len(p)),
+            )
+        )
     return md
 
 
@@ -189,17 +213,28 @@ def run_steps(model, steps) -> list[torch.Tensor]:
     out = []
     with torch.inference_mode():
         for ids, pos, md in steps:
-            out.append(model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
-                             attn_metadata=md(caches)).logits[0])
+            out.append(
+                model(
+                    input_ids=ids[None],
+                    position_ids=pos[None],
+                    use_cache=False,
+                    attn_metadata=md(caches),
+                ).logits[0]
+            )
     return out
 
 
 @needs_kernels
-@pytest.mark.parametrize(("arch", "c_len", "head_dim"), [
-    ("llama", 6, None), ("qwen2", 6, None), ("qwen3", 6, None),
-    ("llama", 40, None),  # 42 rows: the norms and SiLU on all threads
-    ("llama", 40, 64),  # prefills in the prefill_attention kernel (head_dim 8: SDPA)
-])
+@pytest.mark.parametrize(
+    ("arch", "c_len", "head_dim"),
+    [
+        ("llama", 6, None),
+        ("qwen2", 6, None),
+        ("qwen3", 6, None),
+        ("llama", 40, None),  # 42 rows: the norms and SiLU on all threads
+        ("llama", 40, 64),  # prefills in the prefill_attention kernel (head_dim 8: SDPA)
+    ],
+)
 def test_kernel_layers_equal_the_fused_pytorch_layers_in_a_mixed_step(arch, c_len, head_dim):
     fused = tiny_model(arch, head_dim)
     fuse_layers(fused)
@@ -212,12 +247,17 @@ def test_kernel_layers_equal_the_fused_pytorch_layers_in_a_mixed_step(arch, c_le
     # scattered blocks; A's and B's second block partly full
     tables = [[5, 1], [0, 3], [2, 4, *range(8, 8 + -(-c_len // BLOCK) - 2)]]
     steps = [
-        (torch.cat([a, b]), torch.cat([torch.arange(7), torch.arange(5)]),
-         lambda caches: step_metadata(caches, [], [7, 5], tables[:2])),
+        (
+            torch.cat([a, b]),
+            torch.cat([torch.arange(7), torch.arange(5)]),
+            lambda caches: step_metadata(caches, [], [7, 5], tables[:2]),
+        ),
         # A and B decode (contexts 8 and 6) while C's prompt is prefilled in the same step
-        (torch.cat([torch.tensor([3, 9]), c]),
-         torch.cat([torch.tensor([7, 5]), torch.arange(c_len)]),
-         lambda caches: step_metadata(caches, [8, 6], [c_len], tables)),
+        (
+            torch.cat([torch.tensor([3, 9]), c]),
+            torch.cat([torch.tensor([7, 5]), torch.arange(c_len)]),
+            lambda caches: step_metadata(caches, [8, 6], [c_len], tables),
+        ),
     ]
     for got, want in zip(run_steps(kernel, steps), run_steps(fused, steps)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -252,8 +292,15 @@ def test_without_openmp_the_kernels_build_and_run_on_one_thread(monkeypatch, tmp
     assert "without OpenMP" in caplog.text
     q, kc = torch.randn(3, 2, 64), torch.randn(1, 4, 1, 64)
     out, want = torch.zeros_like(q), torch.zeros_like(q)
-    args = (kc, kc, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32),
-            torch.tensor([3], dtype=torch.int32), 0, 0.5)
+    args = (
+        kc,
+        kc,
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.tensor([0, 3], dtype=torch.int32),
+        torch.tensor([3], dtype=torch.int32),
+        0,
+        0.5,
+    )
     single.prefill_attention(q, *args, out)
     kernels.prefill_attention(q, *args, want)
     close(out, want)

@@ -44,8 +44,15 @@ class StandIn(BaseHTTPRequestHandler):
                 return self._answer(409, {"message": "data source with the same name exists"})
             return self._answer(200, {"id": 1, "message": "Datasource added"})
         if self.path == "/api/dashboards/db":
-            return self._answer(200, {"status": "success", "uid": "iterserve",
-                                      "url": "/d/iterserve/iterserve", "version": 1})
+            return self._answer(
+                200,
+                {
+                    "status": "success",
+                    "uid": "iterserve",
+                    "url": "/d/iterserve/iterserve",
+                    "version": 1,
+                },
+            )
         self._answer(404, {"message": "not found"})
 
     def do_GET(self) -> None:  # noqa: N802
@@ -75,8 +82,21 @@ def grafana():
 
 def test_push_creates_the_datasource_and_the_dashboard(grafana, monkeypatch, capsys):
     monkeypatch.setenv("GRAFANA_TOKEN", "glsa_secret")
-    assert main(["dashboard", "push", "--grafana-url", grafana, "--api-key-env",
-                 "GRAFANA_TOKEN", "--prometheus-url", "http://prom:9090"]) == 0
+    assert (
+        main(
+            [
+                "dashboard",
+                "push",
+                "--grafana-url",
+                grafana,
+                "--api-key-env",
+                "GRAFANA_TOKEN",
+                "--prometheus-url",
+                "http://prom:9090",
+            ]
+        )
+        == 0
+    )
     (m1, p1, auth1, ds), (m2, p2, auth2, dash) = StandIn.requests
     assert (m1, p1, m2, p2) == ("POST", "/api/datasources", "POST", "/api/dashboards/db")
     assert auth1 == auth2 == "Bearer glsa_secret"
@@ -91,17 +111,35 @@ def test_push_creates_the_datasource_and_the_dashboard(grafana, monkeypatch, cap
 def test_push_updates_an_existing_datasource_and_needs_the_key(grafana, monkeypatch, capsys):
     StandIn.datasource_exists = True
     monkeypatch.setenv("GRAFANA_TOKEN", "t")
-    assert main(["dashboard", "push", "--grafana-url", grafana, "--api-key-env",
-                 "GRAFANA_TOKEN", "--prometheus-url", "http://prom:9090",
-                 "--folder-uid", "ops"]) == 0
+    assert (
+        main(
+            [
+                "dashboard",
+                "push",
+                "--grafana-url",
+                grafana,
+                "--api-key-env",
+                "GRAFANA_TOKEN",
+                "--prometheus-url",
+                "http://prom:9090",
+                "--folder-uid",
+                "ops",
+            ]
+        )
+        == 0
+    )
     calls = [(m, p) for m, p, _, _ in StandIn.requests]
-    assert calls == [("POST", "/api/datasources"),
-                     ("GET", f"/api/datasources/name/{DATASOURCE_NAME}"),
-                     ("PUT", "/api/datasources/uid/ds-1"), ("POST", "/api/dashboards/db")]
+    assert calls == [
+        ("POST", "/api/datasources"),
+        ("GET", f"/api/datasources/name/{DATASOURCE_NAME}"),
+        ("PUT", "/api/datasources/uid/ds-1"),
+        ("POST", "/api/dashboards/db"),
+    ]
     assert StandIn.requests[-1][3]["folderUid"] == "ops"
     # Without the key in the environment: a clear error, and nothing sent.
     StandIn.requests.clear()
     monkeypatch.delenv("GRAFANA_TOKEN")
-    assert main(["dashboard", "push", "--grafana-url", grafana,
-                 "--api-key-env", "GRAFANA_TOKEN"]) == 2
+    assert (
+        main(["dashboard", "push", "--grafana-url", grafana, "--api-key-env", "GRAFANA_TOKEN"]) == 2
+    )
     assert "GRAFANA_TOKEN" in capsys.readouterr().err and not StandIn.requests

@@ -36,8 +36,9 @@ def test_offline_generate_default_prompt(llm):
     assert EngineConfig().max_num_batched_tokens < OFFLINE_MAX_NUM_BATCHED_TOKENS
     assert llm.llm_engine.config.max_num_seqs == 8  # given, so the offline 128 does not apply
     assert EngineConfig().max_num_seqs < OFFLINE_MAX_NUM_SEQS
-    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        ["The capital of France is"], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False
+    )[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 8
 
@@ -45,12 +46,10 @@ def test_offline_generate_default_prompt(llm):
 def test_oversized_request_is_refused_when_added_and_others_run(llm):
     engine = llm.llm_engine
     with pytest.raises(RequestRejectedError, match="KV cache capacity of 640 tokens"):
-        engine.add_request("big", {"prompt_token_ids": [100] * 600},
-                           SamplingParams(max_tokens=100))
+        engine.add_request("big", {"prompt_token_ids": [100] * 600}, SamplingParams(max_tokens=100))
     ctx = engine.max_model_len
     with pytest.raises(RequestRejectedError, match=f"context of {ctx} tokens"):
-        engine.add_request("ctx", {"prompt_token_ids": [100] * 10},
-                           SamplingParams(max_tokens=ctx))
+        engine.add_request("ctx", {"prompt_token_ids": [100] * 10}, SamplingParams(max_tokens=ctx))
     with pytest.raises(ValueError, match="prompt is empty"):
         engine.add_request("empty", "")
     assert not engine.has_unfinished_requests()
@@ -85,11 +84,14 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llm):
     others = SamplingParams(max_tokens=12, temperature=1.0)
     batch = llm.generate(
         ["A recipe for bread:", "Once upon a time", "def main():"],
-        [others, params, others], use_tqdm=False,
+        [others, params, others],
+        use_tqdm=False,
     )
     assert batch[1].outputs[0].token_ids == alone
-    unseeded = [llm.generate(["Once upon a time"], others, use_tqdm=False)[0].outputs[0].token_ids
-                for _ in range(2)]
+    unseeded = [
+        llm.generate(["Once upon a time"], others, use_tqdm=False)[0].outputs[0].token_ids
+        for _ in range(2)
+    ]
     assert alone != unseeded[0] or alone != unseeded[1]
 
 
@@ -98,19 +100,25 @@ def test_stop_string_and_stop_token_finish_reasons(llm):
     greedy = SamplingParams(max_tokens=12, temperature=0)
     base = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0]
     assert base.text.startswith(" Paris.")
-    out = llm.generate(["The capital of France is"],
-                       SamplingParams(max_tokens=12, temperature=0, stop=["ris."]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["The capital of France is"],
+        SamplingParams(max_tokens=12, temperature=0, stop=["ris."]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.text == " Pa" and out.finish_reason == "stop" and out.stop_reason == "ris."
     stop_id = base.token_ids[1]
-    out = llm.generate(["The capital of France is"],
-                       SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_id]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["The capital of France is"],
+        SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == base.token_ids[:2] and out.finish_reason == "stop"
-    chat = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], tokenize=False,
-                                   add_generation_prompt=True)
-    out = llm.generate([chat], SamplingParams(max_tokens=64, temperature=0),
-                       use_tqdm=False)[0].outputs[0]
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], tokenize=False, add_generation_prompt=True
+    )
+    out = llm.generate([chat], SamplingParams(max_tokens=64, temperature=0), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == tok.eos_token_id
     assert "<|im_end|>" not in out.text
 
@@ -129,8 +137,13 @@ def test_n_and_logprobs(llm):
 
 
 def test_invalid_sampling_params_name_the_field():
-    for kwargs, field in [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
-                          (dict(top_p=0), "top_p"), (dict(n=0), "n"), (dict(stop=[""]), "stop")]:
+    for kwargs, field in [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(n=0), "n"),
+        (dict(stop=[""]), "stop"),
+    ]:
         with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
             SamplingParams(**kwargs)
 
@@ -156,8 +169,9 @@ async def test_async_stream_and_cancel_frees_blocks_within_one_step():
             deltas.append(out.outputs[0].text)
             ids += out.outputs[0].token_ids
         assert out.finished and len(ids) == 10
-        whole = [o async for o in engine.generate(prompt, SamplingParams(max_tokens=10,
-                                                                         temperature=0))][-1]
+        whole = [
+            o async for o in engine.generate(prompt, SamplingParams(max_tokens=10, temperature=0))
+        ][-1]
         assert "".join(deltas) == whole.outputs[0].text and ids == whole.outputs[0].token_ids
         assert whole.outputs[0].text.startswith(" Paris")
 
@@ -193,8 +207,9 @@ async def test_async_steps_while_the_event_loop_is_busy():
         real_step = engine.engine.step
         engine.engine.step = lambda: steps.append(time.perf_counter()) or real_step()
         outs = []
-        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(
+            max_tokens=12, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
         async for out in engine.generate("The capital of France is", params):
             outs.append(out)
             if len(outs) == 1:
@@ -226,8 +241,12 @@ async def test_async_engine_failure_ends_every_stream():
         async def consume(prompt):
             return [o async for o in engine.generate(prompt, SamplingParams(max_tokens=50))]
 
-        results = await asyncio.wait_for(asyncio.gather(
-            consume("Hello"), consume("The capital of France is"), return_exceptions=True), 30)
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                consume("Hello"), consume("The capital of France is"), return_exceptions=True
+            ),
+            30,
+        )
         assert all(isinstance(r, EngineDeadError) for r in results), results
         assert engine.dead
         with pytest.raises(EngineDeadError):
@@ -252,8 +271,9 @@ def test_without_chunking_a_request_over_the_budget_is_refused():
     engine = llm.llm_engine
     with pytest.raises(RequestRejectedError, match="chunked prefill disabled"):
         engine.add_request("long", {"prompt_token_ids": [100] * 60}, SamplingParams(max_tokens=8))
-    out = llm.generate([{"prompt_token_ids": [100] * 40}], SamplingParams(max_tokens=8),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [{"prompt_token_ids": [100] * 40}], SamplingParams(max_tokens=8), use_tqdm=False
+    )[0]
     assert len(out.outputs[0].token_ids) == 8
 
 

@@ -45,32 +45,52 @@ class CostModelRunner:
         prefill = out.num_batched_tokens - out.num_decodes
         self.clock.t += self.a + self.b * prefill + self.c * out.num_decodes
         self.steps += 1
-        return {s.request.request_id: SampleResult(
-                    1 + (len(s.request.prompt_token_ids) * 31 + s.request.num_tokens) % 997,
-                    {EOS: -1.0} if s.request.params.logprobs is not None else None)
-                for s in out.seqs if s.samples}
+        return {
+            s.request.request_id: SampleResult(
+                1 + (len(s.request.prompt_token_ids) * 31 + s.request.num_tokens) % 997,
+                {EOS: -1.0} if s.request.params.logprobs is not None else None,
+            )
+            for s in out.seqs
+            if s.samples
+        }
 
 
 def run(policy: str, guard: bool) -> tuple[list[StepRecord], dict[str, list[int]], float]:
     """A burst of requests of two classes with staggered arrivals, to completion."""
     clock = FakeClock()
     classes = {"interactive": {"ttft_slo_s": 1.0, "tpot_slo_s": 0.1}}
-    config = EngineConfig(block_size=4, max_num_batched_tokens=64, max_num_seqs=8,
-                          policy=policy, tpot_slo_guard=guard, traffic_classes=classes)
+    config = EngineConfig(
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        policy=policy,
+        tpot_slo_guard=guard,
+        traffic_classes=classes,
+    )
     runner = CostModelRunner(clock)
     engine = LLMEngine(config, runner=runner, tokenizer=FakeTokenizer(), clock=clock)
     records: list[StepRecord] = []
     engine.on_step = records.append
     tokens: dict[str, list[int]] = {}
-    arrivals = [(0.02 * i, f"r{i}", 5 + 7 * i % 40, 3 + 5 * i % 17,
-                 "interactive" if i % 3 == 0 else "batch") for i in range(24)]
+    arrivals = [
+        (
+            0.02 * i,
+            f"r{i}",
+            5 + 7 * i % 40,
+            3 + 5 * i % 17,
+            "interactive" if i % 3 == 0 else "batch",
+        )
+        for i in range(24)
+    ]
     while arrivals or engine.has_unfinished_requests():
         while arrivals and arrivals[0][0] <= clock.t:
             at, rid, plen, out_len, cls = arrivals.pop(0)
-            params = SamplingParams(max_tokens=out_len, ignore_eos=True,
-                                    output_kind=RequestOutputKind.DELTA)
-            engine.add_request(rid, list(range(1, plen + 1)), params, traffic_class=cls,
-                               arrival_time=at)
+            params = SamplingParams(
+                max_tokens=out_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+            )
+            engine.add_request(
+                rid, list(range(1, plen + 1)), params, traffic_class=cls, arrival_time=at
+            )
         if not engine.has_unfinished_requests():
             clock.t = arrivals[0][0]
             continue
@@ -103,22 +123,30 @@ def test_the_runners_own_phases_reach_the_step_record():
             return super().execute(out)
 
     clock = FakeClock()
-    engine = LLMEngine(EngineConfig(block_size=4), runner=PhasedRunner(clock),
-                       tokenizer=FakeTokenizer(), clock=clock)
+    engine = LLMEngine(
+        EngineConfig(block_size=4),
+        runner=PhasedRunner(clock),
+        tokenizer=FakeTokenizer(),
+        clock=clock,
+    )
     records: list[StepRecord] = []
     engine.on_step = records.append
     engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    assert [r.phases for r in records] == [(("forward", 0.5),), (("forward", 1.5),),
-                                           (("forward", 2.5),)]
+    assert [r.phases for r in records] == [
+        (("forward", 0.5),),
+        (("forward", 1.5),),
+        (("forward", 2.5),),
+    ]
 
 
 def test_while_a_step_runs_the_published_load_is_as_after_it():
     clock = FakeClock()
     config = EngineConfig(block_size=4, max_num_batched_tokens=64)
-    engine = LLMEngine(config, runner=CostModelRunner(clock), tokenizer=FakeTokenizer(),
-                       clock=clock)
+    engine = LLMEngine(
+        config, runner=CostModelRunner(clock), tokenizer=FakeTokenizer(), clock=clock
+    )
     seen = []
     engine.on_scheduled = seen.append
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -149,13 +177,23 @@ def test_the_guard_is_switched_on_by_config_and_shapes_the_steps():
 
 def test_delta_and_final_only_outputs_carry_what_their_kind_says():
     clock = FakeClock()
-    engine = LLMEngine(EngineConfig(block_size=4), runner=CostModelRunner(clock),
-                       tokenizer=FakeTokenizer(), clock=clock)
-    kinds = {"d": RequestOutputKind.DELTA, "f": RequestOutputKind.FINAL_ONLY,
-             "c": RequestOutputKind.CUMULATIVE}
+    engine = LLMEngine(
+        EngineConfig(block_size=4),
+        runner=CostModelRunner(clock),
+        tokenizer=FakeTokenizer(),
+        clock=clock,
+    )
+    kinds = {
+        "d": RequestOutputKind.DELTA,
+        "f": RequestOutputKind.FINAL_ONLY,
+        "c": RequestOutputKind.CUMULATIVE,
+    }
     for rid, kind in kinds.items():
-        engine.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True,
-                                                          logprobs=0, output_kind=kind))
+        engine.add_request(
+            rid,
+            [1, 2, 3],
+            SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0, output_kind=kind),
+        )
     seen: dict[str, list] = {rid: [] for rid in kinds}
     while engine.has_unfinished_requests():
         for out in engine.step():

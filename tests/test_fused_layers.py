@@ -18,12 +18,21 @@ def tiny_model(arch: str, head_dim: int | None = None):
     """Two random layers of ``arch``; ``head_dim`` (Llama) overrides hidden / heads (8)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=64, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
+    common = dict(
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     extra = {} if head_dim is None else {"head_dim": head_dim}
-    cfg = {"llama": lambda: LlamaConfig(**common, **extra),
-           "qwen2": lambda: Qwen2Config(**common),  # q/k/v with bias
-           "qwen3": lambda: Qwen3Config(head_dim=8, **common)}[arch]()  # per-head q/k norms
+    cfg = {
+        "llama": lambda: LlamaConfig(**common, **extra),
+        "qwen2": lambda: Qwen2Config(**common),  # q/k/v with bias
+        "qwen3": lambda: Qwen3Config(head_dim=8, **common),
+    }[arch]()  # per-head q/k norms
     cfg._attn_implementation = ATTN_IMPLEMENTATION
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
@@ -41,14 +50,23 @@ def prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
     shape = (blocks, BLOCK, cfg.num_key_value_heads, head_dim)
     md = AttentionMetadata(
         kv_caches=[(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)],
-        slot_mapping=torch.arange(t), query_start_loc=torch.tensor([0, t], dtype=torch.int32),
+        slot_mapping=torch.arange(t),
+        query_start_loc=torch.tensor([0, t], dtype=torch.int32),
         context_lens=torch.tensor([t], dtype=torch.int32),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None], max_query_len=t,
-        max_context_len=t, num_decodes=0, use_flash=False,
-        prefills=[PrefillChunk(0, t, None, None)])
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+        max_query_len=t,
+        max_context_len=t,
+        num_decodes=0,
+        use_flash=False,
+        prefills=[PrefillChunk(0, t, None, None)],
+    )
     with torch.inference_mode():
-        return model(input_ids=ids[None], position_ids=torch.arange(t)[None], use_cache=False,
-                     attn_metadata=md).logits[0]
+        return model(
+            input_ids=ids[None],
+            position_ids=torch.arange(t)[None],
+            use_cache=False,
+            attn_metadata=md,
+        ).logits[0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -60,8 +78,9 @@ def test_fused_model_equals_transformers_layers(arch):
     assert isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedMLP)
     assert isinstance(layer.input_layernorm, RMSNorm) and isinstance(fused.model.norm, RMSNorm)
     ids = torch.randint(0, 64, (11,))
-    torch.testing.assert_close(prefill_logits(fused, ids), prefill_logits(model, ids),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        prefill_logits(fused, ids), prefill_logits(model, ids), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_fusing_refuses_a_layer_without_linear_projections():

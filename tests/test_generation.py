@@ -29,10 +29,13 @@ def greedy_reference(model_dir, prompts: list[list[int]], max_new_tokens: int = 
     with torch.inference_mode():
         for ids in prompts:
             out = model.generate(
-                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                output_logits=True, return_dict_in_generate=True,
+                torch.tensor([ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-            tokens = out.sequences[0, len(ids):].tolist()
+            tokens = out.sequences[0, len(ids) :].tolist()
             refs.append((tokens, torch.cat(out.logits).float()))
     del model
     gc.collect()

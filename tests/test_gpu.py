@@ -22,9 +22,14 @@ def test_flash_attn_greedy_matches_transformers_on_cuda(model_dir, prompts):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     for p, out in zip(prompts, outs):
-        ref = ref_model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16,
-                                 do_sample=False, output_logits=True, return_dict_in_generate=True)
-        ref_ids = ref.sequences[0, len(p):].tolist()
+        ref = ref_model.generate(
+            torch.tensor([p], device="cuda"),
+            max_new_tokens=16,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        ref_ids = ref.sequences[0, len(p) :].tolist()
         got = out.outputs[0].token_ids
         for pos, (a, b) in enumerate(zip(got, ref_ids)):
             if a != b:

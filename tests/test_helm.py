@@ -30,23 +30,41 @@ REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm/iterserve"
 CRDS = Path(__file__).resolve().parent / "data/kuberay-crds"
 K8S_VERSION = "1.34.0"
-EXAMPLES = {"default": {}, "cpu": yaml.safe_load((CHART / "values-cpu.yaml").read_text()),
-            "gpu": yaml.safe_load((CHART / "values-gpu.yaml").read_text())}
-EVERYTHING_ON = {"ingress": {"enabled": True, "host": "llm.example.com",
-                             "tls": [{"hosts": ["llm.example.com"], "secretName": "tls"}]},
-                 "podMonitor": {"enabled": True}, "apiKeysSecret": "keys",
-                 "modelVolume": {"hostPath": "/srv/models"},
-                 "batchJob": {"enabled": True, "input": "/data/in.jsonl",
-                              "output": "/data/out.jsonl", "claimName": "batch-data",
-                              "args": ["--ordered"]}}
+EXAMPLES = {
+    "default": {},
+    "cpu": yaml.safe_load((CHART / "values-cpu.yaml").read_text()),
+    "gpu": yaml.safe_load((CHART / "values-gpu.yaml").read_text()),
+}
+EVERYTHING_ON = {
+    "ingress": {
+        "enabled": True,
+        "host": "llm.example.com",
+        "tls": [{"hosts": ["llm.example.com"], "secretName": "tls"}],
+    },
+    "podMonitor": {"enabled": True},
+    "apiKeysSecret": "keys",
+    "modelVolume": {"hostPath": "/srv/models"},
+    "batchJob": {
+        "enabled": True,
+        "input": "/data/in.jsonl",
+        "output": "/data/out.jsonl",
+        "claimName": "batch-data",
+        "args": ["--ordered"],
+    },
+}
 
 
 def render(values: dict) -> list[dict]:
     """Every object the chart renders with ``values``."""
     with helm.Chart.load(str(CHART)) as chart:
         files = chart.render(values, name="demo", namespace="llm")
-    return [doc for name, text in sorted(files.items()) if name.endswith(".yaml")
-            for doc in yaml.safe_load_all(text) if doc]
+    return [
+        doc
+        for name, text in sorted(files.items())
+        if name.endswith(".yaml")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
 
 
 def by_kind(objs: list[dict], kind: str) -> list[dict]:
@@ -75,8 +93,10 @@ def test_standard_objects_pass_kubernetes_schemas(example):
     objs = render({**EXAMPLES[example], **EVERYTHING_ON})
     standard = [o for o in objs if o["apiVersion"].split("/")[0] in ("v1", "networking.k8s.io")]
     # The API's Service is declared inside the RayService; KubeRay creates it as written.
-    standard += [{"apiVersion": "v1", "kind": "Service", **s["spec"]["serveService"]}
-                 for s in by_kind(objs, "RayService")]
+    standard += [
+        {"apiVersion": "v1", "kind": "Service", **s["spec"]["serveService"]}
+        for s in by_kind(objs, "RayService")
+    ]
     assert sorted(o["kind"] for o in standard) == ["ConfigMap", "ConfigMap", "Ingress", "Service"]
     for obj in standard:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
@@ -105,8 +125,10 @@ def test_serve_config_parses_with_serve_and_service_config(example):
     (app,) = serve_config["applications"]
     assert app["import_path"] == "deploy.app:app_builder"
     config = ServiceConfig(**app["args"], **serve_config["http_options"])
-    values = {**yaml.safe_load((CHART / "values.yaml").read_text())["config"],
-              **EXAMPLES[example].get("config", {})}
+    values = {
+        **yaml.safe_load((CHART / "values.yaml").read_text())["config"],
+        **EXAMPLES[example].get("config", {}),
+    }
     for key in ("model", "num_replicas", "replica_num_cpus", "replica_num_gpus", "port"):
         assert getattr(config, key) == values[key]
 
@@ -132,7 +154,9 @@ def test_pod_templates_carry_only_stable_labels():
     cluster = svc["spec"]["rayClusterConfig"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
         assert set(group["template"]["metadata"]["labels"]) == {
-            "app.kubernetes.io/name", "app.kubernetes.io/instance"}
+            "app.kubernetes.io/name",
+            "app.kubernetes.io/instance",
+        }
 
 
 def test_gpu_example_requests_gpus_and_mounts_keys_and_models():
@@ -142,8 +166,10 @@ def test_gpu_example_requests_gpus_and_mounts_keys_and_models():
     (worker,) = group["template"]["spec"]["containers"]
     assert group["replicas"] == 2 and group["rayStartParams"]["num-cpus"] == "8"
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert {m["mountPath"] for m in worker["volumeMounts"]} >= {"/models",
-                                                                "/etc/iterserve/api-keys"}
+    assert {m["mountPath"] for m in worker["volumeMounts"]} >= {
+        "/models",
+        "/etc/iterserve/api-keys",
+    }
     args = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"][0]["args"]
     assert args["api_keys_file"] == "/etc/iterserve/api-keys/api_keys.yaml"
     assert "api_keys" not in args and cluster["authOptions"] == {"mode": "token"}
@@ -162,7 +188,8 @@ def test_dashboard_configmap_is_the_dashboard():
     (cm,) = by_kind(render({}), "ConfigMap")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["iterserve.json"]) == json.loads(
-        (REPO / "deploy/grafana/iterserve.json").read_text())
+        (REPO / "deploy/grafana/iterserve.json").read_text()
+    )
 
 
 def test_batch_job_runs_deploy_batch_with_the_service_config(tmp_path):
@@ -170,8 +197,17 @@ def test_batch_job_runs_deploy_batch_with_the_service_config(tmp_path):
     (job,) = by_kind(objs, "RayJob")
     config_path = "/etc/iterserve/batch/service.yaml"
     assert job["spec"]["entrypoint"].split() == [
-        "python", "-m", "deploy.batch", "--config", config_path, "--input", "/data/in.jsonl",
-        "--output", "/data/out.jsonl", "--ordered"]
+        "python",
+        "-m",
+        "deploy.batch",
+        "--config",
+        config_path,
+        "--input",
+        "/data/in.jsonl",
+        "--output",
+        "/data/out.jsonl",
+        "--ordered",
+    ]
     (cm,) = [o for o in by_kind(objs, "ConfigMap") if "service.yaml" in o["data"]]
     # The file deploy.batch reads is the chart's config: model, replicas and engine section.
     (tmp_path / "service.yaml").write_text(cm["data"]["service.yaml"])
@@ -180,26 +216,42 @@ def test_batch_job_runs_deploy_batch_with_the_service_config(tmp_path):
     args = args.parse_args(["-i", "in", "-o", "out", "--config", str(tmp_path / "service.yaml")])
     engine = _engine_config(args, apply_config(args))
     assert (args.model, args.num_replicas, args.replica_num_cpus, args.replica_num_gpus) == (
-        "/models/Qwen2.5-7B-Instruct", 2, 8, 1)
-    assert (engine["dtype"], engine["block_size"], engine["max_num_seqs"]) == ("bfloat16", 256,
-                                                                               256)
-    for group in [job["spec"]["rayClusterSpec"]["headGroupSpec"],
-                  *job["spec"]["rayClusterSpec"]["workerGroupSpecs"]]:
+        "/models/Qwen2.5-7B-Instruct",
+        2,
+        8,
+        1,
+    )
+    assert (engine["dtype"], engine["block_size"], engine["max_num_seqs"]) == ("bfloat16", 256, 256)
+    for group in [
+        job["spec"]["rayClusterSpec"]["headGroupSpec"],
+        *job["spec"]["rayClusterSpec"]["workerGroupSpecs"],
+    ]:
         mounts = group["template"]["spec"]["containers"][0]["volumeMounts"]
         assert {"name": "batch-data", "mountPath": "/data"} in mounts
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"config": {"num_replicas": -1}}, "at '/config/num_replicas': minimum: got -1, want 1"),
-    ({"config": {"engine": {"traffic_classes": {"interactive": {"ttft_slo": 1}}}}},
-     "at '/config/engine/traffic_classes/interactive': additional properties 'ttft_slo'"),
-    ({"config": {"replica_num_gpus": 1, "engine": {"dtype": "float32"}}},
-     "at '/config/engine/dtype': value must be one of 'auto', 'bfloat16', 'float16'"),
-    ({"config": {"api_keys": {"sk-1": {"tenant": "a"}}}},
-     "at '/config': additional properties 'api_keys' not allowed"),
-    ({"batchJob": {"enabled": True, "input": "/d/i", "output": "/d/o"}},
-     "batchJob.enabled needs batchJob.input, batchJob.output and batchJob.claimName"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"config": {"num_replicas": -1}}, "at '/config/num_replicas': minimum: got -1, want 1"),
+        (
+            {"config": {"engine": {"traffic_classes": {"interactive": {"ttft_slo": 1}}}}},
+            "at '/config/engine/traffic_classes/interactive': additional properties 'ttft_slo'",
+        ),
+        (
+            {"config": {"replica_num_gpus": 1, "engine": {"dtype": "float32"}}},
+            "at '/config/engine/dtype': value must be one of 'auto', 'bfloat16', 'float16'",
+        ),
+        (
+            {"config": {"api_keys": {"sk-1": {"tenant": "a"}}}},
+            "at '/config': additional properties 'api_keys' not allowed",
+        ),
+        (
+            {"batchJob": {"enabled": True, "input": "/d/i", "output": "/d/o"}},
+            "batchJob.enabled needs batchJob.input, batchJob.output and batchJob.claimName",
+        ),
+    ],
+)
 def test_bad_values_fail_at_render_with_a_clear_error(values, message):
     with pytest.raises(helm.HelmError, match=message.replace("'", ".")):
         render(values)
@@ -233,9 +285,16 @@ def test_rendered_serve_config_deploys_on_a_real_ray_cluster(tmp_path):
         assert deployed.returncode == 0, deployed.stderr[-2000:]
         url = f"http://127.0.0.1:{port}"
         _wait_ready(url, deadline=time.monotonic() + 300)
-        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
-            "model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
-            "max_tokens": 8, "temperature": 0})
+        r = httpx.post(
+            f"{url}/v1/completions",
+            timeout=60,
+            json={
+                "model": "SmolLM2-135M-Instruct",
+                "prompt": "The capital of France is",
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["text"].strip()

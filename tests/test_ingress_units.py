@@ -22,11 +22,11 @@ KEYS = {
 }
 
 
-
 def uncached(snaps: list) -> Callable[[], list]:
     """Admission's view of these replicas (read at each decision), none holding any of
     the prompt in its prefix cache."""
     return lambda: [(s, 0) for s in snaps]
+
 
 def test_no_keys_means_standard_and_no_key_needed():
     c = resolve_caller({}, DEFAULT_CLASSES, None, None, None)
@@ -61,11 +61,15 @@ def test_key_gives_class_and_ceiling():
 
 
 def _snap(running: int = 0, waiting_tokens: int = 0) -> LoadSnapshot:
-    return LoadSnapshot(max_num_batched_tokens=512, max_num_seqs=64, num_kv_blocks_free=1000,
-                        running_seqs={"standard": running},
-                        waiting_prefill_tokens={"standard": waiting_tokens},
-                        waiting_requests={"standard": 1 if waiting_tokens else 0},
-                        step_coefficients=(0.05, 0.002, 0.002))
+    return LoadSnapshot(
+        max_num_batched_tokens=512,
+        max_num_seqs=64,
+        num_kv_blocks_free=1000,
+        running_seqs={"standard": running},
+        waiting_prefill_tokens={"standard": waiting_tokens},
+        waiting_requests={"standard": 1 if waiting_tokens else 0},
+        step_coefficients=(0.05, 0.002, 0.002),
+    )
 
 
 class FakeClock:
@@ -116,20 +120,26 @@ async def test_held_requests_count_ahead_only_the_prompt_tokens_a_replica_would_
     # Two earlier requests held behind ~200 s of queue; every replica holds 800 of their
     # 900 prompt tokens in its prefix cache.
     busy = [(_snap(waiting_tokens=100_000), 800)]
-    earlier = [asyncio.create_task(adm.admit(lambda: list(busy), "standard",
-                                             900, 16, 1, adm.clock() - 0.5))
-               for _ in range(2)]
+    earlier = [
+        asyncio.create_task(
+            adm.admit(lambda: list(busy), "standard", 900, 16, 1, adm.clock() - 0.5)
+        )
+        for _ in range(2)
+    ]
     await asyncio.sleep(0.1)
     assert adm.held == {"standard": 2}
     # A later request where 600 tokens are queued: 2 x 100 tokens held ahead of it fit
     # its SLO, where 2 x 900 would not (the test above).
-    assert await adm.admit(uncached([_snap(waiting_tokens=600)]), "standard", 10, 16, 1,
-                           adm.clock()) < 0.1
+    assert (
+        await adm.admit(uncached([_snap(waiting_tokens=600)]), "standard", 10, 16, 1, adm.clock())
+        < 0.1
+    )
     # Where one replica caches none of their prompts, they count whole again.
     busy.append((_snap(waiting_tokens=100_000), 0))
     await asyncio.sleep(0.1)
-    later = asyncio.create_task(adm.admit(uncached([_snap(waiting_tokens=600)]), "standard",
-                                          10, 16, 1, adm.clock()))
+    later = asyncio.create_task(
+        adm.admit(uncached([_snap(waiting_tokens=600)]), "standard", 10, 16, 1, adm.clock())
+    )
     await asyncio.sleep(0.2)
     assert not later.done()
     for task in (*earlier, later):
@@ -175,14 +185,19 @@ async def test_rejection_after_a_hold_says_what_held_it():
 
 async def test_admission_off_admits_everything():
     adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy(), enabled=False)
-    assert await adm.admit(lambda: [(_snap(waiting_tokens=10**7), 0)], "standard", 10, 16, 1,
-                           0.0) == 0.0
+    assert (
+        await adm.admit(lambda: [(_snap(waiting_tokens=10**7), 0)], "standard", 10, 16, 1, 0.0)
+        == 0.0
+    )
 
 
 def test_service_config_yaml_and_flags(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"num_replicas": 3, "engine": {"max_num_seqs": 8},
-                                 "api_keys": {"k": {"tenant": "t"}}}))
+    f.write_text(
+        yaml.safe_dump(
+            {"num_replicas": 3, "engine": {"max_num_seqs": 8}, "api_keys": {"k": {"tenant": "t"}}}
+        )
+    )
     c = ServiceConfig.load(f, num_replicas=2, port=None)
     assert c.num_replicas == 2 and c.port == 8000  # a flag wins; an unset flag does not
     assert c.engine_config().max_num_seqs == 8 and c.model_name() == "SmolLM2-135M-Instruct"
@@ -241,15 +256,26 @@ def test_classes_and_policy_travel_as_json_and_come_back_the_same():
     from engine.config import EngineConfig
     from policies import classes_from_fields, policy_from_spec
 
-    c = ServiceConfig(engine={"traffic_classes": {"standard": {"tpot_slo_s": 0.25},
-                                                  "gold": {"ttft_slo_s": 0.5, "tpot_slo_s": 0.05,
-                                                           "default_priority": -1,
-                                                           "max_queue_wait_s": 0.2}}})
-    sent = json.loads(json.dumps({n: dataclasses.asdict(t)
-                                  for n, t in c.traffic_classes().items()}))
+    c = ServiceConfig(
+        engine={
+            "traffic_classes": {
+                "standard": {"tpot_slo_s": 0.25},
+                "gold": {
+                    "ttft_slo_s": 0.5,
+                    "tpot_slo_s": 0.05,
+                    "default_priority": -1,
+                    "max_queue_wait_s": 0.2,
+                },
+            }
+        }
+    )
+    sent = json.loads(
+        json.dumps({n: dataclasses.asdict(t) for n, t in c.traffic_classes().items()})
+    )
     assert classes_from_fields(sent) == c.traffic_classes()
-    spec = json.loads(json.dumps(EngineConfig(policy="priority", aging_s_per_level=5.0)
-                                 .policy_spec()))
+    spec = json.loads(
+        json.dumps(EngineConfig(policy="priority", aging_s_per_level=5.0).policy_spec())
+    )
     policy = policy_from_spec(spec)
     assert policy.by_priority and policy.aging_s_per_level == 5.0
     assert not policy_from_spec({"name": "fcfs", "options": {}}).by_priority
@@ -283,8 +309,10 @@ def test_every_field_is_honoured_or_refused_by_name():
         ({**chat, "presence_penalty": 2.5}, "presence_penalty"),
         ({**chat, "logit_bias": {"abc": 1}}, "logit_bias"),
         ({**chat, "logit_bias": {"5": 150}}, "logit_bias"),
-        ({**chat, "stream": True, "stream_options": {"include_usage": True, "x": 1}},
-         "stream_options.x"),
+        (
+            {**chat, "stream": True, "stream_options": {"include_usage": True, "x": 1}},
+            "stream_options.x",
+        ),
         ({**chat, "seed": 2**64}, "seed"),
     ]:
         with pytest.raises(ApiError) as e:
@@ -298,16 +326,25 @@ def test_every_field_is_honoured_or_refused_by_name():
         assert e.value.param == name
     with pytest.raises(ApiError, match="`echo` is not supported") as e:
         fmt.validate({**chat, "echo": True}, ChatCompletionRequest)
-    turn = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": None,
-            "annotations": [], "audio": None, "function_call": None}  # as clients echo it
+    turn = {
+        "role": "assistant",
+        "content": "hi",
+        "refusal": None,
+        "tool_calls": None,
+        "annotations": [],
+        "audio": None,
+        "function_call": None,
+    }  # as clients echo it
     fmt.validate({**chat, "messages": [*chat["messages"], turn]}, ChatCompletionRequest)
     for extra in ({"name": "bob"}, {"tool_calls": [{"id": "1"}]}, {"colour": "red"}):
         msg = {**chat["messages"][0], **extra}
         with pytest.raises(ApiError) as e:
             fmt.validate({**chat, "messages": [msg]}, ChatCompletionRequest)
         assert e.value.status == 400 and next(iter(extra)) in str(e.value)
-    many = fmt.validate({"model": "m", "prompt": ["a", "b"], "echo": True, "logprobs": 2,
-                         "max_tokens": 0}, CompletionRequest)
+    many = fmt.validate(
+        {"model": "m", "prompt": ["a", "b"], "echo": True, "logprobs": 2, "max_tokens": 0},
+        CompletionRequest,
+    )
     assert many.prompt == ["a", "b"] and fmt.scores_only(many, chat=False)
     scored = fmt.sampling_params(many, chat=False)
     assert scored["max_tokens"] == 1 and scored["prompt_logprobs"] == 2
@@ -320,15 +357,33 @@ def test_default_values_and_fields_that_change_nothing_are_accepted():
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     with pytest.raises(ApiError, match="`verbosity` is not supported"):
         fmt.validate({**chat, "verbosity": "low"}, ChatCompletionRequest)
-    ok = fmt.validate({**chat, "tools": [], "response_format": {"type": "text"}, "user": "u",
-                       "safety_identifier": "s", "prompt_cache_key": "k", "verbosity": None,
-                       "stream": True, "temperature": None, "n": None,
-                       "stream_options": {"include_usage": True, "include_obfuscation": False},
-                       "metadata": {"a": "b"}, "store": False, "service_tier": "auto",
-                       "logit_bias": {"42": -5}, "top_k": 5, "min_p": 0.1,
-                       "repetition_penalty": 1.1, "min_tokens": 2, "stop_token_ids": [7],
-                       "frequency_penalty": 0.5, "presence_penalty": -0.5},
-                      ChatCompletionRequest)
+    ok = fmt.validate(
+        {
+            **chat,
+            "tools": [],
+            "response_format": {"type": "text"},
+            "user": "u",
+            "safety_identifier": "s",
+            "prompt_cache_key": "k",
+            "verbosity": None,
+            "stream": True,
+            "temperature": None,
+            "n": None,
+            "stream_options": {"include_usage": True, "include_obfuscation": False},
+            "metadata": {"a": "b"},
+            "store": False,
+            "service_tier": "auto",
+            "logit_bias": {"42": -5},
+            "top_k": 5,
+            "min_p": 0.1,
+            "repetition_penalty": 1.1,
+            "min_tokens": 2,
+            "stop_token_ids": [7],
+            "frequency_penalty": 0.5,
+            "presence_penalty": -0.5,
+        },
+        ChatCompletionRequest,
+    )
     params = fmt.sampling_params(ok, chat=True)
     assert (ok.temperature, ok.n) == (1.0, 1)  # null asks for the default, as OpenAI's
     assert params["logit_bias"] == {42: -5} and params["top_k"] == 5
@@ -336,9 +391,13 @@ def test_default_values_and_fields_that_change_nothing_are_accepted():
     assert (params["frequency_penalty"], params["presence_penalty"]) == (0.5, -0.5)
     assert params["stop_token_ids"] == [7] and params["json_schema"] is None
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    for fmt_, want in [({"type": "json_object"}, {"type": "object"}),
-                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
-                                                                "strict": True}}, schema)]:
+    for fmt_, want in [
+        ({"type": "json_object"}, {"type": "object"}),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}},
+            schema,
+        ),
+    ]:
         got = fmt.validate({**chat, "response_format": fmt_}, ChatCompletionRequest)
         assert fmt.sampling_params(got, chat=True)["json_schema"] == want
     from engine.request import SamplingParams
@@ -369,8 +428,12 @@ def test_requests_vllm_refuses_are_refused_with_a_reason():
             fmt.validate({"model": "m", "prompt": "a", **body}, CompletionRequest)
         assert e.value.param == param, e.value.param
     # null is not a value for max_tokens' default to replace: it means up to the context.
-    assert fmt.validate({"model": "m", "prompt": "x", "max_tokens": None},
-                        CompletionRequest).max_tokens is None
+    assert (
+        fmt.validate(
+            {"model": "m", "prompt": "x", "max_tokens": None}, CompletionRequest
+        ).max_tokens
+        is None
+    )
 
 
 def test_a_ttft_budget_spent_while_held_is_said_so():
@@ -385,8 +448,9 @@ def test_a_ttft_budget_spent_while_held_is_said_so():
 
 def test_a_new_traffic_class_names_the_fields_it_still_needs():
     new = {"vip": {"ttft_slo_s": 1.0, "tpot_slo_s": 0.1}}
-    with pytest.raises(ValueError, match="'vip' is new .*give default_priority, "
-                                         "max_queue_wait_s too"):
+    with pytest.raises(
+        ValueError, match="'vip' is new .*give default_priority, max_queue_wait_s too"
+    ):
         ServiceConfig(engine={"traffic_classes": new})
     new["vip"] |= {"default_priority": 0, "max_queue_wait_s": 1.0}
     assert ServiceConfig(engine={"traffic_classes": new}).traffic_classes()["vip"].ttft_slo_s == 1

@@ -33,13 +33,24 @@ def value(m_samples: dict, name: str, **labels: str) -> float:
 
 
 def step(seconds: float, prefill: int, decodes: int, preempted: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(seconds=seconds, num_prefill_tokens=prefill, num_decodes=decodes,
-                           preempted=("x",) * preempted)
+    return SimpleNamespace(
+        seconds=seconds,
+        num_prefill_tokens=prefill,
+        num_decodes=decodes,
+        preempted=("x",) * preempted,
+    )
 
 
 def make(clock: Clock, stats: dict | None = None, held: dict | None = None) -> IngressMetrics:
-    return IngressMetrics("m", {"interactive": (1.0, 0.1), "batch": (60.0, 5.0)},
-                          lambda: stats or {}, lambda: held or {}, lambda: 1, 2, clock=clock)
+    return IngressMetrics(
+        "m",
+        {"interactive": (1.0, 0.1), "batch": (60.0, 5.0)},
+        lambda: stats or {},
+        lambda: held or {},
+        lambda: 1,
+        2,
+        clock=clock,
+    )
 
 
 def test_request_times_tokens_and_slo_outcomes():
@@ -68,8 +79,9 @@ def test_request_times_tokens_and_slo_outcomes():
     assert value(s, "iterserve:time_to_first_token_seconds_sum", **lab) == pytest.approx(2.5)
     assert value(s, "iterserve:request_queue_time_seconds_sum", **lab) == pytest.approx(0.3)
     # TPOT: 4 gaps of 0.05 s between 5 tokens.
-    assert value(s, "iterserve:request_time_per_output_token_seconds_sum",
-                 **lab) == pytest.approx(0.05)
+    assert value(s, "iterserve:request_time_per_output_token_seconds_sum", **lab) == pytest.approx(
+        0.05
+    )
     assert value(s, "iterserve:inter_token_latency_seconds_count", **lab) == 4
     assert value(s, "iterserve:generation_tokens_total", **lab) == 6
     assert value(s, "iterserve:prompt_tokens_total", **lab) == 10
@@ -93,9 +105,14 @@ def test_replica_series_come_from_routing_stats_and_gauges_track_them():
     steps = StepMetrics()
     steps.record(step(0.04, 0, 8))
     steps.record(step(0.2, 300, 8, preempted=2))
-    stats = {"r1": {"running_seqs": {"interactive": 3}, "waiting_requests": {"batch": 2},
-                    "kv_usage": 0.5, "metrics": {**steps.to_dict(), "prefix_cache_queries": 900,
-                                                 "prefix_cache_hits": 640}}}
+    stats = {
+        "r1": {
+            "running_seqs": {"interactive": 3},
+            "waiting_requests": {"batch": 2},
+            "kv_usage": 0.5,
+            "metrics": {**steps.to_dict(), "prefix_cache_queries": 900, "prefix_cache_hits": 640},
+        }
+    }
     m = make(Clock(), stats, held={"interactive": 4})
     s = samples(m)
     rep = dict(model="m", replica="r1")

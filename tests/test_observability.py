@@ -31,9 +31,11 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "deploy" / "prometheus" / "rules.yml"
 DASHBOARD = REPO / "deploy" / "grafana" / "iterserve.json"
-KEYS = {"sk-i": {"tenant": "a", "traffic_class": "interactive"},
-        "sk-b": {"tenant": "b", "traffic_class": "batch"},
-        "sk-t": {"tenant": "c", "traffic_class": "tight"}}
+KEYS = {
+    "sk-i": {"tenant": "a", "traffic_class": "interactive"},
+    "sk-b": {"tenant": "b", "traffic_class": "batch"},
+    "sk-t": {"tenant": "c", "traffic_class": "tight"},
+}
 
 
 def _prometheus_binaries() -> tuple[str, str]:
@@ -53,16 +55,28 @@ def _prometheus_binaries() -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def server():
     config = ServiceConfig(
-        num_replicas=1, replica_num_cpus=1, port=app.free_port(), api_keys=KEYS,
-        engine={"max_num_seqs": 6, "traffic_classes": {
-            "interactive": {"ttft_slo_s": 5.0},
-            # Out of reach even on an idle replica, and last in priority: while the load
-            # holds every seat, admission refuses it (429). (On seats, not on predicted
-            # latency alone: admission does not refuse a request for missing an SLO that
-            # an idle replica would miss too, unless the load makes it worse, which
-            # depends on the step-time fit's slope per decode after a few steps.)
-            "tight": {"ttft_slo_s": 0.01, "tpot_slo_s": 0.01, "default_priority": 3,
-                      "max_queue_wait_s": 0.3}}})
+        num_replicas=1,
+        replica_num_cpus=1,
+        port=app.free_port(),
+        api_keys=KEYS,
+        engine={
+            "max_num_seqs": 6,
+            "traffic_classes": {
+                "interactive": {"ttft_slo_s": 5.0},
+                # Out of reach even on an idle replica, and last in priority: while the load
+                # holds every seat, admission refuses it (429). (On seats, not on predicted
+                # latency alone: admission does not refuse a request for missing an SLO that
+                # an idle replica would miss too, unless the load makes it worse, which
+                # depends on the step-time fit's slope per decode after a few steps.)
+                "tight": {
+                    "ttft_slo_s": 0.01,
+                    "tpot_slo_s": 0.01,
+                    "default_priority": 3,
+                    "max_queue_wait_s": 0.3,
+                },
+            },
+        },
+    )
     with app.running_app(config, replicas=1) as url:
         yield url
 
@@ -72,16 +86,27 @@ def prometheus(server, tmp_path_factory):
     binary, _ = _prometheus_binaries()
     d = tmp_path_factory.mktemp("prometheus")
     port = app.free_port()
-    config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s",
-                         "evaluation_interval": "1s"},
-              "rule_files": [str(RULES)],
-              "scrape_configs": [{"job_name": "iterserve", "static_configs": [
-                  {"targets": [server.removeprefix("http://")]}]}]}
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [
+            {
+                "job_name": "iterserve",
+                "static_configs": [{"targets": [server.removeprefix("http://")]}],
+            }
+        ],
+    }
     (d / "prometheus.yml").write_text(yaml.safe_dump(config))
     proc = subprocess.Popen(
-        [binary, f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=open(d / "log", "w"))
+        [
+            binary,
+            f"--config.file={d / 'prometheus.yml'}",
+            f"--storage.tsdb.path={d / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(d / "log", "w"),
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -96,8 +121,9 @@ def prometheus(server, tmp_path_factory):
 
 def _scraped(url: str) -> bool:
     try:
-        r = httpx.get(f"{url}/api/v1/query", params={"query": 'up{job="iterserve"} == 1'},
-                      timeout=2)
+        r = httpx.get(
+            f"{url}/api/v1/query", params={"query": 'up{job="iterserve"} == 1'}, timeout=2
+        )
     except httpx.HTTPError:
         return False
     return r.status_code == 200 and bool(r.json()["data"]["result"])
@@ -113,15 +139,33 @@ def loaded(server):
 
 def _load(url: str) -> None:
     def complete(key: str, tokens: int) -> None:
-        httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                   json={"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time",
-                         "max_tokens": tokens, "ignore_eos": True}, timeout=120)
+        httpx.post(
+            f"{url}/v1/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={
+                "model": "SmolLM2-135M-Instruct",
+                "prompt": "Once upon a time",
+                "max_tokens": tokens,
+                "ignore_eos": True,
+            },
+            timeout=120,
+        )
 
     def abort() -> None:
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Tell me a story",
-                "max_tokens": 300, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120,
-                          headers={"Authorization": "Bearer sk-i"}) as r:
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "prompt": "Tell me a story",
+            "max_tokens": 300,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            json=body,
+            timeout=120,
+            headers={"Authorization": "Bearer sk-i"},
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     break  # the client leaves after its first chunk
@@ -135,9 +179,12 @@ def _load(url: str) -> None:
         t.start()
     time.sleep(1.0)  # busy now: `tight` requests are refused
     for _ in range(3):
-        r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer sk-t"},
-                       json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi",
-                             "max_tokens": 4}, timeout=60)
+        r = httpx.post(
+            f"{url}/v1/completions",
+            headers={"Authorization": "Bearer sk-t"},
+            json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 4},
+            timeout=60,
+        )
         assert r.status_code == 429, r.text
     for t in threads:
         t.join(timeout=180)
@@ -153,8 +200,9 @@ def _queries() -> list[str]:
             if "record" in rule:
                 exprs += [rule["expr"], rule["record"]]
             else:
-                exprs += sorted(set(re.findall(r"\b(?:iterserve:[a-z0-9_:]+|up\{[^}]*\})",
-                                               rule["expr"])))
+                exprs += sorted(
+                    set(re.findall(r"\b(?:iterserve:[a-z0-9_:]+|up\{[^}]*\})", rule["expr"]))
+                )
     return exprs
 
 
@@ -172,9 +220,18 @@ def test_metrics_under_load_reach_prometheus_and_drain(prometheus, loaded):
     deadline = time.monotonic() + 10
     while True:
         now = scrape(server)
-        busy = {k: v for k, v in now.items() if v and k[0] in (
-            "iterserve:num_requests_running", "iterserve:num_requests_waiting",
-            "iterserve:kv_cache_usage_perc", "iterserve:num_requests_held")}
+        busy = {
+            k: v
+            for k, v in now.items()
+            if v
+            and k[0]
+            in (
+                "iterserve:num_requests_running",
+                "iterserve:num_requests_waiting",
+                "iterserve:kv_cache_usage_perc",
+                "iterserve:num_requests_held",
+            )
+        }
         if not busy:
             break
         assert time.monotonic() < deadline, busy
@@ -191,9 +248,13 @@ def test_metrics_under_load_reach_prometheus_and_drain(prometheus, loaded):
             time.sleep(1)
     empty = [e for e, res in got.items() if not res]
     assert not empty, f"no data for: {empty}"
-    refused = {s["metric"]["reason"] for s in got[
-        'sum by (reason) (rate(iterserve:admission_rejections_total{model=~".*"}[1m]))']
-        if float(s["value"][1]) > 0}
+    refused = {
+        s["metric"]["reason"]
+        for s in got[
+            'sum by (reason) (rate(iterserve:admission_rejections_total{model=~".*"}[1m]))'
+        ]
+        if float(s["value"][1]) > 0
+    }
     # The first condition each refusal failed: its predicted TTFT or TPOT when the load
     # makes them worse than an idle replica's, else the seats.
     assert refused and refused <= {"ttft", "tpot", "seats"}, refused
@@ -201,15 +262,23 @@ def test_metrics_under_load_reach_prometheus_and_drain(prometheus, loaded):
 
 def test_top_once_shows_what_metrics_say(loaded):
     server = loaded
-    out = subprocess.run([sys.executable, "-m", "deploy.cli", "top", "--url", server, "--once"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO,
-                         env={**os.environ, "COLUMNS": "160"})
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "top", "--url", server, "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, "COLUMNS": "160"},
+    )
     assert out.returncode == 0, out.stderr
     v = view(scrape(server), {}, 1.0, True)
     rows = {c.name: c for c in v.classes}
     assert {"interactive", "batch", "tight"} <= set(rows)
-    lines = {ln.split("│")[1].strip(): ln for ln in out.stdout.splitlines()
-             if ln.count("│") > 2 and ln.split("│")[1].strip() in rows}
+    lines = {
+        ln.split("│")[1].strip(): ln
+        for ln in out.stdout.splitlines()
+        if ln.count("│") > 2 and ln.split("│")[1].strip() in rows
+    }
     for name, row in rows.items():
         cells = [c.strip() for c in lines[name].split("│")[1:-1]]
         shown = "-" if math.isnan(row.attainment) else f"{100 * row.attainment:.1f}%"

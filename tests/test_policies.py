@@ -39,8 +39,13 @@ def ids(requests):
 
 def test_priority_orders_by_priority_then_arrival():
     policy = PriorityPolicy(aging_s_per_level=None)
-    reqs = [Req("b2", 1.0, 2), Req("s1", 2.0, 1), Req("i1", 3.0, 0), Req("s0", 0.5, 1),
-            Req("i0", 2.5, 0)]
+    reqs = [
+        Req("b2", 1.0, 2),
+        Req("s1", 2.0, 1),
+        Req("i1", 3.0, 0),
+        Req("s0", 0.5, 1),
+        Req("i0", 2.5, 0),
+    ]
     random.Random(0).shuffle(reqs)
     assert ids(policy.order(reqs, now=3.0)) == ["i0", "i1", "s0", "s1", "b2"]
 
@@ -56,8 +61,7 @@ def test_aging_lets_a_waiting_low_priority_request_overtake_fresh_urgent_ones():
     # Without aging it never does.
     strict = PriorityPolicy(aging_s_per_level=None)
     assert ids(strict.order([Req("hi", 1000.0, 0), low], now=1000.0)) == ["hi", "low"]
-    assert ids(PriorityPolicy(float("inf")).order([Req("hi", 99.0, 0), low], 99.0)) == [
-        "hi", "low"]
+    assert ids(PriorityPolicy(float("inf")).order([Req("hi", 99.0, 0), low], 99.0)) == ["hi", "low"]
 
 
 def _serve_under_a_stream(policy, horizon_s, dt=0.25):
@@ -227,9 +231,18 @@ def test_default_classes():
 
 
 def test_make_classes_overrides_and_adds():
-    classes = make_classes({"interactive": {"ttft_slo_s": 0.5},
-                            "bulk": {"ttft_slo_s": 600, "tpot_slo_s": 10, "default_priority": 3,
-                                     "max_queue_wait_s": 60, "rejectable": False}})
+    classes = make_classes(
+        {
+            "interactive": {"ttft_slo_s": 0.5},
+            "bulk": {
+                "ttft_slo_s": 600,
+                "tpot_slo_s": 10,
+                "default_priority": 3,
+                "max_queue_wait_s": 60,
+                "rejectable": False,
+            },
+        }
+    )
     assert classes["interactive"].ttft_slo_s == 0.5
     assert classes["interactive"].tpot_slo_s == 0.5
     assert classes["bulk"] == TrafficClass("bulk", 600, 10, 3, 60, None, False)
@@ -326,8 +339,9 @@ def test_static_runs_the_batch_to_completion_before_the_next():
 
 
 def test_static_admits_members_across_steps_and_only_members():
-    sim = StaticSim(StaticBatchPolicy(max_num_seqs=4, batch_wait_timeout_s=0.5),
-                    admit_per_step=2)  # the token budget limits prefill
+    sim = StaticSim(
+        StaticBatchPolicy(max_num_seqs=4, batch_wait_timeout_s=0.5), admit_per_step=2
+    )  # the token budget limits prefill
     for i in range(4):
         sim.add(Req(f"m{i}", i * 0.001), 10)
     assert sim.step(0.0) == ["m0", "m1"]
@@ -387,8 +401,10 @@ def test_registry():
 
 
 def test_policies_package_does_not_import_torch():
-    code = ("import sys, policies, policies.priority, policies.static, policies.admission; "
-            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
-            "sys.exit(f'imported {bad}' if bad else 0)")
+    code = (
+        "import sys, policies, policies.priority, policies.static, policies.admission; "
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
+        "sys.exit(f'imported {bad}' if bad else 0)"
+    )
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=60)

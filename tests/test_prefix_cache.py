@@ -30,7 +30,7 @@ def take(bm: BlockManager, seq_id: str, tokens: list[int]) -> int:
 
 def test_equal_prefixes_share_blocks_and_the_last_token_is_always_computed():
     bm = BlockManager(16, BS)
-    a = list(range(10))                   # two full blocks and a partial one
+    a = list(range(10))  # two full blocks and a partial one
     assert take(bm, "a", a) == 0
     assert take(bm, "b", a + [99, 98]) == 8
     assert bm.block_table("b")[:2] == bm.block_table("a")[:2]
@@ -80,7 +80,7 @@ def test_lru_eviction_order():
     x, y = list(range(5)), list(range(50, 55))
     take(bm, "x", x)
     take(bm, "y", y)
-    bm.free("x")   # x's named block freed first: evicted first
+    bm.free("x")  # x's named block freed first: evicted first
     bm.free("y")
     assert bm.num_cached_blocks == 2
     take(bm, "z", list(range(200, 209)))  # needs 3 blocks: 2 unnamed partials + x's
@@ -163,6 +163,7 @@ def test_random_workload_never_leaks_and_invariants_hold():
 
 # The scheduler over a caching block manager.
 
+
 def make(num_blocks=100, **cfg):
     config = EngineConfig(block_size=BS, num_kv_blocks=num_blocks, **cfg)
     clock = FakeClock()
@@ -170,8 +171,13 @@ def make(num_blocks=100, **cfg):
 
 
 def request(rid, tokens, max_tokens=3, **params):
-    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, **params),
-                   arrival_time=0.0, max_tokens=max_tokens)
+    return Request(
+        rid,
+        list(tokens),
+        SamplingParams(max_tokens=max_tokens, **params),
+        arrival_time=0.0,
+        max_tokens=max_tokens,
+    )
 
 
 def run(sched, clock):

@@ -25,7 +25,7 @@ def shared_prompts(prompts) -> list[list[int]]:
     tails = prompts[-2]
     out = [base, list(base), base[:64]]
     for i, k in enumerate(SHARED):
-        out.append(base[:k] + tails[9 * i:9 * i + 9])
+        out.append(base[:k] + tails[9 * i : 9 * i + 9])
     return out
 
 
@@ -79,5 +79,6 @@ def test_cached_output_equals_uncached_and_transformers(case, shared_prompts, sh
     if case == "sequential":
         base = shared_prompts[0]
         assert [o.num_cached_tokens for o in cached] == (
-            [0] + [expected_cached(p, base) for p in shared_prompts[1:]])
+            [0] + [expected_cached(p, base) for p in shared_prompts[1:]]
+        )
     del on, off

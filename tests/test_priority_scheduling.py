@@ -31,9 +31,11 @@ def test_high_priority_preempts_at_max_num_seqs_within_two_steps():
 
 @pytest.mark.parametrize("policy,expect_first_step", [(PriorityPolicy(), 1), (None, 16)])
 def test_urgent_prompt_takes_the_budget_before_a_batch_prompt_being_prefilled(
-        policy, expect_first_step):
-    sched, clock = make(policy or FCFSPolicy(), max_num_batched_tokens=64,
-                        enable_chunked_prefill=True)
+    policy, expect_first_step
+):
+    sched, clock = make(
+        policy or FCFSPolicy(), max_num_batched_tokens=64, enable_chunked_prefill=True
+    )
     sched.add(req("batch", 1024, 4, 0.0, priority=2))
     fake_step(sched, clock)  # the batch prompt's first 64-token chunk
     urgent = req("urgent", 32, 4, clock(), priority=0)
@@ -48,8 +50,7 @@ def test_urgent_prompt_takes_the_budget_before_a_batch_prompt_being_prefilled(
 
 
 def test_an_urgent_arrival_goes_before_every_prompt_it_outranks_not_only_the_first():
-    sched, clock = make(PriorityPolicy(), max_num_batched_tokens=64,
-                        enable_chunked_prefill=True)
+    sched, clock = make(PriorityPolicy(), max_num_batched_tokens=64, enable_chunked_prefill=True)
     sched.add(req("batch", 1024, 4, 0.0, priority=2))
     fake_step(sched, clock)  # the batch prompt's first 64-token chunk
     sched.add(req("i1", 70, 4, clock(), priority=0))
@@ -60,7 +61,10 @@ def test_an_urgent_arrival_goes_before_every_prompt_it_outranks_not_only_the_fir
     # the batch prompt, so it comes before the batch prompt's chunk. On 9df945c the batch
     # prompt took the 58 tokens left and i2 waited a step.
     assert {s.request.request_id: s.num_tokens for s in out.seqs} == {
-        "i1": 6, "i2": 32, "batch": 26}
+        "i1": 6,
+        "i2": 32,
+        "batch": 26,
+    }
 
 
 def test_preempted_request_is_not_overtaken_by_same_priority_newcomers():
@@ -125,8 +129,9 @@ def test_small_requests_pass_a_head_that_lacks_kv_room_but_only_boundedly():
     assert len(finished_small) == 3  # admitted past the blocked head, but at most 3
     assert big.status is RequestStatus.WAITING
     # Strict FCFS-like policies (0 skips) would admit none of them.
-    sched0, clock0 = make(PriorityPolicy(max_head_of_line_skips=0), num_blocks=20,
-                          max_num_batched_tokens=200)
+    sched0, clock0 = make(
+        PriorityPolicy(max_head_of_line_skips=0), num_blocks=20, max_num_batched_tokens=200
+    )
     sched0.add(req("hog", 36, 400, 0.0))
     fake_step(sched0, clock0)
     sched0.add(req("big", 60, 2, 1.0))

@@ -37,23 +37,27 @@ class FakeReplica:
 
 def _stats(a: float, running: int = 0, waiting_tokens: int = 0, waiting: int = 0) -> dict:
     return LoadSnapshot(
-        max_num_batched_tokens=512, max_num_seqs=64, num_kv_blocks_free=1000,
-        running_seqs={"standard": running}, waiting_prefill_tokens={"standard": waiting_tokens},
-        waiting_requests={"standard": waiting}, step_coefficients=(a, 0.001, 0.005),
+        max_num_batched_tokens=512,
+        max_num_seqs=64,
+        num_kv_blocks_free=1000,
+        running_seqs={"standard": running},
+        waiting_prefill_tokens={"standard": waiting_tokens},
+        waiting_requests={"standard": waiting},
+        step_coefficients=(a, 0.001, 0.005),
         timestamp=time.time(),
     ).to_dict()
 
 
 def _pending(prompt_tokens: int) -> PendingRequest:
     shape = RequestShape(prompt_tokens, "standard", 1)
-    return PendingRequest(args=[], kwargs={"shape": shape}, metadata=None,
-                          future=asyncio.Future())
+    return PendingRequest(args=[], kwargs={"shape": shape}, metadata=None, future=asyncio.Future())
 
 
 @pytest.fixture
 def router():
-    r = LoadAwareRouter(DeploymentID(name="ModelReplica", app_name="app-test"),
-                        DeploymentHandleSource.UNKNOWN)
+    r = LoadAwareRouter(
+        DeploymentID(name="ModelReplica", app_name="app-test"), DeploymentHandleSource.UNKNOWN
+    )
     r.initialize_state(traffic_classes=None, policy={"name": "priority", "options": {}})
     return r
 
@@ -115,12 +119,10 @@ async def test_no_stats_or_no_shape_falls_back_to_queue_length(router):
     assert [[r.replica_id for r in rank] for rank in ranks] == [["b"]]
 
 
-
 async def test_a_pinned_call_goes_to_its_replica_alone(router):
     # A replica's step-items stream must reach that replica, however loaded it is.
     a, b = FakeReplica("a", _stats(0.01)), FakeReplica("b", _stats(0.5, running=40))
-    pinned = PendingRequest(args=[], kwargs={"pin": "b"}, metadata=None,
-                            future=asyncio.Future())
+    pinned = PendingRequest(args=[], kwargs={"pin": "b"}, metadata=None, future=asyncio.Future())
     ranks = await router.choose_replicas([a, b], pinned)
     assert [[r.replica_id for r in rank] for rank in ranks] == [["b"]]
     gone = PendingRequest(args=[], kwargs={"pin": "c"}, metadata=None, future=asyncio.Future())
@@ -129,10 +131,10 @@ async def test_a_pinned_call_goes_to_its_replica_alone(router):
 
 # -- prefix affinity ------------------------------------------------------------------------
 
+
 def _prefixed(tokens: list[int]) -> PendingRequest:
     shape = RequestShape(len(tokens), "standard", 1, prefix_hashes(tokens, 16))
-    return PendingRequest(args=[], kwargs={"shape": shape}, metadata=None,
-                          future=asyncio.Future())
+    return PendingRequest(args=[], kwargs={"shape": shape}, metadata=None, future=asyncio.Future())
 
 
 def test_prefix_hashes_chain_and_map_matches_longest_prefix():

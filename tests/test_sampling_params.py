@@ -25,8 +25,14 @@ def _req(prompt, output, **params) -> Request:
 
 def test_penalties_and_bias_are_the_documented_logit_transforms():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0, 1.0, 1.5, -0.5, 0.25]])
-    req = _req([1, 2], [3, 3, 4], repetition_penalty=2.0, frequency_penalty=0.5,
-               presence_penalty=0.25, logit_bias={7: -1.0, 9: 3.0})
+    req = _req(
+        [1, 2],
+        [3, 3, 4],
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        logit_bias={7: -1.0, 9: 3.0},
+    )
     got = apply(logits, [req], eos_token_ids=[0])[0]
     want = logits[0].clone()
     want[7] -= 1.0
@@ -86,9 +92,15 @@ def test_top_k_and_top_p_keep_what_a_full_sort_keeps():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(7, vocab, generator=gen) * 4
     logits[-1] = torch.rand(vocab, generator=gen) * 0.01
-    params = [SP(temperature=0.8, top_p=0.9), SP(top_k=50), SP(top_k=7, top_p=0.5),
-              SP(temperature=1.3, top_k=sampler.TOP_CANDIDATES + 500, top_p=0.97),
-              SP(temperature=0.7), SP(top_p=0.3), SP(top_p=0.99)]
+    params = [
+        SP(temperature=0.8, top_p=0.9),
+        SP(top_k=50),
+        SP(top_k=7, top_p=0.5),
+        SP(temperature=1.3, top_k=sampler.TOP_CANDIDATES + 500, top_p=0.97),
+        SP(temperature=0.7),
+        SP(top_p=0.3),
+        SP(top_p=0.99),
+    ]
     got = sampler._filter(logits, params)
     want = _sorted_reference(logits, params)
     kept = got.isfinite()
@@ -104,12 +116,16 @@ def test_draws_follow_the_distribution_and_never_pick_a_removed_token():
     # whole number of blocks.
     vocab = sampler.DRAW_BLOCK + 300
     probs = torch.zeros(vocab)
-    tokens, mass = [3, sampler.DRAW_BLOCK - 1, sampler.DRAW_BLOCK, vocab - 2], [.5, .3, .15, .05]
+    tokens, mass = (
+        [3, sampler.DRAW_BLOCK - 1, sampler.DRAW_BLOCK, vocab - 2],
+        [0.5, 0.3, 0.15, 0.05],
+    )
     probs[tokens] = torch.tensor(mass)
     n = 4000
     reqs = [_req([1], [], temperature=1.0, seed=s) for s in range(n)]
-    drawn = [r.token_id for r in Sampler(torch.device("cpu"), 0).sample(
-        probs.log().repeat(n, 1), reqs)]
+    drawn = [
+        r.token_id for r in Sampler(torch.device("cpu"), 0).sample(probs.log().repeat(n, 1), reqs)
+    ]
     for t, p in zip(tokens, mass):
         share = drawn.count(t) / n
         assert abs(share - p) < 4 * (p * (1 - p) / n) ** 0.5, (t, share, p)
@@ -120,12 +136,16 @@ def test_draws_follow_the_distribution_and_never_pick_a_removed_token():
 
 
 def test_out_of_range_values_name_the_field():
-    bad = [(dict(presence_penalty=2.5), "presence_penalty"),
-           (dict(frequency_penalty=-3), "frequency_penalty"),
-           (dict(repetition_penalty=0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
-           (dict(logit_bias={3: 101}), "logit_bias"),
-           (dict(min_tokens=5, max_tokens=4), "min_tokens"), (dict(seed=2**64), "seed"),
-           (dict(seed=-2**63 - 1), "seed")]
+    bad = [
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(logit_bias={3: 101}), "logit_bias"),
+        (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+    ]
     for kwargs, name in bad:
         with pytest.raises(ParamError, match=f"SamplingParams.{name}=") as e:
             SP(**kwargs)
@@ -137,8 +157,11 @@ def test_extreme_temperature_and_top_p_still_draw_the_top_token():
     # and a top_p that rounds to 0 in fp32 removed every token: both drew an id outside
     # the vocabulary, which killed the engine at its next step.
     logits = torch.randn(3, 4 * sampler.TOP_CANDIDATES, generator=torch.Generator().manual_seed(1))
-    reqs = [_req([1], [], temperature=1e-38, seed=1), _req([1], [], temperature=2, top_p=1e-50),
-            _req([1], [], temperature=2, top_k=5, top_p=1e-300, seed=2)]
+    reqs = [
+        _req([1], [], temperature=1e-38, seed=1),
+        _req([1], [], temperature=2, top_p=1e-50),
+        _req([1], [], temperature=2, top_k=5, top_p=1e-300, seed=2),
+    ]
     drawn = [r.token_id for r in Sampler(torch.device("cpu"), 0).sample(logits, reqs)]
     assert drawn == logits.argmax(dim=-1).tolist()
     assert SP(temperature=1e-6).greedy and not SP(temperature=1e-4).greedy
@@ -154,8 +177,10 @@ def llm():
 def test_token_ids_outside_the_vocabulary_are_refused_by_name(llm):
     engine = llm.llm_engine
     vocab = engine.runner.vocab_size
-    for name, params in (("logit_bias", SP(logit_bias={vocab: 1.0})),
-                         ("stop_token_ids", SP(stop_token_ids=[-1]))):
+    for name, params in (
+        ("logit_bias", SP(logit_bias={vocab: 1.0})),
+        ("stop_token_ids", SP(stop_token_ids=[-1])),
+    ):
         with pytest.raises(ParamError, match="token id -?\\d+ is outside") as e:
             engine.validate({"prompt_token_ids": [1, 2]}, params)
         assert e.value.param == name
@@ -167,8 +192,9 @@ def test_repetition_penalty_matches_transformers(llm, model_dir, prompts):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = prompts[6]
     with torch.inference_mode():
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                             repetition_penalty=1.3)[0, len(ids):].tolist()
+        ref = model.generate(
+            torch.tensor([ids]), max_new_tokens=12, do_sample=False, repetition_penalty=1.3
+        )[0, len(ids) :].tolist()
     params = SP(max_tokens=12, temperature=0, repetition_penalty=1.3, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == ref
@@ -177,11 +203,19 @@ def test_repetition_penalty_matches_transformers(llm, model_dir, prompts):
 def test_a_plain_greedy_request_is_the_same_beside_penalized_ones(llm, prompts):
     plain = SP(max_tokens=10, temperature=0, ignore_eos=True)
     alone = llm.generate([{"prompt_token_ids": prompts[8]}], plain, use_tqdm=False)[0]
-    noisy = [SP(max_tokens=10, temperature=0, ignore_eos=True, frequency_penalty=2.0,
-                logit_bias={t: 100.0 for t in range(5)}),
-             SP(max_tokens=10, temperature=0.9, seed=3, min_p=0.1, repetition_penalty=1.5)]
-    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in (8, 9, 10)],
-                        [plain, *noisy], use_tqdm=False)
+    noisy = [
+        SP(
+            max_tokens=10,
+            temperature=0,
+            ignore_eos=True,
+            frequency_penalty=2.0,
+            logit_bias={t: 100.0 for t in range(5)},
+        ),
+        SP(max_tokens=10, temperature=0.9, seed=3, min_p=0.1, repetition_penalty=1.5),
+    ]
+    outs = llm.generate(
+        [{"prompt_token_ids": prompts[i]} for i in (8, 9, 10)], [plain, *noisy], use_tqdm=False
+    )
     assert outs[0].outputs[0].token_ids == alone.outputs[0].token_ids
     assert all(t < 5 for t in outs[1].outputs[0].token_ids)  # the bias took hold there
 
@@ -189,11 +223,13 @@ def test_a_plain_greedy_request_is_the_same_beside_penalized_ones(llm, prompts):
 def test_min_tokens_delays_eos(llm):
     eos = next(iter(llm.llm_engine.eos_token_ids))
     forced = {eos: 100.0}  # EOS is the top token at every step
-    out = llm.generate(["Hi"], SP(max_tokens=8, temperature=0, logit_bias=forced),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(["Hi"], SP(max_tokens=8, temperature=0, logit_bias=forced), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.token_ids == [eos] and out.finish_reason == "stop"
-    out = llm.generate(["Hi"], SP(max_tokens=8, temperature=0, logit_bias=forced, min_tokens=3),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["Hi"], SP(max_tokens=8, temperature=0, logit_bias=forced, min_tokens=3), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.token_ids) == 4 and out.token_ids[-1] == eos and eos not in out.token_ids[:3]
 
 
@@ -222,10 +258,16 @@ def test_prompt_logprobs_equal_transformers_log_softmax(chunked, model_dir, prom
     from transformers import AutoModelForCausalLM
 
     ids = prompts[13]  # 135 tokens: several chunks of 16 when chunked
-    engine = (LLM(max_num_batched_tokens=16, long_prefill_token_threshold=16,
-                  num_kv_blocks=64) if chunked else llm)
-    out = engine.generate([{"prompt_token_ids": ids}],
-                          SP(max_tokens=2, temperature=0, prompt_logprobs=3), use_tqdm=False)[0]
+    engine = (
+        LLM(max_num_batched_tokens=16, long_prefill_token_threshold=16, num_kv_blocks=64)
+        if chunked
+        else llm
+    )
+    out = engine.generate(
+        [{"prompt_token_ids": ids}],
+        SP(max_tokens=2, temperature=0, prompt_logprobs=3),
+        use_tqdm=False,
+    )[0]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         ref = model(torch.tensor([ids])).logits[0].log_softmax(-1)
@@ -244,6 +286,7 @@ def test_generate_refuses_a_bad_flag_before_loading_the_model(tmp_path, capsys):
     from deploy.cli import main as cli_main
 
     missing = tmp_path / "no-such-model"  # loading it would fail with a different error
-    assert cli_main(["generate", "--prompt", "hi", "--max-tokens", "-3",
-                     "--model", str(missing)]) == 2
+    assert (
+        cli_main(["generate", "--prompt", "hi", "--max-tokens", "-3", "--model", str(missing)]) == 2
+    )
     assert "max_tokens=-3" in capsys.readouterr().err

@@ -36,8 +36,13 @@ def distinct_prompt(rid: str, prompt_len: int) -> list[int]:
 
 
 def make_request(rid, prompt_len, max_tokens, arrival):
-    return Request(rid, distinct_prompt(rid, prompt_len), SamplingParams(max_tokens=max_tokens),
-                   arrival_time=arrival, max_tokens=max_tokens)
+    return Request(
+        rid,
+        distinct_prompt(rid, prompt_len),
+        SamplingParams(max_tokens=max_tokens),
+        arrival_time=arrival,
+        max_tokens=max_tokens,
+    )
 
 
 def fake_step(sched: Scheduler, clock: FakeClock) -> SchedulerOutput:

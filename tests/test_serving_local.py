@@ -65,8 +65,11 @@ def server(command):
 def test_one_process_without_ray(command):
     """The server's session holds one process (a Ray Serve start has a dozen: raylet, GCS,
     the controller, the proxy, the ingress and replica actors), and it says where it runs."""
-    members = [p.name for p in Path("/proc").iterdir()
-               if p.name.isdigit() and _session(p.name) == command.pid]
+    members = [
+        p.name
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and _session(p.name) == command.pid
+    ]
     assert members == [str(command.pid)], members
     assert "1 replica in this process" in command.log.read_text()
 
@@ -89,9 +92,12 @@ def test_models_and_health(server):
 def test_metrics_count_this_replicas_steps(server):
     app.client(server).completions.create(model=MODEL, prompt="Hi", max_tokens=3)
     text = httpx.get(f"{server}/metrics", timeout=10).text
-    steps = [line for line in text.splitlines()
-             if line.startswith("iterserve:iteration_tokens_total_count")
-             or line.startswith("iterserve:step_time_seconds_count")]
+    steps = [
+        line
+        for line in text.splitlines()
+        if line.startswith("iterserve:iteration_tokens_total_count")
+        or line.startswith("iterserve:step_time_seconds_count")
+    ]
     assert steps and all('replica="local"' in line for line in steps), steps
     assert any(float(line.rsplit(" ", 1)[1]) > 0 for line in steps), steps
 
@@ -101,8 +107,12 @@ def test_taken_port_fails_before_the_model_loads():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        run = subprocess.run([str(Path(sys.executable).parent / "iterserve"), "serve",
-                              "--port", str(port)], capture_output=True, text=True, timeout=60)
+        run = subprocess.run(
+            [str(Path(sys.executable).parent / "iterserve"), "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert run.returncode == 1
     assert f"port {port} on 127.0.0.1 is in use" in run.stdout, run.stdout + run.stderr
 
@@ -154,15 +164,14 @@ def test_ctrl_c_ends_an_open_stream_with_an_error_event_and_done(tmp_path_factor
     log), and the server exits with status 0 (``running_command`` checks it)."""
     config = ServiceConfig(port=app.free_port())
     url = f"http://{config.host}:{config.port}"
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4000, "stream": True,
-            "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4000, "stream": True, "ignore_eos": True}
     with app.running_command(config, tmp_path_factory.mktemp("ctrl-c")) as proc:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
             events = []
             for line in resp.iter_lines():
                 if not line.startswith("data: "):
                     continue  # one Ctrl-C: a second one forces the exit, as uvicorn's
-                events.append(line[len("data: "):])
+                events.append(line[len("data: ") :])
                 if len(events) == 3:
                     start = time.monotonic()
                     proc.send_signal(signal.SIGINT)

@@ -18,8 +18,10 @@ from engine.config import EngineConfig
 from engine.sim import LinearCost, RooflineCost, SimClock, SimRunner, SimTokenizer, StepShape
 from engine.sim.cost import fit_linear
 
-CLASSES = {"interactive": {"ttft_slo_s": 1.0, "tpot_slo_s": 0.1},
-           "batch": {"ttft_slo_s": 20.0, "tpot_slo_s": 1.0}}
+CLASSES = {
+    "interactive": {"ttft_slo_s": 1.0, "tpot_slo_s": 0.1},
+    "batch": {"ttft_slo_s": 20.0, "tpot_slo_s": 1.0},
+}
 
 
 @dataclass(frozen=True)
@@ -38,31 +40,45 @@ class FixedCost:
 
 
 def trace(n: int = 40, gap: float = 0.05) -> list[SimRequest]:
-    return [SimRequest(f"r{i}", i * gap, 8 + 37 * i % 200, 2 + 11 * i % 30,
-                       "interactive" if i % 3 else "batch") for i in range(n)]
+    return [
+        SimRequest(
+            f"r{i}", i * gap, 8 + 37 * i % 200, 2 + 11 * i % 30, "interactive" if i % 3 else "batch"
+        )
+        for i in range(n)
+    ]
 
 
 def service(**kw) -> ServiceConfig:
-    engine = {"block_size": 4, "max_num_batched_tokens": 64, "max_num_seqs": 8,
-              "traffic_classes": CLASSES} | kw.pop("engine", {})
+    engine = {
+        "block_size": 4,
+        "max_num_batched_tokens": 64,
+        "max_num_seqs": 8,
+        "traffic_classes": CLASSES,
+    } | kw.pop("engine", {})
     return ServiceConfig(**({"num_replicas": 1, "admission": False, "engine": engine} | kw))
 
 
 def direct_steps(config: EngineConfig, cost, requests: list[SimRequest]) -> list:
     """The engine alone on a fake clock, requests added at their arrivals."""
     clock = SimClock()
-    engine = LLMEngine(config, runner=SimRunner(cost, clock), tokenizer=SimTokenizer(),
-                       clock=clock)
+    engine = LLMEngine(config, runner=SimRunner(cost, clock), tokenizer=SimTokenizer(), clock=clock)
     records: list = []
     engine.on_step = records.append
     todo = list(requests)
     while todo or engine.has_unfinished_requests():
         while todo and todo[0].arrival_s <= clock.t:
             r = todo.pop(0)
-            engine.add_request(r.id, _prompt(r, cost.vocab_size), SamplingParams(
-                max_tokens=r.output_tokens, ignore_eos=True,
-                output_kind=RequestOutputKind.FINAL_ONLY), traffic_class=r.traffic_class,
-                arrival_time=r.arrival_s)
+            engine.add_request(
+                r.id,
+                _prompt(r, cost.vocab_size),
+                SamplingParams(
+                    max_tokens=r.output_tokens,
+                    ignore_eos=True,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                ),
+                traffic_class=r.traffic_class,
+                arrival_time=r.arrival_s,
+            )
         if not engine.has_unfinished_requests():
             clock.t = todo[0].arrival_s
             continue
@@ -119,8 +135,12 @@ def test_requests_too_long_for_a_replica_are_rejected_not_lost():
 
 def test_the_linear_fit_recovers_known_coefficients_and_stays_non_negative():
     truth = (0.04, 0.0015, 0.002, 0.00002, 0.0008)
-    shapes = [StepShape(p, d, d * ctx, p * ctx + p * (p + 1) / 2, 1 if p else 0)
-              for p in (0, 16, 128, 512) for d in (1, 4, 16) for ctx in (50, 400)]
+    shapes = [
+        StepShape(p, d, d * ctx, p * ctx + p * (p + 1) / 2, 1 if p else 0)
+        for p in (0, 16, 128, 512)
+        for d in (1, 4, 16)
+        for ctx in (50, 400)
+    ]
     seconds = [sum(t * f for t, f in zip(truth, s.features())) for s in shapes]
     fitted = fit_linear(shapes, seconds)
     assert fitted == pytest.approx(truth, rel=1e-6)
@@ -133,8 +153,12 @@ def test_the_linear_fit_weighs_errors_relative_to_each_step():
     # One long step measured 30% slow must not pull the short decodes' fit off by as much
     # in absolute terms: the fit is judged by relative error, as the simulator is.
     truth = (0.04, 0.0015, 0.002, 0.00002, 0.0008)
-    shapes = [StepShape(p, d, d * ctx, p * ctx + p * (p + 1) / 2, 1 if p else 0)
-              for p in (0, 16, 128, 512) for d in (1, 4, 16) for ctx in (50, 400)]
+    shapes = [
+        StepShape(p, d, d * ctx, p * ctx + p * (p + 1) / 2, 1 if p else 0)
+        for p in (0, 16, 128, 512)
+        for d in (1, 4, 16)
+        for ctx in (50, 400)
+    ]
     seconds = [sum(t * f for t, f in zip(truth, s.features())) for s in shapes]
     longest = max(range(len(seconds)), key=seconds.__getitem__)
     seconds[longest] *= 1.3
@@ -176,13 +200,19 @@ def test_the_roofline_is_bandwidth_bound_in_decode_and_compute_bound_in_prefill(
 def test_each_guard_rule_can_be_switched_off_alone():
     # Batch decodes fill the replica, then interactive requests arrive: their TPOT limit
     # binds, and the guard sheds batch decodes for them.
-    burst = ([SimRequest(f"r{i}", 0.0, 20, 80, "batch") for i in range(24)]
-             + [SimRequest(f"r{24 + i}", 1.0 + 0.05 * i, 30, 20, "interactive")
-                for i in range(8)])
+    burst = [SimRequest(f"r{i}", 0.0, 20, 80, "batch") for i in range(24)] + [
+        SimRequest(f"r{24 + i}", 1.0 + 0.05 * i, 30, 20, "interactive") for i in range(8)
+    ]
     runs, acted = {}, {}
     for off in ((), ("cap",), ("shed",)):
-        config = service(engine={"policy": "priority", "tpot_slo_guard": True,
-                                 "max_num_seqs": 32, "tpot_slo_guard_rules_off": list(off)})
+        config = service(
+            engine={
+                "policy": "priority",
+                "tpot_slo_guard": True,
+                "max_num_seqs": 32,
+                "tpot_slo_guard_rules_off": list(off),
+            }
+        )
         fleet = Fleet(config, FixedCost(num_kv_blocks=1024))
         steps: list = []
         fleet.replicas[0].engine.on_step = steps.append
@@ -201,10 +231,22 @@ def test_each_guard_rule_can_be_switched_off_alone():
 
 def test_traces_are_windowed_rescaled_and_classed(tmp_path):
     path = tmp_path / "t.jsonl"
-    path.write_text("".join(json.dumps({"arrival_s": t, "prompt_tokens": 80,
-                                        "output_tokens": 9}) + "\n" for t in range(10)))
-    reqs = load_requests(TraceSpec(str(path), window_start_s=2, duration_s=4, rate_scale=2,
-                                   length_scale=8, mix=parse_mix("interactive=1,batch=1")))
+    path.write_text(
+        "".join(
+            json.dumps({"arrival_s": t, "prompt_tokens": 80, "output_tokens": 9}) + "\n"
+            for t in range(10)
+        )
+    )
+    reqs = load_requests(
+        TraceSpec(
+            str(path),
+            window_start_s=2,
+            duration_s=4,
+            rate_scale=2,
+            length_scale=8,
+            mix=parse_mix("interactive=1,batch=1"),
+        )
+    )
     assert [r.arrival_s for r in reqs] == [0.0, 0.5, 1.0, 1.5]
     assert {(r.prompt_tokens, r.output_tokens) for r in reqs} == {(10, 1)}
     assert {r.traffic_class for r in reqs} <= {"interactive", "batch"}
@@ -218,16 +260,19 @@ def test_traces_are_windowed_rescaled_and_classed(tmp_path):
     # traceback or a clamp.
     csv = tmp_path / "t.csv"
     rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"] + [
-        f"2023-11-16 18:15:0{s},10,5" for s in (5, 3, 4, 6)]
+        f"2023-11-16 18:15:0{s},10,5" for s in (5, 3, 4, 6)
+    ]
     csv.write_text("\n".join(rows) + "\n")
     assert [r.arrival_s for r in load_requests(TraceSpec(str(csv)))] == [0, 1, 2, 3]
     for bad in ("2023-11-16 18:15:07,10", "2023-11-16 18:15:07,-5,5"):
         csv.write_text("\n".join([*rows, bad]) + "\n")
         with pytest.raises(ValueError, match="not an Azure trace CSV"):
             load_requests(TraceSpec(str(csv)))
-    for line in ({"arrival_s": 0, "prompt_tokens": 10.7, "output_tokens": 5},
-                 {"arrival_s": 0, "prompt_tokens": "inf", "output_tokens": 5},
-                 {"arrival_s": "nan", "prompt_tokens": 10, "output_tokens": 5}):
+    for line in (
+        {"arrival_s": 0, "prompt_tokens": 10.7, "output_tokens": 5},
+        {"arrival_s": 0, "prompt_tokens": "inf", "output_tokens": 5},
+        {"arrival_s": "nan", "prompt_tokens": 10, "output_tokens": 5},
+    ):
         path.write_text(json.dumps(line) + "\n")
         with pytest.raises(ValueError, match="t.jsonl:1"):
             load_requests(TraceSpec(str(path)))
@@ -235,23 +280,65 @@ def test_traces_are_windowed_rescaled_and_classed(tmp_path):
 
 def test_the_command_line_reports_a_sweep_and_a_search(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
-    path.write_text("".join(json.dumps({"arrival_s": i * 0.2, "prompt_tokens": 40 + i % 50,
-                                        "output_tokens": 5 + i % 7, "class": "interactive"})
-                            + "\n" for i in range(60)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "arrival_s": i * 0.2,
+                    "prompt_tokens": 40 + i % 50,
+                    "output_tokens": 5 + i % 7,
+                    "class": "interactive",
+                }
+            )
+            + "\n"
+            for i in range(60)
+        )
+    )
     cost = tmp_path / "cost.json"
     LinearCost((0.03, 0.001, 0.004, 0.0, 0.0), 512, 16, 2048, 1000).save(cost)
     out = tmp_path / "r.json"
-    assert cli_main(["simulate", "--trace", str(path), "--cost-model", str(cost),
-                     "--rate-scale", "1,8", "--slo", "interactive=0.5,0.1",
-                     "--json", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "simulate",
+                "--trace",
+                str(path),
+                "--cost-model",
+                str(cost),
+                "--rate-scale",
+                "1,8",
+                "--slo",
+                "interactive=0.5,0.1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     first, second = report["runs"]
     assert first["classes"]["interactive"]["attainment"] == 1.0
     assert second["classes"]["interactive"]["attainment"] < 0.9
     assert report["goodput_rps"] == pytest.approx(first["offered_rps"])
-    assert cli_main(["simulate", "--trace", str(path), "--cost-model", str(cost),
-                     "--rate-scale", "8", "--slo", "interactive=0.5,0.1", "--search",
-                     "--max-replicas", "8"]) == 0
+    assert (
+        cli_main(
+            [
+                "simulate",
+                "--trace",
+                str(path),
+                "--cost-model",
+                str(cost),
+                "--rate-scale",
+                "8",
+                "--slo",
+                "interactive=0.5,0.1",
+                "--search",
+                "--max-replicas",
+                "8",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "num_replicas:" in text and "config:\n  num_replicas:" in text
     assert f"cost model: {cost} (no source recorded)" in text  # the file the figures use
@@ -271,8 +358,10 @@ def test_the_report_names_its_cost_model_and_how_to_fit_this_host():
 
 
 def test_held_requests_re_decided_only_on_change_get_the_same_answers():
-    heavy = [SimRequest(f"r{i}", i * 0.01, 100 + i % 150, 20, ("interactive", "batch")[i % 2])
-             for i in range(150)]
+    heavy = [
+        SimRequest(f"r{i}", i * 0.01, 100 + i % 150, 20, ("interactive", "batch")[i % 2])
+        for i in range(150)
+    ]
     config = service(num_replicas=2, admission=True)
     runs = []
     for fast in (True, False):
@@ -296,9 +385,14 @@ def test_with_shed_off_admission_no_longer_holds_back_what_would_be_shed():
     from policies.step_time import StepTimeModel
 
     def guard(off):
-        return TpotGuard(PriorityPolicy(), StepTimeModel(prior=(0.04, 0.001, 0.004)),
-                         target=0.85, block_size=16, max_num_batched_tokens=512,
-                         rules_off=frozenset(off))
+        return TpotGuard(
+            PriorityPolicy(),
+            StepTimeModel(prior=(0.04, 0.001, 0.004)),
+            target=0.85,
+            block_size=16,
+            max_num_batched_tokens=512,
+            rules_off=frozenset(off),
+        )
 
     batch = SimpleNamespace(tpot_slo_s=5.0)
     # 43 decodes predict 0.04 + 43 * 0.004 = 0.212 s, past the 0.2 s limit.
@@ -311,8 +405,9 @@ def test_the_command_line_refuses_what_it_would_ignore_or_could_not_write(tmp_pa
     """Each of these ran (or ran and then failed, or ended in a traceback) until a new-user
     test on 2026-12-06: now one line naming the problem, exit status 2, before any run."""
     path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps({"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 5,
-                                "class": "vip"}) + "\n")
+    path.write_text(
+        json.dumps({"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 5, "class": "vip"}) + "\n"
+    )
     base = ["simulate", "--trace", str(path)]
     (tmp_path / "bad.yaml").write_text("engine: [1,2\n")
     for extra, needle in [

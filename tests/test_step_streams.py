@@ -49,8 +49,9 @@ class FakeReplicas:
             self.remote = fn
 
     def _generate(self, rid, ids, params, shape, ingress):
-        call = FakeCall({"accepted": True, "prompt_tokens": len(ids),
-                         "replica": self.replicas.pop(0)})
+        call = FakeCall(
+            {"accepted": True, "prompt_tokens": len(ids), "replica": self.replicas.pop(0)}
+        )
         self.calls.append((rid, ingress, call))
         return call
 
@@ -60,9 +61,19 @@ class FakeReplicas:
 
 
 def item(text: str, finished: bool = False) -> dict:
-    return {"outputs": [{"index": 0, "text": text, "token_ids": [1], "logprobs": None,
-                         "finish_reason": "stop" if finished else None, "stop_reason": None}],
-            "finished": finished}
+    return {
+        "outputs": [
+            {
+                "index": 0,
+                "text": text,
+                "token_ids": [1],
+                "logprobs": None,
+                "finish_reason": "stop" if finished else None,
+                "stop_reason": None,
+            }
+        ],
+        "finished": finished,
+    }
 
 
 async def test_outbox_gives_one_step_of_every_request_in_one_take():
@@ -77,7 +88,6 @@ async def test_outbox_gives_one_step_of_every_request_in_one_take():
     assert [rid for rid, _ in await box.take()] == ["a"]
 
 
-
 async def test_a_reopened_stream_takes_over_its_ingress_outbox():
     # The ingress's stream failed while the replica lived and it opened another: items
     # must go to the new stream, and the old one ending must not drop them.
@@ -89,11 +99,15 @@ async def test_a_reopened_stream_takes_over_its_ingress_outbox():
     boxes.close("ing", old)
     boxes.put("ing", "b", item("3"))
     assert [(rid, i["outputs"][0]["text"]) for rid, i in await new.take()] == [
-        ("a", "1"), ("a", "2"), ("b", "3")]
+        ("a", "1"),
+        ("a", "2"),
+        ("b", "3"),
+    ]
     assert old.drain() == []
     boxes.close("ing", new)
     boxes.put("ing", "c", item("4"))  # a stream opened later still gets it
     assert [rid for rid, _ in boxes.open("ing").drain()] == ["c"]
+
 
 async def test_batches_reach_their_requests_and_a_lost_stream_fails_only_its_own():
     handle = FakeReplicas([])
@@ -104,8 +118,7 @@ async def test_batches_reach_their_requests_and_a_lost_stream_fails_only_its_own
     streams.assign("c", "r2")
     await asyncio.sleep(0)  # the stream tasks start
     assert set(handle.streams) == {"r1", "r2"}  # one stream per replica, not per request
-    handle.streams["r1"].fed.put_nowait([("a", item("1")), ("gone", item("?")),
-                                         ("b", item("2"))])
+    handle.streams["r1"].fed.put_nowait([("a", item("1")), ("gone", item("?")), ("b", item("2"))])
     assert (await qa.get())["outputs"][0]["text"] == "1"
     assert (await qb.get())["outputs"][0]["text"] == "2"
     streams.forget("b")

@@ -10,15 +10,28 @@ import pytest
 
 from engine import LLM, ParamError, SamplingParams
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 12},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "member": {"type": "boolean"}}, "required": ["name", "age", "member"],
-    "additionalProperties": False}
-COLOUR = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}},
-          "required": ["colour"], "additionalProperties": False}
-SCORES = {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9},
-          "minItems": 1, "maxItems": 3}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "member": {"type": "boolean"},
+    },
+    "required": ["name", "age", "member"],
+    "additionalProperties": False,
+}
+COLOUR = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+    "required": ["colour"],
+    "additionalProperties": False,
+}
+SCORES = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 1, "maximum": 9},
+    "minItems": 1,
+    "maxItems": 3,
+}
 ANY_OBJECT = {"type": "object"}
 
 
@@ -28,15 +41,24 @@ def llm():
 
 
 def test_outputs_validate_against_their_schemas_in_one_batch(llm):
-    prompts = ["A person, as JSON:", "My favourite colour, as JSON:", "Three scores:",
-               "Any JSON object:", "The capital of France is"]
+    prompts = [
+        "A person, as JSON:",
+        "My favourite colour, as JSON:",
+        "Three scores:",
+        "Any JSON object:",
+        "The capital of France is",
+    ]
     schemas = [PERSON, COLOUR, SCORES, ANY_OBJECT, None]
     # Seed 4's sample of the open object closes it within 96 tokens (4 of seeds 0-11 do).
-    params = [SamplingParams(max_tokens=96, temperature=t, seed=4, json_schema=s)
-              for s in schemas for t in (0, 0.8)]
+    params = [
+        SamplingParams(max_tokens=96, temperature=t, seed=4, json_schema=s)
+        for s in schemas
+        for t in (0, 0.8)
+    ]
     outs = llm.generate([p for p in prompts for _ in (0, 1)], params, use_tqdm=False)
-    plain_alone = llm.generate([prompts[-1]], SamplingParams(max_tokens=96, temperature=0),
-                               use_tqdm=False)[0].outputs[0]
+    plain_alone = llm.generate(
+        [prompts[-1]], SamplingParams(max_tokens=96, temperature=0), use_tqdm=False
+    )[0].outputs[0]
     for k, out in enumerate(outs):
         schema, c = schemas[k // 2], out.outputs[0]
         if schema is None:
@@ -54,9 +76,11 @@ def test_outputs_validate_against_their_schemas_in_one_batch(llm):
 
 
 def test_n_sequences_each_follow_the_schema(llm):
-    out = llm.generate(["Colours:"], SamplingParams(max_tokens=32, temperature=1.0, seed=2,
-                                                    n=3, json_schema=COLOUR),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        ["Colours:"],
+        SamplingParams(max_tokens=32, temperature=1.0, seed=2, n=3, json_schema=COLOUR),
+        use_tqdm=False,
+    )[0]
     for c in out.outputs:
         assert json.loads(c.text)["colour"] in ("red", "green", "blue")
 

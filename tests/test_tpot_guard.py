@@ -19,8 +19,7 @@ def test_tpot_guard_sheds_batch_decodes_for_an_interactive_slo(target, kept):
     for _ in range(3):
         fake_step(sched, clock)
     assert len(sched.running) == 30  # 30 decodes: 0.7 s, within batch's 5 s SLO
-    urgent = guarded_req("urgent", clock(), priority=0, slo=0.5, prompt_len=1000,
-                         max_tokens=10)
+    urgent = guarded_req("urgent", clock(), priority=0, slo=0.5, prompt_len=1000, max_tokens=10)
     sched.add(urgent)
     steps = 0
     while urgent.first_token_time is None and not urgent.output_token_ids:
@@ -76,22 +75,26 @@ def test_tpot_guard_never_sheds_more_urgent_work():
     assert len(sched.running) == 25  # same class: the guard does not preempt its own peers
 
 
-
-@pytest.mark.parametrize("ttft_slo,banking_steps,stretched", [
-    (2.0, 10, True),   # the decodes banked TPOT credit in fast steps: the peer spends it
-    (2.0, 0, False),   # they have just started: no credit, the peer stays under the cap
-    (float("inf"), 10, False),  # no TTFT SLO to meet: no reason to stretch
-])
+@pytest.mark.parametrize(
+    "ttft_slo,banking_steps,stretched",
+    [
+        (2.0, 10, True),  # the decodes banked TPOT credit in fast steps: the peer spends it
+        (2.0, 0, False),  # they have just started: no credit, the peer stays under the cap
+        (float("inf"), 10, False),  # no TTFT SLO to meet: no reason to stretch
+    ],
+)
 def test_tpot_guard_lets_a_same_class_prompt_spend_the_decodes_tpot_credit_for_its_ttft(
-        ttft_slo, banking_steps, stretched):
+    ttft_slo, banking_steps, stretched
+):
     sched, clock, model = guarded()
     peers = [guarded_req(f"i{i}", 0.01 * i, priority=0, slo=0.5) for i in range(5)]
     for r in peers:
         sched.add(r)
     for _ in range(1 + banking_steps):  # prefill, then decode-only steps of 0.2 s < 0.5 s
         model_step(sched, clock, model)
-    peer = guarded_req("peer", clock(), priority=0, slo=0.5, prompt_len=1600, max_tokens=4,
-                       ttft_slo=ttft_slo)
+    peer = guarded_req(
+        "peer", clock(), priority=0, slo=0.5, prompt_len=1600, max_tokens=4, ttft_slo=ttft_slo
+    )
     sched.add(peer)
     sched.add(guarded_req("batch", clock(), priority=2, slo=5.0, prompt_len=1600, ttft_slo=60.0))
     # (0.5 s - 0.1 s - 5 decodes x 0.02 s) / 0.001 s per token; the decodes' credit, spread
@@ -178,8 +181,9 @@ def test_prompts_of_the_binders_class_meet_their_ttft_in_line_while_it_repays_de
     for r in inter:
         r.first_token_time -= 2.0  # e.g. a slow stretch: 2 s of TPOT debt, 10 tokens left
     first = guarded_req("first", clock(), priority=0, slo=0.5, prompt_len=500, max_tokens=2)
-    second = guarded_req("second", clock() + 1e-3, priority=0, slo=0.5, prompt_len=500,
-                         max_tokens=2)
+    second = guarded_req(
+        "second", clock() + 1e-3, priority=0, slo=0.5, prompt_len=500, max_tokens=2
+    )
     batch_prompt = guarded_req("bp", clock(), priority=2, slo=5.0, prompt_len=2000)
     for r in (first, second, batch_prompt):
         r.ttft_slo_s = 3.0 if r is not batch_prompt else 60.0
@@ -191,8 +195,9 @@ def test_prompts_of_the_binders_class_meet_their_ttft_in_line_while_it_repays_de
         # 0.1 - 7 x 0.02) / 0.001 = 60 tokens, which is all the batch prompt may take. The
         # interactive prompts may take up to the share: 160 tokens, in line.
         assert chunks.get("bp", 0) <= 60
-        assert model.predict(out.num_batched_tokens - out.num_decodes,
-                             out.num_decodes) <= 0.4 + 1e-9
+        assert (
+            model.predict(out.num_batched_tokens - out.num_decodes, out.num_decodes) <= 0.4 + 1e-9
+        )
     # In steps of at most 0.4 s, 1000 tokens at 160 a step meet a 3 s TTFT; the first
     # prompt is served first, not spread out to finish just in time beside the second.
     assert first.first_token_time - first.arrival_time <= 1.7

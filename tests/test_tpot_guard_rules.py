@@ -28,10 +28,12 @@ def _batch_and_two_interactive_decoding():
 
 def test_decodes_an_interactive_prompt_outranks_sit_out_steps_for_its_ttft_while_credit_lasts():
     sched, clock, model, batch, inter = _batch_and_two_interactive_decoding()
-    first = guarded_req("first", clock(), priority=0, slo=0.5, prompt_len=400, max_tokens=2,
-                        ttft_slo=1.8)
-    second = guarded_req("second", clock() + 1e-3, priority=0, slo=0.5, prompt_len=400,
-                         max_tokens=2, ttft_slo=1.8)
+    first = guarded_req(
+        "first", clock(), priority=0, slo=0.5, prompt_len=400, max_tokens=2, ttft_slo=1.8
+    )
+    second = guarded_req(
+        "second", clock() + 1e-3, priority=0, slo=0.5, prompt_len=400, max_tokens=2, ttft_slo=1.8
+    )
     for r in (first, second):
         sched.add(r)
     # 12 decodes leave (0.5 - 0.1 - 12 x 0.02) / 0.001 = 160 tokens a step: 5 steps for
@@ -60,8 +62,9 @@ def test_a_decode_running_past_the_aging_step_still_owes_a_fresh_peer_its_ttft()
     sched.add(old)
     while clock() < 11.0:  # decode-only steps of 0.12 s: it banks TPOT credit
         model_step(sched, clock, model)
-    fresh = guarded_req("fresh", clock(), priority=0, slo=0.5, prompt_len=1000, max_tokens=2,
-                        ttft_slo=1.3)
+    fresh = guarded_req(
+        "fresh", clock(), priority=0, slo=0.5, prompt_len=1000, max_tokens=2, ttft_slo=1.3
+    )
     sched.add(fresh)
     # The old decode has aged more than a level past the fresh prompt, yet its SLO is no
     # more urgent: the prompt is owed its TTFT and spends the decode's credit, 511 tokens
@@ -81,8 +84,9 @@ def test_batch_decodes_sit_out_to_free_budget_tokens_for_an_interactive_prompts_
         sched.add(r)
     for _ in range(4):  # decode-only steps of 0.3 s bank TPOT credit against batch's 5 s
         model_step(sched, clock, model)
-    inter = guarded_req("inter", clock(), priority=0, slo=0.5, prompt_len=1010, max_tokens=2,
-                        ttft_slo=1.5)
+    inter = guarded_req(
+        "inter", clock(), priority=0, slo=0.5, prompt_len=1010, max_tokens=2, ttft_slo=1.5
+    )
     sched.add(inter)
     # Only batch decodes run: their limit (seconds) does not bind, the 512-token budget
     # does. 502 tokens a step beside 10 decodes need 3 steps (0.80 + 0.80 + 0.31 s, past
@@ -101,8 +105,9 @@ def test_batch_decodes_sit_out_to_free_budget_tokens_for_an_interactive_prompts_
 def test_a_decode_sitting_out_is_not_run_as_a_prefill_chunk_with_the_cap_left_over():
     sched, clock, model, batch, _ = _batch_and_two_interactive_decoding()
     # A TTFT SLO of 0.4 s: one step left, so it needs all 170 tokens now.
-    late = guarded_req("late", clock(), priority=0, slo=0.5, prompt_len=170, max_tokens=2,
-                       ttft_slo=0.4)
+    late = guarded_req(
+        "late", clock(), priority=0, slo=0.5, prompt_len=170, max_tokens=2, ttft_slo=0.4
+    )
     sched.add(late)
     out = model_step(sched, clock, model)
     # 12 decodes leave 160 tokens; one batch decode sitting out frees 20 more: 180, of
@@ -113,16 +118,20 @@ def test_a_decode_sitting_out_is_not_run_as_a_prefill_chunk_with_the_cap_left_ov
     assert out.num_decodes == len(out.seqs) - 1
 
 
-@pytest.mark.parametrize("max_tokens,prompt_priority,worst,chunk", [
-    (2, 2, 1.4, 237),   # its last gap: (0.5 / 1.4 - 0.1 - 0.02) / 0.001 tokens
-    (50, 2, 1.4, 305),  # 48 gaps left to average a slow step out: its 0.425 s share
-    (2, 0, 1.4, 237),   # a peer's prompt owed its TTFT may not spend the last gap either
-    # (0.5 / 2 - 0.12) / 0.001: below 2 * 0.425 - 0.5 = 0.35 s, the floor that a decode
-    # with later gaps keeps (on 1a1b0b3 the last gap kept it too: 230 tokens, 0.70 s at 2x)
-    (2, 2, 2.0, 130),
-])
+@pytest.mark.parametrize(
+    "max_tokens,prompt_priority,worst,chunk",
+    [
+        (2, 2, 1.4, 237),  # its last gap: (0.5 / 1.4 - 0.1 - 0.02) / 0.001 tokens
+        (50, 2, 1.4, 305),  # 48 gaps left to average a slow step out: its 0.425 s share
+        (2, 0, 1.4, 237),  # a peer's prompt owed its TTFT may not spend the last gap either
+        # (0.5 / 2 - 0.12) / 0.001: below 2 * 0.425 - 0.5 = 0.35 s, the floor that a decode
+        # with later gaps keeps (on 1a1b0b3 the last gap kept it too: 230 tokens, 0.70 s at 2x)
+        (2, 2, 2.0, 130),
+    ],
+)
 def test_a_decode_in_its_last_gap_keeps_its_step_within_its_slo_at_the_worst_ratio(
-        max_tokens, prompt_priority, worst, chunk):
+    max_tokens, prompt_priority, worst, chunk
+):
     from policies import StepTimeModel
 
     class Jittery(StepTimeModel):
@@ -139,8 +148,9 @@ def test_a_decode_in_its_last_gap_keeps_its_step_within_its_slo_at_the_worst_rat
     short = guarded_req("short", 0.0, priority=0, slo=0.5, max_tokens=max_tokens)
     sched.add(short)
     model_step(sched, clock, model)  # its prefill: first token
-    sched.add(guarded_req("bp", clock(), priority=prompt_priority, slo=5.0, prompt_len=2000,
-                          ttft_slo=1.0))
+    sched.add(
+        guarded_req("bp", clock(), priority=prompt_priority, slo=5.0, prompt_len=2000, ttft_slo=1.0)
+    )
     out = model_step(sched, clock, model)
     # A 2-token output's TPOT is this one step: at the worst ratio times its prediction
     # it must still end within 0.5 s. On c1659fc the prompt took the 0.425 s share (305
@@ -150,12 +160,16 @@ def test_a_decode_in_its_last_gap_keeps_its_step_within_its_slo_at_the_worst_rat
     assert predicted * worst <= 0.5 + 1e-9 or max_tokens > 2
 
 
-@pytest.mark.parametrize("ttft_slo,chunk", [
-    (2.5, 170),  # past its 2.0 s guard deadline, not its SLO: all its tokens now
-    (2.0, 60),   # past its SLO already: the plain cap, no decode sits out for it
-])
+@pytest.mark.parametrize(
+    "ttft_slo,chunk",
+    [
+        (2.5, 170),  # past its 2.0 s guard deadline, not its SLO: all its tokens now
+        (2.0, 60),  # past its SLO already: the plain cap, no decode sits out for it
+    ],
+)
 def test_a_prompt_past_its_guard_deadline_takes_its_tokens_while_its_slo_can_be_met(
-        ttft_slo, chunk):
+    ttft_slo, chunk
+):
     sched, clock, model = guarded(target=0.8)  # steps aimed at 0.4 s
     batch = [guarded_req(f"b{i}", 0.01 * i, priority=2, slo=5.0) for i in range(10)]
     for r in batch:
@@ -167,8 +181,9 @@ def test_a_prompt_past_its_guard_deadline_takes_its_tokens_while_its_slo_can_be_
         sched.add(r)
     model_step(sched, clock, model)
     # Arrived 2.05 s ago (steps ran over its plan): 0.45 s to its SLO if it is 2.5 s.
-    late = guarded_req("late", clock() - 2.05, priority=0, slo=0.5, prompt_len=170,
-                       max_tokens=2, ttft_slo=ttft_slo)
+    late = guarded_req(
+        "late", clock() - 2.05, priority=0, slo=0.5, prompt_len=170, max_tokens=2, ttft_slo=ttft_slo
+    )
     sched.add(late)
     out = model_step(sched, clock, model)
     ran = {s.request.request_id: s.num_tokens for s in out.seqs}
@@ -182,19 +197,24 @@ def test_a_prompt_past_its_guard_deadline_takes_its_tokens_while_its_slo_can_be_
         assert late.first_token_time - late.arrival_time <= ttft_slo
 
 
-@pytest.mark.parametrize("ttft_slo,batch_in_last_step", [
-    (1.2, 0),    # deadline 0.96 s: a full last step (0.707 s) would end at 1.41 s
-    (3.0, 414),  # deadline 2.4 s: the full step ends in time, so the batch prompt fills it
-])
+@pytest.mark.parametrize(
+    "ttft_slo,batch_in_last_step",
+    [
+        (1.2, 0),  # deadline 0.96 s: a full last step (0.707 s) would end at 1.41 s
+        (3.0, 414),  # deadline 2.4 s: the full step ends in time, so the batch prompt fills it
+    ],
+)
 def test_the_step_that_ends_an_owed_prompts_prefill_keeps_to_its_ttft_deadline(
-        ttft_slo, batch_in_last_step):
+    ttft_slo, batch_in_last_step
+):
     sched, clock, model = guarded(target=0.8)
     batch = [guarded_req(f"b{i}", 0.0, priority=2, slo=5.0) for i in range(5)]
     for r in batch:
         sched.add(r)
     model_step(sched, clock, model)
-    inter = guarded_req("inter", clock(), priority=0, slo=0.5, prompt_len=600, max_tokens=2,
-                        ttft_slo=ttft_slo)
+    inter = guarded_req(
+        "inter", clock(), priority=0, slo=0.5, prompt_len=600, max_tokens=2, ttft_slo=ttft_slo
+    )
     sched.add(inter)
     sched.add(guarded_req("bp", clock(), priority=2, slo=5.0, prompt_len=2000, ttft_slo=60.0))
     # Only batch decodes run, so the budget binds, not their 4 s share: 507 tokens of
@@ -216,8 +236,9 @@ def test_an_owed_prompt_takes_all_the_credit_the_decodes_lend_not_just_its_need(
         sched.add(r)
     for _ in range(6):  # prefill, then 5 decode-only steps of 0.34 s: 0.3 s of credit
         model_step(sched, clock, model)
-    prompt = guarded_req("prompt", clock(), priority=0, slo=0.5, prompt_len=600, max_tokens=2,
-                         ttft_slo=2.1)  # deadline 0.8 x 2.1 = 1.68 s
+    prompt = guarded_req(
+        "prompt", clock(), priority=0, slo=0.5, prompt_len=600, max_tokens=2, ttft_slo=2.1
+    )  # deadline 0.8 x 2.1 = 1.68 s
     sched.add(prompt)
     out = model_step(sched, clock, model)
     # Its deadline needs 200 tokens a step (3 steps of 0.5 s by 1.68 s). It takes all the
@@ -230,21 +251,25 @@ def test_an_owed_prompt_takes_all_the_credit_the_decodes_lend_not_just_its_need(
     assert prompt.first_token_time - prompt.arrival_time <= 2.1
 
 
-@pytest.mark.parametrize("max_tokens,ttft_slo,chunk", [
-    (500, 2.0, 360),  # decodes with 499 gaps left lend up to their full 0.5 s SLO
-    (3, 2.0, 310),    # 2 gaps left: half of one later gap's 0.1 s headroom, 0.45 s
-    (500, float("inf"), 260),  # no TTFT to meet: the share's cap
-])
+@pytest.mark.parametrize(
+    "max_tokens,ttft_slo,chunk",
+    [
+        (500, 2.0, 360),  # decodes with 499 gaps left lend up to their full 0.5 s SLO
+        (3, 2.0, 310),  # 2 gaps left: half of one later gap's 0.1 s headroom, 0.45 s
+        (500, float("inf"), 260),  # no TTFT to meet: the share's cap
+    ],
+)
 def test_decodes_with_later_gaps_lend_jitter_headroom_to_a_prompt_owed_its_ttft(
-        max_tokens, ttft_slo, chunk):
+    max_tokens, ttft_slo, chunk
+):
     sched, clock, model = guarded(target=0.8)  # share 0.4 s of the 0.5 s TPOT SLO
-    decodes = [guarded_req(f"i{i}", 0.0, priority=0, slo=0.5, max_tokens=max_tokens)
-               for i in range(2)]
+    decodes = [
+        guarded_req(f"i{i}", 0.0, priority=0, slo=0.5, max_tokens=max_tokens) for i in range(2)
+    ]
     for r in decodes:
         sched.add(r)
     model_step(sched, clock, model)  # their prefill: first tokens, no TPOT credit yet
-    prompt = guarded_req("p", clock(), priority=0, slo=0.5, prompt_len=1000,
-                         ttft_slo=ttft_slo)
+    prompt = guarded_req("p", clock(), priority=0, slo=0.5, prompt_len=1000, ttft_slo=ttft_slo)
     sched.add(prompt)
     out = model_step(sched, clock, model)
     # The full SLO allows (0.5 - 0.1 - 2 x 0.02) / 0.001 = 360 tokens, more than the 334 a
@@ -265,10 +290,11 @@ def test_prompts_behind_one_that_missed_its_ttft_join_the_step_that_ends_its_pre
     for r in decodes:
         sched.add(r)
     model_step(sched, clock, model)
-    missed = guarded_req("missed", clock() - 2.1, priority=0, slo=0.5, prompt_len=10,
-                         ttft_slo=2.0)
-    behind = [guarded_req(f"b{i}", clock() - 1.0, priority=0, slo=0.5, prompt_len=10,
-                          ttft_slo=2.0) for i in range(3)]
+    missed = guarded_req("missed", clock() - 2.1, priority=0, slo=0.5, prompt_len=10, ttft_slo=2.0)
+    behind = [
+        guarded_req(f"b{i}", clock() - 1.0, priority=0, slo=0.5, prompt_len=10, ttft_slo=2.0)
+        for i in range(3)
+    ]
     for r in (missed, *behind):
         sched.add(r)
     out = model_step(sched, clock, model)

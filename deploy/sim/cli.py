@@ -23,33 +23,59 @@ DEFAULT_COST_MODEL = "cpu_smollm2_135m.json"
 (SmolLM2-135M-Instruct, fp32). Calibrate on your own machine for its figures."""
 MAX_REPLICAS = 64
 """``--search``'s default upper bound on replicas."""
-ENGINE_FLAGS = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
-                "policy", "block_size", "num_kv_blocks")
+ENGINE_FLAGS = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "long_prefill_token_threshold",
+    "policy",
+    "block_size",
+    "num_kv_blocks",
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", required=True,
-                   help="a shipped trace (conv, code: Azure LLM inference 2023, CC-BY 4.0), "
-                        "an Azure trace CSV, or JSONL of {arrival_s, prompt_tokens, "
-                        "output_tokens, class?}")
-    p.add_argument("--replicas", type=int, default=None, help="model replicas (default: "
-                   "the config's num_replicas, else 1)")
+    p.add_argument(
+        "--trace",
+        required=True,
+        help="a shipped trace (conv, code: Azure LLM inference 2023, CC-BY 4.0), "
+        "an Azure trace CSV, or JSONL of {arrival_s, prompt_tokens, "
+        "output_tokens, class?}",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="model replicas (default: the config's num_replicas, else 1)",
+    )
     p.add_argument("--config", default=None, help="a ServiceConfig YAML (iterserve serve's)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
     w = p.add_argument_group("trace window")
     w.add_argument("--window-start", type=float, default=0.0, help="trace seconds to skip")
     w.add_argument("--duration", type=float, default=None, help="trace seconds to replay")
-    w.add_argument("--rate-scale", default="1", help="arrival rate multiplier; a comma "
-                   "list sweeps rates and reports goodput (e.g. 0.5,1,2)")
-    w.add_argument("--length-scale", type=float, default=1.0,
-                   help="divide prompt and output lengths by this")
-    w.add_argument("--class-mix", default=None, help="e.g. interactive=0.7,batch=0.3 "
-                   "(CSV traces; JSONL lines may carry their own class)")
+    w.add_argument(
+        "--rate-scale",
+        default="1",
+        help="arrival rate multiplier; a comma "
+        "list sweeps rates and reports goodput (e.g. 0.5,1,2)",
+    )
+    w.add_argument(
+        "--length-scale", type=float, default=1.0, help="divide prompt and output lengths by this"
+    )
+    w.add_argument(
+        "--class-mix",
+        default=None,
+        help="e.g. interactive=0.7,batch=0.3 (CSV traces; JSONL lines may carry their own class)",
+    )
     w.add_argument("--default-class", default="standard")
     s = p.add_argument_group("service")
-    s.add_argument("--slo", action="append", default=[], metavar="CLASS=TTFT,TPOT",
-                   help="a class's SLOs in seconds (repeatable)")
+    s.add_argument(
+        "--slo",
+        action="append",
+        default=[],
+        metavar="CLASS=TTFT,TPOT",
+        help="a class's SLOs in seconds (repeatable)",
+    )
     s.add_argument("--admission", choices=("on", "off"), default=None)
     s.add_argument("--routing", choices=ROUTING, default="load-aware")
     s.add_argument("--tpot-slo-guard", choices=("on", "off"), default=None)
@@ -62,12 +88,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--model-size", default=None, help="with --gpu: 0.5b, 8b or 70b")
     c.add_argument("--tensor-parallel", type=int, default=1, help="with --gpu: GPUs per replica")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--search", action="store_true", help="find the fewest replicas and the "
-                   "engine settings that meet the SLOs (at the first --rate-scale)")
-    p.add_argument("--max-replicas", type=int, default=None,
-                   help=f"--search's upper bound (default {MAX_REPLICAS})")
-    p.add_argument("--ablate", action="store_true",
-                   help="switch each TPOT guard rule off in turn and report its effect")
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="find the fewest replicas and the "
+        "engine settings that meet the SLOs (at the first --rate-scale)",
+    )
+    p.add_argument(
+        "--max-replicas",
+        type=int,
+        default=None,
+        help=f"--search's upper bound (default {MAX_REPLICAS})",
+    )
+    p.add_argument(
+        "--ablate",
+        action="store_true",
+        help="switch each TPOT guard rule off in turn and report its effect",
+    )
 
 
 def cost_model(args: argparse.Namespace):
@@ -81,8 +118,7 @@ def cost_model(args: argparse.Namespace):
     if args.gpu or args.model_size:
         if not (args.gpu and args.model_size):
             raise ValueError("--gpu and --model-size go together")
-        return RooflineCost.named(args.model_size, args.gpu,
-                                  tensor_parallel=args.tensor_parallel)
+        return RooflineCost.named(args.model_size, args.gpu, tensor_parallel=args.tensor_parallel)
     if args.cost_model:
         return LinearCost.load(args.cost_model)
     with resources.as_file(resources.files("deploy.sim") / DEFAULT_COST_MODEL) as path:
@@ -106,8 +142,10 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     for item in args.slo:
         name, _, values = item.partition("=")
         if name not in known:
-            raise ValueError(f"--slo {item!r}: unknown traffic class {name!r} (known: "
-                             f"{sorted(known)}; a new one needs its fields in --config)")
+            raise ValueError(
+                f"--slo {item!r}: unknown traffic class {name!r} (known: "
+                f"{sorted(known)}; a new one needs its fields in --config)"
+            )
         try:
             ttft, tpot = (float(x) for x in values.split(","))
         except ValueError:
@@ -118,8 +156,9 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     return with_engine(config, top, **engine)
 
 
-def with_engine(config: ServiceConfig, top: dict[str, Any] | None = None,
-                **engine: Any) -> ServiceConfig:
+def with_engine(
+    config: ServiceConfig, top: dict[str, Any] | None = None, **engine: Any
+) -> ServiceConfig:
     """``config`` with engine fields and top-level fields replaced, validated again.
 
     Raises:
@@ -133,8 +172,16 @@ def with_engine(config: ServiceConfig, top: dict[str, Any] | None = None,
 
 
 def trace_spec(args: argparse.Namespace, rate_scale: float) -> TraceSpec:
-    return TraceSpec(args.trace, args.window_start, args.duration, rate_scale,
-                     args.length_scale, parse_mix(args.class_mix), args.default_class, args.seed)
+    return TraceSpec(
+        args.trace,
+        args.window_start,
+        args.duration,
+        rate_scale,
+        args.length_scale,
+        parse_mix(args.class_mix),
+        args.default_class,
+        args.seed,
+    )
 
 
 def trace_info(args: argparse.Namespace) -> dict[str, Any]:
@@ -170,15 +217,20 @@ def check_args(args: argparse.Namespace) -> None:
     Raises:
         ValueError: which flag, and why.
     """
-    ignored = [(args.tensor_parallel != 1 and not args.gpu, "--tensor-parallel goes with --gpu"),
-               (args.cost_model and args.gpu, "--cost-model and --gpu name two cost models"),
-               (args.search and args.ablate, "--search and --ablate are two runs: give one"),
-               (args.plots and (args.search or args.ablate),
-                "--plots draws a plain run or a sweep, not --search or --ablate"),
-               (args.max_replicas is not None and not args.search,
-                "--max-replicas goes with --search"),
-               (args.search and args.replicas is not None,
-                "--search chooses the replica count: drop --replicas")]
+    ignored = [
+        (args.tensor_parallel != 1 and not args.gpu, "--tensor-parallel goes with --gpu"),
+        (args.cost_model and args.gpu, "--cost-model and --gpu name two cost models"),
+        (args.search and args.ablate, "--search and --ablate are two runs: give one"),
+        (
+            args.plots and (args.search or args.ablate),
+            "--plots draws a plain run or a sweep, not --search or --ablate",
+        ),
+        (args.max_replicas is not None and not args.search, "--max-replicas goes with --search"),
+        (
+            args.search and args.replicas is not None,
+            "--search chooses the replica count: drop --replicas",
+        ),
+    ]
     for wrong, why in ignored:
         if wrong:
             raise ValueError(why)
@@ -191,8 +243,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.json and not writable_file(args.json):
         raise ValueError(f"--json {args.json}: not a file in a writable directory")
     plots = Path(args.plots or ".")
-    if args.plots and not (plots.is_dir() and os.access(plots, os.W_OK)
-                           or not plots.exists() and writable_file(plots)):
+    if args.plots and not (
+        plots.is_dir() and os.access(plots, os.W_OK) or not plots.exists() and writable_file(plots)
+    ):
         raise ValueError(f"--plots {args.plots}: not a writable directory")
 
 
@@ -204,13 +257,15 @@ def writable_file(path: str | Path) -> bool:
 
 def check_classes(args: argparse.Namespace, config: ServiceConfig) -> None:
     """Raises:
-        ValueError: --class-mix or --default-class names a class the config lacks.
+    ValueError: --class-mix or --default-class names a class the config lacks.
     """
     known = config.traffic_classes()
     for name in [args.default_class, *(n for n, _ in parse_mix(args.class_mix))]:
         if name not in known:
-            raise ValueError(f"unknown traffic class {name!r} (known: {sorted(known)}; "
-                             "a new one needs its fields in --config)")
+            raise ValueError(
+                f"unknown traffic class {name!r} (known: {sorted(known)}; "
+                "a new one needs its fields in --config)"
+            )
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -231,11 +286,17 @@ def run_command(args: argparse.Namespace) -> int:
         summary["rate_scale"], summary["wall_s"] = k, time.perf_counter() - t0
         runs.append((k, run))
         summaries.append(summary)
-        print(f"\n## rate x{k:g}: {config.num_replicas} replica(s), simulated in "
-              f"{summary['wall_s']:.1f} s\n")
+        print(
+            f"\n## rate x{k:g}: {config.num_replicas} replica(s), simulated in "
+            f"{summary['wall_s']:.1f} s\n"
+        )
         print(table(summary))
-    report: dict[str, Any] = {"trace": trace_info(args), "config": config.model_dump(mode="json"),
-                              "cost_model": describe(cost), "runs": summaries}
+    report: dict[str, Any] = {
+        "trace": trace_info(args),
+        "config": config.model_dump(mode="json"),
+        "cost_model": describe(cost),
+        "runs": summaries,
+    }
     if len(summaries) > 1:
         good = [s["offered_rps"] for s in summaries if all_classes_meet(s)]
         report["goodput_rps"] = max(good, default=None)
@@ -253,11 +314,16 @@ def cost_line(args: argparse.Namespace, cost) -> str:
     """Which step-time model the figures come from, for the terminal: a CPU fit is only
     right for the host (and the load on it) it was measured on."""
     if args.gpu:
-        return (f"roofline, {args.model_size} on {args.gpu} x {args.tensor_parallel} "
-                "(engine/sim/hardware.py)")
+        return (
+            f"roofline, {args.model_size} on {args.gpu} x {args.tensor_parallel} "
+            "(engine/sim/hardware.py)"
+        )
     origin = args.cost_model or f"the shipped {DEFAULT_COST_MODEL}"
-    hint = "" if args.cost_model else (
-        "; `iterserve calibrate --output FILE` fits this host, `--cost-model FILE` uses it")
+    hint = (
+        ""
+        if args.cost_model
+        else ("; `iterserve calibrate --output FILE` fits this host, `--cost-model FILE` uses it")
+    )
     return f"{origin} ({cost.source or 'no source recorded'}){hint}"
 
 
@@ -272,10 +338,16 @@ def calibrate_command(args: argparse.Namespace) -> int:
 
     if not writable_file(args.output):  # before two minutes of sweep, not after
         raise ValueError(f"--output {args.output}: not a file in a writable directory")
-    print(f"calibrating: {len(CONCURRENCY)} concurrency levels x {args.steps_per_level} "
-          "steps of the real engine (about 2 minutes on a 2-core CPU)", file=sys.stderr)
-    cost, summary = calibrate(EngineConfig(model=args.model), args.steps_per_level,
-                              progress=lambda m: print(m, file=sys.stderr))
+    print(
+        f"calibrating: {len(CONCURRENCY)} concurrency levels x {args.steps_per_level} "
+        "steps of the real engine (about 2 minutes on a 2-core CPU)",
+        file=sys.stderr,
+    )
+    cost, summary = calibrate(
+        EngineConfig(model=args.model),
+        args.steps_per_level,
+        progress=lambda m: print(m, file=sys.stderr),
+    )
     cost.save(args.output)
     print(json.dumps(summary, indent=1))
     print(f"wrote {args.output}", file=sys.stderr)

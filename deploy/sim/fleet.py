@@ -112,8 +112,15 @@ class Fleet:
         ValueError: unknown routing.
     """
 
-    def __init__(self, config: ServiceConfig, cost, *, routing: str = "load-aware",
-                 seed: int = 0, timeline_period_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        config: ServiceConfig,
+        cost,
+        *,
+        routing: str = "load-aware",
+        seed: int = 0,
+        timeline_period_s: float = 1.0,
+    ) -> None:
         if routing not in ROUTING:
             raise ValueError(f"routing {routing!r}: one of {ROUTING}")
         self.config = config
@@ -124,8 +131,9 @@ class Fleet:
         self.replicas = [_Replica(e) for e in engines]
         classes = config.traffic_classes()
         policy = econfig.make_policy()
-        self.admission = IngressAdmission(classes, policy=policy, enabled=config.admission,
-                                          clock=lambda: self.now)
+        self.admission = IngressAdmission(
+            classes, policy=policy, enabled=config.admission, clock=lambda: self.now
+        )
         self.chooser = ReplicaChooser(self.admission.controller, random.Random(seed))
         self.routed = RoutedSince()
         self.block_size = econfig.block_size
@@ -159,10 +167,14 @@ class Fleet:
             elif self._busy():
                 self._publish()
                 self._push(self.now + self.config.routing_stats_period_s, _SNAPSHOT, None)
-        return SimRun(outcomes, self._timeline,
-                      sum(r.engine.scheduler.num_preemptions for r in self.replicas),
-                      sum(r.engine.runner.steps for r in self.replicas),
-                      [r.engine.runner.busy_s for r in self.replicas], self.now)
+        return SimRun(
+            outcomes,
+            self._timeline,
+            sum(r.engine.scheduler.num_preemptions for r in self.replicas),
+            sum(r.engine.runner.steps for r in self.replicas),
+            [r.engine.runner.busy_s for r in self.replicas],
+            self.now,
+        )
 
     def _push(self, t: float, kind: int, payload) -> None:
         heapq.heappush(self._events, (t, kind, next(self._order), payload))
@@ -173,52 +185,78 @@ class Fleet:
     def _publish(self) -> None:
         self._version += 1
         keep = self.now // self.timeline_period_s != (
-            (self.now - self.config.routing_stats_period_s) // self.timeline_period_s)
+            (self.now - self.config.routing_stats_period_s) // self.timeline_period_s
+        )
         for i, r in enumerate(self.replicas):
             # The engine has run its current step at once (the fake clock is at its end):
             # its state is as after the step in flight, as a real replica publishes it.
             left = max(0.0, r.engine.clock.t - self.now) if r.stepping else 0.0
-            r.snap = dataclasses.replace(r.engine.load_snapshot(), timestamp=self.now,
-                                         step_left_s=left)
+            r.snap = dataclasses.replace(
+                r.engine.load_snapshot(), timestamp=self.now, step_left_s=left
+            )
             if keep or self.now == 0:
-                self._timeline.append(KvSample(self.now, i, r.snap.kv_usage,
-                                               r.snap.total_running,
-                                               sum(r.snap.waiting_requests.values())))
+                self._timeline.append(
+                    KvSample(
+                        self.now,
+                        i,
+                        r.snap.kv_usage,
+                        r.snap.total_running,
+                        sum(r.snap.waiting_requests.values()),
+                    )
+                )
 
     def _shape(self, req: SimRequest) -> RequestShape:
         cls = self.admission.controller.classes.get(req.traffic_class)
         if cls is None:  # a trace line's own class
-            raise ValueError(f"request {req.id}: unknown traffic class {req.traffic_class!r} "
-                             f"(known: {sorted(self.admission.controller.classes)})")
-        hashes = (prefix_hashes(_prompt(req, self.vocab_size), self.block_size)
-                  if self.config.prefix_affinity else ())
+            raise ValueError(
+                f"request {req.id}: unknown traffic class {req.traffic_class!r} "
+                f"(known: {sorted(self.admission.controller.classes)})"
+            )
+        hashes = (
+            prefix_hashes(_prompt(req, self.vocab_size), self.block_size)
+            if self.config.prefix_affinity
+            else ()
+        )
         return RequestShape(req.prompt_tokens, req.traffic_class, cls.default_priority, hashes)
 
     def _loads(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
         matched = self.chooser.prefixes.matched_blocks(shape.prefix_hashes)
-        return [(self.routed.adjust(i, r.snap, self.now),
-                 cached_tokens(matched.get(i, 0), r.snap.block_size, shape.prompt_tokens))
-                for i, r in enumerate(self.replicas)]
+        return [
+            (
+                self.routed.adjust(i, r.snap, self.now),
+                cached_tokens(matched.get(i, 0), r.snap.block_size, shape.prompt_tokens),
+            )
+            for i, r in enumerate(self.replicas)
+        ]
 
     def _decide(self, o: Outcome) -> None:
         """An arrival, or a held request's re-decision (as ``IngressAdmission.admit``)."""
         req = o.request
         shape = o.shape = o.shape or self._shape(req)
         if self.admission.enabled:
-            if req.id in self._held and self.fast_holds and o.seen == self._version \
-                    and self._waits_on(o):
+            if (
+                req.id in self._held
+                and self.fast_holds
+                and o.seen == self._version
+                and self._waits_on(o)
+            ):
                 self._push(self.now + POLL_S, _ARRIVAL, o)
                 return
             loads = self._loads(shape)
             computed = computed_tokens(req.prompt_tokens, loads)
             if req.id not in self._held:
-                self._held[req.id] = self.admission.hold(req.traffic_class, req.arrival_s,
-                                                         computed)
+                self._held[req.id] = self.admission.hold(req.traffic_class, req.arrival_s, computed)
             elif self.admission.recount(self._held[req.id], computed):
                 self._version += 1  # what it counts ahead of later arrivals changed
             o.seen = self._version
-            d = self.admission.decide(loads, req.traffic_class, req.prompt_tokens,
-                                      req.output_tokens, shape.priority, req.arrival_s)
+            d = self.admission.decide(
+                loads,
+                req.traffic_class,
+                req.prompt_tokens,
+                req.output_tokens,
+                shape.priority,
+                req.arrival_s,
+            )
             if not isinstance(d, Admit | Reject):
                 self._push(self.now + POLL_S, _ARRIVAL, o)
                 return
@@ -243,8 +281,9 @@ class Fleet:
         if waited >= cls.max_queue_wait_s:
             return False
         lost = self.admission.controller._lost
-        return not all(lost(s, cls, req.prompt_tokens - cached, waited)
-                       for s, cached in self._loads(o.shape))
+        return not all(
+            lost(s, cls, req.prompt_tokens - cached, waited) for s, cached in self._loads(o.shape)
+        )
 
     def _route(self, o: Outcome, shape: RequestShape) -> None:
         i = self._choose(shape)
@@ -254,11 +293,17 @@ class Fleet:
         self.routed.record(i, self.now, shape, matched)
         self._version += 1
         self.chooser.prefixes.record(shape.prefix_hashes, i)
-        params = SamplingParams(max_tokens=req.output_tokens, ignore_eos=True,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+        params = SamplingParams(
+            max_tokens=req.output_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+        )
         try:
-            r.engine.add_request(req.id, _prompt(req, self.vocab_size), params,
-                                 traffic_class=req.traffic_class, arrival_time=self.now)
+            r.engine.add_request(
+                req.id,
+                _prompt(req, self.vocab_size),
+                params,
+                traffic_class=req.traffic_class,
+                arrival_time=self.now,
+            )
         except ValueError as e:  # RequestRejectedError: too long for any replica
             o.status, o.reason = "rejected", str(e)
             self._pending -= 1
@@ -276,10 +321,19 @@ class Fleet:
         ids = range(len(self.replicas))
         if self.routing == "queue-length":
             pair = self.chooser.rng.sample(ids, min(2, len(ids)))
-            return min(pair, key=lambda i: len(self.replicas[i].engine.scheduler.waiting)
-                       + len(self.replicas[i].engine.scheduler.running))
-        ranks = self.chooser.choose(ids, shape, lambda i: self.routed.adjust(
-            i, self.replicas[i].snap, self.now), key=lambda i: i)
+            return min(
+                pair,
+                key=lambda i: (
+                    len(self.replicas[i].engine.scheduler.waiting)
+                    + len(self.replicas[i].engine.scheduler.running)
+                ),
+            )
+        ranks = self.chooser.choose(
+            ids,
+            shape,
+            lambda i: self.routed.adjust(i, self.replicas[i].snap, self.now),
+            key=lambda i: i,
+        )
         return ranks[0][0]
 
     def _step(self, i: int) -> None:
@@ -305,4 +359,4 @@ def _prompt(req: SimRequest, vocab_size: int) -> list[int]:
     n = int(req.id[1:]) if req.id[1:].isdigit() else int.from_bytes(req.id.encode()[-8:])
     m = vocab_size - 2
     head = [2 + n % m, 2 + n // m % m, 2 + n // (m * m) % m]
-    return (head + [1] * req.prompt_tokens)[:req.prompt_tokens]
+    return (head + [1] * req.prompt_tokens)[: req.prompt_tokens]

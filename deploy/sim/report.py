@@ -29,8 +29,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def meets(o: Outcome, cls: TrafficClass) -> bool:
-    return (o.status == "ok" and o.ttft_s <= cls.ttft_slo_s
-            and o.tpot_s <= cls.tpot_slo_s)
+    return o.status == "ok" and o.ttft_s <= cls.ttft_slo_s and o.tpot_s <= cls.tpot_slo_s
 
 
 def class_summary(outcomes: list[Outcome], cls: TrafficClass, span_s: float) -> dict[str, Any]:
@@ -40,18 +39,23 @@ def class_summary(outcomes: list[Outcome], cls: TrafficClass, span_s: float) -> 
     ttft = [o.ttft_s for o in ok]
     tpot = [o.tpot_s for o in ok if o.request.output_tokens > 1]
     return {
-        "requests": len(outcomes), "ok": len(ok),
+        "requests": len(outcomes),
+        "ok": len(ok),
         "refused": sum(o.status == "refused" for o in outcomes),
         "rejected": sum(o.status == "rejected" for o in outcomes),
-        "ttft_slo_s": cls.ttft_slo_s, "tpot_slo_s": cls.tpot_slo_s,
+        "ttft_slo_s": cls.ttft_slo_s,
+        "tpot_slo_s": cls.tpot_slo_s,
         "ttft_mean_s": sum(ttft) / len(ttft) if ttft else None,
-        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+        "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_p99_s": _pct(ttft, 0.99),
         "tpot_mean_s": sum(tpot) / len(tpot) if tpot else None,
-        "tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99),
+        "tpot_p50_s": _pct(tpot, 0.5),
+        "tpot_p99_s": _pct(tpot, 0.99),
         "attainment": met / len(outcomes) if outcomes else None,
         "goodput_rps": met / span_s if span_s > 0 else None,
         "output_tokens_per_s": sum(o.request.output_tokens for o in ok) / span_s
-        if span_s > 0 else None,
+        if span_s > 0
+        else None,
     }
 
 
@@ -63,17 +67,23 @@ def summarize(run: SimRun, classes: Mapping[str, TrafficClass]) -> dict[str, Any
     by_class: dict[str, list[Outcome]] = {}
     for o in outcomes:
         by_class.setdefault(o.request.traffic_class, []).append(o)
-    per_class = {name: class_summary(os_, classes[name], span)
-                 for name, os_ in sorted(by_class.items())}
+    per_class = {
+        name: class_summary(os_, classes[name], span) for name, os_ in sorted(by_class.items())
+    }
     met = sum(meets(o, classes[o.request.traffic_class]) for o in outcomes)
     usage = [s.kv_usage for s in run.timeline]
     return {
-        "requests": len(outcomes), "offered_rps": len(outcomes) / span,
+        "requests": len(outcomes),
+        "offered_rps": len(outcomes) / span,
         "attainment": met / len(outcomes) if outcomes else None,
-        "goodput_rps": met / span, "classes": per_class,
-        "preemptions": run.preemptions, "steps": run.steps, "end_s": run.end_s,
+        "goodput_rps": met / span,
+        "classes": per_class,
+        "preemptions": run.preemptions,
+        "steps": run.steps,
+        "end_s": run.end_s,
         "replica_busy": [b / run.end_s if run.end_s else 0.0 for b in run.busy_s],
-        "kv_usage_p50": _pct(usage, 0.5), "kv_usage_max": max(usage, default=None),
+        "kv_usage_p50": _pct(usage, 0.5),
+        "kv_usage_max": max(usage, default=None),
     }
 
 
@@ -87,28 +97,33 @@ def _f(x: float | None, fmt: str) -> str:
 
 def table(summary: Mapping[str, Any]) -> str:
     """A Markdown table, one row per class."""
-    lines = ["| class | requests | attainment | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) "
-             "| refused | goodput (req/s) | out tok/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| class | requests | attainment | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) "
+        "| refused | goodput (req/s) | out tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, c in summary["classes"].items():
         lines.append(
             f"| {name} | {c['requests']} | {_f(c['attainment'], '.1%')} | "
             f"{_f(c['ttft_p50_s'], '.3f')} / {_f(c['ttft_p99_s'], '.3f')} | "
             f"{_f(c['tpot_p50_s'], '.4f')} / {_f(c['tpot_p99_s'], '.4f')} | "
             f"{c['refused'] + c['rejected']} | {_f(c['goodput_rps'], '.3f')} | "
-            f"{_f(c['output_tokens_per_s'], '.1f')} |")
+            f"{_f(c['output_tokens_per_s'], '.1f')} |"
+        )
     busy = summary["replica_busy"]
     lines.append(
         f"\n{summary['requests']} requests at {summary['offered_rps']:.3f} req/s: attainment "
         f"{_f(summary['attainment'], '.1%')}, goodput {summary['goodput_rps']:.3f} req/s; "
         f"{summary['preemptions']} preemptions, {summary['steps']} steps, replicas busy "
         f"{min(busy):.0%}-{max(busy):.0%}, KV usage p50 {_f(summary['kv_usage_p50'], '.0%')} "
-        f"max {_f(summary['kv_usage_max'], '.0%')}")
+        f"max {_f(summary['kv_usage_max'], '.0%')}"
+    )
     return "\n".join(lines)
 
 
-def plot(runs: list[tuple[float, SimRun]], summaries: list[dict],
-         out_dir: str | Path) -> list[Path]:
+def plot(
+    runs: list[tuple[float, SimRun]], summaries: list[dict], out_dir: str | Path
+) -> list[Path]:
     """PNGs in ``out_dir``: TTFT and TPOT distributions per class (the first rate), KV
     usage and queue over time (the first rate), attainment against rate (a sweep).
 
@@ -117,6 +132,7 @@ def plot(runs: list[tuple[float, SimRun]], summaries: list[dict],
     """
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
@@ -136,8 +152,10 @@ def _plot_latency(plt, run: SimRun, out: Path) -> Path:
         if o.status == "ok":
             by_class.setdefault(o.request.traffic_class, []).append(o)
     for name, os_ in sorted(by_class.items()):
-        for ax, xs in ((axes[0], [o.ttft_s for o in os_]),
-                       (axes[1], [o.tpot_s for o in os_ if o.request.output_tokens > 1])):
+        for ax, xs in (
+            (axes[0], [o.ttft_s for o in os_]),
+            (axes[1], [o.tpot_s for o in os_ if o.request.output_tokens > 1]),
+        ):
             xs = sorted(xs)
             ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
     for ax, what in zip(axes, ("TTFT (s)", "TPOT (s)")):
@@ -174,8 +192,12 @@ def _plot_sweep(plt, runs, summaries, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     rates = [s["offered_rps"] for s in summaries]
     for name in summaries[0]["classes"]:
-        ax.plot(rates, [s["classes"].get(name, {}).get("attainment") for s in summaries],
-                marker="o", label=name)
+        ax.plot(
+            rates,
+            [s["classes"].get(name, {}).get("attainment") for s in summaries],
+            marker="o",
+            label=name,
+        )
     ax.axhline(ATTAINMENT, color="gray", ls="--", lw=0.8)
     ax.set_xlabel("offered rate (req/s)")
     ax.set_ylabel("SLO attainment")

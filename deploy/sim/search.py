@@ -42,8 +42,15 @@ def _evaluate(job: tuple[ServiceConfig, Any, TraceSpec, str, int]) -> dict[str, 
 class Runner:
     """Runs configs in a process pool, remembering results (a config runs once)."""
 
-    def __init__(self, base: ServiceConfig, cost, spec: TraceSpec, routing: str, seed: int,
-                 workers: int | None = None) -> None:
+    def __init__(
+        self,
+        base: ServiceConfig,
+        cost,
+        spec: TraceSpec,
+        routing: str,
+        seed: int,
+        workers: int | None = None,
+    ) -> None:
         self.base, self.cost, self.spec, self.routing, self.seed = base, cost, spec, routing, seed
         self.pool = ProcessPoolExecutor(workers or max(1, min(8, os.cpu_count() or 1)))
         self.done: dict[tuple[int, Setting], dict[str, Any]] = {}
@@ -55,12 +62,14 @@ class Runner:
 
     def run(self, keys: list[tuple[int, Setting]]) -> list[dict[str, Any]]:
         todo = [k for k in dict.fromkeys(keys) if k not in self.done]
-        jobs = [(self.config(n, s), self.cost, self.spec, self.routing, self.seed)
-                for n, s in todo]
+        jobs = [(self.config(n, s), self.cost, self.spec, self.routing, self.seed) for n, s in todo]
         for key, summary in zip(todo, self.pool.map(_evaluate, jobs)):
             self.done[key] = summary
-            print(f"  {key[0]:>3} replicas {dict(key[1]) or '(config as given)'}: "
-                  f"worst class {worst(summary):.1%}", flush=True)
+            print(
+                f"  {key[0]:>3} replicas {dict(key[1]) or '(config as given)'}: "
+                f"worst class {worst(summary):.1%}",
+                flush=True,
+            )
         return [self.done[k] for k in keys]
 
 
@@ -72,15 +81,22 @@ def grid(engine) -> list[Setting]:
     """Settings around the config's: half, same and double the token budget and
     ``max_num_seqs``, each with no chunk cap and with a quarter-budget cap."""
     out = []
-    for b, s in itertools.product((engine.max_num_batched_tokens // 2,
-                                   engine.max_num_batched_tokens,
-                                   engine.max_num_batched_tokens * 2),
-                                  (max(1, engine.max_num_seqs // 2), engine.max_num_seqs,
-                                   engine.max_num_seqs * 2)):
+    for b, s in itertools.product(
+        (
+            engine.max_num_batched_tokens // 2,
+            engine.max_num_batched_tokens,
+            engine.max_num_batched_tokens * 2,
+        ),
+        (max(1, engine.max_num_seqs // 2), engine.max_num_seqs, engine.max_num_seqs * 2),
+    ):
         for chunk in (None, max(engine.block_size, b // 4)):
-            out.append((("long_prefill_token_threshold", chunk),
-                        ("max_num_batched_tokens", max(engine.block_size, b)),
-                        ("max_num_seqs", s)))
+            out.append(
+                (
+                    ("long_prefill_token_threshold", chunk),
+                    ("max_num_batched_tokens", max(engine.block_size, b)),
+                    ("max_num_seqs", s),
+                )
+            )
     return out
 
 
@@ -109,8 +125,11 @@ def search(r: Runner, limit: int) -> tuple[int, Setting, dict[str, Any]] | None:
         return None
     settings = grid(r.base.engine)
     while n > 1:
-        fewer = [s for s, summ in zip(settings, r.run([(n - 1, s) for s in settings]))
-                 if all_classes_meet(summ)]
+        fewer = [
+            s
+            for s, summ in zip(settings, r.run([(n - 1, s) for s in settings]))
+            if all_classes_meet(summ)
+        ]
         if not fewer:
             break
         n -= 1
@@ -137,8 +156,10 @@ def search_command(args: argparse.Namespace, config: ServiceConfig, cost) -> int
     from deploy.sim.cli import rates, trace_spec
 
     spec = trace_spec(args, rates(args)[0])
-    print(f"searching: up to {args.max_replicas} replicas, then {len(grid(config.engine))} "
-          "engine settings per replica count")
+    print(
+        f"searching: up to {args.max_replicas} replicas, then {len(grid(config.engine))} "
+        "engine settings per replica count"
+    )
     r = Runner(config, cost, spec, args.routing, args.seed)
     try:
         found = search(r, args.max_replicas)
@@ -149,14 +170,27 @@ def search_command(args: argparse.Namespace, config: ServiceConfig, cost) -> int
         return 1
     n, setting, summary = found
     service, helm = snippets(config, n, setting)
-    print(f"\n{n} replica(s); every class at >= {ATTAINMENT:.0%} "
-          f"(worst {worst(summary):.1%}).\n\nServiceConfig (iterserve serve --config):\n"
-          f"{service}\nHelm values:\n{helm}")
+    print(
+        f"\n{n} replica(s); every class at >= {ATTAINMENT:.0%} "
+        f"(worst {worst(summary):.1%}).\n\nServiceConfig (iterserve serve --config):\n"
+        f"{service}\nHelm values:\n{helm}"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"replicas": n, "setting": dict(setting), "summary": summary,
-             "tried": [{"replicas": k[0], "setting": dict(k[1]), "worst": worst(v)}
-                       for k, v in r.done.items()]}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "replicas": n,
+                    "setting": dict(setting),
+                    "summary": summary,
+                    "tried": [
+                        {"replicas": k[0], "setting": dict(k[1]), "worst": worst(v)}
+                        for k, v in r.done.items()
+                    ],
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 
@@ -169,8 +203,7 @@ def ablate_command(args: argparse.Namespace, config: ServiceConfig, cost) -> int
     results: dict[str, list[dict]] = {}
     for k in rates(args):
         r = Runner(config, cost, trace_spec(args, k), args.routing, args.seed)
-        keys = [(config.num_replicas, (("tpot_slo_guard_rules_off", off),))
-                for _, off in variants]
+        keys = [(config.num_replicas, (("tpot_slo_guard_rules_off", off),)) for _, off in variants]
         print(f"rate x{k:g}: {len(variants)} variants")
         for (name, _), summary in zip(variants, r.run(keys)):
             results.setdefault(name, []).append(summary | {"rate_scale": k})
@@ -185,8 +218,11 @@ def ablation_table(results: dict[str, list[dict]]) -> str:
     """Markdown: per variant, each class's attainment at each rate, and goodput."""
     base = results["all rules"]
     classes = list(base[0]["classes"])
-    head = "| variant | " + " | ".join(
-        f"{c} x{s['rate_scale']:g}" for s in base for c in classes) + " | goodput (req/s) |"
+    head = (
+        "| variant | "
+        + " | ".join(f"{c} x{s['rate_scale']:g}" for s in base for c in classes)
+        + " | goodput (req/s) |"
+    )
     lines = [head, "|---|" + "---:|" * (len(base) * len(classes) + 1)]
     for name, runs in results.items():
         cells = []
@@ -195,6 +231,7 @@ def ablation_table(results: dict[str, list[dict]]) -> str:
                 a, a0 = s["classes"][c]["attainment"], b["classes"][c]["attainment"]
                 cells.append(f"{a:.1%}" if name == "all rules" else f"{a:.1%} ({a - a0:+.1%})")
         good = max((s["offered_rps"] for s in runs if all_classes_meet(s)), default=None)
-        lines.append(f"| {name} | " + " | ".join(cells)
-                     + f" | {'-' if good is None else f'{good:.3f}'} |")
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {'-' if good is None else f'{good:.3f}'} |"
+        )
     return "\n".join(lines)

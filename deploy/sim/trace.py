@@ -33,8 +33,10 @@ def trace_path(name_or_path: str | Path) -> Path:
         return Path(str(resources.files("deploy.sim") / "traces" / SHIPPED[str(name_or_path)]))
     path = Path(name_or_path)
     if not path.is_file():
-        raise FileNotFoundError(f"trace {str(name_or_path)!r}: no such file, and not a shipped "
-                                f"trace ({', '.join(SHIPPED)})")
+        raise FileNotFoundError(
+            f"trace {str(name_or_path)!r}: no such file, and not a shipped "
+            f"trace ({', '.join(SHIPPED)})"
+        )
     return path
 
 
@@ -79,16 +81,28 @@ def _rows(path: Path) -> list[tuple[float, int, int, str | None]]:
                     continue
                 try:
                     d = json.loads(line)
-                    rows.append(_checked(float(d["arrival_s"]), _count(d["prompt_tokens"]),
-                                         _count(d["output_tokens"]), d.get("class")))
+                    rows.append(
+                        _checked(
+                            float(d["arrival_s"]),
+                            _count(d["prompt_tokens"]),
+                            _count(d["output_tokens"]),
+                            d.get("class"),
+                        )
+                    )
                 except (ValueError, KeyError, TypeError) as e:
                     raise ValueError(f"{path}:{n}: not a trace line ({e})") from e
         return _from_first(rows)
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         try:
-            raw = [(datetime.fromisoformat(r["TIMESTAMP"]), _count(r["ContextTokens"]),
-                    _count(r["GeneratedTokens"])) for r in reader]
+            raw = [
+                (
+                    datetime.fromisoformat(r["TIMESTAMP"]),
+                    _count(r["ContextTokens"]),
+                    _count(r["GeneratedTokens"]),
+                )
+                for r in reader
+            ]
         except (KeyError, ValueError, TypeError) as e:  # TypeError: a short row
             raise ValueError(f"{path}: not an Azure trace CSV ({e})") from e
     ref = raw[0][0] if raw else None
@@ -143,21 +157,26 @@ def load_requests(spec: TraceSpec) -> list[SimRequest]:
     for flag, value in (("--rate-scale", spec.rate_scale), ("--length-scale", spec.length_scale)):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{flag} must be a finite number > 0, got {value!r}")
-    end = (spec.window_start_s + spec.duration_s if spec.duration_s is not None
-           else float("inf"))
+    end = spec.window_start_s + spec.duration_s if spec.duration_s is not None else float("inf")
     out = []
     for row, (t, prompt, output, cls) in enumerate(_rows(trace_path(spec.path))):
         if not spec.window_start_s <= t < end:
             continue
         if cls is None:
             cls = _pick(spec.mix, spec.seed, row) if spec.mix else spec.default_class
-        out.append(SimRequest(
-            f"r{row}", (t - spec.window_start_s) / spec.rate_scale,
-            max(1, round(prompt / spec.length_scale)),
-            max(1, round(output / spec.length_scale)), cls))
+        out.append(
+            SimRequest(
+                f"r{row}",
+                (t - spec.window_start_s) / spec.rate_scale,
+                max(1, round(prompt / spec.length_scale)),
+                max(1, round(output / spec.length_scale)),
+                cls,
+            )
+        )
     if not out:
-        raise ValueError(f"{spec.path}: no request between {spec.window_start_s} s and "
-                         f"{end} s of trace time")
+        raise ValueError(
+            f"{spec.path}: no request between {spec.window_start_s} s and {end} s of trace time"
+        )
     return out
 
 

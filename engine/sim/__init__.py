@@ -3,5 +3,15 @@
 from engine.sim.cost import FEATURES, CostModel, LinearCost, RooflineCost, StepShape, fit_linear
 from engine.sim.runner import SimClock, SimRunner, SimTokenizer, sim_engine
 
-__all__ = ["FEATURES", "CostModel", "LinearCost", "RooflineCost", "SimClock", "SimRunner",
-           "SimTokenizer", "StepShape", "fit_linear", "sim_engine"]
+__all__ = [
+    "FEATURES",
+    "CostModel",
+    "LinearCost",
+    "RooflineCost",
+    "SimClock",
+    "SimRunner",
+    "SimTokenizer",
+    "StepShape",
+    "fit_linear",
+    "sim_engine",
+]

@@ -44,14 +44,19 @@ IDLE_GAP_S = 0.02
 ``engine.async_engine.IDLE_TICK_S``), not work."""
 
 
-def _request(rng: random.Random, vocab: int, prompt: tuple[int, int] = (8, 1024),
-             output: tuple[int, int] = (4, 48)) -> tuple[list[int], int]:
+def _request(
+    rng: random.Random,
+    vocab: int,
+    prompt: tuple[int, int] = (8, 1024),
+    output: tuple[int, int] = (4, 48),
+) -> tuple[list[int], int]:
     n = int(math.exp(rng.uniform(math.log(prompt[0]), math.log(prompt[1]))))
     return [rng.randrange(1000, min(vocab, 40000)) for _ in range(n)], rng.randint(*output)
 
 
-def sweep(config: EngineConfig, steps_per_level: int, seed: int = 0,
-          progress=print) -> tuple[list[StepRecord], list[float], object]:
+def sweep(
+    config: EngineConfig, steps_per_level: int, seed: int = 0, progress=print
+) -> tuple[list[StepRecord], list[float], object]:
     """Run the real engine over the sweep: its step records (warm-up dropped), each
     step's period (seconds until the next step started, see :func:`periods`) and the
     engine.
@@ -68,8 +73,9 @@ def sweep(config: EngineConfig, steps_per_level: int, seed: int = 0,
     return records[WARMUP_STEPS:], periods(records)[WARMUP_STEPS:], aeng.engine
 
 
-async def _closed_loops(aeng, records: list, steps_per_level: int, rng: random.Random,
-                        progress) -> None:
+async def _closed_loops(
+    aeng, records: list, steps_per_level: int, rng: random.Random, progress
+) -> None:
     """Each level's clients stream requests back to back until the level has its steps
     (the requests in flight then finish)."""
     from engine import RequestOutputKind, SamplingParams
@@ -77,10 +83,12 @@ async def _closed_loops(aeng, records: list, steps_per_level: int, rng: random.R
     ids = itertools.count()
 
     async def one(prompt: list[int], out: int) -> None:
-        params = SamplingParams(max_tokens=out, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
-        async for _ in aeng.generate({"prompt_token_ids": prompt}, params,
-                                     request_id=f"cal-{next(ids)}"):
+        params = SamplingParams(
+            max_tokens=out, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
+        async for _ in aeng.generate(
+            {"prompt_token_ids": prompt}, params, request_id=f"cal-{next(ids)}"
+        ):
             pass
 
     async def client(start: int) -> None:
@@ -92,8 +100,10 @@ async def _closed_loops(aeng, records: list, steps_per_level: int, rng: random.R
             start, t0 = len(records), time.perf_counter()
             await asyncio.gather(*(client(start) for _ in range(level)))
             await _decode_phase(one, level, rng, aeng.engine.vocab_size)
-            progress(f"  {level:>2} in flight: {len(records) - start} steps, "
-                     f"{time.perf_counter() - t0:.1f} s")
+            progress(
+                f"  {level:>2} in flight: {len(records) - start} steps, "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
     finally:
         await aeng.shutdown()
 
@@ -101,8 +111,12 @@ async def _closed_loops(aeng, records: list, steps_per_level: int, rng: random.R
 async def _decode_phase(one, level: int, rng: random.Random, vocab: int) -> None:
     """``level`` requests at once with short prompts and longer outputs: after their
     prefill, mostly decode-only steps of ``level`` sequences and falling."""
-    await asyncio.gather(*(one(*_request(rng, vocab, DECODE_PROMPT_TOKENS,
-                                         DECODE_OUTPUT_TOKENS)) for _ in range(level)))
+    await asyncio.gather(
+        *(
+            one(*_request(rng, vocab, DECODE_PROMPT_TOKENS, DECODE_OUTPUT_TOKENS))
+            for _ in range(level)
+        )
+    )
 
 
 def periods(records: list[StepRecord]) -> list[float]:
@@ -121,8 +135,9 @@ def _mape(cost: LinearCost, shapes: list[StepShape], seconds: list[float]) -> fl
     return statistics.fmean(abs(cost.step_seconds(s) - t) / t for s, t in zip(shapes, seconds))
 
 
-def calibrate(config: EngineConfig, steps_per_level: int = 40, seed: int = 0,
-              progress=print) -> tuple[LinearCost, dict]:
+def calibrate(
+    config: EngineConfig, steps_per_level: int = 40, seed: int = 0, progress=print
+) -> tuple[LinearCost, dict]:
     """Fit a :class:`LinearCost` to the sweep; also a summary with the held-out error.
 
     The hold-out: a fit on even steps, its mean absolute percentage error on odd ones.
@@ -130,8 +145,12 @@ def calibrate(config: EngineConfig, steps_per_level: int = 40, seed: int = 0,
     records, seconds, engine = sweep(config, steps_per_level, seed, progress)
     shapes = [StepShape.of_record(r.seqs, r.num_decodes) for r in records]
     coef = fit_linear(shapes, seconds)
-    kw = dict(num_kv_blocks=engine.block_manager.num_blocks, block_size=config.block_size,
-              max_model_len=engine.max_model_len, vocab_size=engine.vocab_size)
+    kw = dict(
+        num_kv_blocks=engine.block_manager.num_blocks,
+        block_size=config.block_size,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+    )
     half = LinearCost(fit_linear(shapes[::2], seconds[::2]), **kw)
     summary = {
         "steps": len(records),
@@ -139,7 +158,9 @@ def calibrate(config: EngineConfig, steps_per_level: int = 40, seed: int = 0,
         "held_out_mape": _mape(half, shapes[1::2], seconds[1::2]),
         "coefficients": dict(zip(FEATURES, coef)),
     }
-    source = (f"{engine.model_dir} {config.dtype} on {platform.node()} "
-              f"({platform.processor() or platform.machine()}), {len(records)} steps, "
-              f"held-out MAPE {summary['held_out_mape']:.1%}")
+    source = (
+        f"{engine.model_dir} {config.dtype} on {platform.node()} "
+        f"({platform.processor() or platform.machine()}), {len(records)} steps, "
+        f"held-out MAPE {summary['held_out_mape']:.1%}"
+    )
     return LinearCost(coef, source=source, **kw), summary

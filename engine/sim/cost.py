@@ -28,8 +28,13 @@ import numpy as np
 from engine.schedule_output import SchedulerOutput
 from engine.sim.hardware import GPUS, MODELS, GpuSpec, ModelSpec
 
-FEATURES = ("step", "prefill_tokens", "decode_seqs", "decode_context_tokens",
-            "prefill_attention_ktokens")
+FEATURES = (
+    "step",
+    "prefill_tokens",
+    "decode_seqs",
+    "decode_context_tokens",
+    "prefill_attention_ktokens",
+)
 """The names of :meth:`StepShape.features`, in order (``LinearCost`` coefficients too)."""
 
 
@@ -76,8 +81,13 @@ class StepShape:
     def features(self) -> tuple[float, ...]:
         """``(1, prefill tokens, decodes, decode context tokens, prefill attention pairs /
         1000)``: the regressors of :class:`LinearCost`."""
-        return (1.0, float(self.prefill_tokens), float(self.decode_seqs),
-                float(self.decode_context_tokens), self.prefill_attention_pairs / 1000.0)
+        return (
+            1.0,
+            float(self.prefill_tokens),
+            float(self.decode_seqs),
+            float(self.decode_context_tokens),
+            self.prefill_attention_pairs / 1000.0,
+        )
 
 
 class CostModel(Protocol):
@@ -119,8 +129,14 @@ class LinearCost:
         data = json.loads(Path(path).read_text())
         if data.get("kind") != "linear" or tuple(data.get("features", ())) != FEATURES:
             raise ValueError(f"{path}: not a calibrated cost model (iterserve calibrate)")
-        return cls(tuple(data["coefficients"]), data["num_kv_blocks"], data["block_size"],
-                    data["max_model_len"], data["vocab_size"], data.get("source", ""))
+        return cls(
+            tuple(data["coefficients"]),
+            data["num_kv_blocks"],
+            data["block_size"],
+            data["max_model_len"],
+            data["vocab_size"],
+            data.get("source", ""),
+        )
 
 
 def fit_linear(shapes: list[StepShape], seconds: list[float]) -> tuple[float, ...]:
@@ -138,8 +154,10 @@ def fit_linear(shapes: list[StepShape], seconds: list[float]) -> tuple[float, ..
         ValueError: fewer steps than features, lengths differ, or a time is not positive.
     """
     if len(shapes) != len(seconds) or len(shapes) < len(FEATURES):
-        raise ValueError(f"{len(shapes)} shapes and {len(seconds)} times: need equal "
-                         f"counts of at least {len(FEATURES)}")
+        raise ValueError(
+            f"{len(shapes)} shapes and {len(seconds)} times: need equal "
+            f"counts of at least {len(FEATURES)}"
+        )
     y = np.array(seconds, dtype=float)
     if not np.all(y > 0):
         raise ValueError("every step time must be positive")
@@ -193,8 +211,10 @@ class RooflineCost:
             ValueError: an unknown name.
         """
         if model not in MODELS or gpu not in GPUS:
-            raise ValueError(f"unknown model {model!r} or GPU {gpu!r}; models: "
-                             f"{sorted(MODELS)}, GPUs: {sorted(GPUS)}")
+            raise ValueError(
+                f"unknown model {model!r} or GPU {gpu!r}; models: "
+                f"{sorted(MODELS)}, GPUs: {sorted(GPUS)}"
+            )
         return cls(MODELS[model], GPUS[gpu], **kw)
 
     @property
@@ -219,8 +239,11 @@ class RooflineCost:
         tokens = shape.prefill_tokens + shape.decode_seqs
         pairs = shape.prefill_attention_pairs + shape.decode_context_tokens
         sampled = shape.decode_seqs + shape.prefill_seqs  # logits only where a chunk ends
-        flops = (2 * m.matmul_params * tokens + 2 * m.vocab_size * m.hidden * sampled
-                 + 4 * m.layers * m.heads * m.head_dim * pairs)
+        flops = (
+            2 * m.matmul_params * tokens
+            + 2 * m.vocab_size * m.hidden * sampled
+            + 4 * m.layers * m.heads * m.head_dim * pairs
+        )
         kv_read = shape.decode_context_tokens * m.kv_bytes_per_token
         nbytes = m.weight_bytes + kv_read + tokens * m.kv_bytes_per_token
         eff = self.prefill_efficiency if shape.prefill_tokens else self.decode_efficiency
