@@ -65,7 +65,8 @@ def _chunk_rows(ch: dict) -> list[dict]:
                 "(baseline)" if base else f"≤{want}x",
                 None if r is None or base else r <= want,
                 f"{rp.fmt(v['during_tpot_p99_s'], '.3f')} s vs steady "
-                f"{rp.fmt(v['steady_tpot_s'], '.3f')} s; ITL p99/p50 {rp.fmt(v['p99_over_steady'])}x",
+                f"{rp.fmt(v['steady_tpot_s'], '.3f')} s; "
+                f"ITL p99/p50 {rp.fmt(v['p99_over_steady'])}x",
             )
         )
     return rows
