@@ -21,10 +21,11 @@ class FakeClock:
         return self.t
 
 
-def make_scheduler(num_blocks=1000, block_size=4, **cfg):
+def make_scheduler(num_blocks=1000, block_size=4, policy=None, **cfg):
+    """A scheduler over ``num_blocks`` KV blocks on a fake clock (FCFS unless ``policy``)."""
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, **cfg)
     clock = FakeClock()
-    sched = Scheduler(config, BlockManager(num_blocks, block_size), FCFSPolicy(), clock)
+    sched = Scheduler(config, BlockManager(num_blocks, block_size), policy or FCFSPolicy(), clock)
     return sched, clock
 
 
@@ -35,13 +36,15 @@ def distinct_prompt(rid: str, prompt_len: int) -> list[int]:
     return list(range(base, base + prompt_len))
 
 
-def make_request(rid, prompt_len, max_tokens, arrival):
+def make_request(rid, prompt_len, max_tokens, arrival, priority=0, cls="standard"):
     return Request(
         rid,
         distinct_prompt(rid, prompt_len),
         SamplingParams(max_tokens=max_tokens),
         arrival_time=arrival,
         max_tokens=max_tokens,
+        priority=priority,
+        traffic_class=cls,
     )
 
 
