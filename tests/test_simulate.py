@@ -12,7 +12,7 @@ from deploy.cli import main as cli_main
 from deploy.config import ServiceConfig
 from deploy.sim.fleet import Fleet, _prompt
 from deploy.sim.report import summarize
-from deploy.sim.trace import SimRequest, TraceSpec, load_requests, parse_mix
+from deploy.sim.trace import SimRequest, TraceSpec, load_requests, parse_mix, trace_path
 from engine import LLMEngine, RequestOutputKind, SamplingParams
 from engine.config import EngineConfig
 from engine.sim import LinearCost, RooflineCost, SimClock, SimRunner, SimTokenizer, StepShape
@@ -278,6 +278,21 @@ def test_traces_are_windowed_rescaled_and_classed(tmp_path):
             load_requests(TraceSpec(str(path)))
 
 
+def test_the_shipped_traces_are_named_by_their_short_names(capsys):
+    """``--trace conv`` reads the trace shipped as package data (a plain install has no other
+    copy); an unknown name that is no file is refused in one line."""
+    conv = load_requests(TraceSpec("conv", duration_s=10.0))
+    code = load_requests(TraceSpec("code", duration_s=10.0))
+    assert len(conv) > 10 and len(code) > 5 and conv != code
+    assert conv == load_requests(TraceSpec(str(trace_path("conv")), duration_s=10.0))
+    argv = ["simulate", "--trace", "conv", "--replicas", "2", "--duration", "5"]
+    assert cli_main(argv) == 0
+    assert "2 replica(s)" in capsys.readouterr().out
+    assert cli_main(["simulate", "--trace", "nosuch", "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "not a shipped trace (conv, code)" in err and "Traceback" not in err
+
+
 def test_the_command_line_reports_a_sweep_and_a_search(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     path.write_text(
@@ -402,8 +417,8 @@ def test_with_shed_off_admission_no_longer_holds_back_what_would_be_shed():
 
 
 def test_the_command_line_refuses_what_it_would_ignore_or_could_not_write(tmp_path, capsys):
-    """Each of these ran (or ran and then failed, or ended in a traceback) until a new-user
-    test on 2026-12-06: now one line naming the problem, exit status 2, before any run."""
+    """Each of these is refused with one line naming the problem, exit status 2, before any
+    run (not a run that fails later, nor a traceback)."""
     path = tmp_path / "t.jsonl"
     path.write_text(
         json.dumps({"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 5, "class": "vip"}) + "\n"
