@@ -131,6 +131,6 @@ class EngineConfig(BaseModel):
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            # bf16 matmul is ~100x slower than fp32 on CPUs without AVX512-BF16.
+            # bf16 matmuls are far slower than fp32 on CPUs without AVX512-BF16.
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
