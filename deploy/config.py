@@ -46,7 +46,9 @@ class ServiceConfig(IngressOptions):
     served_model_name: str | None = Field(
         None, description="the name clients send as `model`; default: the model's name"
     )
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(
+        1, ge=1, description="model replicas; more than one serves on Ray Serve"
+    )
     replica_num_cpus: float | None = Field(
         None,
         gt=0,
@@ -67,12 +69,12 @@ class ServiceConfig(IngressOptions):
     )
     prefix_affinity: bool = Field(
         True,
-        description="route a request to a replica that was sent a longer prefix of "
-        "its prompt, when that meets the TTFT SLO (needs "
-        "engine.enable_prefix_caching)",
+        description="between two replicas whose predicted TTFTs are within a step of "
+        "each other, route to the one that was sent a longer prefix of the prompt "
+        "(needs engine.enable_prefix_caching)",
     )
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="the address the HTTP server binds")
+    port: int = Field(8000, ge=0, le=65535, description="the HTTP port of the API")
 
     @field_validator("engine", mode="before")
     @classmethod

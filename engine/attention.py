@@ -28,10 +28,10 @@ FLASH_BLOCK_MULTIPLE = 256
 DECODE_SPLIT_SLOTS = 512
 """Padded context slots that one more decode SDPA call per layer must save to be worth it.
 
-A padded slot costs a gather and an attention read of its K and V in every layer (about
-9 us per slot and step over 30 layers on the 2-core CPU this was measured on: one decode
-at context 600 among 23 at 100 added 0.10 s to the step); one more gather and SDPA call
-per layer was estimated, not measured, at a few ms a step: some 400 such slots."""
+A padded slot costs a gather and an attention read of its K and V in every layer; one more
+gather and SDPA call per layer costs a fixed dispatch in every layer. The balance was
+estimated, not swept: ``bench/decode_attention.py`` (``bench/results/decode_attention.json``)
+times decode steps with the groups against one padded call."""
 
 
 def flash_attn_available() -> bool:
@@ -194,7 +194,7 @@ def _attend_decodes(
     """Decode rows of ``out`` (``[T, H, D]``): one padded SDPA call per decode group, each
     ``[n, H, 1, D]`` against its gathered ``[n, KVH, L, D]`` context."""
     for g in md.decode_groups:
-        # index_select on flat slots is ~10x faster than advanced indexing on CPU here.
+        # index_select on flat slots is much faster than advanced indexing on CPU.
         shape = (*g.slots.shape, *k_flat.shape[1:])
         flat_slots = g.slots.view(-1)
         kd = k_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)

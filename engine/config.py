@@ -26,22 +26,37 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str | None = Field(None, description="None: the embedded SmolLM2-135M-Instruct")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="weights, activations and KV cache; auto: bfloat16 on CUDA, float32 on CPU",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: CUDA when available, else the CPU"
+    )
     block_size: int = Field(16, ge=1, description="tokens per KV block")
-    num_kv_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV cache size in blocks; wins over kv_cache_memory_bytes"
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="KV cache size in bytes; with neither size given, 1 GiB"
+    )
     max_num_seqs: int = Field(64, ge=1, description="running requests per step at most")
     max_num_batched_tokens: int = Field(512, ge=1, description="token budget of one step")
     long_prefill_token_threshold: int | None = Field(
         None, ge=1, description="cap on one request's prefill chunk in a step"
     )
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = Field(
+        True,
+        description="split a prompt over several steps' token budgets; false: a prompt is "
+        "prefilled in one step",
+    )
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV blocks of prompt prefixes computed before"
     )
     max_model_len: int | None = Field(None, ge=1, description="default: the model's context")
-    policy: Literal["fcfs", "priority", "static"] = "fcfs"
+    policy: Literal["fcfs", "priority", "static"] = Field(
+        "fcfs", description="the scheduling policy that orders the waiting queue"
+    )
     aging_s_per_level: float | None = Field(
         10.0, gt=0, description="priority policy: seconds of waiting that gain one level"
     )
@@ -59,7 +74,7 @@ class EngineConfig(BaseModel):
         le=1,
         description="the TPOT guard aims the predicted step time at this "
         "fraction of the tightest TPOT SLO (headroom for "
-        "step-time jitter, which is about 10-15% on a shared CPU)",
+        "step-time jitter)",
     )
     tpot_slo_guard_rules_off: list[GuardRule] = Field(
         default_factory=list,
@@ -77,7 +92,9 @@ class EngineConfig(BaseModel):
         description="fp32 on CPU: run linear layers through oneDNN on weights "
         "prepacked once at load (engine.cpu_linear)",
     )
-    seed: int = 0
+    seed: int = Field(
+        0, description="seed of the sampling generator shared by requests without a `seed`"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -114,6 +131,6 @@ class EngineConfig(BaseModel):
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            # bf16 matmul is ~100x slower than fp32 on CPUs without AVX512-BF16.
+            # bf16 matmuls are far slower than fp32 on CPUs without AVX512-BF16.
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return getattr(torch, self.dtype)

@@ -1,7 +1,7 @@
 /* Fused fp32 CPU kernels; loaded by engine/cpu_kernels.py.
  *
- * The small ones replace several PyTorch ops whose fixed dispatch cost (3-10 us each on the
- * 2-core host this was written on) dominates at the row counts of decode steps; they run on
+ * The small ones replace several PyTorch ops whose fixed dispatch cost (microseconds each)
+ * dominates at the row counts of decode steps; they run on
  * the calling thread, their work being microseconds. Attention is real work (prefills
  * always, decodes from DECODE_PARALLEL_MIN context tokens) and shares it among OpenMP
  * threads (torch's own pool: see OPENMP_FLAG in cpu_kernels.py).

@@ -2,13 +2,13 @@
 ``engine/cpu_prefill.c``), compiled on first use and called through ctypes.
 
 At decode row counts a transformer layer's non-GEMM work is many small PyTorch ops, each
-paying a fixed dispatch cost of a few microseconds: on the 2-core host this was written
-on, ``F.rms_norm`` took 10.5 us at one row where the C loop takes 1-2 us including the
-ctypes call. vLLM's CPU build closes the same gap with its own C++ ops and a compiled
-graph; this module does it with a few plain C loops, built with the system C compiler
-(``cc``) into ``$ITERSERVE_CACHE/kernels`` (default ``~/.cache/iterserve/kernels``) once
-per source, compiler and CPU, in about a second. Attention, decode and prefill, runs here
-too, on the paged cache in place and on torch's OpenMP threads (see ``OPENMP_FLAG``).
+paying a fixed dispatch cost of a few microseconds, more than the work of a small row; one
+C loop per fused step pays it once, ctypes call included. vLLM's CPU build closes the same
+gap with its own C++ ops and a compiled graph; this module does it with a few plain C
+loops, built with the system C compiler (``cc``) into ``$ITERSERVE_CACHE/kernels``
+(default ``~/.cache/iterserve/kernels``) once per source, compiler and CPU, in about a
+second. Attention, decode and prefill, runs here too, on the paged cache in place and on
+torch's OpenMP threads (see ``OPENMP_FLAG``).
 
 Without a C compiler, or with ``ITERSERVE_CPU_KERNELS=0``, :func:`load` returns None and
 the engine runs its PyTorch ops instead (:mod:`engine.fused_layers`).
@@ -43,8 +43,7 @@ OPENMP_FLAG = "-fopenmp"
 ``libgomp.so.1``; loaded after torch, whose CPU wheels ship their own libgomp under that
 name, the dynamic linker binds it to torch's copy, so the kernel runs on torch's thread
 pool: its threads are already awake after the GEMM before it. A second runtime would keep
-its own threads spinning beside torch's (measured on the 2-core host: 701 prefill tok/s
-at 8x512 with separate pthreads against 817 on torch's pool)."""
+its own threads spinning beside torch's, competing with them for the cores."""
 DISABLE_ENV = "ITERSERVE_CPU_KERNELS"
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

@@ -1,10 +1,10 @@
 """Linear layers with oneDNN-prepacked weights, for fp32 inference on CPU.
 
 PyTorch's ``nn.Linear`` on CPU calls MKL's sgemm on the plain ``[out, in]`` weight, which
-is slow at the small row counts of decode steps (1-64 sequences): on the 2-core CPU this
-was measured on, a 576x1536 projection at 16 rows took 0.62-0.72 ms through ``F.linear``
-and 0.32-0.48 ms through oneDNN on a prepacked weight, and the tied 49152x576 LM head at
-16 rows 44-71 ms against 17-36 ms. oneDNN's linear takes the weight reordered once into
+is slow at the small row counts of decode steps (1-64 sequences); oneDNN's linear on a
+prepacked weight is faster there (``bench/engine_throughput.py`` measures both in one run:
+``iterserve`` against ``iterserve_noprepack``, ``bench/results/engine_throughput.json``).
+oneDNN's linear takes the weight reordered once into
 its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, which torch.compile's
 CPU weight freezing also emits where the row count varies, as it does here from step to
 step), so the layout work is done once, not in every call.
@@ -72,8 +72,8 @@ def prepack_linears(model: nn.Module) -> int:
     A replaced layer's plain weight is freed unless another module shares it. The
     tensors left (embedding, norms, biases) are then copied: weights loaded from
     safetensors are views of one memory-mapped file, which packing has read whole, so
-    the mapping would stay resident beside the packed copies (measured: 1.40 GB RSS
-    against 1.00 GB after the copy, for SmolLM2-135M) for as long as any view lives.
+    the mapping would stay resident beside the packed copies for as long as any view
+    lives.
 
     Returns:
         The number of layers replaced.

@@ -31,15 +31,11 @@ from engine.fused_layers import FusedAttention, FusedMLP, RMSNorm
 
 PARALLEL_MIN_ROWS = 32
 """Rows from which the norms, SiLU-and-multiply, RoPE and the cache write share their rows
-among the threads: below, waking them costs about what they save. Measured on the 2-core
-host (2026-12-05), one thread against both: SiLU-and-multiply at 1536 columns 27 / 16 us
-at 33 rows, 417 / 222 us at 512 and 1737 / 829 us at 2048 (PyTorch's silu and mul: 22, 382
-and 1802 us); add-and-RMSNorm at 576 columns 8.5 / 7.2 us at 32 rows, 134 / 51 us at 512,
-542 / 298 us at 2048. Together they bought 4.5-6% of prefill tokens/s in process (16x128,
-8x512 and 32x64 prompts, four alternating rounds). RoPE and the cache write took the same
-threshold later without a sweep of their own: at 2048 rows they ran 28 and 15 ms over the
-30 layers on one thread, 15 and 9 ms on both (16x128, two runs minutes apart;
-docs/served-overhead.md)."""
+among the threads: below, waking them costs about what they save. The threshold came from
+timing SiLU-and-multiply and add-and-RMSNorm on one thread against all of them at each row
+count; RoPE and the cache write took it over without a sweep of their own. Prefill
+throughput with and without: ``bench/peers.py``'s offline prefill rows
+(``bench/results/peers.md``)."""
 
 
 class KernelDecoderLayer(nn.Module):

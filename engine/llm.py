@@ -14,17 +14,15 @@ from engine.request import RequestOutput, RequestOutputKind, SamplingParams
 
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
 """The offline token budget where none is given. Offline, no step has a TPOT to keep, so
-prefills run in larger steps than the server's 512 (``EngineConfig``'s default): on the
-2-core host a 2048-token step ran prefills 6-9% faster per token than 512-token steps
-(``docs/served-overhead.md``, seventeenth session). vLLM does the same by usage context: on
-CPU its ``LLM`` class defaults to 4096 and its API server to 2048 (vLLM 0.32,
-``EngineArgs.get_batch_defaults``); 4096 measured no faster than 2048 here."""
+prefills run in larger steps than the server's 512 (``EngineConfig``'s default), which feed
+each weight pass more tokens. vLLM does the same by usage context: on CPU its ``LLM`` class
+defaults to 4096 and its API server to 2048 (vLLM 0.32, ``EngineArgs.get_batch_defaults``).
+The offline prefill rows against vLLM: ``bench/results/peers.md``."""
 OFFLINE_MAX_NUM_SEQS = 128
 """Offline running requests per step where none is given, twice the server's 64. Offline
 work is many short requests at once; wider decode steps make each weight pass feed more
-tokens. On a 2000-request batch file (``bench/batch_throughput.py``'s) one replica answered
-it 6% faster at 128 than at 64 in process and 2-7% faster through ``iterserve batch run``,
-and no faster at 256 (``docs/batch.md``, eighteenth session). vLLM's ``run_batch``
+tokens (``bench/batch_throughput.py``, ``bench/results/batch_throughput.json``). vLLM's
+``run_batch``
 defaults to 128 (``SchedulerConfig.DEFAULT_MAX_NUM_SEQS``, vLLM 0.32), its ``LLM`` class on
 CPU to 256."""
 OFFLINE_DEFAULTS = {

@@ -8,8 +8,8 @@ Three kinds of model argument are accepted:
 * a local transformers directory (``config.json`` plus weights and tokenizer).
 
 A GGUF file is converted once into a plain transformers directory under the cache
-(``$ITERSERVE_CACHE``, default ``~/.cache/iterserve``): de-quantising GGUF takes about
-25-40 s here, while the converted directory loads in about 2 s. Nothing is ever fetched
+(``$ITERSERVE_CACHE``, default ``~/.cache/iterserve``): de-quantising GGUF takes tens of
+seconds, while the converted directory loads in a few. Nothing is ever fetched
 from a model hub.
 """
 
@@ -107,7 +107,7 @@ def _converted_dir(gguf_path: Path, name: str) -> Path:
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("converting %s into %s (once; about 30 s)", gguf_path, target)
+    logger.info("converting %s into %s (once; tens of seconds)", gguf_path, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         _convert_gguf(gguf_path, tmp)

@@ -82,8 +82,9 @@ class Sampler:
         """One token per row of ``logits`` (``[R, V]``, removed tokens at -inf) from its
         softmax, by inverse transform sampling: one uniform draw per row, from the row's
         generator, located in the row's cumulative distribution (:func:`_locate`). An
-        exponential race over the whole vocabulary, the method before, drew ``V`` numbers
-        a row: about 1 ms a row for 49,152 tokens on the 2-core CPU. Returns ``[R]`` int64.
+        exponential race over the whole vocabulary would draw ``V`` numbers a row; one draw
+        keeps a sampled step's cost near a greedy one's (``bench/sampling_cost.py``,
+        ``bench/results/sampling_cost.json``). Returns ``[R]`` int64.
         """
         u = torch.stack(
             [
@@ -108,7 +109,7 @@ def _locate(probs: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
 
     Two levels: float32 sums within blocks of :data:`DRAW_BLOCK` tokens, float64 sums
     across blocks and within the located block. A float32 sum over a whole 50k-token
-    vocabulary drifts by about 1e-4; a float64 one cost up to 0.25 ms a row here.
+    vocabulary drifts by about 1e-4, and a float64 one over the whole row costs more.
     """
     rows, vocab = probs.shape
     pad = -vocab % DRAW_BLOCK
@@ -129,7 +130,7 @@ def _locate(probs: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
 
 TOP_CANDIDATES = 1024
 """Tokens :func:`torch.topk` ranks for top-k and top-p rows, instead of a sort of the whole
-vocabulary (about 3 ms a row for 49,152 tokens on the 2-core CPU). A top-p row whose
+vocabulary, which costs milliseconds a row at a 49,152-token vocabulary. A top-p row whose
 candidates hold less than its ``top_p`` of the probability falls back to the sort."""
 
 

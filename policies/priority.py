@@ -77,8 +77,8 @@ DEFAULT_CLASS = "standard"
 """The class of a request that names none (and of every request of a one-class service)."""
 
 DEFAULT_CLASSES: dict[str, TrafficClass] = {
-    # SLOs sized for SmolLM2-135M on a slow CPU, where one step takes ~100-300 ms;
-    # override them (make_classes) for faster hardware.
+    # SLOs sized for SmolLM2-135M on a small CPU host, where a step takes a tenth of a second
+    # or more; override them (make_classes) for faster hardware.
     "interactive": TrafficClass(
         "interactive", ttft_slo_s=2.0, tpot_slo_s=0.5, default_priority=0, max_queue_wait_s=1.0
     ),

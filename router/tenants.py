@@ -24,8 +24,11 @@ class ApiKeyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tenant: str
-    traffic_class: str = DEFAULT_CLASS
+    tenant: str = Field(description="who the key belongs to; never a metric label")
+    traffic_class: str = Field(
+        DEFAULT_CLASS,
+        description="the class of its requests; a request may ask for a less urgent one",
+    )
     max_priority: int | None = Field(
         None,
         description="the most urgent priority (lowest number) its requests may carry; "

@@ -7,14 +7,11 @@ for ``c`` in :data:`CONCURRENCY` (closed loop), with prompt lengths log-uniform 
 every size, decodes of every context length, and both together. Closed loops start a new
 prompt whenever one finishes, so few of their steps are decode-only at high concurrency,
 the steps a replay under open-loop load runs most; a decode phase per level
-(:func:`_decode_phase`) adds them. On four replays of 2026-12-04, a fit without it
-predicted the decode-only steps of 4 or more sequences 1.16-1.23x too long, with it
-1.03-1.15x. Requests sample at the default temperature, 1. A step's cost is its
+(:func:`_decode_phase`) adds them, so that the fit predicts decode-only steps from
+steps of their kind. Requests sample at the default temperature, 1. A step's cost is its
 period (:func:`periods`): the step itself (schedule, execute, detokenize) and what the
-serving around it costs it. Before the batching loop stepped back to back on its own
-thread, the event loop's work sat between steps, and a bare ``LLMEngine.step`` loop
-measured about 30% less than served steps here (a fit on it under-predicted TTFT and TPOT
-by about as much); now that work overlaps the next step and costs it only CPU. The fit
+serving around it costs it: a fit on a bare ``LLMEngine.step`` loop would leave out the
+CPU the event loop takes from the engine's cores while it feeds the streams. The fit
 is over all but a warm-up; its error is reported on alternate steps held out of a second
 fit.
 """

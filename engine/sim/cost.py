@@ -143,10 +143,9 @@ def fit_linear(shapes: list[StepShape], seconds: list[float]) -> tuple[float, ..
     """Non-negative least squares of ``seconds`` on the shapes' features, in relative
     error: each step's residual is divided by its measured time.
 
-    Relative, because steps span 40 ms decodes to second-long prefills: on absolute
-    residuals the long steps set the fit, and a calibration on this CPU then predicted
-    its own one-decode steps 27% too long, and a replay's decode steps 16-29% too long
-    (relative: 1-12%). Exact for five features: weighted least squares on every subset
+    Relative, because steps span decodes of tens of milliseconds to second-long prefills:
+    on absolute residuals the few long steps set the fit, and short decode steps are
+    predicted far too long. Exact for five features: weighted least squares on every subset
     of free coefficients (the rest held at 0), keeping the feasible one with the least
     error.
 
