@@ -26,7 +26,6 @@ from typing import Any
 from tqdm import tqdm
 
 from deploy.batch_format import (
-    Answer,
     BatchLine,
     OutputFile,
     error_record,
@@ -34,6 +33,7 @@ from deploy.batch_format import (
     record,
 )
 from deploy.batch_service import ServiceGaveUp
+from router.responses import Answer
 
 EXIT_UNANSWERED = 3
 """Exit status when ``--via-service`` left requests unanswered (a rerun sends them)."""
