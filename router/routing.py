@@ -23,18 +23,25 @@ ingress). The ingress reads the same adjusted snapshots for admission through
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 from policies import LoadSnapshot
 from router.contract import RequestShape
 
-if TYPE_CHECKING:  # only the Ray Serve router calls these; the ingress loads no Ray
-    from ray.serve.request_router import PendingRequest
-
-__all__ = ["LoadView", "load_view", "pinned_replica", "register", "shape_of"]
+__all__ = ["LoadView", "PendingCall", "load_view", "pinned_replica", "register", "shape_of"]
 
 
-def shape_of(pending: PendingRequest | None) -> RequestShape | None:
+class PendingCall(Protocol):
+    """What :func:`shape_of` and :func:`pinned_replica` read of a call being routed (Ray
+    Serve's ``PendingRequest``): its keyword arguments. This module imports no Ray, so
+    that the ingress, which imports it, runs without Ray in process."""
+
+    @property
+    def kwargs(self) -> Mapping[str, object]: ...
+
+
+def shape_of(pending: PendingCall | None) -> RequestShape | None:
     """The shape the ingress attached to a call (``shape=`` keyword), if any."""
     if pending is None:
         return None
@@ -42,7 +49,7 @@ def shape_of(pending: PendingRequest | None) -> RequestShape | None:
     return shape if isinstance(shape, RequestShape) else None
 
 
-def pinned_replica(pending: PendingRequest | None) -> str | None:
+def pinned_replica(pending: PendingCall | None) -> str | None:
     """The replica id a call names with its ``pin=`` keyword (a replica's step-items
     stream, which must reach that replica), if any."""
     pin = None if pending is None else pending.kwargs.get("pin")
