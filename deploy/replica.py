@@ -61,10 +61,9 @@ class ModelReplica(EngineReplica):
         """Every item of ``ingress``'s requests on this replica, one list of
         ``(request id, item)`` per engine step (first an empty list: the stream is open).
 
-        One message per step instead of one per request per step: at 8 streams on 2 cores
-        that cut the ingress's CPU by 41-43% and the cost per token by 4-7%
-        (``docs/served-overhead.md``). ``pin`` is this replica's id; the ingress's
-        request router routes the call by it.
+        One message per step instead of one per request per step, which cuts the
+        ingress's CPU and the cost per token (``docs/served-overhead.md``). ``pin`` is
+        this replica's id; the ingress's request router routes the call by it.
         """
         outbox = self._outboxes.open(ingress)
         try:

@@ -16,9 +16,10 @@ router's modules, the ingress never imports ``deploy``. Ray Serve pickles the it
 the replica's and the ingress's processes: they are frozen data classes of plain values and
 :class:`policies.LoadSnapshot`, so both ends need only this module and ``policies``.
 
-The three implementations of :class:`Replicas`: :class:`router.dispatch.RayReplicas` (a Ray
-Serve deployment), :class:`router.local.LocalReplicas` (one engine in the ingress's own
-process: ``iterserve serve`` on one machine, and every replica of ``iterserve batch run``).
+:class:`Replicas` is implemented by :class:`router.dispatch.RayReplicas` (a Ray Serve
+deployment's replicas) and :class:`router.local.LocalReplicas` (one engine in the
+ingress's own process: ``iterserve serve`` on one machine, and each replica of
+``iterserve batch run``, whose lines go through :meth:`router.ingress.Ingress.answer`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 ``iterserve serve`` with one replica on one machine runs the engine in the server's
 process (:mod:`deploy.local_server`), as ``vllm serve`` and ``iterserve batch run`` do:
-on 2 cores the same replica inside Ray Serve streamed each token 23-32% slower than its
-engine offline, and in process 7-9% (``bench/results/peers.md``, one run).
+the same replica inside Ray Serve costs more per streamed token than in process
+(``bench/results/peers.md``).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class LocalCall:
         self.done = True
         if self.record is not None:
             self.record.aborted()
-        # Closing the stream aborts its engine request (engine_items' contract). A stream
+        # Closing the stream aborts its engine request (LocalReplica.items' contract). A stream
         # being iterated is closed by the cancellation of the task iterating it.
         if not self.gen.ag_running:
             asyncio.ensure_future(self.gen.aclose())

@@ -1,12 +1,11 @@
 """One stream per replica carrying every step's items for this ingress's requests.
 
 Each request's call to a replica (:class:`router.dispatch.Dispatch`) returns only its
-first item (:data:`router.contract.FirstItem`) and stays open until the request ends, so that
-cancelling it still aborts the request. The tokens of all of this ingress's requests on a
-replica come back on one ``step_items`` stream from that replica: one message per engine
-step instead of one per request per step. On a 2-core host at 8 streams that cut the
-ingress's CPU by 41-43% and the cost per token by 4-7% (alternating server starts,
-``docs/served-overhead.md``).
+first item (:data:`router.contract.FirstItem`) and stays open until the request ends, so
+that cancelling it still aborts the request. The tokens of all of this ingress's requests
+on a replica come back on one ``step_items`` stream from that replica: one message per
+engine step instead of one per request per step, which cuts the ingress's CPU and the
+cost per token (``docs/served-overhead.md``).
 """
 
 from __future__ import annotations
