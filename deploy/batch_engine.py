@@ -20,7 +20,7 @@ import math
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deploy.batch_format import BATCH_CLASS
 from deploy.engine_replica import EngineReplica
@@ -30,6 +30,9 @@ from router.local import LocalReplicas
 from router.responses import Answer
 from router.settings import IngressSettings
 from router.tenants import CLASS_HEADER
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 
 class BatchReplica:
@@ -132,7 +135,7 @@ def start_replicas(
 class ActorReplica:
     """A :class:`BatchReplica` Ray actor, called as the in-process one is."""
 
-    def __init__(self, actor: Any, max_num_seqs: int) -> None:
+    def __init__(self, actor: ActorHandle, max_num_seqs: int) -> None:
         self.actor = actor
         self.max_num_seqs = max_num_seqs
 

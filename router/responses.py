@@ -20,7 +20,7 @@ from router import openai_format as fmt
 from router.calls import ReplicaLost
 from router.contract import ReplicaCall, SequenceDelta, StepItem
 from router.errors import ApiError
-from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.schemas import ApiRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -51,7 +51,7 @@ class PromptCall:
 class Reply:
     """What one response is made of."""
 
-    req: CompletionRequest | ChatCompletionRequest
+    req: ApiRequest
     chat: bool
     rid: str
     model: str
