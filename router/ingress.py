@@ -224,9 +224,9 @@ class Ingress:
         self, chat: bool, body: dict[str, Any], headers: Mapping[str, str] | None = None
     ) -> Answer:
         """Answer one request body, not streamed, as ``POST /v1/chat/completions`` (``chat``)
-        or ``POST /v1/completions`` with ``headers`` would: the same checks, admission,
-        dispatch and body, and the same status and error body when it fails.
-        ``request_id`` is the response's ``x-request-id`` (empty on an error).
+        or ``POST /v1/completions`` with ``headers`` (lower-case names) would: the same
+        checks, admission, dispatch and body, and the same status and error body when it
+        fails. ``request_id`` is the response's ``x-request-id`` (empty on an error).
 
         Raises nothing for the request's own faults; a bug of ours is a 500 (logged).
         """
