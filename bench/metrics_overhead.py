@@ -9,8 +9,8 @@ Two measurements:
 
 * the replica's recording path, timed directly per step: the ``engine.StepRecord`` the
   engine builds when ``on_step`` is set (and the step-time prediction it carries) plus
-  :meth:`deploy.metrics.StepMetrics.record`, against the step's own time;
-* the ingress's per-token recording (:meth:`deploy.metrics.RequestRecord.tokens`, one call
+  :meth:`engine.step_metrics.StepMetrics.record`, against the step's own time;
+* the ingress's per-token recording (:meth:`router.metrics.RequestRecord.tokens`, one call
   per request per step), timed over as many calls as a 64-sequence step makes; it runs in
   the ingress process, so it competes with the engine for the cores rather than adding to
   the step.
@@ -66,7 +66,7 @@ def run(engine, seqs: int, max_tokens: int, seed: int, hook) -> list:
 
 def ingress_tokens_s(calls: int) -> float:
     """Seconds for ``calls`` per-token recordings at the ingress."""
-    from deploy.metrics import IngressMetrics
+    from router.metrics import IngressMetrics
 
     m = IngressMetrics("m", {"standard": (2.0, 0.25)}, dict, dict, lambda: 1, 1)
     records = [m.request("standard", time.monotonic(), 16) for _ in range(calls)]
@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         "duration about 2 min",
         flush=True,
     )
-    from deploy.metrics import StepMetrics
     from engine import LLMEngine
     from engine.config import EngineConfig
+    from engine.step_metrics import StepMetrics
 
     engine = LLMEngine.from_config(EngineConfig(max_num_seqs=args.seqs, num_kv_blocks=1024))
     metrics = StepMetrics()

@@ -21,12 +21,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from deploy.batch_format import (
-    Answer,
     BatchLine,
     OutputFile,
     error_record,
@@ -34,6 +33,10 @@ from deploy.batch_format import (
     record,
 )
 from deploy.batch_service import ServiceGaveUp
+from router.responses import Answer
+
+if TYPE_CHECKING:  # the module itself imports torch: only the engine run loads it
+    from deploy.batch_engine import ReplicaPlan
 
 EXIT_UNANSWERED = 3
 """Exit status when ``--via-service`` left requests unanswered (a rerun sends them)."""
@@ -279,7 +282,7 @@ def _run_engine(args: argparse.Namespace, todo: list[BatchLine], progress: _Prog
         _run_on_ray(args, engine, work, progress, local)
 
 
-def _starting(progress: _Progress, plan: Any, where: str) -> None:
+def _starting(progress: _Progress, plan: ReplicaPlan, where: str) -> None:
     progress.bar.write(
         f"iterserve batch: starting {plan.num_replicas} replica(s) of "
         f"{plan.num_cpus:g} CPUs, {plan.num_gpus:g} GPUs {where}",

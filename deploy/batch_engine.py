@@ -1,12 +1,14 @@
 """A batch on engine replicas, no HTTP, no Serve: one in this process, or Ray actors.
 
 A local run of one replica needs no cluster, so it runs the engine in the driver's
-process, as vLLM's ``run_batch`` does: a Ray actor on the same two cores ran the same
-batch about 10% slower (docs/batch.md). Several replicas, or a cluster, take actors.
+process, as vLLM's ``run_batch`` does: a Ray actor on the same cores ran the same batch
+slower (docs/batch.md). Several replicas, or a cluster, take actors.
 
-Each :class:`BatchReplica` owns one engine and answers whole requests with the API's own
-code (:mod:`router.openai_format`, :mod:`router.responses`), so a line's body is what
-``POST /v1/...`` would return for it. The driver keeps each replica ``window`` requests
+Each :class:`BatchReplica` owns one engine and answers each line through an ingress of its
+own over that engine (:meth:`router.ingress.Ingress.answer`, over a
+:class:`router.local.LocalReplicas`): the API's validation, dispatch and response building,
+so a line's record is what ``POST /v1/...`` with ``x-iterserve-class: batch`` would
+return for it. Its admission is off: the driver keeps each replica ``window`` requests
 deep (twice its ``max_num_seqs``), so its engine always has waiting prompts to fill a
 step's token budget with: the batch runs for throughput, at the ``batch`` class.
 """
@@ -14,30 +16,23 @@ step's token budget with: the batch runs for throughput, at the ``batch`` class.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import os
-import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
-from deploy.batch_format import BATCH_CLASS, Answer
-from engine import AsyncLLMEngine, EngineConfig
+from deploy.batch_format import BATCH_CLASS
+from deploy.engine_replica import EngineReplica
 from policies import make_classes
-from router import openai_format as fmt
-from router import responses
-from router.errors import ApiError
-from router.local import LocalCall
-from router.routing import RequestShape
-from router.schemas import ChatCompletionRequest, CompletionRequest
-from router.settings import IngressOptions
-from router.tenants import resolve_caller
+from router.ingress import Ingress
+from router.local import LocalReplicas
+from router.responses import Answer
+from router.settings import IngressSettings
+from router.tenants import CLASS_HEADER
 
-logger = logging.getLogger(__name__)
-
-MAX_N: int = IngressOptions.model_fields["max_n"].default
-"""Cap on one request's choices (``n`` times its prompts): the server's default."""
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 
 class BatchReplica:
@@ -50,67 +45,26 @@ class BatchReplica:
     """
 
     def __init__(self, engine_config: dict[str, Any], model_name: str, num_threads: int) -> None:
-        import torch
-
-        torch.set_num_threads(max(1, num_threads))
-        config = EngineConfig(**engine_config)
-        self.engine = AsyncLLMEngine.from_config(config)
-        self.tokenizer = self.engine.engine.tokenizer
-        self.classes = make_classes(config.traffic_classes)
-        self.model_name = model_name
-        self.replica_id = f"batch-{os.getpid()}"
+        self.replica = EngineReplica(engine_config, num_threads, f"batch-{os.getpid()}")
+        self.engine = self.replica.engine
+        config = self.engine.engine.config
+        classes = {name: asdict(c) for name, c in make_classes(config.traffic_classes).items()}
+        settings = IngressSettings(
+            model_name=model_name,
+            traffic_classes=classes,
+            policy=config.policy_spec(),
+            admission=False,
+        )
+        self.ingress = Ingress(LocalReplicas(self.replica), settings.model_dump())
 
     def ready(self) -> int:
         """The engine's ``max_num_seqs`` (the driver sizes its window with it)."""
         return self.engine.engine.config.max_num_seqs
 
     async def answer(self, chat: bool, body: dict[str, Any]) -> Answer:
-        """Run one request to the end; never raises for the request's own faults."""
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        try:
-            return await self._answer(rid, chat, body)
-        except ApiError as e:
-            return Answer(e.status, rid, e.body())
-        except Exception as e:  # a bug of ours: the line says so, the batch goes on
-            logger.exception("batch request failed")
-            return Answer(
-                500, rid, ApiError(500, f"internal error: {e}", code="internal_error").body()
-            )
-
-    async def _answer(self, rid: str, chat: bool, body: dict[str, Any]) -> Answer:
-        from deploy.engine_replica import engine_items
-
-        req = fmt.validate(body, ChatCompletionRequest if chat else CompletionRequest)
-        fmt.check_served(req, chat, self.model_name, MAX_N)
-        caller = resolve_caller({}, self.classes, None, BATCH_CLASS, req.priority)
-        prompts = fmt.prompts(req, chat, self.tokenizer)
-        scores_only = fmt.scores_only(req, chat)
-        params = fmt.sampling_params(req, chat)
-        calls: list[responses.PromptCall] = []
-        try:
-            for p, (ids, text) in enumerate(prompts):
-                shape = RequestShape(len(ids), caller.traffic_class, caller.priority)
-                call = LocalCall(
-                    engine_items(
-                        self.engine,
-                        self.replica_id,
-                        rid if len(prompts) == 1 else f"{rid}-{p}",
-                        ids,
-                        params,
-                        shape,
-                        send_load=False,
-                    )
-                )
-                calls.append(responses.PromptCall(ids, text, call))
-                await call.start()
-            reply = responses.Reply(
-                req, chat, rid, self.model_name, self.tokenizer, calls, scores_only
-            )
-            out = await responses.collect(reply)
-        finally:
-            for c in calls:
-                c.dispatch.cancel()
-        return Answer(200, rid, out, out["usage"]["completion_tokens"])
+        """Run one request to the end, at the batch class; never raises for the request's
+        own faults (its answer is then the API's error)."""
+        return await self.ingress.answer(chat, body, {CLASS_HEADER: BATCH_CLASS})
 
 
 @dataclass(slots=True)
@@ -181,7 +135,7 @@ def start_replicas(
 class ActorReplica:
     """A :class:`BatchReplica` Ray actor, called as the in-process one is."""
 
-    def __init__(self, actor: Any, max_num_seqs: int) -> None:
+    def __init__(self, actor: ActorHandle, max_num_seqs: int) -> None:
         self.actor = actor
         self.max_num_seqs = max_num_seqs
 

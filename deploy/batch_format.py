@@ -26,16 +26,6 @@ URLS = {"/v1/completions": False, "/v1/chat/completions": True}
 """The endpoints a batch line may name -> whether it is chat."""
 
 
-@dataclass(slots=True)
-class Answer:
-    """One request's outcome, as the API would answer it."""
-
-    status: int
-    request_id: str
-    body: dict[str, Any]
-    completion_tokens: int = 0
-
-
 class BatchFileError(ValueError):
     """The input or output file cannot be used at all; the message names the lines."""
 

@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import httpx
 
-from deploy.batch_format import BATCH_CLASS, Answer
+from deploy.batch_format import BATCH_CLASS
+from router.responses import Answer
 from router.tenants import CLASS_HEADER
 
 RETRY_STATUSES = (429, 503)

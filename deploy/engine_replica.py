@@ -3,19 +3,18 @@
 :class:`EngineReplica` is what a model replica is wherever it runs: inside Ray Serve
 (:class:`deploy.replica.ModelReplica` adds the Serve-facing calls) or in the server's own
 process (``iterserve serve`` with one local replica, :mod:`deploy.local_server`).
-:func:`engine_items` is the one format of a request's items for both.
+:func:`engine_items` makes a request's items (:mod:`router.contract`) for both.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import torch
 
-from deploy.metrics import StepMetrics
 from engine import (
     AsyncLLMEngine,
     EngineConfig,
@@ -23,13 +22,24 @@ from engine import (
     RequestRejectedError,
     SamplingParams,
 )
-from router.routing import RequestShape
+from engine.step_metrics import StepMetrics
+from policies import LoadSnapshot
+from router.contract import (
+    Accepted,
+    FirstItem,
+    ModelInfo,
+    Refused,
+    RequestShape,
+    SequenceDelta,
+    StepItem,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class EngineReplica:
-    """One engine replica.
+    """One engine replica (a :class:`router.local.LocalReplica` for an ingress in its
+    process).
 
     Args:
         engine_config: :class:`engine.EngineConfig` fields.
@@ -47,10 +57,10 @@ class EngineReplica:
         self.replica_id = replica_id
         logger.info("replica ready (pid %d, %d torch threads)", os.getpid(), num_threads)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> ModelInfo:
         """What the ingress needs once: the tokenizer and the limits."""
         engine = self.engine.engine
-        return {"tokenizer": engine.tokenizer, "limits": engine.limits}
+        return ModelInfo(engine.tokenizer, engine.limits)
 
     def items(
         self,
@@ -59,14 +69,14 @@ class EngineReplica:
         params: dict[str, Any],
         shape: RequestShape,
         send_load: bool = True,
-    ) -> AsyncIterator[dict]:
+    ) -> AsyncGenerator[FirstItem | StepItem, None]:
         """One request's items (:func:`engine_items`) on this replica's engine."""
         return engine_items(
             self.engine, self.replica_id, request_id, prompt_token_ids, params, shape, send_load
         )
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """The load snapshot and, under ``"metrics"``, :class:`deploy.metrics.StepMetrics`
+        """The load snapshot and, under ``"metrics"``, :class:`engine.step_metrics.StepMetrics`
         plus the prefix cache's lookups and hits since start, in tokens. Ray Serve polls
         it from a served replica; the ingress's admission, routing and ``/metrics`` read
         it."""
@@ -87,24 +97,19 @@ async def engine_items(
     params: dict[str, Any],
     shape: RequestShape,
     send_load: bool = True,
-) -> AsyncIterator[dict]:
-    """Run one request on ``engine``; yield dicts the ingress turns into OpenAI chunks.
+) -> AsyncGenerator[FirstItem | StepItem, None]:
+    """Run one request on ``engine``; yield the items the ingress turns into OpenAI chunks.
 
-    The first item is ``{"accepted": True, "prompt_tokens": n, "replica": id}`` once the
-    request is queued, or ``{"error": {...}}`` (and nothing more) if the engine refuses it
-    (context or KV capacity, a bad parameter), so a 400 can be answered before any stream
-    starts. Then one item per step that produced tokens: ``{"outputs": [{"index", "text",
-    "token_ids", "logprobs", "finish_reason", "stop_reason"}], "finished": bool}`` with this
-    step's deltas; ``logprobs`` is a list (one per new token) of ``{token_id: logprob}`` or
-    None. The first of these also has ``queue_s``: seconds from the engine's arrival to the
-    first step that scheduled the request, and ``cached_tokens``: prompt tokens whose KV
-    the prefix cache supplied.
+    The first item is :class:`router.contract.Accepted` once the request is queued, or a
+    :class:`router.contract.Refused` (and nothing more) if the engine refuses it (context
+    or KV capacity, a bad parameter), so a 400 can be answered before any stream starts.
+    Then one :class:`router.contract.StepItem` per step that produced tokens, with this
+    step's deltas; the first of these also has ``queue_s`` and ``cached_tokens``.
 
-    With ``send_load``, any item may also carry ``load``: the engine's load snapshot
-    (``LoadSnapshot.to_dict``) when it changed since the replica last sent one
-    (``AsyncLLMEngine.load_update``), so that an ingress in another process sees the
-    replica's load step by step. An ingress in the engine's process reads the engine's
-    snapshot itself and passes False.
+    With ``send_load``, any item may also carry ``load``: the engine's load snapshot when
+    it changed since the replica last sent one (``AsyncLLMEngine.load_update``), so that
+    an ingress in another process sees the replica's load step by step. An ingress in the
+    engine's process reads the engine's snapshot itself and passes False.
 
     Closing or cancelling the iteration aborts the engine request before its next step.
     """
@@ -112,28 +117,12 @@ async def engine_items(
         sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
         ids = engine.validate(prompt_token_ids, sampling, shape.traffic_class)
     except RequestRejectedError as e:
-        yield {
-            "error": {
-                "message": str(e),
-                "status": 400,
-                "param": "prompt",
-                "code": "context_length_exceeded",
-            }
-        }
+        yield Refused(str(e), "context_length_exceeded", param="prompt")
         return
     except ValueError as e:  # ParamError names the request field
-        yield {
-            "error": {
-                "message": str(e),
-                "status": 400,
-                "param": getattr(e, "param", None),
-                "code": "invalid_value",
-            }
-        }
+        yield Refused(str(e), "invalid_value", param=getattr(e, "param", None))
         return
-    yield _with_load(
-        engine, {"accepted": True, "prompt_tokens": len(ids), "replica": replica_id}, send_load
-    )
+    yield Accepted(len(ids), replica_id, _load(engine, send_load))
     first = True
     async for out in engine.generate(
         ids,
@@ -142,33 +131,26 @@ async def engine_items(
         priority=shape.priority,
         traffic_class=shape.traffic_class,
     ):
-        items = [
-            {
-                "index": c.index,
-                "text": c.text,
-                "token_ids": c.token_ids,
-                "logprobs": c.logprobs,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
+        outputs = [
+            SequenceDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
             for c in out.outputs
             if c.text or c.token_ids or c.finish_reason
         ]
-        item = {"outputs": items, "finished": out.finished}
+        queue_s = cached = None
         if first:
             first, m = False, out.metrics
-            item["cached_tokens"] = out.num_cached_tokens
+            cached = out.num_cached_tokens
             if m.first_scheduled_time is not None:
-                item["queue_s"] = m.first_scheduled_time - m.arrival_time
-        if out.prompt_logprobs is not None:
-            item["prompt_logprobs"] = out.prompt_logprobs
-        yield _with_load(engine, item, send_load)
+                queue_s = m.first_scheduled_time - m.arrival_time
+        yield StepItem(
+            outputs,
+            out.finished,
+            queue_s=queue_s,
+            cached_tokens=cached,
+            prompt_logprobs=out.prompt_logprobs,
+            load=_load(engine, send_load),
+        )
 
 
-def _with_load(engine: AsyncLLMEngine, item: dict, send_load: bool) -> dict:
-    if not send_load:
-        return item
-    load = engine.load_update()
-    if load is not None:
-        item["load"] = load.to_dict()
-    return item
+def _load(engine: AsyncLLMEngine, send_load: bool) -> LoadSnapshot | None:
+    return engine.load_update() if send_load else None

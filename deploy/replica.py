@@ -1,8 +1,8 @@
 """The model-replica deployment: a thin Ray Serve wrapper around one :class:`EngineReplica`.
 
 The ingress tokenizes, validates the API fields and admits; the replica re-checks the
-request against its engine (context and KV capacity), streams plain dicts back, and
-publishes its load snapshot for routing and admission.
+request against its engine (context and KV capacity), streams the items of
+:mod:`router.contract` back, and publishes its load snapshot for routing and admission.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from ray import serve
 
 from deploy.engine_replica import EngineReplica
-from router.routing import RequestShape
+from router.contract import FirstItem, Lost, RequestShape, StepItem, StreamItem
 
 
 class ModelReplica(EngineReplica):
@@ -34,35 +34,36 @@ class ModelReplica(EngineReplica):
         params: dict[str, Any],
         shape: RequestShape,
         ingress: str,
-    ) -> AsyncIterator[dict]:
-        """Run one request: yield the first dict of :func:`deploy.engine_replica.engine_items`
-        ("accepted" or a refusal) and put the later ones in ``ingress``'s
+    ) -> AsyncIterator[FirstItem]:
+        """Run one request: yield the first item of :func:`deploy.engine_replica.engine_items`
+        (:data:`router.contract.FirstItem`) and put the later ones in ``ingress``'s
         :meth:`step_items` stream.
 
         The call stays open until the request ends, so cancelling it (client gone)
         aborts the engine request before its next step. If the engine fails, the stream
-        gets ``{"lost": message}`` for the request.
+        gets a :class:`router.contract.Lost` for the request.
         """
         try:
             async for item in self.items(request_id, prompt_token_ids, params, shape):
-                if "outputs" not in item:
+                if not isinstance(item, StepItem):
                     yield item
                     continue
                 self._outboxes.put(ingress, request_id, item)
-                if item["finished"]:
+                if item.finished:
                     return
-        except Exception as e:  # the engine died: nobody reads this call after "accepted"
-            self._outboxes.put(ingress, request_id, {"lost": f"{type(e).__name__}: {e}"})
+        except Exception as e:  # the engine died: nobody reads this call after Accepted
+            self._outboxes.put(ingress, request_id, Lost(f"{type(e).__name__}: {e}"))
             raise
 
-    async def step_items(self, ingress: str, pin: str) -> AsyncIterator[list]:
+    async def step_items(
+        self, ingress: str, pin: str
+    ) -> AsyncIterator[list[tuple[str, StreamItem]]]:
         """Every item of ``ingress``'s requests on this replica, one list of
         ``(request id, item)`` per engine step (first an empty list: the stream is open).
 
-        One message per step instead of one per request per step: at 8 streams on 2 cores
-        that cut the ingress's CPU by 41-43% and the cost per token by 4-7%
-        (``docs/served-overhead.md``). ``pin`` is this replica's id; the ingress's
-        request router routes the call by it.
+        One message per step instead of one per request per step, which cuts the
+        ingress's CPU and the cost per token (``docs/served-overhead.md``). ``pin`` is
+        this replica's id; the ingress's request router routes the call by it.
         """
         outbox = self._outboxes.open(ingress)
         try:
@@ -82,21 +83,21 @@ class Outbox:
     """One ingress's items waiting for its :meth:`ModelReplica.step_items` stream."""
 
     def __init__(self) -> None:
-        self._items: list[tuple[str, dict]] = []
+        self._items: list[tuple[str, StreamItem]] = []
         self._ready = asyncio.Event()
 
-    def put(self, request_id: str, item: dict) -> None:
+    def put(self, request_id: str, item: StreamItem) -> None:
         self._items.append((request_id, item))
         self._ready.set()
 
-    async def take(self) -> list[tuple[str, dict]]:
+    async def take(self) -> list[tuple[str, StreamItem]]:
         """Everything put since the last take; waits for at least one item. The engine
         hands a step's outputs to every request's stream in one event-loop pass, so one
         take gets the whole step."""
         await self._ready.wait()
         return self.drain()
 
-    def drain(self) -> list[tuple[str, dict]]:
+    def drain(self) -> list[tuple[str, StreamItem]]:
         """Everything put since the last take, without waiting."""
         self._ready.clear()
         items, self._items = self._items, []
@@ -116,7 +117,7 @@ class Outboxes:
     def __init__(self) -> None:
         self._by_ingress: dict[str, Outbox] = {}
 
-    def put(self, ingress: str, request_id: str, item: dict) -> None:
+    def put(self, ingress: str, request_id: str, item: StreamItem) -> None:
         self._by_ingress.setdefault(ingress, Outbox()).put(request_id, item)
 
     def open(self, ingress: str) -> Outbox:

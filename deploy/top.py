@@ -21,7 +21,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from deploy.metrics import PREFIX
+from router.metrics import PREFIX
 
 WINDOW_S = 60.0
 

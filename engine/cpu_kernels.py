@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from engine.cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "cpu_prefill.c"))
@@ -323,8 +325,6 @@ def load() -> CpuKernels | None:
     """The kernels, or None where they are disabled or cannot be built (logged once)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    from engine.model_loader import cache_dir
-
     try:
         path, openmp = build(cache_dir() / "kernels")
         lib = ctypes.CDLL(str(path))

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from engine.cache import cache_dir
 from engine.cpu_kernels import load as load_kernels
 from engine.cpu_linear import prepack_linears, prepack_supported
 from engine.fused_layers import fuse_layers
@@ -45,11 +46,6 @@ SUPPORTED_ARCHITECTURES = frozenset(
 
 class ModelLoadError(ValueError):
     """The model argument names no usable model (missing path, unsupported architecture)."""
-
-
-def cache_dir() -> Path:
-    """The conversion cache: ``$ITERSERVE_CACHE``, default ``~/.cache/iterserve``."""
-    return Path(os.environ.get("ITERSERVE_CACHE", Path.home() / ".cache" / "iterserve"))
 
 
 def default_gguf_path() -> Path:

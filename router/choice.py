@@ -14,23 +14,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from policies import AdmissionController, LoadSnapshot
+from router.contract import RequestShape
 from router.prefix import PrefixMap, cached_tokens
 
 R = TypeVar("R")
 
 ROUTED_MEMORY_S = 5.0
 """Seconds a routed request is remembered when no newer snapshot has counted it."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestShape:
-    """What routing and admission need to know of a request (sent as the call's kwargs)."""
-
-    prompt_tokens: int
-    traffic_class: str
-    priority: int
-    prefix_hashes: tuple[int, ...] = ()
-    """:func:`router.prefix.prefix_hashes` of the prompt; empty: no prefix affinity."""
 
 
 @dataclass(frozen=True, slots=True)

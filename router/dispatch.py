@@ -1,9 +1,10 @@
 """One request's call to a Ray Serve model replica, re-sent elsewhere if its replica dies
 early; :class:`RayReplicas`, the deployment as the ingress sees its replicas.
 
-The replica's call answers "accepted" (or a length error, which becomes a 400 before any
-stream starts); then one item per step that produced tokens comes on the replica's step
-stream (:mod:`router.step_streams`). If the replica dies (or its engine fails) before the
+The replica's call answers :class:`router.contract.Accepted` (or a
+:class:`router.contract.Refused`, which becomes a 400 before any stream starts); then one
+:class:`router.contract.StepItem` per step that produced tokens comes on the replica's
+step stream (:mod:`router.step_streams`). If the replica dies (or its engine fails) before the
 request produced a token the request is sent again, to the replica the router picks;
 once tokens were streamed, :class:`ReplicaLost` ends the stream.
 """
@@ -19,8 +20,10 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from policies import LoadSnapshot
 from router.calls import ReplicaLost, accepted, record_item
+from router.contract import Lost, ModelInfo, Refused, RequestShape, StepItem
 from router.errors import ApiError
-from router.routing import RequestShape, load_view
+from router.metrics import RequestRecord
+from router.routing import LoadView, load_view
 from router.step_streams import StepStreams, StreamLost
 
 logger = logging.getLogger(__name__)
@@ -32,27 +35,31 @@ REPLICA_LOST = (RayActorError, ActorUnavailableError)
 
 
 class Dispatch:
-    """One request's call to a replica, re-sent elsewhere if its replica dies early.
+    """One request's call to a replica (a :class:`router.contract.ReplicaCall`), re-sent
+    elsewhere if its replica dies early.
 
-    ``record`` (``deploy.metrics.RequestRecord``) is told of every item and of how the
-    call ended. The call itself answers only the first item; the rest come on its
-    replica's step stream (:mod:`router.step_streams`).
+    ``record`` is told of every item and of how the call ended. The call itself answers
+    only the first item; the rest come on its replica's step stream
+    (:mod:`router.step_streams`).
     """
 
     def __init__(
         self,
         handle: DeploymentHandle,
-        args: tuple,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
         shape: RequestShape,
         streams: StepStreams,
-        record: Any = None,
+        record: RequestRecord | None = None,
     ) -> None:
         self.handle = handle
-        self.args = args
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
         self.shape = shape
         self.record = record
         self.streams = streams
-        self.request_id: str = args[0]
         self.gen: DeploymentResponseGenerator | None = None
         self.produced = False
         self.done = False
@@ -74,7 +81,11 @@ class Dispatch:
             self.attempts += 1
             self.streams.register(self.request_id)
             self.gen = self.handle.generate.remote(
-                *self.args, shape=self.shape, ingress=self.streams.ingress_id
+                self.request_id,
+                self.prompt_token_ids,
+                self.params,
+                shape=self.shape,
+                ingress=self.streams.ingress_id,
             )
             try:
                 first = await self.gen.__anext__()
@@ -85,14 +96,15 @@ class Dispatch:
                     ) from e
                 logger.warning("replica lost before accepting a request; re-sending: %s", e)
                 continue
-            if "error" in first:
+            if isinstance(first, Refused):
                 self.done = True
-            self.prompt_tokens, self.replica = accepted(first)
-            self._load(first)
+            ok = accepted(first)
+            self.prompt_tokens, self.replica = ok.prompt_tokens, ok.replica
+            self._load(ok.load)
             self.streams.assign(self.request_id, self.replica)
             return
 
-    async def items(self) -> AsyncIterator[dict]:
+    async def items(self) -> AsyncIterator[StepItem]:
         """The replica's step items; re-sends the request if its replica dies first.
 
         Raises:
@@ -103,35 +115,37 @@ class Dispatch:
         try:
             while True:
                 item = await queue.get()
-                if isinstance(item, StreamLost) or "lost" in item:
+                if isinstance(item, StreamLost | Lost):
+                    why = item.message if isinstance(item, Lost) else str(item)
                     self.gen.cancel()  # in case only the stream failed, not the replica
                     if self.produced or self.attempts >= MAX_DISPATCH_ATTEMPTS:
                         self._failed()
-                        raise ReplicaLost(f"the replica serving this request failed: {item}")
-                    logger.warning("replica lost before the first token; re-sending: %s", item)
+                        raise ReplicaLost(f"the replica serving this request failed: {why}")
+                    logger.warning("replica lost before the first token; re-sending: %s", why)
                     await self.start()
                     continue
-                if item["outputs"]:
+                if item.outputs:
                     self.produced = True
                 self._observe(item)
                 yield item
-                if item["finished"]:
+                if item.finished:
                     self.done = True
                     return
         finally:
             self.streams.forget(self.request_id)
 
-    def _load(self, item: dict) -> None:
-        """Hand a load the replica sent with ``item`` to this process's router."""
-        if "load" not in item:
+    def _load(self, load: LoadSnapshot | None) -> None:
+        """Hand a load the replica sent with an item to this process's router."""
+        if load is None:
             return
         view = load_view(self.handle.app_name, self.handle.deployment_name)
         if view is not None:
-            view.observe_load(self.replica, LoadSnapshot.from_dict(item["load"]))
+            view.observe_load(self.replica, load)
 
-    def _observe(self, item: dict) -> None:
-        self._load(item)
-        self.cached_tokens = item.get("cached_tokens", self.cached_tokens)
+    def _observe(self, item: StepItem) -> None:
+        self._load(item.load)
+        if item.cached_tokens is not None:
+            self.cached_tokens = item.cached_tokens
         record_item(self.record, item)
 
     def _failed(self) -> None:
@@ -149,7 +163,7 @@ class Dispatch:
 
 
 class RayReplicas:
-    """The model deployment's replicas through Ray Serve, as the ingress sees its replicas.
+    """The model deployment's replicas through Ray Serve (:class:`router.contract.Replicas`).
 
     Args:
         handle: the model deployment's handle.
@@ -160,7 +174,7 @@ class RayReplicas:
         self.streams = StepStreams(self.handle)
         self._info_handle = handle
 
-    async def info(self) -> dict[str, Any]:
+    async def info(self) -> ModelInfo:
         """One replica's tokenizer and limits.
 
         Raises:
@@ -171,11 +185,20 @@ class RayReplicas:
         except REPLICA_LOST as e:
             raise ApiError(503, f"no model replica is ready: {e}", code="not_ready") from e
 
-    def call(self, args: tuple, shape: RequestShape, record: Any = None) -> Dispatch:
-        """The call of request ``args`` (id, prompt token ids, sampling fields)."""
-        return Dispatch(self.handle, args, shape, self.streams, record)
+    def call(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        shape: RequestShape,
+        record: RequestRecord | None = None,
+    ) -> Dispatch:
+        """The call of one prompt (:meth:`router.contract.Replicas.call`)."""
+        return Dispatch(
+            self.handle, request_id, prompt_token_ids, params, shape, self.streams, record
+        )
 
-    def _view(self) -> Any:
+    def _view(self) -> LoadView | None:
         return load_view(self.handle.app_name, self.handle.deployment_name)
 
     def loads(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
@@ -186,15 +209,14 @@ class RayReplicas:
     def snapshots(self) -> dict[str, LoadSnapshot]:
         """Each replica's adjusted snapshot by its unique id."""
         view = self._view()
-        snaps = view.snapshots() if view is not None else {}
-        return {rid.unique_id: s for rid, s in snaps.items()}
+        return view.unique_snapshots() if view is not None else {}
 
     def count(self) -> int:
         """Running replicas."""
         view = self._view()
-        return len(view.curr_replicas) if view is not None else 0
+        return view.num_replicas() if view is not None else 0
 
-    def stats(self) -> dict[str, dict]:
+    def stats(self) -> dict[str, dict[str, Any]]:
         """Each replica's last published routing stats by its unique id."""
         view = self._view()
         return view.replica_stats() if view is not None else {}

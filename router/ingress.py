@@ -7,10 +7,12 @@ the field), the model checked (404), the caller resolved from its API key
 replica's step items become OpenAI chunks (SSE ending with ``data: [DONE]``) or one
 response (:mod:`router.openai_format`).
 
-:class:`Ingress` holds no Ray: its replicas are an object with ``info``, ``call``,
-``loads``, ``snapshots``, ``count`` and ``stats`` (:class:`router.dispatch.RayReplicas`
-for the Ray Serve deployment, :mod:`router.api`; :class:`router.local.LocalReplicas` for
-one replica in the server's own process, :mod:`deploy.local_server`).
+:class:`Ingress` holds no Ray: its replicas are a :class:`router.contract.Replicas`
+(:class:`router.dispatch.RayReplicas` for the Ray Serve deployment, :mod:`router.api`;
+:class:`router.local.LocalReplicas` for one replica in the server's own process,
+:mod:`deploy.local_server`, and for each replica of a batch, :mod:`deploy.batch_engine`,
+which sends each batch line through :meth:`Ingress.answer`: the same validation,
+admission, dispatch and response as ``POST /v1/...``).
 
 If a replica dies after the request streamed tokens, the stream ends with an error
 event. A client that disconnects cancels the replica call, which aborts the engine
@@ -22,29 +24,34 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from deploy.metrics import IngressMetrics
 from policies import classes_from_fields, policy_from_spec
-from policies.limits import RequestLimits
 from router import openai_format as fmt
 from router import responses
 from router.admission import AdmissionRejected, IngressAdmission
 from router.calls import ReplicaLost
+from router.contract import ModelInfo, ReplicaCall, Replicas, RequestShape
 from router.cors import ConfiguredCORS
 from router.errors import ApiError
+from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from router.metrics import IngressMetrics
 from router.prefix import prefix_hashes
-from router.responses import PromptCall
-from router.routing import RequestShape
+from router.responses import Answer, PromptCall, Reply
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import IngressSettings
-from router.tenants import CLASS_HEADER, authenticate, check_key_classes, resolve_caller
+from router.tenants import (
+    CLASS_HEADER,
+    Caller,
+    authenticate,
+    check_key_classes,
+    resolve_caller,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +67,6 @@ CLIENT_GONE = 499
 """Status of a response nobody reads: its client disconnected (nginx's code for it)."""
 
 
-@dataclass(slots=True)
-class _ModelInfo:
-    tokenizer: Any
-    limits: RequestLimits
-    """The replicas' limits, the engine's own (the replica re-checks with them)."""
-
-
 def make_app() -> FastAPI:
     """A FastAPI app with the API's error format and CORS, and no routes yet."""
     app = FastAPI(title="iterserve", summary="OpenAI-compatible LLM serving")
@@ -80,7 +80,7 @@ def make_app() -> FastAPI:
     return app
 
 
-def add_routes(app: FastAPI, ingress: Any) -> None:
+def add_routes(app: FastAPI, ingress: "Ingress | type[Ingress]") -> None:
     """Route :data:`ROUTES` to ``ingress``'s methods: an :class:`Ingress` instance (bound
     methods), or a subclass that Ray Serve's ``serve.ingress`` binds per replica."""
     for method, path, name in ROUTES:
@@ -97,14 +97,14 @@ class Ingress:
     """The API over a set of replicas.
 
     Args:
-        replicas: :class:`router.dispatch.RayReplicas` or :class:`router.local.LocalReplicas`.
+        replicas: the replicas requests are sent to.
         settings: :class:`IngressSettings` fields.
         watch_disconnects: abort a non-streamed request whose client disconnected. Ray
             Serve cancels such a handler itself; uvicorn alone does not.
     """
 
     def __init__(
-        self, replicas: Any, settings: dict[str, Any], watch_disconnects: bool = False
+        self, replicas: Replicas, settings: dict[str, Any], watch_disconnects: bool = False
     ) -> None:
         self.watch_disconnects = watch_disconnects
         self.settings = IngressSettings(**settings)
@@ -118,7 +118,7 @@ class Ingress:
             policy=policy_from_spec(self.settings.policy),
             enabled=self.settings.admission,
         )
-        self._info: _ModelInfo | None = None
+        self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
         self._created = int(time.time())
         self.metrics = IngressMetrics(
@@ -158,7 +158,7 @@ class Ingress:
         )
 
     async def prometheus_metrics(self) -> Response:
-        """Prometheus exposition of every ``iterserve:`` metric (:mod:`deploy.metrics`)."""
+        """Prometheus exposition of every ``iterserve:`` metric (:mod:`router.metrics`)."""
         return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
@@ -192,54 +192,21 @@ class Ingress:
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         arrival = time.monotonic()
-        calls: list[PromptCall] = []
         try:
             # The key first, as vLLM's --api-key: a caller without one learns nothing,
             # not even which of its fields are wrong.
             authenticate(self.api_keys, request.headers.get("authorization"))
             body = await self._read_json(request)
-            req = fmt.validate(body, ChatCompletionRequest if chat else CompletionRequest)
-            fmt.check_served(req, chat, self.settings.model_name, self.settings.max_n)
-            caller = resolve_caller(
-                self.api_keys,
-                self.classes,
-                request.headers.get("authorization"),
-                request.headers.get(CLASS_HEADER),
-                req.priority,
-            )
-            info = await self._model_info()
-            prompts = fmt.prompts(req, chat, info.tokenizer)
-            scores_only = fmt.scores_only(req, chat)
-            params = fmt.sampling_params(req, chat)
-            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            for p, (ids, text) in enumerate(prompts):
-                call_id = rid if len(prompts) == 1 else f"{rid}-{p}"
-                calls.append(
-                    PromptCall(
-                        ids, text, await self._dispatch(call_id, ids, params, caller, info, arrival)
-                    )
-                )
-        except ApiError as e:
-            self._cancel(calls)
-            return self._error(e)
-        except BaseException as e:  # a bug of ours, or the client left while it was sent
-            self._cancel(calls)
-            if not isinstance(e, Exception):
-                raise
-            logger.exception("request failed")
-            return self._error(
-                ApiError(500, "internal error; see the server log", code="internal_error")
-            )
-        reply = responses.Reply(
-            req, chat, rid, self.settings.model_name, info.tokenizer, calls, scores_only
-        )
+            reply, caller = await self._open(body, chat, request.headers, arrival)
+        except Exception as e:  # noqa: BLE001 - answered; a bug of ours is logged
+            return self._error(_failure(e))
         headers = {
-            "x-request-id": rid,
+            "x-request-id": reply.rid,
             "x-iterserve-class": caller.traffic_class,
             "x-iterserve-priority": str(caller.priority),
-            "x-iterserve-replica": calls[0].dispatch.replica,
+            "x-iterserve-replica": reply.calls[0].dispatch.replica,
         }
-        if req.stream:
+        if reply.req.stream:
             return StreamingResponse(
                 responses.stream(reply), media_type="text/event-stream", headers=headers
             )
@@ -249,13 +216,89 @@ class Ingress:
                 return Response(status_code=CLIENT_GONE)
             return JSONResponse(body, headers=headers)
         except ReplicaLost as e:
-            return self._error(ApiError(503, str(e), code="replica_lost"))
+            return self._error(_lost(e))
         finally:
+            self._cancel(reply.calls)
+
+    async def answer(
+        self, chat: bool, body: dict[str, Any], headers: Mapping[str, str] | None = None
+    ) -> Answer:
+        """Answer one request body, not streamed, as ``POST /v1/chat/completions`` (``chat``)
+        or ``POST /v1/completions`` with ``headers`` (lower-case names) would: the same
+        checks, admission, dispatch and body, and the same status and error body when it
+        fails. ``request_id`` is the response's ``x-request-id`` (empty on an error).
+
+        Raises nothing for the request's own faults; a bug of ours is a 500 (logged).
+        """
+        arrival = time.monotonic()
+        headers = headers or {}
+        try:
+            authenticate(self.api_keys, headers.get("authorization"))
+            if body.get("stream"):
+                raise ApiError(
+                    400,
+                    "stream: this call answers with the whole response; it cannot stream",
+                    param="stream",
+                    code="invalid_value",
+                )
+            reply, _ = await self._open(body, chat, headers, arrival)
+        except Exception as e:  # noqa: BLE001 - answered; a bug of ours is logged
+            err = _failure(e)
+            return Answer(err.status, "", err.body())
+        try:
+            out = await responses.collect(reply)
+        except ReplicaLost as e:
+            err = _lost(e)
+            return Answer(err.status, "", err.body())
+        finally:
+            self._cancel(reply.calls)
+        return Answer(200, reply.rid, out, out["usage"]["completion_tokens"])
+
+    async def _open(
+        self, body: dict[str, Any], chat: bool, headers: Mapping[str, str], arrival: float
+    ) -> tuple[Reply, Caller]:
+        """Validate ``body``, resolve its caller, tokenize its prompts and send each to a
+        replica once admitted; the reply to build once every replica accepted its prompt.
+
+        Raises:
+            ApiError: the request is refused (400, 403, 404, 429, 503); the calls already
+                sent are cancelled, as they are when the client leaves meanwhile.
+        """
+        calls: list[PromptCall] = []
+        try:
+            req = fmt.validate(body, ChatCompletionRequest if chat else CompletionRequest)
+            fmt.check_served(req, chat, self.settings.model_name, self.settings.max_n)
+            caller = resolve_caller(
+                self.api_keys,
+                self.classes,
+                headers.get("authorization"),
+                headers.get(CLASS_HEADER),
+                req.priority,
+            )
+            info = await self._model_info()
+            prompts = fmt.prompts(req, chat, info.tokenizer)
+            scores_only = fmt.scores_only(req, chat)
+            params = fmt.sampling_params(req, chat)
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            for p, (ids, text) in enumerate(prompts):
+                call_id = rid if len(prompts) == 1 else f"{rid}-{p}"
+                call = await self._dispatch(call_id, ids, params, caller, info, arrival)
+                calls.append(PromptCall(ids, text, call))
+        except BaseException:  # refused, a bug of ours, or the client left meanwhile
             self._cancel(calls)
+            raise
+        reply = Reply(req, chat, rid, self.settings.model_name, info.tokenizer, calls, scores_only)
+        return reply, caller
 
     async def _dispatch(
-        self, rid: str, ids: list[int], params: dict, caller: Any, info: _ModelInfo, arrival: float
-    ) -> Any:
+        self,
+        rid: str,
+        ids: list[int],
+        params: dict[str, Any],
+        caller: Caller,
+        info: ModelInfo,
+        arrival: float,
+    ) -> ReplicaCall:
         """Admit one prompt and send it to a replica; its call once accepted."""
         bs = self.settings.prefix_block_size
         shape = RequestShape(
@@ -267,7 +310,7 @@ class Ingress:
         if info.limits.fits(len(ids), params["max_tokens"]):
             held_s = await self._admit(caller, shape, params["max_tokens"], arrival)
         record = self.metrics.request(caller.traffic_class, arrival, len(ids), held_s)
-        dispatch = self.replicas.call((rid, ids, params), shape, record)
+        dispatch = self.replicas.call(rid, ids, params, shape, record)
         try:
             await dispatch.start()
         except BaseException:  # refused, or the client left while it was sent
@@ -275,7 +318,7 @@ class Ingress:
             raise
         return dispatch
 
-    async def _collect(self, request: Request, reply: responses.Reply) -> dict | None:
+    async def _collect(self, request: Request, reply: Reply) -> dict | None:
         """The whole response; None if the client disconnected first (only watched when
         ``watch_disconnects``: Ray Serve cancels the handler itself)."""
         if not self.watch_disconnects:
@@ -298,7 +341,7 @@ class Ingress:
     # -- helpers -----------------------------------------------------------------------
 
     async def _admit(
-        self, caller: Any, shape: RequestShape, max_tokens: int | None, arrival: float
+        self, caller: Caller, shape: RequestShape, max_tokens: int | None, arrival: float
     ) -> float:
         """Wait for admission; the seconds held. Raises ApiError 429 with Retry-After
         when refused."""
@@ -321,7 +364,7 @@ class Ingress:
                 headers={"Retry-After": retry},
             ) from None
 
-    async def _model_info(self) -> _ModelInfo:
+    async def _model_info(self) -> ModelInfo:
         """The replicas' tokenizer and limits, fetched from one replica on first use.
 
         Raises:
@@ -330,8 +373,7 @@ class Ingress:
         if self._info is None:
             async with self._info_lock:
                 if self._info is None:
-                    info = await self.replicas.info()
-                    self._info = _ModelInfo(**info)
+                    self._info = await self.replicas.info()
         return self._info
 
     async def _read_json(self, request: Request) -> dict:
@@ -378,3 +420,17 @@ class Ingress:
     @staticmethod
     def _error(e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _failure(e: Exception) -> ApiError:
+    """The answer to a request whose opening raised ``e``; logs a bug of ours (call it in
+    the ``except`` block)."""
+    if isinstance(e, ApiError):
+        return e
+    logger.exception("request failed")
+    return ApiError(500, "internal error; see the server log", code="internal_error")
+
+
+def _lost(e: ReplicaLost) -> ApiError:
+    """The answer to a non-streamed request whose replica died after it produced tokens."""
+    return ApiError(503, str(e), code="replica_lost")

@@ -2,32 +2,36 @@
 
 ``iterserve serve`` with one replica on one machine runs the engine in the server's
 process (:mod:`deploy.local_server`), as ``vllm serve`` and ``iterserve batch run`` do:
-on 2 cores the same replica inside Ray Serve streamed each token 23-32% slower than its
-engine offline, and in process 7-9% (``bench/results/peers.md``, one run).
+the same replica inside Ray Serve costs more per streamed token than in process
+(``bench/results/peers.md``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import Any, Protocol
 
 from policies import LoadSnapshot
 from router.calls import ReplicaLost, accepted, record_item
+from router.contract import FirstItem, ModelInfo, Refused, RequestShape, StepItem
 from router.errors import ApiError
+from router.metrics import RequestRecord
 from router.prefix import PrefixMap, cached_tokens
-from router.routing import RequestShape
 
 
 class LocalCall:
-    """One request's call (:mod:`router.calls`) over an in-process item stream
-    (:func:`deploy.engine_replica.engine_items`).
+    """One request's call (a :class:`router.contract.ReplicaCall`) over an in-process item
+    stream (:meth:`LocalReplica.items`).
 
-    ``record`` (``deploy.metrics.RequestRecord``, or None) is told of every item and of
-    how the call ended.
+    ``record`` (or None) is told of every item and of how the call ended.
     """
 
-    def __init__(self, items: Any, record: Any = None) -> None:
+    def __init__(
+        self,
+        items: AsyncGenerator[FirstItem | StepItem, None],
+        record: RequestRecord | None = None,
+    ) -> None:
         self.gen = items
         self.record = record
         self.prompt_tokens = 0
@@ -42,10 +46,11 @@ class LocalCall:
             ApiError: the engine refused it (context or KV capacity, a bad parameter).
         """
         first = await self.gen.__anext__()
-        self.done = "error" in first
-        self.prompt_tokens, self.replica = accepted(first)
+        self.done = isinstance(first, Refused)
+        ok = accepted(first)
+        self.prompt_tokens, self.replica = ok.prompt_tokens, ok.replica
 
-    async def items(self) -> AsyncIterator[dict]:
+    async def items(self) -> AsyncGenerator[StepItem, None]:
         """The request's step items.
 
         Raises:
@@ -53,10 +58,11 @@ class LocalCall:
         """
         try:
             async for item in self.gen:
-                self.cached_tokens = item.get("cached_tokens", self.cached_tokens)
+                if item.cached_tokens is not None:
+                    self.cached_tokens = item.cached_tokens
                 record_item(self.record, item)
                 yield item
-                if item["finished"]:
+                if item.finished:
                     self.done = True
                     return
         except ApiError:
@@ -74,20 +80,60 @@ class LocalCall:
         self.done = True
         if self.record is not None:
             self.record.aborted()
-        # Closing the stream aborts its engine request (engine_items' contract). A stream
+        # Closing the stream aborts its engine request (LocalReplica.items' contract). A stream
         # being iterated is closed by the cancellation of the task iterating it.
         if not self.gen.ag_running:
             asyncio.ensure_future(self.gen.aclose())
 
 
+class LocalEngine(Protocol):
+    """What :class:`LocalReplicas` reads of its replica's engine (``engine.AsyncLLMEngine``)."""
+
+    @property
+    def dead(self) -> bool:
+        """The engine's loop failed or was shut down."""
+        ...
+
+    def load_snapshot(self) -> LoadSnapshot: ...
+
+
+class LocalReplica(Protocol):
+    """A replica in the ingress's process (:class:`deploy.engine_replica.EngineReplica`)."""
+
+    replica_id: str
+
+    @property
+    def engine(self) -> LocalEngine: ...
+
+    def info(self) -> ModelInfo:
+        """The tokenizer and the limits."""
+        ...
+
+    def items(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        shape: RequestShape,
+        send_load: bool = True,
+    ) -> AsyncGenerator[FirstItem | StepItem, None]:
+        """One request's items: a :data:`router.contract.FirstItem`, then (once accepted)
+        its step items. Closing the generator aborts the request."""
+        ...
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """The load snapshot's fields and, under ``"metrics"``, the step counts."""
+        ...
+
+
 class LocalReplicas:
-    """The one replica of this process, as the ingress sees its replicas.
+    """The one replica of this process (a :class:`router.contract.Replicas`).
 
     Args:
-        replica: a :class:`deploy.engine_replica.EngineReplica`.
+        replica: the replica, whose engine steps on its own thread.
     """
 
-    def __init__(self, replica: Any) -> None:
+    def __init__(self, replica: LocalReplica) -> None:
         self.replica = replica
         self.prefixes = PrefixMap()
         """The prompt prefixes sent to the replica (admission's cached-token estimate, as
@@ -97,7 +143,7 @@ class LocalReplicas:
     def _alive(self) -> bool:
         return not self.replica.engine.dead
 
-    async def info(self) -> dict[str, Any]:
+    async def info(self) -> ModelInfo:
         """The replica's tokenizer and limits.
 
         Raises:
@@ -107,17 +153,24 @@ class LocalReplicas:
             raise ApiError(503, "the engine failed; restart the server", code="not_ready")
         return self.replica.info()
 
-    def call(self, args: tuple, shape: RequestShape, record: Any = None) -> LocalCall:
-        """The call of request ``args`` (id, prompt token ids, sampling fields).
+    def call(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        shape: RequestShape,
+        record: RequestRecord | None = None,
+    ) -> LocalCall:
+        """The call of one prompt (:meth:`router.contract.Replicas.call`).
 
         Raises:
             ApiError: 503 when the engine has failed.
         """
         if not self._alive:
             raise ApiError(503, "the engine failed; restart the server", code="replica_unavailable")
-        rid, ids, params = args
         self.prefixes.record(shape.prefix_hashes, self.replica.replica_id)
-        return LocalCall(self.replica.items(rid, ids, params, shape, send_load=False), record)
+        items = self.replica.items(request_id, prompt_token_ids, params, shape, send_load=False)
+        return LocalCall(items, record)
 
     def loads(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
         """The replica's snapshot now and the tokens of ``shape``'s prompt it likely holds."""
@@ -134,6 +187,6 @@ class LocalReplicas:
     def count(self) -> int:
         return int(self._alive)
 
-    def stats(self) -> dict[str, dict]:
+    def stats(self) -> dict[str, dict[str, Any]]:
         """The replica's routing stats by its id (``/metrics`` renders them)."""
         return {self.replica.replica_id: self.replica.record_routing_stats()}

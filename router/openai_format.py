@@ -6,15 +6,20 @@ every error is an :class:`router.errors.ApiError` naming the field.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from router.errors import ApiError
-from router.schemas import unsupported_field
+from router.schemas import ApiRequest, unsupported_field
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+M = TypeVar("M", bound=BaseModel)
 
 
-def validate(body: dict, schema: type[BaseModel]) -> Any:
+def validate(body: dict, schema: type[M]) -> M:
     """``body`` parsed as ``schema``. Raises ApiError 400 naming the first bad field: an
     unsupported OpenAI field, an unknown one, or a value out of range."""
     if (name := unsupported_field(body, schema.unsupported)) is not None:
@@ -45,7 +50,7 @@ def _union_member(loc: str | int) -> bool:
     return isinstance(loc, str) and (loc in ("str", "int", "float", "bool", "dict") or "[" in loc)
 
 
-def check_served(req: Any, chat: bool, model_name: str, max_n: int) -> None:
+def check_served(req: ApiRequest, chat: bool, model_name: str, max_n: int) -> None:
     """Whether this server can take ``req``.
 
     Raises:
@@ -69,7 +74,9 @@ def check_served(req: Any, chat: bool, model_name: str, max_n: int) -> None:
         )
 
 
-def prompts(req: Any, chat: bool, tokenizer: Any) -> list[tuple[list[int], str]]:
+def prompts(
+    req: ApiRequest, chat: bool, tokenizer: PreTrainedTokenizerBase
+) -> list[tuple[list[int], str]]:
     """Each prompt's token ids and text (chat: one, through the model's chat template).
 
     Raises:
@@ -98,7 +105,7 @@ def prompts(req: Any, chat: bool, tokenizer: Any) -> list[tuple[list[int], str]]
     return [(tokenizer.encode(text, add_special_tokens=False), text)]
 
 
-def scores_only(req: Any, chat: bool) -> bool:
+def scores_only(req: ApiRequest, chat: bool) -> bool:
     """A completions request with ``max_tokens: 0`` and ``echo``: the prompt (and its
     log-probabilities) only. The engine still samples one token, which is dropped.
 
@@ -117,7 +124,7 @@ def scores_only(req: Any, chat: bool) -> bool:
     return True
 
 
-def sampling_params(req: Any, chat: bool) -> dict[str, Any]:
+def sampling_params(req: ApiRequest, chat: bool) -> dict[str, Any]:
     """:class:`engine.SamplingParams` fields from the request's OpenAI fields."""
     if chat:
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -149,13 +156,17 @@ def sampling_params(req: Any, chat: bool) -> dict[str, Any]:
     }
 
 
-def wants_logprobs(req: Any, chat: bool) -> bool:
+def wants_logprobs(req: ApiRequest, chat: bool) -> bool:
     """Whether the response carries a logprobs object."""
     return bool(req.logprobs) if chat else req.logprobs is not None
 
 
 def logprobs_object(
-    tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]], req: Any, chat: bool
+    tokenizer: PreTrainedTokenizerBase,
+    token_ids: list[int],
+    entries: list[dict[int, float]],
+    req: ApiRequest,
+    chat: bool,
 ) -> dict:
     """OpenAI's logprobs object for these tokens (chat and legacy completion forms).
 

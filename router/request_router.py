@@ -17,8 +17,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from policies import AdmissionController, LoadSnapshot, classes_from_fields, policy_from_spec
 from router.choice import ReplicaChooser, RoutedSince
+from router.contract import RequestShape
 from router.prefix import cached_tokens
-from router.routing import RequestShape, pinned_replica, register, shape_of
+from router.routing import pinned_replica, register, shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,9 @@ class LoadAwareRouter(RequestRouter):
         self._streamed: dict[str, LoadSnapshot] = {}
         """The latest load each replica sent with a stream item, by its unique id."""
         self._lock = threading.RLock()  # the router runs on its own loop thread
-        register(self)
+        register(self, self._deployment_id.app_name, self._deployment_id.name)
 
-    # -- the load view -------------------------------------------------------------------
+    # -- the load view (router.routing.LoadView) ------------------------------------------
 
     def observe_load(self, replica_unique_id: str, snap: LoadSnapshot) -> None:
         """A load the replica sent with a stream item (:class:`router.dispatch.Dispatch`).
@@ -103,6 +104,14 @@ class LoadAwareRouter(RequestRouter):
             if snap is not None:
                 out[rid] = snap
         return out
+
+    def unique_snapshots(self) -> dict[str, LoadSnapshot]:
+        """:meth:`snapshots` by the replicas' unique ids (the ids the ingress knows)."""
+        return {rid.unique_id: s for rid, s in self.snapshots().items()}
+
+    def num_replicas(self) -> int:
+        """Replicas running now."""
+        return len(self.curr_replicas)
 
     def loads_for(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
         """Each replica's adjusted snapshot with the tokens of ``shape``'s prompt it was

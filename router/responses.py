@@ -14,11 +14,27 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router import openai_format as fmt
 from router.calls import ReplicaLost
+from router.contract import ReplicaCall, SequenceDelta, StepItem
 from router.errors import ApiError
+from router.schemas import ApiRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(slots=True)
+class Answer:
+    """One request's whole answer, as the API would send it: its status, its request id
+    (empty when refused before it had one) and its JSON body."""
+
+    status: int
+    request_id: str
+    body: dict[str, Any]
+    completion_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -27,9 +43,7 @@ class PromptCall:
 
     ids: list[int]
     text: str
-    dispatch: Any
-    """Its call (:mod:`router.calls`): a :class:`router.dispatch.Dispatch` or a
-    :class:`router.local.LocalCall`."""
+    dispatch: ReplicaCall
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
@@ -37,11 +51,11 @@ class PromptCall:
 class Reply:
     """What one response is made of."""
 
-    req: Any
+    req: ApiRequest
     chat: bool
     rid: str
     model: str
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     calls: list[PromptCall]
     scores_only: bool = False
 
@@ -74,7 +88,7 @@ class _Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
-async def merged(calls: list[PromptCall]) -> AsyncIterator[tuple[int, dict]]:
+async def merged(calls: list[PromptCall]) -> AsyncIterator[tuple[int, StepItem]]:
     """``(prompt index, step item)`` from every call, as they come; a call's prompt
     log-probabilities are kept on it.
 
@@ -101,8 +115,8 @@ async def merged(calls: list[PromptCall]) -> AsyncIterator[tuple[int, dict]]:
                 continue
             if isinstance(item, Exception):
                 raise item
-            if item.get("prompt_logprobs") is not None:
-                calls[p].prompt_logprobs = item["prompt_logprobs"]
+            if item.prompt_logprobs is not None:
+                calls[p].prompt_logprobs = item.prompt_logprobs
             yield p, item
     finally:
         for t in tasks:
@@ -120,14 +134,14 @@ async def collect(reply: Reply) -> dict:
     n = reply.req.n
     choices = [_Choice() for _ in range(len(reply.calls) * n)]
     async for p, item in merged(reply.calls):
-        for o in item["outputs"]:
-            c = choices[p * n + o["index"]]
+        for o in item.outputs:
+            c = choices[p * n + o.index]
             if not reply.scores_only:
-                c.text.append(o["text"])
-                c.token_ids.extend(o["token_ids"])
-                c.logprobs.extend(o["logprobs"] or [])
-            if o["finish_reason"]:
-                c.finish_reason, c.stop_reason = o["finish_reason"], o["stop_reason"]
+                c.text.append(o.text)
+                c.token_ids.extend(o.token_ids)
+                c.logprobs.extend(o.logprobs or [])
+            if o.finish_reason:
+                c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
     out = []
     for k, c in enumerate(choices):
         text, ids, entries = "".join(c.text), c.token_ids, c.logprobs
@@ -156,8 +170,8 @@ async def collect(reply: Reply) -> dict:
     }
 
 
-def _stream_choice(reply: Reply, k: int, o: dict, first: bool) -> dict:
-    text, ids, entries = o["text"], o["token_ids"], o["logprobs"] or []
+def _stream_choice(reply: Reply, k: int, o: SequenceDelta, first: bool) -> dict:
+    text, ids, entries = o.text, o.token_ids, o.logprobs or []
     if reply.scores_only:
         text, ids, entries = "", [], []
     if first and reply.echo:
@@ -166,10 +180,10 @@ def _stream_choice(reply: Reply, k: int, o: dict, first: bool) -> dict:
     choice: dict[str, Any] = {
         "index": k,
         "logprobs": reply.logprobs(ids, entries),
-        "finish_reason": o["finish_reason"],
+        "finish_reason": o.finish_reason,
     }
-    if o["finish_reason"]:
-        choice["stop_reason"] = o["stop_reason"]
+    if o.finish_reason:
+        choice["stop_reason"] = o.stop_reason
     if reply.chat:
         choice["delta"] = {"content": text} if text else {}
     else:
@@ -211,9 +225,9 @@ async def stream(reply: Reply) -> AsyncIterator[str]:
                     ]
                 )
         async for p, item in merged(reply.calls):
-            for o in item["outputs"]:
-                k = p * reply.req.n + o["index"]
-                completion += 0 if reply.scores_only else len(o["token_ids"])
+            for o in item.outputs:
+                k = p * reply.req.n + o.index
+                completion += 0 if reply.scores_only else len(o.token_ids)
                 yield chunk([_stream_choice(reply, k, o, k not in seen)])
                 seen.add(k)
         if include_usage:

@@ -23,19 +23,25 @@ ingress). The ingress reads the same adjusted snapshots for admission through
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Protocol
 
-from ray.serve.request_router import PendingRequest
+from policies import LoadSnapshot
+from router.contract import RequestShape
 
-from router.choice import RequestShape
-
-__all__ = ["RequestShape", "load_view", "register", "shape_of"]
-
-if TYPE_CHECKING:
-    from router.request_router import LoadAwareRouter
+__all__ = ["LoadView", "PendingCall", "load_view", "pinned_replica", "register", "shape_of"]
 
 
-def shape_of(pending: PendingRequest | None) -> RequestShape | None:
+class PendingCall(Protocol):
+    """What :func:`shape_of` and :func:`pinned_replica` read of a call being routed (Ray
+    Serve's ``PendingRequest``): its keyword arguments. This module imports no Ray, so
+    that the ingress, which imports it, runs without Ray in process."""
+
+    @property
+    def kwargs(self) -> Mapping[str, object]: ...
+
+
+def shape_of(pending: PendingCall | None) -> RequestShape | None:
     """The shape the ingress attached to a call (``shape=`` keyword), if any."""
     if pending is None:
         return None
@@ -43,25 +49,52 @@ def shape_of(pending: PendingRequest | None) -> RequestShape | None:
     return shape if isinstance(shape, RequestShape) else None
 
 
-def pinned_replica(pending: PendingRequest | None) -> str | None:
+def pinned_replica(pending: PendingCall | None) -> str | None:
     """The replica id a call names with its ``pin=`` keyword (a replica's step-items
     stream, which must reach that replica), if any."""
     pin = None if pending is None else pending.kwargs.get("pin")
     return pin if isinstance(pin, str) else None
 
 
-_routers: weakref.WeakSet[LoadAwareRouter] = weakref.WeakSet()
-"""Live routers in this process; the ingress finds its handle's router here."""
+class LoadView(Protocol):
+    """What the ingress reads of its process's router
+    (:class:`router.request_router.LoadAwareRouter`)."""
+
+    def observe_load(self, replica_unique_id: str, snap: LoadSnapshot) -> None:
+        """A load the replica sent with a stream item."""
+        ...
+
+    def loads_for(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
+        """Each replica's adjusted snapshot and the tokens of ``shape``'s prompt it
+        likely holds."""
+        ...
+
+    def unique_snapshots(self) -> dict[str, LoadSnapshot]:
+        """Each running replica's adjusted snapshot by its unique id."""
+        ...
+
+    def replica_stats(self) -> dict[str, dict]:
+        """Each running replica's last published routing stats by its unique id."""
+        ...
+
+    def num_replicas(self) -> int:
+        """Replicas running now."""
+        ...
 
 
-def register(router: LoadAwareRouter) -> None:
-    _routers.add(router)
+_routers: weakref.WeakKeyDictionary[LoadView, tuple[str, str]] = weakref.WeakKeyDictionary()
+"""Live routers in this process, with the (app, deployment) each routes to; the ingress
+finds its handle's router here."""
 
 
-def load_view(app_name: str, deployment_name: str) -> LoadAwareRouter | None:
+def register(router: LoadView, app_name: str, deployment_name: str) -> None:
+    """Make ``router`` the load view of deployment ``deployment_name`` of ``app_name``."""
+    _routers[router] = (app_name, deployment_name)
+
+
+def load_view(app_name: str, deployment_name: str) -> LoadView | None:
     """This process's router for a deployment (created with its handle's first call)."""
-    for r in list(_routers):
-        dep = r._deployment_id
-        if dep.name == deployment_name and dep.app_name == app_name:
-            return r
+    for router, names in list(_routers.items()):
+        if names == (app_name, deployment_name):
+            return router
     return None

@@ -285,3 +285,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("`top_logprobs` can only be set when `logprobs` is true")
         return self
+
+
+ApiRequest = CompletionRequest | ChatCompletionRequest
+"""A validated request body of either endpoint."""

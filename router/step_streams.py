@@ -1,12 +1,11 @@
 """One stream per replica carrying every step's items for this ingress's requests.
 
 Each request's call to a replica (:class:`router.dispatch.Dispatch`) returns only its
-first item ("accepted" or a refusal) and stays open until the request ends, so that
-cancelling it still aborts the request. The tokens of all of this ingress's requests on a
-replica come back on one ``step_items`` stream from that replica: one message per engine
-step instead of one per request per step. On a 2-core host at 8 streams that cut the
-ingress's CPU by 41-43% and the cost per token by 4-7% (alternating server starts,
-``docs/served-overhead.md``).
+first item (:data:`router.contract.FirstItem`) and stays open until the request ends, so
+that cancelling it still aborts the request. The tokens of all of this ingress's requests
+on a replica come back on one ``step_items`` stream from that replica: one message per
+engine step instead of one per request per step, which cuts the ingress's CPU and the
+cost per token (``docs/served-overhead.md``).
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ import logging
 import uuid
 
 from ray.serve.handle import DeploymentHandle
+
+from router.contract import StreamItem
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +31,18 @@ class StreamLost(Exception):
 class StepStreams:
     """This ingress's per-replica streams, and a queue per request for its items.
 
-    A queue receives the request's item dicts in order, or a :class:`StreamLost` when
-    its replica's stream fails.
+    A queue receives the request's items (:data:`router.contract.StreamItem`) in order,
+    or a :class:`StreamLost` when its replica's stream fails.
     """
 
     def __init__(self, handle: DeploymentHandle) -> None:
         self.ingress_id = uuid.uuid4().hex
         self._handle = handle
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, asyncio.Queue[StreamItem | StreamLost]] = {}
         self._replica_of: dict[str, str] = {}
         self._streams: dict[str, asyncio.Task] = {}
 
-    def register(self, request_id: str) -> asyncio.Queue:
+    def register(self, request_id: str) -> asyncio.Queue[StreamItem | StreamLost]:
         """The request's queue (a new one, or the one it has: a re-sent request keeps it)."""
         return self._queues.setdefault(request_id, asyncio.Queue())
 
@@ -57,7 +58,7 @@ class StepStreams:
         self._queues.pop(request_id, None)
         self._replica_of.pop(request_id, None)
 
-    def deliver(self, batch: list[tuple[str, dict]]) -> None:
+    def deliver(self, batch: list[tuple[str, StreamItem]]) -> None:
         """Route one step's items to their requests' queues."""
         for request_id, item in batch:
             queue = self._queues.get(request_id)

@@ -454,3 +454,101 @@ def test_a_new_traffic_class_names_the_fields_it_still_needs():
         ServiceConfig(engine={"traffic_classes": new})
     new["vip"] |= {"default_priority": 0, "max_queue_wait_s": 1.0}
     assert ServiceConfig(engine={"traffic_classes": new}).traffic_classes()["vip"].ttft_slo_s == 1
+
+
+class _Tokenizer:
+    """One token per character."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+
+class _Engine:
+    dead = False
+
+
+class _Replica:
+    """A replica in process (router.local.LocalReplica) whose engine answers each request
+    with ``max_tokens`` steps of one token each, echoing the prompt."""
+
+    replica_id = "fake"
+    engine = _Engine()
+    limits = None
+
+    def info(self):
+        from policies.limits import RequestLimits
+        from router.contract import ModelInfo
+
+        self.limits = RequestLimits(32, 1024, 64)
+        return ModelInfo(_Tokenizer(), self.limits)
+
+    async def items(self, request_id, prompt_token_ids, params, shape, send_load=True):
+        from policies.limits import RequestRejectedError
+        from router.contract import Accepted, Refused, SequenceDelta, StepItem
+
+        try:
+            max_tokens = self.limits.check(len(prompt_token_ids), params["max_tokens"])
+        except RequestRejectedError as e:
+            yield Refused(str(e), "context_length_exceeded", param="prompt")
+            return
+        yield Accepted(len(prompt_token_ids), self.replica_id)
+        for i in range(max_tokens):
+            last = i == max_tokens - 1
+            token = prompt_token_ids[i % len(prompt_token_ids)]
+            delta = SequenceDelta(0, chr(token), [token], None, "length" if last else None, None)
+            yield StepItem([delta], last, queue_s=0.0 if i == 0 else None)
+
+    def record_routing_stats(self) -> dict:
+        return {}
+
+
+async def test_answer_is_what_the_api_answers():
+    """``Ingress.answer`` (a batch line's path) goes through the request pipeline of
+    ``POST /v1/completions``: the same body, status and error for the same request."""
+    import httpx
+
+    from router.ingress import Ingress, add_routes, make_app
+    from router.local import LocalReplicas
+    from router.tenants import CLASS_HEADER
+
+    ingress = Ingress(LocalReplicas(_Replica()), {"model_name": "m", "admission": False})
+    app = make_app()
+    add_routes(app, ingress)
+    bodies = {
+        "ok": {"model": "m", "prompt": "abc", "max_tokens": 4},
+        "two prompts": {"model": "m", "prompt": ["ab", "cd"], "max_tokens": 2, "n": 2},
+        "bad field": {"model": "m", "prompt": "abc", "top_p": 7},
+        "other model": {"model": "x", "prompt": "abc"},
+        "too long": {"model": "m", "prompt": "a" * 40, "max_tokens": 1},
+    }
+    headers = {CLASS_HEADER: "batch"}
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        for name, body in bodies.items():
+            resp = await client.post("/v1/completions", json=body, headers=headers)
+            answer = await ingress.answer(False, body, headers)
+            assert answer.status == resp.status_code, name
+            if resp.status_code != 200:
+                assert answer.body == resp.json(), name
+                assert answer.request_id == "" and "x-request-id" not in resp.headers
+                continue
+            got, want = dict(answer.body), resp.json()
+            # Each request has its own id and creation time; the rest is the same.
+            assert got.pop("id") == answer.request_id and answer.request_id.startswith("cmpl-")
+            assert want.pop("id") == resp.headers["x-request-id"]
+            got.pop("created"), want.pop("created")
+            assert got == want, name
+            assert answer.completion_tokens == want["usage"]["completion_tokens"] > 0
+    statuses = {n: (await ingress.answer(False, b, headers)).status for n, b in bodies.items()}
+    assert statuses == {
+        "ok": 200,
+        "two prompts": 200,
+        "bad field": 400,
+        "other model": 404,
+        "too long": 400,
+    }
+    streamed = await ingress.answer(False, {**bodies["ok"], "stream": True}, headers)
+    assert streamed.status == 400 and streamed.body["error"]["param"] == "stream"

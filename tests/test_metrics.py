@@ -1,4 +1,5 @@
-"""deploy.metrics without a cluster: what the ingress renders from requests and replicas."""
+"""router.metrics and engine.step_metrics without a cluster: what the ingress renders from
+requests and replicas."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.metrics import IngressMetrics, StepMetrics
+from engine.step_metrics import StepMetrics
+from router.metrics import IngressMetrics
 
 
 class Clock:

@@ -13,9 +13,10 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # no
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
 from policies import LoadSnapshot  # noqa: E402
+from router.contract import RequestShape  # noqa: E402
 from router.prefix import PrefixMap, prefix_hashes  # noqa: E402
 from router.request_router import LoadAwareRouter  # noqa: E402
-from router.routing import RequestShape, load_view  # noqa: E402
+from router.routing import load_view  # noqa: E402
 
 
 class FakeId(str):

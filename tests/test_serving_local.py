@@ -20,6 +20,7 @@ from deploy.config import ServiceConfig
 from deploy.local_server import CUT_MARGIN_S, GRACEFUL_SHUTDOWN_S
 from deploy.server import uses_ray
 from router.calls import ReplicaLost
+from router.contract import Accepted, SequenceDelta, StepItem
 from router.local import LocalCall
 from tests import serving_app as app
 from tests.serving_app import MODEL, service_config
@@ -135,8 +136,8 @@ def test_an_engine_failure_ends_the_stream_as_a_lost_replica():
             pass
 
     async def items():
-        yield {"accepted": True, "prompt_tokens": 3, "replica": "local"}
-        yield {"outputs": [{"token_ids": [1], "finish_reason": None}], "finished": False}
+        yield Accepted(3, "local")
+        yield StepItem([SequenceDelta(0, "a", [1], None, None, None)], False)
         raise RuntimeError("engine loop failed")
 
     async def run() -> list:

@@ -9,8 +9,8 @@ import pytest
 
 from deploy.replica import Outbox, Outboxes
 from router.calls import ReplicaLost
+from router.contract import Accepted, Lost, RequestShape, SequenceDelta, StepItem
 from router.dispatch import Dispatch
-from router.routing import RequestShape
 from router.step_streams import StepStreams, StreamLost
 
 
@@ -37,7 +37,7 @@ class FakeCall:
 
 
 class FakeReplicas:
-    """The replica deployment's handle: ``generate`` answers "accepted" from the replica
+    """The replica deployment's handle: ``generate`` answers Accepted from the replica
     named in ``replicas`` (one per call, in turn); ``step_items`` opens a stream."""
 
     def __init__(self, replicas: list[str]) -> None:
@@ -49,9 +49,7 @@ class FakeReplicas:
             self.remote = fn
 
     def _generate(self, rid, ids, params, shape, ingress):
-        call = FakeCall(
-            {"accepted": True, "prompt_tokens": len(ids), "replica": self.replicas.pop(0)}
-        )
+        call = FakeCall(Accepted(len(ids), self.replicas.pop(0)))
         self.calls.append((rid, ingress, call))
         return call
 
@@ -60,20 +58,9 @@ class FakeReplicas:
         return call
 
 
-def item(text: str, finished: bool = False) -> dict:
-    return {
-        "outputs": [
-            {
-                "index": 0,
-                "text": text,
-                "token_ids": [1],
-                "logprobs": None,
-                "finish_reason": "stop" if finished else None,
-                "stop_reason": None,
-            }
-        ],
-        "finished": finished,
-    }
+def item(text: str, finished: bool = False) -> StepItem:
+    delta = SequenceDelta(0, text, [1], None, "stop" if finished else None, None)
+    return StepItem([delta], finished)
 
 
 async def test_outbox_gives_one_step_of_every_request_in_one_take():
@@ -98,7 +85,7 @@ async def test_a_reopened_stream_takes_over_its_ingress_outbox():
     boxes.put("ing", "a", item("2"))
     boxes.close("ing", old)
     boxes.put("ing", "b", item("3"))
-    assert [(rid, i["outputs"][0]["text"]) for rid, i in await new.take()] == [
+    assert [(rid, i.outputs[0].text) for rid, i in await new.take()] == [
         ("a", "1"),
         ("a", "2"),
         ("b", "3"),
@@ -119,8 +106,8 @@ async def test_batches_reach_their_requests_and_a_lost_stream_fails_only_its_own
     await asyncio.sleep(0)  # the stream tasks start
     assert set(handle.streams) == {"r1", "r2"}  # one stream per replica, not per request
     handle.streams["r1"].fed.put_nowait([("a", item("1")), ("gone", item("?")), ("b", item("2"))])
-    assert (await qa.get())["outputs"][0]["text"] == "1"
-    assert (await qb.get())["outputs"][0]["text"] == "2"
+    assert (await qa.get()).outputs[0].text == "1"
+    assert (await qb.get()).outputs[0].text == "2"
     streams.forget("b")
     handle.streams["r1"].fed.put_nowait(RuntimeError("replica died"))
     assert isinstance(await asyncio.wait_for(qa.get(), 1), StreamLost)
@@ -135,7 +122,7 @@ async def test_dispatch_reads_its_stream_and_resends_when_lost_before_a_token():
     handle = FakeReplicas(["r1", "r2"])
     streams = StepStreams(handle)
     shape = RequestShape(3, "standard", 1)
-    d = Dispatch(handle, ("req", [1, 2, 3], {}), shape, streams)
+    d = Dispatch(handle, "req", [1, 2, 3], {}, shape, streams)
     await d.start()
     assert (d.replica, handle.calls[0][1]) == ("r1", streams.ingress_id)
     await asyncio.sleep(0)
@@ -145,7 +132,7 @@ async def test_dispatch_reads_its_stream_and_resends_when_lost_before_a_token():
     await asyncio.sleep(0.05)  # re-sent to r2, whose stream opened
     assert handle.calls[0][2].cancelled and d.replica == "r2" and d.attempts == 2
     handle.streams["r2"].fed.put_nowait([("req", item("ok", finished=True))])
-    assert (await asyncio.wait_for(handle_r2_ready, 1))["finished"]
+    assert (await asyncio.wait_for(handle_r2_ready, 1)).finished
     with pytest.raises(StopAsyncIteration):
         await got.__anext__()
     assert streams.register("req").empty()  # a new queue: the finished one was dropped
@@ -155,12 +142,12 @@ async def _one_token_then(failure) -> None:
     """A request on replica r1 gets one token, then ``failure`` on r1's stream: a raised
     exception (the stream is lost) or a batch (what the replica reports)."""
     handle = FakeReplicas(["r1"])
-    d = Dispatch(handle, ("req", [1], {}), RequestShape(1, "standard", 1), StepStreams(handle))
+    d = Dispatch(handle, "req", [1], {}, RequestShape(1, "standard", 1), StepStreams(handle))
     await d.start()
     await asyncio.sleep(0)
     got = d.items()
     handle.streams["r1"].fed.put_nowait([("req", item("t"))])
-    assert (await got.__anext__())["outputs"][0]["text"] == "t"
+    assert (await got.__anext__()).outputs[0].text == "t"
     handle.streams["r1"].fed.put_nowait(failure)
     await asyncio.wait_for(got.__anext__(), 1)
 
@@ -171,7 +158,7 @@ async def test_dispatch_lost_after_a_token_is_replica_lost():
 
 
 async def test_dispatch_told_its_engine_failed_is_replica_lost_after_a_token():
-    # The replica's own call is not read after "accepted": an engine failure must come
+    # The replica's own call is not read after Accepted: an engine failure must come
     # on the stream, or the request would wait forever.
     with pytest.raises(ReplicaLost, match="EngineDeadError"):
-        await _one_token_then([("req", {"lost": "EngineDeadError: loop failed"})])
+        await _one_token_then([("req", Lost("EngineDeadError: loop failed"))])

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deploy.sim import ROUTING
-from deploy.sim.trace import TraceSpec, load_requests, parse_mix
+from deploy.sim.trace import TraceSpec, parse_mix
 
 if TYPE_CHECKING:
     from deploy.config import ServiceConfig
@@ -132,6 +132,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         ValueError: a malformed --slo; pydantic.ValidationError: a bad value.
     """
     from deploy.config import ServiceConfig
+    from deploy.sim.runs import with_engine
 
     config = ServiceConfig.load(args.config, num_replicas=args.replicas)
     engine = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
@@ -154,21 +155,6 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     engine["traffic_classes"] = classes or None
     top = {} if args.admission is None else {"admission": args.admission == "on"}
     return with_engine(config, top, **engine)
-
-
-def with_engine(
-    config: ServiceConfig, top: dict[str, Any] | None = None, **engine: Any
-) -> ServiceConfig:
-    """``config`` with engine fields and top-level fields replaced, validated again.
-
-    Raises:
-        pydantic.ValidationError: a bad value.
-    """
-    from deploy.config import ServiceConfig
-
-    data = config.model_dump(exclude={"engine": {"model"}}) | (top or {})
-    data["engine"] = data["engine"] | engine
-    return ServiceConfig(**data)
 
 
 def trace_spec(args: argparse.Namespace, rate_scale: float) -> TraceSpec:
@@ -199,15 +185,6 @@ def rates(args: argparse.Namespace) -> list[float]:
     if not out or min(out) <= 0:
         raise ValueError("--rate-scale values must be > 0")
     return out
-
-
-def simulate(config: ServiceConfig, cost, spec: TraceSpec, routing: str, seed: int):
-    """One run: ``(run, summary)``."""
-    from deploy.sim.fleet import Fleet
-    from deploy.sim.report import summarize
-
-    run = Fleet(config, cost, routing=routing, seed=seed).run(load_requests(spec))
-    return run, summarize(run, config.traffic_classes())
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -275,14 +252,18 @@ def run_command(args: argparse.Namespace) -> int:
     config, cost = service_config(args), cost_model(args)
     check_classes(args, config)
     print(f"cost model: {cost_line(args, cost)}")
+    specs = [trace_spec(args, k) for k in rates(args)]
     if args.search or args.ablate:
         from deploy.sim.search import ablate_command, search_command
 
-        return (search_command if args.search else ablate_command)(args, config, cost)
+        return (search_command if args.search else ablate_command)(args, config, cost, specs)
+    from deploy.sim.runs import simulate
+
     runs, summaries = [], []
-    for k in rates(args):
+    for spec in specs:
+        k = spec.rate_scale
         t0 = time.perf_counter()
-        run, summary = simulate(config, cost, trace_spec(args, k), args.routing, args.seed)
+        run, summary = simulate(config, cost, spec, args.routing, args.seed)
         summary["rate_scale"], summary["wall_s"] = k, time.perf_counter() - t0
         runs.append((k, run))
         summaries.append(summary)

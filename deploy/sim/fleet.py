@@ -29,7 +29,8 @@ from engine import LLMEngine, RequestOutputKind, SamplingParams
 from engine.sim import SimClock, sim_engine
 from policies import Admit, LoadSnapshot, Reject
 from router.admission import POLL_S, IngressAdmission, computed_tokens
-from router.choice import ReplicaChooser, RequestShape, RoutedSince
+from router.choice import ReplicaChooser, RoutedSince
+from router.contract import RequestShape
 from router.prefix import cached_tokens, prefix_hashes
 
 IDLE_STEP_S = 0.005

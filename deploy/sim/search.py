@@ -26,6 +26,7 @@ import yaml
 
 from deploy.config import ServiceConfig
 from deploy.sim.report import ATTAINMENT, all_classes_meet
+from deploy.sim.runs import simulate, with_engine
 from deploy.sim.trace import TraceSpec
 from policies.slo_guard import RULES
 
@@ -34,8 +35,6 @@ Setting = tuple[tuple[str, Any], ...]
 
 
 def _evaluate(job: tuple[ServiceConfig, Any, TraceSpec, str, int]) -> dict[str, Any]:
-    from deploy.sim.cli import simulate
-
     return simulate(*job)[1]
 
 
@@ -56,8 +55,6 @@ class Runner:
         self.done: dict[tuple[int, Setting], dict[str, Any]] = {}
 
     def config(self, replicas: int, setting: Setting) -> ServiceConfig:
-        from deploy.sim.cli import with_engine
-
         return with_engine(self.base, {"num_replicas": replicas}, **dict(setting))
 
     def run(self, keys: list[tuple[int, Setting]]) -> list[dict[str, Any]]:
@@ -152,10 +149,11 @@ def snippets(config: ServiceConfig, n: int, setting: Setting) -> tuple[str, str]
     return service, yaml.safe_dump({"config": fields}, sort_keys=False)
 
 
-def search_command(args: argparse.Namespace, config: ServiceConfig, cost) -> int:
-    from deploy.sim.cli import rates, trace_spec
-
-    spec = trace_spec(args, rates(args)[0])
+def search_command(
+    args: argparse.Namespace, config: ServiceConfig, cost, specs: list[TraceSpec]
+) -> int:
+    """Search at the first of ``specs`` (one trace window per ``--rate-scale``)."""
+    spec = specs[0]
     print(
         f"searching: up to {args.max_replicas} replicas, then {len(grid(config.engine))} "
         "engine settings per replica count"
@@ -194,15 +192,17 @@ def search_command(args: argparse.Namespace, config: ServiceConfig, cost) -> int
     return 0
 
 
-def ablate_command(args: argparse.Namespace, config: ServiceConfig, cost) -> int:
-    from deploy.sim.cli import rates, trace_spec
-
+def ablate_command(
+    args: argparse.Namespace, config: ServiceConfig, cost, specs: list[TraceSpec]
+) -> int:
+    """Every rule off alone, against all on, at each of ``specs``."""
     if not config.engine.tpot_slo_guard:
         raise ValueError("--ablate needs the TPOT guard on (engine.tpot_slo_guard)")
     variants = [("all rules", ())] + [(f"no {rule}", (rule,)) for rule in RULES]
     results: dict[str, list[dict]] = {}
-    for k in rates(args):
-        r = Runner(config, cost, trace_spec(args, k), args.routing, args.seed)
+    for spec in specs:
+        k = spec.rate_scale
+        r = Runner(config, cost, spec, args.routing, args.seed)
         keys = [(config.num_replicas, (("tpot_slo_guard_rules_off", off),)) for _, off in variants]
         print(f"rate x{k:g}: {len(variants)} variants")
         for (name, _), summary in zip(variants, r.run(keys)):

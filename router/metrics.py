@@ -1,4 +1,4 @@
-"""Prometheus metrics: every name, label and bucket iterserve exports, in one place.
+"""Prometheus metrics at the ingress: every name and label iterserve exports, in one place.
 
 Names follow vLLM's (``vllm:time_to_first_token_seconds`` is
 ``iterserve:time_to_first_token_seconds`` here, and so on), so that dashboards and alerts
@@ -12,10 +12,11 @@ Two sources feed it:
 * the ingress measures each request as its client sees it (:class:`RequestRecord`): TTFT,
   inter-token latency, TPOT, end-to-end latency, queue time, tokens, finish reasons,
   aborts, admission rejections, SLO outcomes;
-* each replica counts its own steps (:class:`StepMetrics`: step time, prefill and decode
-  tokens per step, preemptions); the cumulative counts travel with the load snapshot Ray
-  Serve already polls from every replica (``record_routing_stats``), and the ingress
-  renders them with the snapshots' gauges (running, waiting, KV usage) per replica.
+* each replica counts its own steps (:class:`engine.step_metrics.StepMetrics`: step time,
+  prefill and decode tokens per step, preemptions, with their buckets); the cumulative
+  counts travel with the load snapshot Ray Serve already polls from every replica
+  (``record_routing_stats``), and the ingress renders them with the snapshots' gauges
+  (running, waiting, KV usage) per replica (:func:`replica_families`).
 
 Labels: ``model``, ``replica``, ``traffic_class``, plus ``reason``, ``finish_reason`` or
 ``phase`` where they apply. No request ids or tenant names: the label sets are bounded by
@@ -24,7 +25,6 @@ the configured classes and the replicas.
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
 from collections import deque
@@ -72,8 +72,6 @@ TTFT_BUCKETS = (
 )
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
-STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 ATTAINMENT_WINDOW_S = 60.0
 """The rolling SLO-attainment gauge covers requests ended in this many seconds."""
@@ -82,70 +80,17 @@ REJECT_REASONS = ("ttft", "tpot", "seats", "kv_cache", "queue_cap")
 """Admission's reasons to refuse (``policies.Reject.kind``)."""
 
 
-# -- replica side -----------------------------------------------------------------------
-
-
-class _Buckets:
-    """A cumulative histogram as plain numbers (it crosses processes as JSON)."""
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"counts": list(self.counts), "sum": self.sum}
-
-
-class StepMetrics:
-    """One replica's step counts, fed by ``LLMEngine.on_step`` (one call per step).
-
-    :meth:`to_dict` is what the replica adds to its routing stats under ``"metrics"``.
-    """
-
-    def __init__(self) -> None:
-        self.step_s = _Buckets(STEP_BUCKETS)
-        self.prefill_tokens = _Buckets(TOKEN_BUCKETS)
-        self.decode_tokens = _Buckets(TOKEN_BUCKETS)
-        self.preemptions = 0
-
-    def record(self, step: Any) -> None:
-        """Count one ``engine.StepRecord``."""
-        self.step_s.observe(step.seconds)
-        if step.num_prefill_tokens:
-            self.prefill_tokens.observe(step.num_prefill_tokens)
-        if step.num_decodes:
-            self.decode_tokens.observe(step.num_decodes)
-        self.preemptions += len(step.preempted)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "step_s": self.step_s.to_dict(),
-            "preemptions": self.preemptions,
-            "prefill_tokens": self.prefill_tokens.to_dict(),
-            "decode_tokens": self.decode_tokens.to_dict(),
-        }
-
-
-# -- ingress side -----------------------------------------------------------------------
-
-
 def _histogram(
     name: str,
     doc: str,
     labels: list[str],
-    bounds: Iterable[float],
     data: Iterable[tuple[list[str], Mapping[str, Any]]],
 ) -> HistogramMetricFamily:
+    """A histogram family from replicas' ``engine.step_metrics.Buckets.to_dict`` dicts."""
     fam = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
-    bounds = list(bounds)
     for values, h in data:
         counts, running, buckets = h["counts"], 0, []
-        for bound, n in zip([*map(str, bounds), "+Inf"], counts):
+        for bound, n in zip([*map(str, h["bounds"]), "+Inf"], counts):
             running += n
             buckets.append((bound, running))
         fam.add_metric(values, buckets, h["sum"])
@@ -383,12 +328,11 @@ def replica_families(
         preempt,
         queries,
         hits,
-        _histogram("step_time_seconds", "Seconds per engine step.", labels, STEP_BUCKETS, steps),
+        _histogram("step_time_seconds", "Seconds per engine step.", labels, steps),
         _histogram(
             "iteration_tokens_total",
             "Tokens per engine step, by phase (prefill tokens; decode: one per running sequence).",
             [*labels, "phase"],
-            TOKEN_BUCKETS,
             prefill + decode,
         ),
     ]
