@@ -1,2 +1,2 @@
-"""Deployment: the Ray Serve application, its config, the command line, the metrics
-(Prometheus rules and Grafana dashboard beside them), and (later) the batch job."""
+"""Deployment: the application (in process or on Ray Serve), its config, the command line,
+the batch job, the Prometheus rules and Grafana dashboard, and the simulator's commands."""

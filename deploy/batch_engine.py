@@ -1,8 +1,9 @@
 """A batch on engine replicas, no HTTP, no Serve: one in this process, or Ray actors.
 
 A local run of one replica needs no cluster, so it runs the engine in the driver's
-process, as vLLM's ``run_batch`` does: a Ray actor on the same cores ran the same batch
-slower (docs/batch.md). Several replicas, or a cluster, take actors.
+process, as vLLM's ``run_batch`` does: a Ray actor on the same cores competes with Ray's
+own processes for them (docs/operations.md, "Engine replicas"). Several replicas, or a
+cluster, take actors.
 
 Each :class:`BatchReplica` owns one engine and answers each line through an ingress of its
 own over that engine (:meth:`router.ingress.Ingress.answer`, over a

@@ -1,4 +1,4 @@
-"""ServiceConfig: one model for the YAML file, the CLI flags and (later) the Helm values.
+"""ServiceConfig: one model for the YAML file, the CLI flags and the Helm values.
 
 A setting has one name everywhere: ``num_replicas`` in YAML is ``--num-replicas`` on the
 command line. Engine settings nest under ``engine`` (:class:`engine.EngineConfig` fields,
@@ -89,8 +89,8 @@ class ServiceConfig(IngressOptions):
 
     @model_validator(mode="after")
     def _cpus_resolved(self) -> ServiceConfig:
-        # One replica of 1 CPU served at 11% / 0% SLO attainment where 2 CPUs gave 78% / 3%
-        # (issue #26's table), and peers.md's iterserve-before (1 CPU) costs 1.4x per token.
+        # Every core to the replicas: a replica held to fewer CPUs than the host has leaves
+        # the rest idle and costs more per token (bench.peers' iterserve-before system).
         # Several replicas sharing a few cores were not measured side by side.
         if self.replica_num_cpus is None:
             self.replica_num_cpus = float(max(1, host_cpus() // self.num_replicas))

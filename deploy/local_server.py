@@ -4,10 +4,9 @@ No Ray: uvicorn serves :class:`router.ingress.Ingress` over a
 :class:`deploy.engine_replica.EngineReplica` in this process, whose engine thread steps
 while the event loop streams. The API, admission, classes, keys and ``/metrics`` are the
 Ray Serve application's (the same :class:`router.ingress.Ingress`); only the replica hop
-is gone. In one ``bench/peers.py`` run on 2 cores (``bench/results/peers.md``), each
-streamed token cost 7% (1 stream) and 9% (8 streams) over the engine offline, against 23%
-and 32% for the same replica as a Ray Serve deployment, whose processes (the ingress,
-Serve's controller, Ray's own) preempt torch's threads; vLLM's server measured 5% and 7%.
+is gone, and with it Ray's processes (the ingress, Serve's controller, Ray's own), which
+preempt torch's threads on a few cores. The served cost per token over the engine offline
+is measured by ``python -m bench.peers`` (``bench/results/peers.md``).
 
 Several replicas, or a cluster (``--address``), take Ray Serve (:mod:`deploy.server`).
 """
@@ -161,8 +160,7 @@ def run_local(config: ServiceConfig, banner: str) -> int:
     check_port(config.host, config.port)
     server, replica = build_local(config)
     logger.info("serving in this process (pid %d), without Ray", os.getpid())
-    # uvloop, which `uvicorn.run` and vLLM's API server pick too: its event loop took 15-26%
-    # less CPU per streamed chunk than asyncio's here (docs/served-overhead.md), CPU that
-    # the engine's threads share.
+    # uvloop, which `uvicorn.run` and vLLM's API server pick too: its event loop spends less
+    # CPU per streamed chunk than asyncio's, CPU that the engine's threads share.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(serve_until_stopped(server, replica, banner))

@@ -62,7 +62,7 @@ class ModelReplica(EngineReplica):
         ``(request id, item)`` per engine step (first an empty list: the stream is open).
 
         One message per step instead of one per request per step, which cuts the
-        ingress's CPU and the cost per token (``docs/served-overhead.md``). ``pin`` is
+        ingress's CPU and the cost per token. ``pin`` is
         this replica's id; the ingress's request router routes the call by it.
         """
         outbox = self._outboxes.open(ingress)

@@ -35,13 +35,10 @@ SERVE_ENV_DEFAULTS = {
 """Set (unless already set) for the embedded cluster, whose processes inherit them.
 
 - Serve's controller wakes every 0.1 s by default; on a few cores each wake-up preempts
-  one of torch's OpenMP threads, and the whole step waits for it. Measured idle (2 cores,
-  1 replica): Ray's processes took about 20% of a core with Serve's defaults, about 15%
-  with 0.5 s and ``routing_stats_period_s`` 0.25 s (see ``docs/served-overhead.md``).
+  one of torch's OpenMP threads, and the whole step waits for it (docs/operations.md).
 - Serve's throughput-optimized mode (user code on the replica's own event loop, gRPC
   between Serve's processes, the ingress replica serving HTTP itself, GC frozen after
-  start-up): in three interleaved pairs of starts, the streamed cost per token fell
-  from 134 to 128 ms (1 stream) and from 192 to 178 ms (8 streams).
+  start-up) costs fewer CPU cycles per streamed token.
 """
 
 
@@ -51,10 +48,7 @@ def embedded_serve_env(config: ServiceConfig) -> dict[str, str]:
     Besides :data:`SERVE_ENV_DEFAULTS`: the ingress replica itself listens on
     ``config.port`` (Serve's direct ingress, whose port range is pinned to that one
     port), so a request takes one process hop less than through Serve's HTTP proxy, which
-    then listens on a spare port (:func:`deploy`'s ``proxy_port``). Alternating a
-    streamed probe between the two ports on one server, three pairs each: 70.0 / 71.3 /
-    71.3 ms per step at 8 streams against 72.7 / 77.1 / 74.8 through the proxy, and
-    44.5 / 43.7 / 43.5 ms at 1 stream against 45.5 / 46.0 / 43.3.
+    then listens on a spare port (:func:`deploy`'s ``proxy_port``).
     """
     return {
         **{k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()},

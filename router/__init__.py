@@ -1,1 +1,1 @@
-"""The Ray Serve ingress (OpenAI-compatible API, admission, routing); see the serving issue."""
+"""The ingress: the OpenAI-compatible API, admission and routing, on Ray Serve or in process."""

@@ -133,9 +133,8 @@ class ReplicaChooser:
         The lower predicted TTFT wins. Each prediction counts only the prompt tokens that
         replica would compute, so it already credits a replica that holds the prompt's
         prefix with the prefill it saves; preferring that replica further (up to the TTFT
-        SLO, as before 2026-12-05) loaded it while the other idled, and cost 10-21 points
-        of attainment at 2-3 req/s in ``bench/prefix_cache.py`` on two trace windows
-        (docs/prefix-caching.md). Within a step of each other, the replica holding more of
+        SLO) loads it while the other idles and costs attainment (docs/scheduling.md,
+        "Routing"). Within a step of each other, the replica holding more of
         the prompt goes first (affinity breaks the tie), then the one with fewer requests.
         """
         (t0, n0, step0, c0), (t1, n1, step1, c1) = key0, key1

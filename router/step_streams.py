@@ -5,7 +5,7 @@ first item (:data:`router.contract.FirstItem`) and stays open until the request 
 that cancelling it still aborts the request. The tokens of all of this ingress's requests
 on a replica come back on one ``step_items`` stream from that replica: one message per
 engine step instead of one per request per step, which cuts the ingress's CPU and the
-cost per token (``docs/served-overhead.md``).
+cost per token.
 """
 
 from __future__ import annotations

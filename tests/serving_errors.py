@@ -140,9 +140,9 @@ def test_malformed_json_oversized_body_and_auth(server):
 
 
 def test_inputs_that_once_stopped_the_engine(server):
-    """Each of these once ended in a 500, or stopped the engine for every request after
-    (found by a new-user test on 2026-12-06): now a 400 naming what is wrong, or an
-    answer, and a normal request still works after them all."""
+    """Each of these once ended in a 500, or stopped the engine for every request after:
+    each gets a 400 naming what is wrong, or an answer, and a normal request still works
+    after them all."""
     model = json.dumps(MODEL)
     chat = '{"model": ' + model + ', "messages": [{"role": "user", "content": "hi \\ud800"}]}'
     for raw in (

@@ -153,8 +153,8 @@ def test_an_engine_failure_ends_the_stream_as_a_lost_replica():
 
 
 def test_the_log_has_no_traceback_after_every_test_above(command):
-    """Bad input, disconnects (a non-streaming one logged ``InvalidStateError`` until
-    2026-12-06) and load leave no traceback: each is answered, not crashed through."""
+    """Bad input, disconnects (a non-streaming one once logged ``InvalidStateError``) and
+    load leave no traceback: each is answered, not crashed through."""
     log = command.log.read_text()
     assert "Traceback" not in log, log[-3000:]
 
