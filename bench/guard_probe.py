@@ -27,11 +27,10 @@ import statistics
 import sys
 from pathlib import Path
 
-import report as rp
-from inprocess import run_open, start_engine, stop_engine
-from sim_validate import MIX
-from workload import REPO, TRACE, Lengths, Window
-
+from bench.sim_validate import MIX
+from bench.toolkit import report as rp
+from bench.toolkit.inprocess import run_open, start_engine, stop_engine
+from bench.toolkit.workload import REPO, TRACE, Lengths, Window
 from deploy.config import SERVER_ENGINE_DEFAULTS
 
 OUT = REPO / "bench" / "results" / "guard_probe.jsonl"

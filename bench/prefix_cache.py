@@ -41,14 +41,20 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import loadgen  # noqa: E402
-import peer_servers as ps  # noqa: E402
-import report as rp  # noqa: E402
-from loadgen import LoadRequest  # noqa: E402
-from targets import HttpTarget, http_client  # noqa: E402
-from workload import ATTRIBUTION, REPO, TRACE, Lengths, arrival_offsets, read_trace, token_ids  # noqa: E402,E501
+from bench.toolkit import loadgen
+from bench.toolkit import report as rp
+from bench.toolkit import servers as ps
+from bench.toolkit.loadgen import LoadRequest
+from bench.toolkit.targets import HttpTarget, http_client
+from bench.toolkit.workload import (
+    ATTRIBUTION,
+    REPO,
+    TRACE,
+    Lengths,
+    arrival_offsets,
+    read_trace,
+    token_ids,
+)
 
 SYSTEM_PROMPT_TOKENS = 500
 LENGTHS = Lengths(max_prompt=256, max_output=128)

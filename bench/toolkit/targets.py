@@ -15,7 +15,8 @@ from typing import Any
 
 import aiohttp
 import httpx
-from loadgen import LoadRequest, Refused
+
+from bench.toolkit.loadgen import LoadRequest, Refused
 
 ADMISSION_POLL_S = 0.25
 """How often a held request asks admission again (as the ingress does, bounded by the

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import loadgen
 import yaml
-from loadgen import LoadRequest
-from targets import AiohttpTarget, aiohttp_session
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.toolkit import loadgen
+from bench.toolkit.loadgen import LoadRequest
+from bench.toolkit.targets import AiohttpTarget, aiohttp_session
+
+REPO = Path(__file__).resolve().parents[2]
 PORT = 8123
 MODEL_NAME = "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 420.0
@@ -250,7 +251,8 @@ class OfflineEngine:
         self.name = name
         self.cmd = [
             str(python),
-            str(REPO / "bench/offline_peer.py"),
+            "-m",
+            "bench.toolkit.offline",
             "--engine",
             name,
             "--probe-loop",
@@ -372,7 +374,7 @@ PROCESS_GROUPS = (
     ("EngineCore", "vLLM engine core"),
     ("VLLM::", "vLLM engine core"),
     ("vllm.entrypoints", "vLLM API server"),
-    ("bench/peers.py", "load generator"),
+    ("bench.peers", "load generator"),
     ("raylet", "Ray system"),
     ("gcs_server", "Ray system"),
     ("ray", "Ray system"),
