@@ -48,6 +48,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.toolkit import report as rp
 from bench.toolkit import serve_bench as sb
 from bench.toolkit import servers as ps
 from bench.toolkit.prompts import prompt_maker
@@ -271,6 +272,7 @@ def main_throughput(argv: list[str] | None = None) -> int:
         "summary": summary,
         "runs": runs,
         "machine": machine_info(),
+        "run": rp.run_record(),
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"[batch] wrote {args.out}")
@@ -454,6 +456,7 @@ def main_interference(argv: list[str] | None = None) -> int:
         "difference_pp": round(100 * (sum(alone) / len(alone) - sum(shared) / len(shared)), 1),
         "phases": phases,
         "machine": ps.machine_info(),
+        "run": rp.run_record(),
     }
     print("| phase | interactive within SLOs | batch output tok/s |\n|---|---:|---:|")
     for a, b, t in zip(alone, shared, tok_s):

@@ -101,6 +101,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.toolkit import report as rp
 from bench.toolkit.cpu_load import cpu_snapshot, foreign_cores
 from bench.toolkit.offline import (
     Timed,
@@ -1076,6 +1077,7 @@ def finish(args: argparse.Namespace, report: dict, busy: bool) -> None:
         if s["errors"]:
             print(f"{name} failed: {s['errors'][0]}\n{s.get('stderr_tail', '')[-1500:]}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    report["run"] = rp.run_record()
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out} ({report['elapsed_s']:.0f} s in all)")
 

@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "args": vars(args),
         "machine": ps.machine_info(),
+        "run": rp.run_record(),
         "model_dir": model_dir,
         "trace_attribution": ATTRIBUTION,
         "lengths": LENGTHS.describe(),

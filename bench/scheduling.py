@@ -1263,6 +1263,7 @@ def main(argv=None) -> int:
         report["plots"] = plots(report, args.out.with_suffix(""))
     except Exception as e:  # noqa: BLE001 - plots are a convenience
         report["plots_error"] = repr(e)
+    report["run"] = rp.run_record()
     rp.write_json(report, args.out)
     print(
         f"wrote {args.out} ({report['elapsed_s']:.0f} s in all; expected "

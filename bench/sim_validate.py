@@ -538,6 +538,7 @@ def main(argv=None) -> int:
     stem = "sim_validation_quick" if args.quick else "sim_validation"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.md").write_text(md)
+    rep["run"] = rp.run_record()
     (RESULTS / f"{stem}.json").write_text(json.dumps(rep, indent=1, default=str) + "\n")
     return 0
 
