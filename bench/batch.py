@@ -59,9 +59,8 @@ from deploy.sim.trace import trace_path
 
 TRACE = trace_path("code")
 REFERENCE_S = {"iterserve": 110.0, "vllm": 160.0}
-"""Seconds one whole command on the default file takes on this 2-core host, for the
-expected duration printed first: 86-91 s and 125-131 s on 2026-12-05 (Intel), plus a
-margin; the AMD host of 2026-12-03 took about 250 and 320 s."""
+"""Seconds one whole command on the default file takes on a 2-core host, with a margin: the
+expected duration printed first (a slower host takes up to about twice as long)."""
 SYSTEM = "Continue the text."
 """A short system message: without one the model's template adds its own 20-token one,
 which at these scaled lengths would be most of every prompt."""

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/engine_throughput.py            # full run, 3 runs (~5-15 min here)
-    .venv/bin/python bench/engine_throughput.py --quick    # tiny smoke run (~1-2 min)
+    python -m bench.engine_throughput            # full run, 3 runs (make bench)
+    python -m bench.engine_throughput --quick    # tiny smoke run
 
 Workload
     Request lengths come from the Azure LLM inference trace 2023, conversation service
@@ -12,7 +12,7 @@ Workload
     ISCA 2024). The window is the first ``--num-requests`` rows (default 64, i.e. rows 0-63,
     about the first 32 s of the trace), starting at ``--window-start`` (default 0). Arrival times
     are ignored: every request is submitted at once (offline batch throughput). Lengths are scaled
-    so that one run of all three systems takes about 2-3 minutes on a 2-core CPU:
+    so that one run of all three systems takes a few minutes on a 2-core CPU:
     prompt = round(ContextTokens / 16) clamped to [1, 256], output = round(GeneratedTokens / 8)
     clamped to [1, 64] (``--prompt-scale``, ``--output-scale``, ``--max-prompt``,
     ``--max-output``). For rows 0-63 that is 2842 prompt tokens (p50 24, max 255) and 1009
@@ -64,13 +64,12 @@ Decode sweep
     ``num_preemptions`` over the timed run.
 
 Code
-    This file holds the command line and the run itself: spawning the workers, interleaving
-    the systems' runs, the sweeps. Its parts, by job: ``bench/throughput_workload.py`` (the
-    workload and each system's config), ``bench/throughput_aggregate.py`` (aggregation, ratios,
-    greedy agreement, the JSON report), ``bench/throughput_report.py`` (the markdown report).
-    The per-system workers, each run in its own subprocess (this script with ``--worker NAME``),
-    are in ``bench/offline_workers.py`` (iterserve, the decode sweep, the dispatch) and
-    ``bench/offline_hf.py`` (transformers), measuring with ``bench/offline_measure.py``.
+    This module holds, in order: the workload and each system's config; the aggregation,
+    ratios, greedy agreement and JSON report; the markdown report; iterserve's worker, the
+    decode sweep and the workers' dispatch; the command line and the run itself (spawning the
+    workers, interleaving the systems' runs, the sweeps). Each worker runs in its own
+    subprocess (``python -m bench.engine_throughput --worker NAME``); transformers' workers
+    and the measuring they share are in :mod:`bench.toolkit.offline`.
 
 Noise
     This machine is shared. Each timed section also records the cores this worker kept busy and
@@ -105,6 +104,7 @@ from bench.toolkit import report as rp
 from bench.toolkit.cpu_load import cpu_snapshot, foreign_cores
 from bench.toolkit.offline import (
     Timed,
+    greedy_requests,
     make_result,
     peak_rss_mib,
     rss_mib,
@@ -116,7 +116,7 @@ from bench.toolkit.report import fmt
 from bench.toolkit.workload import ATTRIBUTION, REPO, TOKEN_ID_RANGE, TRACE, Lengths, read_trace
 
 
-# ---- from throughput_workload.py
+# The workload: the trace window as token-id prompts, and each system's config.
 def _trace_info(args: argparse.Namespace, first: str, last: str, raw: list[tuple[int, int]]):
     """The report's description of the trace window and of how its lengths were scaled."""
     return {
@@ -255,7 +255,7 @@ def sweep_config(args: argparse.Namespace, iterserve: dict) -> dict:
     }
 
 
-# ---- from throughput_aggregate.py
+# The results: runs aggregated per system, ratios, greedy agreement, the JSON report.
 CONTENTION_CORES = 0.25  # other processes' average load above which a measurement is flagged
 TARGETS = {
     "iterserve_over_hf_generate_batch": 2.0,
@@ -487,7 +487,7 @@ def assemble(
     return report
 
 
-# ---- from throughput_report.py
+# The markdown report on stdout.
 def _print_header(report: dict) -> None:
     tr, wl = report["trace"], report["workload"]
     print()
@@ -648,7 +648,7 @@ def print_report(report: dict) -> None:
     _print_agreement(report)
 
 
-# ---- from offline_workers.py
+# The workers, each in its own subprocess: iterserve, the decode sweep, the dispatch.
 def _make_llm(cfg: dict):
     """iterserve's LLM on the embedded model, sized by the benchmark's config."""
     from engine import LLM
@@ -676,10 +676,7 @@ def worker_iterserve(wl: dict, cfg: dict) -> dict:
     llm.generate([{"prompt_token_ids": p[:32]} for p in wl["prompts"][:2]], warm, use_tqdm=False)
     preempted_before = engine.scheduler.num_preemptions
 
-    prompts = [{"prompt_token_ids": p} for p in wl["prompts"]]
-    params = [
-        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in wl["output_lens"]
-    ]
+    prompts, params = greedy_requests(SamplingParams, zip(wl["prompts"], wl["output_lens"]))
     with Timed() as tm:
         outs = llm.generate(prompts, params, use_tqdm=False)
     wall = tm.wall
@@ -865,7 +862,7 @@ def worker_main(name: str, spec_path: str, result_path: str) -> None:
     Path(result_path).write_text(json.dumps(res))
 
 
-# ---- from engine_throughput.py
+# The command line: spawning the workers, the runs, the sweeps.
 DEFAULT_OUT = REPO / "bench" / "results" / "engine_throughput.json"
 QUICK_OUT = REPO / "bench" / "results" / "engine_throughput_quick.json"
 SYSTEMS = ("iterserve", "iterserve_noprepack", "hf_generate", "hf_generate_batch")

@@ -1,16 +1,19 @@
 """iterserve against vLLM's CPU build, side by side in one run, over HTTP (``make bench-peers``).
 
-Run from the repository root after ``make bench-peers`` created ``.venv-vllm``::
+Run from the repository root after ``make bench-peers`` created ``.venv-vllm`` (it prints
+its expected duration first)::
 
-    .venv/bin/python bench/peers.py            # full run (prints its expected duration)
-    .venv/bin/python bench/peers.py --quick    # a smoke run of every phase
+    python -m bench.peers            # full run: windows 1000 and 6000, one after the other
+    python -m bench.peers --quick    # a smoke run of every phase, on the first window
 
 Same machine, same weights (the embedded SmolLM2-135M-Instruct converted once into
 ``$ITERSERVE_CACHE``; vLLM serves that directory), fp32, 2 OpenMP threads for vLLM
 (``OMP_NUM_THREADS``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, ``VLLM_CPU_KVCACHE_SPACE=2``).
-Phases, one after another, each server alone on the machine:
+Each window of ``--windows`` is a whole run (the settings were tuned on the first; the
+others check that the comparison carries over). Phases, one after another, each server
+alone on the machine:
 
-1. Offline engines (``bench/offline_peer.py`` in each venv, both loaded together):
+1. Offline engines (:mod:`bench.toolkit.offline` in each venv, both loaded together):
    output tok/s on 32 trace requests at once, decode ms per step at 1 and 8 sequences,
    prefill tok/s, in ``--offline-rounds`` rounds that alternate the engines (each row the
    median). Each engine then stays loaded, idle, for the paired probes of phase 2.
@@ -18,7 +21,7 @@ Phases, one after another, each server alone on the machine:
    gap between streamed tokens), each in ``--probe-rounds`` adjacent pairs with the same
    decode on the same engine offline, so the serving overhead compares measurements
    seconds apart rather than minutes (this host's speed drifts by more than the 5% bar
-   between phases); then an open-loop replay (``bench/serve_bench.py``) of a
+   between phases); then an open-loop replay (:mod:`bench.toolkit.serve_bench`) of a
    conversation-trace window at each ``--rates`` value, and past the top one while the
    system still meets 90% (``--extend-rates``): SLO attainment, goodput, TTFT,
    TPOT. Systems: ``iterserve`` (``iterserve serve`` with its defaults plus the
@@ -31,9 +34,10 @@ Phases, one after another, each server alone on the machine:
    output tok/s per system.
 
 While each served phase runs, the CPU seconds of every process are counted
-(``/proc``), to show where the machine's time goes. Output: ``bench/results/peers.md``,
-``peers.json`` and ``peers.png``. The trace is the Azure LLM inference trace 2023 (Patel
-et al., "Splitwise", ISCA 2024; CC-BY 4.0).
+(``/proc``), to show where the machine's time goes. Output: ``bench/results/peers.json``
+(``{"windows": [report, ...]}``, each report with its run record), ``peers.md`` (one
+section per window) and ``peers_window<N>.png``. The trace is the Azure LLM inference
+trace 2023 (Patel et al., "Splitwise", ISCA 2024; CC-BY 4.0).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from bench.toolkit import report as rp
 from bench.toolkit import serve_bench as sb
 from bench.toolkit import servers as ps
 
-# ---- from py
+# The report: markdown tables, targets and one figure.
 OFFLINE_ROWS = (
     ("trace32_output_tok_s", "offline, 32 trace requests at once (output tok/s)", True),
     ("stream1_ms_per_step", "offline, one stream (ms per step)", False),
@@ -367,7 +371,7 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-# ---- from peers.py
+# The phases and the command line.
 REPO = ps.REPO
 RESULTS = REPO / "bench" / "results"
 REFERENCE_STREAM1_MS = 38.2
@@ -385,21 +389,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="first trace rows of the replay windows, one whole run each (the settings "
         "were tuned on the first; the others check that the result carries over)",
     )
-    # 50 requests and no rate 8: the run with 60 and 1.5,3,5,8 took 33 min, over the
-    # issue's 30; at 5 every system was already past its limit (vLLM 8%). Steps of at
-    # most 1.33x up to 3: goodput is read off this grid, and a 1.5 -> 3 step could not
-    # tell 1.0x from 1.9x (both systems passed 1.5 and failed 3 in the run of fdf93e3).
-    # 1.15 instead of 5: in the run of 8e5ec77 vLLM already missed 90% at the lowest rate
-    # (82% at 1.5 / k), so neither goodput was on the grid, and at 5 / k all were <= 40%.
-    # 3.75: in the run of 46ef4a1 vLLM still met 92% at 3 / k, the grid's top then.
+    # 50 requests a rate keep a window's run near half an hour. Goodput is read off this
+    # grid, so its steps are at most 1.33x up to 3 (a 1.5 -> 3 step cannot tell 1.0x from
+    # 1.9x); 1.15 at the bottom and 3.75 at the top keep both systems' limits inside it on
+    # the reference host, and rates far past every limit only cost time.
     p.add_argument("--num-requests", type=int, default=50, help="requests per rate")
     p.add_argument(
         "--rates", default="1.15,1.5,2,2.5,3,3.75", help="offered rates (req/s), one class"
     )
     # vLLM's interactive limit and 1.5x it are both on this grid for a limit of 2-3.
     p.add_argument("--mix-rates", default="2,2.5,3,3.75,4.5", help="offered rates of the class mix")
-    # On the Intel host of 2026-12-05 vLLM still met 98% at 3.75 and 97% of the mix's
-    # interactive requests at 4.5: the fixed grids ended below both systems' limits.
+    # On a faster host the fixed grids can end below both systems' limits: extend them.
     p.add_argument(
         "--extend-rates",
         type=int,
@@ -482,9 +482,8 @@ def expected_s(
     """Rough wall time at host factor ``k``: server starts, probes, replays (each rate at
     most its cap); ``offline``: with the offline phase still to run; ``extend``: as if
     every grid ran all its extensions (they run only where a system passes the grid's
-    top). The allowances are from the run on 825b3a0 (22.2 min at k = 1, some grids
-    extended): its replays took N/R plus 2-4 s a rate, and the offline phase, the five
-    server starts and the probes about 460 s together."""
+    top). The allowances are a full run's phase times at k = 1: each replay took N/R plus a
+    few seconds, and the offline phase, the server starts and the probes the rest."""
     cap = args.max_rate_s * k + 10
 
     def sweep(rates: list[float], more: int) -> float:
@@ -507,7 +506,7 @@ def expected_s(
 def start_offline(
     args: argparse.Namespace, model_dir: str, stack: contextlib.ExitStack
 ) -> tuple[dict, dict]:
-    """Both offline engines (``offline_peer.py``, each in its venv), loaded together and
+    """Both offline engines (:mod:`bench.toolkit.offline`, each in its venv), loaded together and
     measured in ``--offline-rounds`` alternating rounds (vLLM first in even rounds,
     iterserve first in odd ones; the first round with a warm-up call per measurement);
     each then stays loaded, idle, for the served phases' paired probes until ``stack``
@@ -549,7 +548,7 @@ def start_offline(
 def host_factor(args: argparse.Namespace, offline: dict | None) -> dict:
     """The host factor ``k`` (see ``--host-factor``) and what it was derived from.
 
-    The SLOs and rates are absolute, and this shared machine's speed drifts up to 2.6x
+    The SLOs and rates are absolute, and a shared machine's speed drifts several-fold
     between days: on a slow day every system misses every SLO at every rate, and the run
     ranks nothing. Scaling SLOs up and rates down by the same measured ``k`` keeps the
     load and the SLOs' tightness what they were relative to the host; both systems get

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/prefix_cache.py            # about 15-20 minutes; prints its estimate
+    python -m bench.prefix_cache      # prints its expected duration first
 
 Workload
     Multi-turn conversations: every request starts with one shared 500-token system prompt,
@@ -29,7 +29,7 @@ Report
     prompt tokens, from each response's ``usage.prompt_tokens_details.cached_tokens``) and
     prefill tokens computed; over all requests:
     TTFT p50/p99, SLO attainment; goodput (the highest rate with >= 90% attainment,
-    ``bench/report.py``). JSON and the table go to ``bench/results/prefix_cache.*``.
+    :mod:`bench.toolkit.report`). JSON and the table go to ``bench/results/prefix_cache.*``.
 """
 
 from __future__ import annotations

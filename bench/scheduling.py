@@ -1,13 +1,14 @@
 """Scheduling benchmark: static vs continuous batching, chunked prefill, priority, admission.
 
-Run from the repository root::
+Run from the repository root (it prints its expected duration first)::
 
-    .venv/bin/python bench/scheduling.py            # full run (prints its duration; ~20 min)
-    .venv/bin/python bench/scheduling.py --quick    # smoke run (2 loads x 3 configs, ~3 min)
+    python -m bench.scheduling            # full run
+    python -m bench.scheduling --quick    # smoke run (2 loads x 3 configs)
 
 Workload: a window of the Azure LLM inference trace 2023, conversation service
-(``bench/workload.py``), replayed in real time through the in-process ``AsyncLLMEngine``
-by the shared load generator (``bench/loadgen.py``, ``bench/targets.EngineTarget``).
+(:mod:`bench.toolkit.workload`), replayed in real time through the in-process
+``AsyncLLMEngine`` by the shared load generator (:mod:`bench.toolkit.loadgen`,
+:class:`bench.toolkit.targets.EngineTarget`).
 Lengths are divided by 8 (prompts clamped to [4, 1024], outputs to [2, 128]): the lengths
 decide what static batching costs, since a request that arrives mid-batch waits out the
 batch's remaining decode steps against the 2 s TTFT SLO, and /8 is the least scaling at
@@ -20,25 +21,25 @@ Steps, one after another (each engine alone, warmed up first):
 
 1. Capacity: a closed loop of ``--capacity-concurrency`` clients on cont-chunk-fixed;
    loads are multiples of it (``--capacity R`` skips it).
-2. Sweep (``bench/sched_sweep.py``): each config over ``--loads`` x capacity, open loop,
+2. Sweep (:func:`run_config`): each config over ``--loads`` x capacity, open loop,
    ``--duration`` s of arrivals, cut off ``--drain`` s later (cut-off requests are misses;
    the table says how many could still have met their SLOs). A config that misses 90% at
    its lowest load gets a point at half that load, and ``--goodput-refine`` points halve
    each bracket. Goodput (DistServe): the highest offered rate with >= 90% of requests
    within both SLOs (refused requests are misses), interpolated inside its bracket.
-3. Experiments: ``chunk`` (``bench/sched_chunk.py``), ``admission`` (from the sweep:
+3. Experiments: ``chunk`` (:func:`exp_chunk`), ``admission`` (from the sweep:
    admitted interactive attainment and SLO goodput at the highest load, on vs off) and
-   ``priority`` (``bench/sched_priority.py``, lengths / ``--priority-scale``, its own
+   ``priority`` (:func:`exp_priority`, lengths / ``--priority-scale``, its own
    capacity).
 
-Configs (``bench/sched_sweep.CONFIGS``): static (Orca's request-level baseline), cont-nochunk,
+Configs (:data:`CONFIGS`): static (Orca's request-level baseline), cont-nochunk,
 cont-chunk (FCFS, chunked prefill, the TPOT SLO guard as the server runs it), cont-chunk-fixed
 (without the guard), priority, cont-chunk+adm and priority+adm (behind admission, as the
 router runs it). Budget 128 tokens with chunking (a full step near the interactive TPOT SLO
 here), 2048 without; max_num_seqs 64, 1024 KV blocks of 16 tokens.
 
-Output: a markdown report on stdout and in ``bench/results/scheduling.md``
-(``bench/py``), ``scheduling.json`` (``scheduling_quick.*`` with --quick) and
+Output: a markdown report on stdout and in ``bench/results/scheduling.md``,
+``scheduling.json`` (``scheduling_quick.*`` with --quick) and
 ``scheduling_goodput.png``. Targets are printed beside the measurements, never asserted;
 ``other load`` is the cores other processes kept busy during each point.
 """
@@ -64,7 +65,7 @@ from bench.toolkit.inprocess import run_open, start_engine, stop_engine, wait_id
 from bench.toolkit.loadgen import LoadRequest
 from bench.toolkit.workload import ATTRIBUTION, REPO, TRACE, Lengths, Window, token_ids
 
-# ---- from sched_sweep.py
+# The load sweep: capacity, each config over loads x capacity, admission on vs off.
 CONFIGS: dict[str, dict[str, Any]] = {
     "static": {
         "policy": "static",
@@ -345,7 +346,7 @@ def admission_experiment(sweep: dict) -> dict | None:
     return {"pairs": pairs} if pairs else None
 
 
-# ---- from sched_chunk.py
+# The chunk experiment: a long prompt arrives while requests decode.
 STEADY_TOKENS = 14  # decode tokens before the first long prompt
 
 
@@ -504,7 +505,7 @@ async def exp_chunk(wl: Window, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-# ---- from sched_priority.py
+# The priority experiment: interactive requests beside saturating batch traffic.
 PRIORITY_BATCH_MAX_WORK_SHARE = 0.10
 """At a larger interactive share the bar measures the share itself (at 18%, batch could
 keep 82% at most); those loads are reported, with their ceiling, but not judged."""
@@ -639,7 +640,7 @@ async def exp_priority(wl: Window, args: argparse.Namespace, capacity: float) ->
     return out
 
 
-# ---- from py
+# The report: targets beside measurements, markdown tables, plots.
 TARGETS = {
     "goodput_cont_chunk_over_static": 3.0,
     "chunk_stall_p99_over_steady": 1.5,
@@ -989,7 +990,7 @@ def plots(report: dict, stem: Path) -> list[str]:
     ]
 
 
-# ---- from scheduling.py
+# The command line.
 RESULTS = REPO / "bench" / "results"
 FULL_CONFIGS = ("static", "cont-chunk", "cont-chunk+adm")
 QUICK_CONFIGS = FULL_CONFIGS
@@ -1125,7 +1126,7 @@ def window(args: argparse.Namespace, scale: float) -> Window:
 async def capacity_of(
     wl: Window, args: argparse.Namespace, given: float | None, what: str
 ) -> dict[str, Any]:
-    """``given`` req/s, or measured by :func:`sched_sweep.measure_capacity`."""
+    """``given`` req/s, or measured by :func:`measure_capacity`."""
     if given:
         return {"rps": given, "source": "given"}
     print(

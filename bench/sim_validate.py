@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/sim_validate.py            # ~23 min
-    .venv/bin/python bench/sim_validate.py --quick    # ~6 min
+    python -m bench.sim_validate            # prints its expected duration first
+    python -m bench.sim_validate --quick    # a shorter run
 
 1. Calibrate: ``engine.sim.calibrate`` runs the real engine over its sweep and fits the
    step-time model, in this run and again right before each rate's replay, so that the
@@ -21,7 +21,7 @@ Run from the repository root::
 
 Report: per rate, mean and p99 TTFT and TPOT, real against simulated, and their errors;
 SLO attainment; goodput (highest rate with >= 90% of requests within both SLOs); the
-targets (:func:`sim_validate_report.targets`); as a diagnosis, each rate simulated again
+targets (:func:`targets`); as a diagnosis, each rate simulated again
 with the fit rescaled to the host's speed during that replay (:func:`step_errors`); and
 the real engine against itself: the rate at :data:`REPEAT_INDEX` replayed once more.
 Output:
@@ -51,7 +51,7 @@ from engine.sim import StepShape
 from engine.sim.calibrate import calibrate, periods
 from policies import DEFAULT_CLASSES
 
-# ---- from sim_validate_report.py
+# The report: the targets against the issue's bars, and the markdown.
 YES = {True: "yes", False: "no"}
 BARS = {"mean": 0.05, "p99": 0.10}
 """The issue's bars: mean TTFT and TPOT within 5%, p99 within 10%."""
@@ -252,7 +252,7 @@ def markdown(rep: dict[str, Any]) -> str:
     )
 
 
-# ---- from sim_validate.py
+# The run: calibration, real and simulated replays, the command line.
 RESULTS = REPO / "bench" / "results"
 MIX = {"interactive": 0.7, "batch": 0.3}
 
@@ -289,8 +289,8 @@ def estimate_s(args: argparse.Namespace) -> float:
 
 
 CAPACITY_MULTIPLES = (1 / 3, 0.85, 1.0, 1.5)
-"""Default loads, in multiples of the simulated capacity: fixed rates (0.4, 1.2 and 2.4
-req/s, chosen on the AMD host of 2026-12-04) were all below capacity on a faster host.
+"""Default loads, in multiples of the simulated capacity: fixed rates chosen on one host
+were all below capacity on a faster one.
 0.85 is where Vidur judges its fidelity under dynamic load ("request load at 85% of the
 maximum serving capacity", Agrawal et al., MLSys 2024, and its README): at capacity
 itself a few percent of step time is most of the queueing (:func:`sensitivity`)."""

@@ -1,9 +1,21 @@
-"""Offline engine speed of iterserve or vLLM's CPU build, the same four measurements for both.
+"""The offline engines the suites compare, and what is measured around them: iterserve and
+vLLM's CPU build (:class:`Engine`, the same four measurements for both, for
+:mod:`bench.peers`), and transformers' ``model.generate`` on static batches and continuous
+batching (:func:`worker_hf_generate`, :func:`worker_hf_generate_batch`, each run in its own
+subprocess by :mod:`bench.engine_throughput`, beside its iterserve worker). Both suites build
+iterserve's and vLLM's requests with :func:`greedy_requests` and check every output's length;
+the throughput workers measure their timed section with :class:`Timed` and hand back
+:func:`make_result`.
 
-Run in the venv of the engine it measures (``bench/peers.py`` does both, one after the other)::
+Run in the venv of the engine it measures (``python -m bench.peers`` does both, one after the
+other), from the repository root::
 
-    .venv/bin/python bench/offline_peer.py --engine iterserve --model DIR --out a.json
-    .venv-vllm/bin/python bench/offline_peer.py --engine vllm --model DIR --out b.json
+    .venv/bin/python -m bench.toolkit.offline --engine iterserve --model DIR --out a.json
+    .venv-vllm/bin/python -m bench.toolkit.offline --engine vllm --model DIR --out b.json
+
+This module and what it imports at the top (:mod:`bench.toolkit.workload`,
+:mod:`bench.toolkit.cpu_load`) need only the standard library, so vLLM's venv runs it; torch,
+transformers and the engines are imported where used.
 
 Measurements (greedy, ``ignore_eos``, prompt token ids drawn uniformly from [1000, 40000) by
 ``random.Random(0)``, fp32, the threads the environment gives: ``OMP_NUM_THREADS``):
@@ -19,7 +31,7 @@ Measurements (greedy, ``ignore_eos``, prompt token ids drawn uniformly from [100
 Each measurement is the median of ``--repeats`` (3) after one warm-up call.
 
 With ``--probe-loop`` the engine is loaded and stays loaded, answering requests from stdin,
-so that ``bench/peers.py`` can alternate the two engines' measurements, and measure each
+so that :mod:`bench.peers` can alternate the two engines' measurements, and measure each
 right beside the same engine served over HTTP. Each line on stdin is either
 ``{"measure": {"warmup": bool}}`` (the four measurements once, with or without a warm-up
 call each; ``--repeats`` timed calls) or ``{"streams": n, "tokens": t, "prompt": text}``
@@ -40,13 +52,14 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from bench.toolkit.cpu_load import cpu_snapshot, foreign_cores
 from bench.toolkit.workload import TRACE, Lengths, read_trace
 
 
-# ---- from offline_measure.py
+# What every offline measurement records: wall time, CPU load, memory, the result.
 def peak_rss_mib() -> float:
     """Peak resident set of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -109,7 +122,7 @@ def make_result(wl: dict, wall: float, tokens: list[list[int]], **extra) -> dict
     }
 
 
-# ---- from offline_hf.py
+# transformers: model.generate on static batches, and continuous batching.
 def _load_hf(attn: str = "sdpa"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -337,7 +350,7 @@ def worker_hf_generate_batch(wl: dict, cfg: dict) -> dict:
     )
 
 
-# ---- from toolkit/offline.py
+# iterserve and vLLM: the four measurements, and the probe loop.
 PREFILL_SHAPES = ((16, 128), (8, 512), (32, 64))
 
 
@@ -348,6 +361,22 @@ def trace_requests(path: Path, start: int, n: int, scale: float) -> list[tuple[i
         (lengths.prompt(r.context_tokens), lengths.output(r.generated_tokens))
         for r in read_trace(path, start, n)[:n]
     ]
+
+
+def greedy_requests(
+    sampling_cls: type, reqs: Iterable[tuple[list[int], int]], **sampling
+) -> tuple[list[dict], list]:
+    """The prompts and sampling parameters that iterserve's and vLLM's ``LLM.generate`` take
+    for ``reqs`` (prompt token ids, output tokens): greedy (``temperature=0``, unless
+    ``sampling`` sets other ``SamplingParams`` fields), ``ignore_eos``, so that every output
+    has exactly its length. ``sampling_cls``: the engine's ``SamplingParams``."""
+    reqs = list(reqs)
+    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    params = [
+        sampling_cls(max_tokens=n, ignore_eos=True, **({"temperature": 0} | sampling))
+        for _, n in reqs
+    ]
+    return prompts, params
 
 
 class Engine:
@@ -376,11 +405,7 @@ class Engine:
 
     def run(self, reqs: list[tuple[list[int], int]], **sampling) -> float:
         """``sampling``: SamplingParams fields over greedy (``temperature=0``)."""
-        prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
-        params = [
-            self.sampling(max_tokens=n, ignore_eos=True, **({"temperature": 0} | sampling))
-            for _, n in reqs
-        ]
+        prompts, params = greedy_requests(self.sampling, reqs, **sampling)
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0

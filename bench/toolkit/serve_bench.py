@@ -2,7 +2,7 @@
 
 Run from the repository root (the server must already be up)::
 
-    .venv/bin/python bench/serve_bench.py --base-url http://127.0.0.1:8000 --model NAME \\
+    python -m bench.toolkit.serve_bench --base-url http://127.0.0.1:8000 --model NAME \\
         --tokenizer DIR --rates 2,3,5,8 --label iterserve
 
 Workload

@@ -1,4 +1,5 @@
-"""Start and stop the servers ``bench/peers.py`` compares; probe them; count CPU per process."""
+"""Start and stop the servers the HTTP suites compare (:mod:`bench.peers`,
+:mod:`bench.prefix_cache`, :mod:`bench.batch`); probe them; count CPU per process."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ SYSTEMS = {
     # The same replica as a Ray Serve deployment, as `iterserve serve` ran one replica
     # until the in-process server (and as a cluster or several replicas still run).
     "iterserve-ray": SystemSpec("iterserve-ray", "iterserve", ray=True),
-    # What `iterserve serve --config` gave before this benchmark's levers (commit d18065a):
+    # What `iterserve serve --config` gave before this benchmark's levers:
     # one replica of one CPU, stats every 0.1 s, Serve's 0.1 s control loop and default
     # (not throughput-optimized) mode, and an engine section that replaced the server's
     # policy and TPOT guard.
@@ -239,7 +240,8 @@ def _own_cpu_s() -> float:
 
 
 class OfflineEngine:
-    """``bench/offline_peer.py --probe-loop`` in an engine's venv, for a ``with`` block.
+    """``python -m bench.toolkit.offline --probe-loop`` in an engine's venv, for a ``with``
+    block.
 
     ``start()`` loads the engine; it then stays loaded, blocked on its stdin (no CPU)
     between requests: :meth:`measure` runs the offline measurements once, and
@@ -286,7 +288,7 @@ class OfflineEngine:
         return answer
 
     def measure(self, warmup: bool) -> dict:
-        """The offline measurements once (``bench/offline_peer.py``)."""
+        """The offline measurements once (:func:`bench.toolkit.offline.measure`)."""
         return self._ask({"measure": {"warmup": warmup}})
 
     def _answer(self) -> dict:
