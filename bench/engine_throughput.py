@@ -555,29 +555,44 @@ def _print_systems(report: dict) -> None:
     print()
 
 
-def _print_targets(report: dict, at64: dict | None) -> None:
+def _at64(report: dict) -> dict | None:
+    """The decode sweep's point at 64 sequences, if it ran."""
+    sw = report.get("decode_sweep") or {}
+    return next((p for p in sw.get("points", []) if p["num_seqs"] == 64), None)
+
+
+def targets_table(report: dict) -> list[str]:
+    """The ratios against transformers and the decode sweep's targets at 64 sequences, as a
+    markdown table (no lines when the run measured none of them)."""
+    at64 = _at64(report)
+    lines = []
     if report["ratios"] or at64:
-        print("| metric | measured | per run | target | met |")
-        print("|---|---:|---|---:|---|")
+        lines += ["| metric | measured | per run | target | met |", "|---|---:|---|---:|---|"]
     for key, r in report["ratios"].items():
         per = ", ".join(fmt(x, ".2f") for x in r["per_run"])
         target = "—" if r["target"] is None else f"≥{r['target']}x"
-        print(
+        lines.append(
             f"| {key.replace('_', ' ')} | {fmt(r['median'], '.2f')}x | {per} | "
             f"{target} | {fmt(r['met'], '')} |"
         )
     if at64:
         pct, sp = at64["pct_roofline"], at64["sched_prep_pct"]
-        print(
+        lines.append(
             f"| decode % of roofline at 64 seqs | {pct:.1f}% | | "
             f"≥{TARGETS['decode_pct_roofline_at_64']:.0f}% | "
             f"{pct >= TARGETS['decode_pct_roofline_at_64']} |"
         )
-        print(
+        lines.append(
             f"| scheduling+prep % of step at 64 seqs | {sp:.1f}% | | "
             f"≤{TARGETS['sched_prep_pct_at_64']:.0f}% | "
             f"{sp <= TARGETS['sched_prep_pct_at_64']} |"
         )
+    return lines
+
+
+def _print_targets(report: dict) -> None:
+    for line in targets_table(report):
+        print(line)
     print()
 
 
@@ -642,8 +657,7 @@ def print_report(report: dict) -> None:
     _print_header(report)
     _print_systems(report)
     sw = report.get("decode_sweep") or {}
-    at64 = next((p for p in sw.get("points", []) if p["num_seqs"] == 64), None)
-    _print_targets(report, at64)
+    _print_targets(report)
     _print_sweep(report, sw)
     _print_agreement(report)
 

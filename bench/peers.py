@@ -326,21 +326,28 @@ def markdown(report: dict) -> str:
         *host_factor_lines(report),
         "",
     ]
-    body, targets = [], []
-    for section in (
+    body = [line for section in _sections(report) for line in section[0]]
+    tbl = ["## Targets", "", *targets_table(report)]
+    return "\n".join(head + tbl + [""] + body + cpu_section(report))
+
+
+def _sections(report: dict) -> list[tuple[list[str], list[dict]]]:
+    """Each section's (markdown lines, targets), in the report's order."""
+    return [
         (offline_section(report["offline"]) if "offline" in report else ([], [])),
         token_cost_section(report),
         sweep_section(report),
         mixed_section(report),
-    ):
-        body += section[0]
-        targets += section[1]
-    tbl = ["## Targets", "", "| target | measured | bar | met |", "|---|---|---|---|"]
-    tbl += [
+    ]
+
+
+def targets_table(report: dict) -> list[str]:
+    """Every target of one window's report beside its measurement, as a markdown table."""
+    targets = [t for section in _sections(report) for t in section[1]]
+    return ["| target | measured | bar | met |", "|---|---|---|---|"] + [
         f"| {t['target']} | {t['value']} | {t['bar']} | {'yes' if t['met'] else 'no'} |"
         for t in targets
     ]
-    return "\n".join(head + tbl + [""] + body + cpu_section(report))
 
 
 def plot(report: dict, path: Path) -> None:

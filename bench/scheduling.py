@@ -962,6 +962,14 @@ def markdown(report: dict) -> str:
         out += _chunk_table(ex["chunk"])
     if ex.get("priority"):
         out += _priority_table(ex["priority"])
+    out += targets_table(report)
+    out += [f"- {p}" for p in report.get("problems") or []]
+    return "\n".join(out)
+
+
+def targets_table(report: dict) -> list[str]:
+    """The report's targets beside their measurements: a markdown table and a blank line
+    (nothing when the run measured none)."""
     rows = []
     for t in report["targets"]:
         v = t["measured"]
@@ -969,10 +977,9 @@ def markdown(report: dict) -> str:
         rows.append(
             [t["metric"], "—" if v is None else m(v), t["target"], str(t["met"]), t["note"]]
         )
-    if rows:
-        out += [rp.table(["target", "measured", "target", "met", "note"], rows, "lrrll"), ""]
-    out += [f"- {p}" for p in report.get("problems") or []]
-    return "\n".join(out)
+    if not rows:
+        return []
+    return [rp.table(["target", "measured", "target", "met", "note"], rows, "lrrll"), ""]
 
 
 def plots(report: dict, stem: Path) -> list[str]:

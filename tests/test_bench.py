@@ -339,3 +339,39 @@ def test_both_http_targets_count_tokens_and_fail_alike():
     assert [rec["http_status"] for _, rec in refused] == [429, 429]
     error = 'data: {"error": {"message": "replica_lost"}}\n\n'
     assert [t for t, _ in asyncio.run(_targets_on(error))] == ["RuntimeError"] * 2
+
+
+def test_benchmarks_page_is_what_the_results_render():
+    # docs/benchmarks.md is generated from bench/results/*.json: a result rerun, or a
+    # suite's report changed, without `python -m bench.docs` fails here.
+    from pathlib import Path
+
+    from bench import docs
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+    text = docs.render()
+    assert page.read_text() == text
+    assert "session" not in text.lower()
+    # Every suite's result records its run.
+    for suite in docs.SUITES:
+        assert f"python -m {suite.module}" in text
+    assert text.count("| commit | ") == sum(len(s.results) for s in docs.SUITES) + 1  # peers: 2
+
+
+def test_every_result_file_records_its_run():
+    import json
+    from pathlib import Path
+
+    from bench import docs
+
+    for suite in docs.SUITES:
+        for name in suite.results:
+            result = json.loads((docs.RESULTS / name).read_text())
+            runs = result["windows"] if "windows" in result else [result]
+            for r in runs:
+                assert {"date", "commit", "host", "command"} <= set(r["run"]), name
+    assert not sorted(
+        p.name
+        for p in Path(docs.RESULTS).glob("*.json")
+        if p.name not in {n for s in docs.SUITES for n in s.results}
+    ), "a result file no suite renders"
