@@ -1093,11 +1093,27 @@ def finish(args: argparse.Namespace, report: dict, busy: bool) -> None:
     print(f"wrote {args.out} ({report['elapsed_s']:.0f} s in all)")
 
 
+EXPECTED_S = {"round": 200.0, "sweeps": 150.0, "quick": 240.0}
+"""Seconds for the expected duration printed first, on a 2-core host: one round of the four
+systems at the default workload, the two decode sweeps, and a whole ``--quick`` run (the
+committed full run's elapsed time in ``bench/results/engine_throughput.json`` is three rounds
+and the sweeps)."""
+
+
+def expected_s(args: argparse.Namespace) -> float:
+    """Rough wall time of the run ``args`` asks for (:data:`EXPECTED_S`)."""
+    if args.quick:
+        return EXPECTED_S["quick"]
+    runs = args.runs if args.runs is not None else 3
+    return runs * EXPECTED_S["round"] + (0.0 if args.no_sweep else EXPECTED_S["sweeps"])
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker_main(args.worker, args.spec, args.result)
         return 0
+    print(f"expected duration: about {expected_s(args) / 60:.0f} min", flush=True)
     systems, wl, stats, configs = prepare(args)
     workload = {"prompts": wl["prompts"], "output_lens": wl["output_lens"]}
     t_start = time.perf_counter()
