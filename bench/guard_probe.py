@@ -1,17 +1,17 @@
 """One open-loop replay through the in-process engine with the server's engine settings, in
-about two minutes: a quick look at how a scheduling setting does at one window and rate.
+a few minutes: a quick look at how a scheduling setting does at one window and rate.
 
-``make bench-peers`` answers the served-goodput question over HTTP beside vLLM, in 23
-minutes. This answers a narrower one fast: with the HTTP layer left out, how does the
+``make bench-peers`` answers the served-goodput question over HTTP beside vLLM, in about
+half an hour a window. This answers a narrower one fast: with the HTTP layer left out, how does the
 engine (``deploy.config.SERVER_ENGINE_DEFAULTS`` plus the benchmark's SLOs declared as the
 class SLOs, plus ``--engine`` overrides) do on a window of the conversation trace (lengths
 / 8, as the peers benchmark scales them) at one offered rate? Optionally the 70%
 interactive / 30% batch mix and the ingress's admission. A single run's attainment
-varied by up to 11 points between two runs of one setting on the 2-core host (see
-``docs/served-overhead.md``, twelfth session): compare settings in alternating pairs. Run
-from the repository root::
+varies between runs of one setting on a shared 2-core host by more than most settings
+change it: compare settings in alternating pairs. Not a suite: a probe to run while tuning,
+whose rows are for comparing settings, not committed. Run from the repository root::
 
-    .venv/bin/python bench/guard_probe.py --window-start 3000 --rate 1.9 \\
+    python -m bench.guard_probe --window-start 3000 --rate 1.9 \\
         --slo-ttft-s 2.1 --slo-tpot-s 0.263 --step-log /tmp/steps.jsonl
 
 Prints one row (attainment, TTFT and TPOT p50 / p99, refusals, the steps' prefill chunk
@@ -27,11 +27,10 @@ import statistics
 import sys
 from pathlib import Path
 
-import report as rp
-from inprocess import run_open, start_engine, stop_engine
-from sim_validate import MIX
-from workload import REPO, TRACE, Lengths, Window
-
+from bench.sim_validate import MIX
+from bench.toolkit import report as rp
+from bench.toolkit.inprocess import run_open, start_engine, stop_engine
+from bench.toolkit.workload import REPO, TRACE, Lengths, Window
 from deploy.config import SERVER_ENGINE_DEFAULTS
 
 OUT = REPO / "bench" / "results" / "guard_probe.jsonl"

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python bench/prefix_cache.py            # about 15-20 minutes; prints its estimate
+    python -m bench.prefix_cache      # prints its expected duration first
 
 Workload
     Multi-turn conversations: every request starts with one shared 500-token system prompt,
@@ -29,7 +29,7 @@ Report
     prompt tokens, from each response's ``usage.prompt_tokens_details.cached_tokens``) and
     prefill tokens computed; over all requests:
     TTFT p50/p99, SLO attainment; goodput (the highest rate with >= 90% attainment,
-    ``bench/report.py``). JSON and the table go to ``bench/results/prefix_cache.*``.
+    :mod:`bench.toolkit.report`). JSON and the table go to ``bench/results/prefix_cache.*``.
 """
 
 from __future__ import annotations
@@ -41,14 +41,20 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import loadgen  # noqa: E402
-import peer_servers as ps  # noqa: E402
-import report as rp  # noqa: E402
-from loadgen import LoadRequest  # noqa: E402
-from targets import HttpTarget, http_client  # noqa: E402
-from workload import ATTRIBUTION, REPO, TRACE, Lengths, arrival_offsets, read_trace, token_ids  # noqa: E402,E501
+from bench.toolkit import loadgen
+from bench.toolkit import report as rp
+from bench.toolkit import servers as ps
+from bench.toolkit.loadgen import LoadRequest
+from bench.toolkit.targets import HttpTarget, http_client
+from bench.toolkit.workload import (
+    ATTRIBUTION,
+    REPO,
+    TRACE,
+    Lengths,
+    arrival_offsets,
+    read_trace,
+    token_ids,
+)
 
 SYSTEM_PROMPT_TOKENS = 500
 LENGTHS = Lengths(max_prompt=256, max_output=128)
@@ -237,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "args": vars(args),
         "machine": ps.machine_info(),
+        "run": rp.run_record(),
         "model_dir": model_dir,
         "trace_attribution": ATTRIBUTION,
         "lengths": LENGTHS.describe(),

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import peers  # noqa: E402
-import serve_bench as sb  # noqa: E402
+from bench import peers
+from bench.toolkit import serve_bench as sb
 
 
 def test_each_replay_sends_new_prompts_of_the_same_lengths(model_dir, tmp_path):
@@ -70,7 +65,7 @@ class _FakeTarget:
     async def stream(self, req, rec):
         import asyncio
 
-        from loadgen import Refused
+        from bench.toolkit.loadgen import Refused
 
         if req.cls == "refuse":
             raise Refused("queue full", retry_after_s=1.0)
@@ -86,8 +81,8 @@ class _FakeTarget:
 def test_open_loop_judges_each_request_as_vllm_does():
     import asyncio
 
-    import loadgen
-    import report as rp
+    from bench.toolkit import loadgen
+    from bench.toolkit import report as rp
 
     reqs = [
         loadgen.LoadRequest(f"r{i}", i, cls, [1, 2, 3], 3, 5, 0.02 * i)
@@ -118,7 +113,7 @@ def test_open_loop_judges_each_request_as_vllm_does():
 
 
 def test_goodput_is_the_highest_rate_that_meets_the_target():
-    import report as rp
+    from bench.toolkit import report as rp
 
     pts = [{"rate": r, "attainment": a} for r, a in ((1, 1.0), (2, 0.95), (3, 0.8), (4, 0.95))]
     g = rp.goodput(pts)
@@ -130,7 +125,7 @@ def test_goodput_is_the_highest_rate_that_meets_the_target():
 
 
 def test_window_rescales_the_trace_to_the_offered_rate(tmp_path):
-    import workload
+    from bench.toolkit import workload
 
     trace = tmp_path / "trace.csv"
     gaps = [0, 1, 3, 4, 8, 9, 10]  # bursts and a lull, in trace seconds
@@ -156,7 +151,7 @@ def test_window_rescales_the_trace_to_the_offered_rate(tmp_path):
 
 
 def test_prefix_workload_turns_resend_the_conversation_and_replays_differ(tmp_path):
-    import prefix_cache as pc
+    from bench import prefix_cache as pc
 
     trace = tmp_path / "trace.csv"
     rows = [f"2023-11-16 18:15:{i:02d}.5,{200 + 40 * i},{10 + i}" for i in range(13)]
@@ -183,7 +178,7 @@ def test_prefix_workload_turns_resend_the_conversation_and_replays_differ(tmp_pa
 def test_guard_probe_judges_refusals_as_misses_and_in_the_mix_only_interactive():
     import argparse
 
-    import guard_probe
+    from bench import guard_probe
 
     def rec(cls, status, first, end, n):
         return {
@@ -211,28 +206,6 @@ def test_guard_probe_judges_refusals_as_misses_and_in_the_mix_only_interactive()
     row = guard_probe.summarize(args, records, wall_s=10.0)
     assert row["requests"] == 4 and row["attainment"] == pytest.approx(1 / 4)
     assert row["batch_tok_s"] is None
-
-
-def test_contention_slope_split_and_explained_share():
-    import contention
-
-    # ms rise 13% per 0.1 core of a burner: the slope is 1.3 per core, through the origin.
-    assert contention.slope([(0.1, 113.0), (0.2, 126.0)], 100.0) == pytest.approx(1.3)
-    assert contention.slope([], 100.0) == 0.0
-    # The replica's busiest threads (torch's) are the engine; the rest count as foreign.
-    before = {1: 10.0, 2: 10.0, 3: 1.0, 4: 1.0}
-    after = {1: 19.0, 2: 18.5, 3: 1.4, 4: 1.1, 5: 0.5}
-    engine, other = contention.replica_split(before, after, 10.0, engine_threads=2)
-    assert (engine, other) == pytest.approx((1.75, 0.1))
-    offline = {str(n): {"ms_at_0": 40.0, "slope": 1.5} for n in contention.STREAMS}
-    served = {
-        str(n): {"ms_per_token": 46.0, "foreign": {"ingress": 0.06, "ray": 0.04}}
-        for n in contention.STREAMS
-    }
-    row = contention.explain(offline, served)[0]
-    assert row["foreign_cores"] == pytest.approx(0.1)
-    assert row["predicted_ms"] == pytest.approx(46.0)
-    assert (row["explained"], row["overhead"]) == pytest.approx((0.15, 0.15))
 
 
 def _summary(rate: float, overall: float, interactive: float | None = None) -> dict:
@@ -265,7 +238,7 @@ def test_rates_extend_past_the_grid_while_the_system_passes():
 def test_paired_probes_alternate_which_side_goes_first_and_take_the_median_ratio(monkeypatch):
     import asyncio
 
-    import peer_servers as ps
+    from bench.toolkit import servers as ps
 
     calls = []
     served = iter([9.0, 10.0, 11.0, 30.0])  # the warm-up, then 3 rounds
@@ -314,8 +287,9 @@ async def _targets_on(body: str, status: int = 200):
     (tokens or the error's type, record) for httpx's, then aiohttp's."""
     from aiohttp import web
     from aiohttp.test_utils import TestServer
-    from loadgen import LoadRequest
-    from targets import AiohttpTarget, HttpTarget, aiohttp_session, http_client
+
+    from bench.toolkit.loadgen import LoadRequest
+    from bench.toolkit.targets import AiohttpTarget, HttpTarget, aiohttp_session, http_client
 
     async def answer(_request):
         return web.Response(status=status, text=body, content_type="text/event-stream")
@@ -339,7 +313,7 @@ async def _targets_on(body: str, status: int = 200):
 def test_both_http_targets_count_tokens_and_fail_alike():
     import asyncio
 
-    from loadgen import Refused
+    from bench.toolkit.loadgen import Refused
 
     # A chunk per token, then the usage counting two more (a chunk that carried several).
     body = (
@@ -365,3 +339,39 @@ def test_both_http_targets_count_tokens_and_fail_alike():
     assert [rec["http_status"] for _, rec in refused] == [429, 429]
     error = 'data: {"error": {"message": "replica_lost"}}\n\n'
     assert [t for t, _ in asyncio.run(_targets_on(error))] == ["RuntimeError"] * 2
+
+
+def test_benchmarks_page_is_what_the_results_render():
+    # docs/benchmarks.md is generated from bench/results/*.json: a result rerun, or a
+    # suite's report changed, without `python -m bench.docs` fails here.
+    from pathlib import Path
+
+    from bench import docs
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+    text = docs.render()
+    assert page.read_text() == text
+    assert "session" not in text.lower()
+    # Every suite's result records its run.
+    for suite in docs.SUITES:
+        assert f"python -m {suite.module}" in text
+    assert text.count("| commit | ") == sum(len(s.results) for s in docs.SUITES) + 1  # peers: 2
+
+
+def test_every_result_file_records_its_run():
+    import json
+    from pathlib import Path
+
+    from bench import docs
+
+    for suite in docs.SUITES:
+        for name in suite.results:
+            result = json.loads((docs.RESULTS / name).read_text())
+            runs = result["windows"] if "windows" in result else [result]
+            for r in runs:
+                assert {"date", "commit", "host", "command"} <= set(r["run"]), name
+    assert not sorted(
+        p.name
+        for p in Path(docs.RESULTS).glob("*.json")
+        if p.name not in {n for s in docs.SUITES for n in s.results} and "_quick" not in p.name
+    ), "a result file no suite renders (smoke runs write *_quick files, never committed)"

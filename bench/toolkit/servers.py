@@ -1,4 +1,5 @@
-"""Start and stop the servers ``bench/peers.py`` compares; probe them; count CPU per process."""
+"""Start and stop the servers the HTTP suites compare (:mod:`bench.peers`,
+:mod:`bench.prefix_cache`, :mod:`bench.batch`); probe them; count CPU per process."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import loadgen
 import yaml
-from loadgen import LoadRequest
-from targets import AiohttpTarget, aiohttp_session
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.toolkit import loadgen
+from bench.toolkit.loadgen import LoadRequest
+from bench.toolkit.targets import AiohttpTarget, aiohttp_session
+
+REPO = Path(__file__).resolve().parents[2]
 PORT = 8123
 MODEL_NAME = "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 420.0
@@ -58,7 +60,7 @@ SYSTEMS = {
     # The same replica as a Ray Serve deployment, as `iterserve serve` ran one replica
     # until the in-process server (and as a cluster or several replicas still run).
     "iterserve-ray": SystemSpec("iterserve-ray", "iterserve", ray=True),
-    # What `iterserve serve --config` gave before this benchmark's levers (commit d18065a):
+    # What `iterserve serve --config` gave before this benchmark's levers:
     # one replica of one CPU, stats every 0.1 s, Serve's 0.1 s control loop and default
     # (not throughput-optimized) mode, and an engine section that replaced the server's
     # policy and TPOT guard.
@@ -238,7 +240,8 @@ def _own_cpu_s() -> float:
 
 
 class OfflineEngine:
-    """``bench/offline_peer.py --probe-loop`` in an engine's venv, for a ``with`` block.
+    """``python -m bench.toolkit.offline --probe-loop`` in an engine's venv, for a ``with``
+    block.
 
     ``start()`` loads the engine; it then stays loaded, blocked on its stdin (no CPU)
     between requests: :meth:`measure` runs the offline measurements once, and
@@ -250,7 +253,8 @@ class OfflineEngine:
         self.name = name
         self.cmd = [
             str(python),
-            str(REPO / "bench/offline_peer.py"),
+            "-m",
+            "bench.toolkit.offline",
             "--engine",
             name,
             "--probe-loop",
@@ -284,7 +288,7 @@ class OfflineEngine:
         return answer
 
     def measure(self, warmup: bool) -> dict:
-        """The offline measurements once (``bench/offline_peer.py``)."""
+        """The offline measurements once (:func:`bench.toolkit.offline.measure`)."""
         return self._ask({"measure": {"warmup": warmup}})
 
     def _answer(self) -> dict:
@@ -372,7 +376,7 @@ PROCESS_GROUPS = (
     ("EngineCore", "vLLM engine core"),
     ("VLLM::", "vLLM engine core"),
     ("vllm.entrypoints", "vLLM API server"),
-    ("bench/peers.py", "load generator"),
+    ("bench.peers", "load generator"),
     ("raylet", "Ray system"),
     ("gcs_server", "Ray system"),
     ("ray", "Ray system"),

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import loadgen
-from report import finite
-from targets import EngineTarget
-from workload import token_ids
+from bench.toolkit import loadgen
+from bench.toolkit.report import finite
+from bench.toolkit.targets import EngineTarget
+from bench.toolkit.workload import token_ids
 
 
 class StepLog:
@@ -124,7 +124,7 @@ async def run_open(
 ) -> tuple[loadgen.OpenLoopRun, dict[str, Any]]:
     """:func:`loadgen.open_loop` on the engine, with what the run cost and left behind:
     preemptions, other processes' CPU load, and the idle check (``kw``: open_loop's)."""
-    from cpu_load import cpu_snapshot, foreign_cores
+    from bench.toolkit.cpu_load import cpu_snapshot, foreign_cores
 
     preempt0 = target.engine.scheduler.num_preemptions
     cpu0 = cpu_snapshot()

@@ -14,7 +14,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -256,3 +262,37 @@ def plot_attainment(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
+
+
+def host() -> str:
+    """This machine in a few words: cores and CPU model (``/proc/cpuinfo``, else
+    :func:`platform.processor`)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
+        platform.processor() or platform.machine(),
+    )
+    return f"{os.cpu_count()} cores, {model}"
+
+
+def run_record() -> dict[str, str]:
+    """What every result file records about its run, under ``"run"``: ``date`` (UTC, ISO
+    8601, when the run finished), ``commit`` (``git rev-parse --short HEAD`` of the
+    repository, ``"unknown"`` outside git), ``host`` (:func:`host`) and ``command`` (the
+    command line as typed, ``python -m bench.<suite> ...``)."""
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit or "unknown",
+        "host": host(),
+        "command": shlex.join(["python", *sys.orig_argv[1:]]),
+    }

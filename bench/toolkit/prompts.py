@@ -83,5 +83,5 @@ class PromptMaker:
 
 @functools.lru_cache(maxsize=4)
 def prompt_maker(tokenizer_dir: str, seed: int) -> PromptMaker:
-    """A shared :class:`PromptMaker` (loading the tokenizer and corpus costs ~2 s of CPU)."""
+    """A shared :class:`PromptMaker` (loading the tokenizer and corpus costs seconds of CPU)."""
     return PromptMaker(tokenizer_dir, seed)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from deploy.sim.trace import trace_path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRACE = trace_path("conv")
 ATTRIBUTION = (
     "Azure LLM inference trace 2023 (conversation), CC-BY 4.0, from Splitwise: Patel, Choukse, "
@@ -155,7 +155,7 @@ class Window:
 
     def request(self, i: int, tag: str, arrival_s: float = 0.0, cls: str | None = None):
         """The window's ``i``-th row as a :class:`loadgen.LoadRequest` (``cls`` overrides)."""
-        from loadgen import LoadRequest
+        from bench.toolkit.loadgen import LoadRequest
 
         r = self.rows[i]
         p = self.lengths.prompt(r.context_tokens)

