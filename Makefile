@@ -1,6 +1,7 @@
-# Two entry points for a fresh machine: `make serve` and `make test`.
-# Each creates .venv when it is missing. torch is pinned and installed first: an unpinned
-# torch pulls gigabytes of CUDA wheels, while torch==2.13.0 is a local CPU build here.
+# Two entry points for a fresh machine: `make serve` and `make test`; `make check` and
+# `make lint` for contributors. Each creates .venv when it is missing. torch is pinned and
+# installed first: an unpinned torch pulls gigabytes of CUDA wheels, while the pinned
+# version resolves to a CPU build.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 VLLM_VENV := .venv-vllm
 VLLM_VERSION ?= 0.32.0
 
-.PHONY: serve test bench bench-peers venv clean
+.PHONY: serve test check lint docs bench bench-peers venv clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,8 +26,23 @@ venv: $(VENV)/.installed
 serve: venv
 	$(VENV)/bin/iterserve serve
 
+# The full suite, the real server and Ray included (CI runs it after `make lint`).
 test: venv
 	$(PY) -m pytest -q -rs
+
+# The fast unit tests: no test that loads the model into a server, starts Ray or renders
+# the chart (markers in pyproject.toml); for the edit-and-rerun loop.
+check: venv
+	$(PY) -m pytest -q -rs -m "not slow and not gpu"
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	PYTHONPATH=. $(VENV)/bin/lint-imports
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+
+docs: venv
+	$(VENV)/bin/mkdocs serve
 
 bench: venv
 	$(PY) -m bench.engine_throughput
