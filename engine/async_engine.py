@@ -101,8 +101,7 @@ class AsyncLLMEngine:
         libgomp's ``config/linux/wait.h`` switches to ``gomp_throttled_spin_count_var``
         when ``gomp_managed_threads > gomp_available_cpus``), so each op wakes its
         workers through the kernel. Loading on one thread and stepping on another
-        makes steps slower (``bench/engine_thread.py``,
-        ``bench/results/engine_thread.json``).
+        makes steps slower (``bench/results/experiments/engine_thread.json``).
 
         Raises:
             Whatever :class:`LLMEngine` raises for the config.

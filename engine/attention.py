@@ -30,8 +30,8 @@ DECODE_SPLIT_SLOTS = 512
 
 A padded slot costs a gather and an attention read of its K and V in every layer; one more
 gather and SDPA call per layer costs a fixed dispatch in every layer. The balance was
-estimated, not swept: ``bench/decode_attention.py`` (``bench/results/decode_attention.json``)
-times decode steps with the groups against one padded call."""
+estimated, not swept: ``bench/results/experiments/decode_attention.json`` times decode
+steps with the groups against one padded call."""
 
 
 def flash_attn_available() -> bool:

@@ -2,7 +2,7 @@
 
 PyTorch's ``nn.Linear`` on CPU calls MKL's sgemm on the plain ``[out, in]`` weight, which
 is slow at the small row counts of decode steps (1-64 sequences); oneDNN's linear on a
-prepacked weight is faster there (``bench/engine_throughput.py`` measures both in one run:
+prepacked weight is faster there (``python -m bench.engine_throughput`` measures both in one run:
 ``iterserve`` against ``iterserve_noprepack``, ``bench/results/engine_throughput.json``).
 oneDNN's linear takes the weight reordered once into
 its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, which torch.compile's

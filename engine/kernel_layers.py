@@ -34,7 +34,7 @@ PARALLEL_MIN_ROWS = 32
 among the threads: below, waking them costs about what they save. The threshold came from
 timing SiLU-and-multiply and add-and-RMSNorm on one thread against all of them at each row
 count; RoPE and the cache write took it over without a sweep of their own. Prefill
-throughput with and without: ``bench/peers.py``'s offline prefill rows
+throughput with and without: ``python -m bench.peers``' offline prefill rows
 (``bench/results/peers.md``)."""
 
 

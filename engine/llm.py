@@ -21,8 +21,8 @@ The offline prefill rows against vLLM: ``bench/results/peers.md``."""
 OFFLINE_MAX_NUM_SEQS = 128
 """Offline running requests per step where none is given, twice the server's 64. Offline
 work is many short requests at once; wider decode steps make each weight pass feed more
-tokens (``bench/batch_throughput.py``, ``bench/results/batch_throughput.json``). vLLM's
-``run_batch``
+tokens (``python -m bench.batch throughput``, ``bench/results/batch_throughput.json``).
+vLLM's ``run_batch``
 defaults to 128 (``SchedulerConfig.DEFAULT_MAX_NUM_SEQS``, vLLM 0.32), its ``LLM`` class on
 CPU to 256."""
 OFFLINE_DEFAULTS = {

@@ -83,8 +83,8 @@ class Sampler:
         softmax, by inverse transform sampling: one uniform draw per row, from the row's
         generator, located in the row's cumulative distribution (:func:`_locate`). An
         exponential race over the whole vocabulary would draw ``V`` numbers a row; one draw
-        keeps a sampled step's cost near a greedy one's (``bench/sampling_cost.py``,
-        ``bench/results/sampling_cost.json``). Returns ``[R]`` int64.
+        keeps a sampled step's cost near a greedy one's
+        (``bench/results/experiments/sampling_cost.json``). Returns ``[R]`` int64.
         """
         u = torch.stack(
             [

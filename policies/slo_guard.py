@@ -173,7 +173,7 @@ class TpotGuard:
         """This step's ``StepTimeModel.local_ratio``, read once per plan."""
         self.acted: Counter[str] = Counter()
         """Plans each rule of :data:`ACTS` changed, by rule name. A rule that never
-        changes a plan earns nothing (``bench/guard_rules_acts.py`` reads this)."""
+        changes a plan earns nothing (``bench/results/experiments/guard_acts.json`` counted it)."""
 
     def sheds_at_once(self, req: Req, num_running: int, slo: float) -> bool:
         """Whether admitting waiting ``req`` now would only have it shed next step: its

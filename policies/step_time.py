@@ -25,7 +25,7 @@ LOCAL_RATIO_STEPS = 8
 
 TAIL_RATIO_QUANTILE = 0.99
 """Quantile of measured / predicted step seconds, over the fit window, that
-:meth:`StepTimeModel.worst_ratio` allows for (on the 2-core CPU in ``bench/scheduling.py``
+:meth:`StepTimeModel.worst_ratio` allows for (on the 2-core CPU in ``python -m bench.scheduling``
 step logs: median 1.00, p90 1.22, p99 2.08 over 1749 steps)."""
 
 
