@@ -30,8 +30,8 @@ serve: venv
 test: venv
 	$(PY) -m pytest -q -rs
 
-# The fast unit tests: no test that loads the model into a server, starts Ray or renders
-# the chart (markers in pyproject.toml); for the edit-and-rerun loop.
+# The fast unit tests, for the edit-and-rerun loop: the tests marked slow (the real server,
+# Ray, batch commands, greedy generation against transformers) are left out.
 check: venv
 	$(PY) -m pytest -q -rs -m "not slow and not gpu"
 

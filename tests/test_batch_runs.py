@@ -24,6 +24,8 @@ from deploy.config import ServiceConfig
 from tests.ray_head import ray, ray_env, start_head, stop_head
 from tests.serving_app import free_port, running_app
 
+pytestmark = pytest.mark.slow  # real batch commands, a Ray head and ray job submit
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 MODEL = "SmolLM2-135M-Instruct"

@@ -10,6 +10,9 @@ import torch
 from engine import LLM, SamplingParams
 from engine.cpu_linear import PackedLinear
 
+# transformers' generate and several engines over every prompt: the suite's correctness check.
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 20
 # A divergence is accepted only at a near tie of the reference's top-2 logits.
 NEAR_TIE = 1e-4
