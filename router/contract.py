@@ -2,7 +2,7 @@
 replica streams back, and the protocols that every way of reaching a replica implements.
 
 A request's path: the ingress (:class:`router.ingress.Ingress`) asks its
-:class:`Replicas` for a :class:`ReplicaCall` per prompt, with the prompt's
+:class:`Replica` for a :class:`ReplicaCall` per prompt, with the prompt's
 :class:`RequestShape`. The replica answers the call with one :data:`FirstItem`: an
 :class:`Accepted` once its engine queued the request, or a :class:`Refused` (and nothing
 more) when the engine can never run it. Then one :class:`StepItem` per engine step that
@@ -16,7 +16,7 @@ router's modules, the ingress never imports ``deploy``. Ray Serve pickles the it
 the replica's and the ingress's processes: they are frozen data classes of plain values and
 :class:`policies.LoadSnapshot`, so both ends need only this module and ``policies``.
 
-:class:`Replicas` is implemented by :class:`router.dispatch.RayReplicas` (a Ray Serve
+:class:`Replica` is implemented by :class:`router.dispatch.RayReplicas` (a Ray Serve
 deployment's replicas) and :class:`router.local.LocalReplicas` (one engine in the
 ingress's own process: ``iterserve serve`` on one machine, and each replica of
 ``iterserve batch run``, whose lines go through :meth:`router.ingress.Ingress.answer`).
@@ -177,8 +177,10 @@ class ReplicaCall(Protocol):
         ...
 
 
-class Replicas(Protocol):
-    """The model replicas as the ingress sees them."""
+class Replica(Protocol):
+    """The model's replicas as the ingress reaches them: one protocol for every path (the
+    engine in the ingress's process, a Ray Serve deployment's replicas, and each replica
+    of a batch), however many replicas stand behind it."""
 
     async def info(self) -> ModelInfo:
         """The replicas' tokenizer and limits.

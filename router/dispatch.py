@@ -163,7 +163,7 @@ class Dispatch:
 
 
 class RayReplicas:
-    """The model deployment's replicas through Ray Serve (:class:`router.contract.Replicas`).
+    """The model deployment's replicas through Ray Serve (:class:`router.contract.Replica`).
 
     Args:
         handle: the model deployment's handle.
@@ -193,7 +193,7 @@ class RayReplicas:
         shape: RequestShape,
         record: RequestRecord | None = None,
     ) -> Dispatch:
-        """The call of one prompt (:meth:`router.contract.Replicas.call`)."""
+        """The call of one prompt (:meth:`router.contract.Replica.call`)."""
         return Dispatch(
             self.handle, request_id, prompt_token_ids, params, shape, self.streams, record
         )

@@ -7,7 +7,7 @@ the field), the model checked (404), the caller resolved from its API key
 replica's step items become OpenAI chunks (SSE ending with ``data: [DONE]``) or one
 response (:mod:`router.openai_format`).
 
-:class:`Ingress` holds no Ray: its replicas are a :class:`router.contract.Replicas`
+:class:`Ingress` holds no Ray: its replicas are a :class:`router.contract.Replica`
 (:class:`router.dispatch.RayReplicas` for the Ray Serve deployment, :mod:`router.api`;
 :class:`router.local.LocalReplicas` for one replica in the server's own process,
 :mod:`deploy.local_server`, and for each replica of a batch, :mod:`deploy.batch_engine`,
@@ -36,7 +36,7 @@ from router import openai_format as fmt
 from router import responses
 from router.admission import AdmissionRejected, IngressAdmission
 from router.calls import ReplicaLost
-from router.contract import ModelInfo, ReplicaCall, Replicas, RequestShape
+from router.contract import ModelInfo, Replica, ReplicaCall, RequestShape
 from router.cors import ConfiguredCORS
 from router.errors import ApiError
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -104,7 +104,7 @@ class Ingress:
     """
 
     def __init__(
-        self, replicas: Replicas, settings: dict[str, Any], watch_disconnects: bool = False
+        self, replicas: Replica, settings: dict[str, Any], watch_disconnects: bool = False
     ) -> None:
         self.watch_disconnects = watch_disconnects
         self.settings = IngressSettings(**settings)

@@ -127,7 +127,7 @@ class LocalReplica(Protocol):
 
 
 class LocalReplicas:
-    """The one replica of this process (a :class:`router.contract.Replicas`).
+    """The one replica of this process (a :class:`router.contract.Replica`).
 
     Args:
         replica: the replica, whose engine steps on its own thread.
@@ -161,7 +161,7 @@ class LocalReplicas:
         shape: RequestShape,
         record: RequestRecord | None = None,
     ) -> LocalCall:
-        """The call of one prompt (:meth:`router.contract.Replicas.call`).
+        """The call of one prompt (:meth:`router.contract.Replica.call`).
 
         Raises:
             ApiError: 503 when the engine has failed.
