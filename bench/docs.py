@@ -45,9 +45,7 @@ def _run_lines(result: dict) -> list[str]:
     """The run record as a two-column table, and the recorded wall time if any."""
     run = result["run"]
     rows = [("date", run["date"]), ("commit", run["commit"]), ("host", run["host"])]
-    rows.append(("command", f"`{run['command']}`"))
-    if run.get("note"):
-        rows.append(("note", run["note"]))
+    rows.append(("recorded command", f"`{run['command']}`"))
     lines = ["| run | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
     wall = result.get("wall_s", result.get("elapsed_s"))
     if wall is not None:

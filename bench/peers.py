@@ -3,7 +3,7 @@
 Run from the repository root after ``make bench-peers`` created ``.venv-vllm`` (it prints
 its expected duration first)::
 
-    python -m bench.peers                      # full run on window 1000 (about 30 min)
+    python -m bench.peers                      # full run on window 1000
     python -m bench.peers --windows 1000,6000  # and the held-out window 6000 (twice as long)
     python -m bench.peers --quick              # a smoke run of every phase, one window
     python -m bench.peers --base-tree ../old --systems vllm,iterserve,iterserve-base
@@ -252,9 +252,8 @@ def mixed_section(report: dict) -> tuple[list[str], list[dict]]:
     targets = []
     if ok:
         r0 = ok[-1]
-        # The issue judges at vLLM's limit and at 1.5x it: the first rate run at or above
-        # (rates carry 3 decimals; before the limit rate was rounded up, 1.5x could come out
-        # 0.001 short).
+        # Judged at vLLM's limit and at 1.5x it: the first rate run at or above (rates carry
+        # 3 decimals, so 1.5x the limit may be 0.001 off the rate that was run).
         later = [r for r in sorted(v) if r >= 1.5 * r0 - 5e-4]
         for rate in [r0] + later[:1]:
             if rate not in i:

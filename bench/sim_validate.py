@@ -51,10 +51,10 @@ from engine.sim import StepShape
 from engine.sim.calibrate import calibrate, periods
 from policies import DEFAULT_CLASSES
 
-# The report: the targets against the issue's bars, and the markdown.
+# The report: the targets against the validation's bars, and the markdown.
 YES = {True: "yes", False: "no"}
 BARS = {"mean": 0.05, "p99": 0.10}
-"""The issue's bars: mean TTFT and TPOT within 5%, p99 within 10%."""
+"""The bars: mean TTFT and TPOT within 5%, p99 within 10%."""
 
 
 def goodput(rows: list[dict], key: str) -> float | None:

@@ -24,7 +24,7 @@ def build_app(config: ServiceConfig) -> serve.Application:
 
     Each replica reserves ``replica_num_cpus`` CPUs (torch uses that many threads) and
     ``replica_num_gpus`` GPUs. Replicas publish their load snapshot every
-    ``routing_stats_period_s`` seconds; :class:`router.routing.LoadAwareRouter` routes
+    ``routing_stats_period_s`` seconds; :class:`router.request_router.LoadAwareRouter` routes
     on it and the ingress admits on it. The ingress reserves no CPU: it only waits on I/O.
     """
     engine = config.engine_config()

@@ -44,8 +44,8 @@ class EngineReplica:
     Args:
         engine_config: :class:`engine.EngineConfig` fields.
         num_threads: torch intra-op threads; the CPUs reserved for this replica, so
-            replicas sharing a machine do not oversubscribe it (on 2 cores, two replicas
-            of 2 threads each run several times slower than two of 1).
+            replicas sharing a machine do not oversubscribe it (oversubscribed OpenMP
+            threads wait at barriers for preempted peers: docs/operations.md, "Few cores").
         replica_id: the id the ingress knows this replica by.
     """
 

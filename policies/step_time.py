@@ -25,8 +25,8 @@ LOCAL_RATIO_STEPS = 8
 
 TAIL_RATIO_QUANTILE = 0.99
 """Quantile of measured / predicted step seconds, over the fit window, that
-:meth:`StepTimeModel.worst_ratio` allows for (on the 2-core CPU in ``python -m bench.scheduling``
-step logs: median 1.00, p90 1.22, p99 2.08 over 1749 steps)."""
+:meth:`StepTimeModel.worst_ratio` allows for (the step logs of ``python -m bench.scheduling --step-log FILE`` show the spread on a
+given host)."""
 
 
 class StepTimeModel:
@@ -158,7 +158,7 @@ class StepTimeModel:
         would break: the larger of the largest measured / predicted seconds over the last
         ``LOCAL_RATIO_STEPS`` steps (where the engine runs now) and their
         ``TAIL_RATIO_QUANTILE`` quantile over the fit window (spikes that the last few
-        steps need not show: 2x on a shared CPU), clamped to [0.5, 3]; 1.0 before any."""
+        steps need not show, as on a shared CPU), clamped to [0.5, 3]; 1.0 before any."""
         if not self._ratios:
             return 1.0
         ranked = self._ranked

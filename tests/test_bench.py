@@ -45,7 +45,7 @@ def test_host_factor_scales_slos_up_and_rates_down():
     assert (s.slo_ttft_s, s.slo_tpot_s) == (2 * args.slo_ttft_s, 2 * args.slo_tpot_s)
     assert s.rates == [r / 2 for r in args.rates]
     assert s.max_rate_s == 2 * args.max_rate_s
-    # A faster host than the reference keeps the SLOs and rates.
+    # A faster host than the reference keeps the benchmark's own SLOs and rates.
     fast = {"vllm": {"median": {"stream1_ms_per_step": peers.REFERENCE_STREAM1_MS / 2}}}
     assert peers.host_factor(args, fast)["k"] == 1.0
     assert peers.host_factor(peers.parse_args(["--host-factor", "1.5"]), None)["k"] == 1.5

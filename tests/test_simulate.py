@@ -255,7 +255,7 @@ def test_traces_are_windowed_rescaled_and_classed(tmp_path):
         load_requests(TraceSpec(str(path)))
     with pytest.raises(ValueError, match="name=weight"):
         parse_mix("interactive")
-    # A CSV need not be sorted (rows before the first used to fall out of the window); a
+    # A CSV need not be sorted (rows before the first still fall in the window); a
     # short row, a negative or fractional length and a NaN arrival are refused, not a
     # traceback or a clamp.
     csv = tmp_path / "t.csv"

@@ -57,13 +57,11 @@ SYSTEMS = {
         "iterserve-static", "iterserve", {"policy": "static", "tpot_slo_guard": False}
     ),
     "vllm": SystemSpec("vllm", "vllm"),
-    # The same replica as a Ray Serve deployment, as `iterserve serve` ran one replica
-    # until the in-process server (and as a cluster or several replicas still run).
+    # The same replica as a Ray Serve deployment (as a cluster or several replicas run).
     "iterserve-ray": SystemSpec("iterserve-ray", "iterserve", ray=True),
-    # What `iterserve serve --config` gave before this benchmark's levers:
-    # one replica of one CPU, stats every 0.1 s, Serve's 0.1 s control loop and default
-    # (not throughput-optimized) mode, and an engine section that replaced the server's
-    # policy and TPOT guard.
+    # Without the serving defaults that this benchmark measures: one replica of one CPU
+    # on Ray Serve, stats every 0.1 s, Serve's 0.1 s control loop and default (not
+    # throughput-optimized) mode, FCFS and no TPOT guard.
     "iterserve-before": SystemSpec(
         "iterserve-before",
         "iterserve",
@@ -343,7 +341,7 @@ async def paired_token_cost(
     of the pairs' served / offline ratios, minus one; ``client_cores`` the median of the
     load generator's CPU share (see :func:`token_cost`)."""
     # Both sides once at this shape first: a first call pays one-time costs (vLLM's
-    # offline engine read up to 20% slow in the first pair without it).
+    # offline engine reads slow in the first pair without it).
     await token_cost(server, streams, 8, warmup=False)
     offline.decode_ms(streams, 8)
     served, alone, client = [], [], []

@@ -321,7 +321,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--output {args.output}: not a file in a writable directory")
     print(
         f"calibrating: {len(CONCURRENCY)} concurrency levels x {args.steps_per_level} "
-        "steps of the real engine (about 2 minutes on a 2-core CPU)",
+        "steps of the real engine",
         file=sys.stderr,
     )
     cost, summary = calibrate(
