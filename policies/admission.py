@@ -105,9 +105,9 @@ class AdmissionController:
 
     The TTFT budget is the SLO minus ``waited_s`` (the SLO counts from arrival). A
     prediction must fit ``slo_margin`` times its budget or SLO: the rest absorbs
-    prediction error (``python -m bench.scheduling`` reports it against the SLOs). An SLO the request could not meet even on an idle replica
-    (a very long prompt) is replaced by what an idle replica would achieve, so an idle
-    replica always admits.
+    prediction error (``python -m bench.scheduling`` reports it against the SLOs). An SLO
+    the request could not meet even on an idle replica (a very long prompt) is replaced by
+    what an idle replica would achieve, so an idle replica always admits.
 
     Args:
         classes: traffic classes by name.

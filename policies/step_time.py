@@ -25,8 +25,8 @@ LOCAL_RATIO_STEPS = 8
 
 TAIL_RATIO_QUANTILE = 0.99
 """Quantile of measured / predicted step seconds, over the fit window, that
-:meth:`StepTimeModel.worst_ratio` allows for (the step logs of ``python -m bench.scheduling --step-log FILE`` show the spread on a
-given host)."""
+:meth:`StepTimeModel.worst_ratio` allows for (the step logs of
+``python -m bench.scheduling --step-log FILE`` show the spread on a given host)."""
 
 
 class StepTimeModel:
