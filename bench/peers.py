@@ -494,15 +494,13 @@ def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.N
     args.mix_rates = [float(x) for x in args.mix_rates.split(",")]
     args.systems = args.systems.split(",")
     if args.base_tree:
-        base = Path(args.base_tree).resolve()
-        if not (base / "deploy" / "cli.py").is_file():
+        args.base_tree = str(Path(args.base_tree).resolve())
+        if not (Path(args.base_tree) / "deploy" / "cli.py").is_file():
             p.error(f"--base-tree {args.base_tree}: not an iterserve checkout (no deploy/cli.py)")
-        ps.SYSTEMS["iterserve-base"] = ps.SystemSpec(
-            "iterserve-base", "iterserve", env={"PYTHONPATH": str(base)}
-        )
-    unknown = [s for s in args.systems if s not in ps.SYSTEMS]
+    known = [*ps.SYSTEMS, *(["iterserve-base"] if args.base_tree else [])]
+    unknown = [s for s in args.systems if s not in known]
     if unknown:
-        p.error(f"--systems: unknown {', '.join(unknown)} (known: {', '.join(ps.SYSTEMS)})")
+        p.error(f"--systems: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     return args
 
 
@@ -597,6 +595,14 @@ def host_factor(args: argparse.Namespace, offline: dict | None) -> dict:
     }
 
 
+def system(args: argparse.Namespace, name: str) -> ps.SystemSpec:
+    """The served system ``name``: one of :data:`ps.SYSTEMS`, or ``iterserve-base``
+    (``iterserve`` from ``--base-tree``, that tree first on ``PYTHONPATH``)."""
+    if name == "iterserve-base":
+        return ps.SystemSpec("iterserve-base", "iterserve", env={"PYTHONPATH": args.base_tree})
+    return ps.SYSTEMS[name]
+
+
 def scaled(args: argparse.Namespace, k: float) -> argparse.Namespace:
     """``args`` with SLOs and the per-rate cap times ``k``, rates divided by ``k``."""
     return argparse.Namespace(
@@ -688,7 +694,7 @@ def run_mix(args: argparse.Namespace, model_dir: str) -> dict:
     rates = None
     for name in [n for n in ("vllm", "iterserve") if n in args.systems]:
         out[name] = run_system(
-            args, replace(ps.SYSTEMS[name], priority=True), model_dir, mix=True, rates=rates
+            args, replace(system(args, name), priority=True), model_dir, mix=True, rates=rates
         )
         if name == "vllm":
             rates = [s["rate"] for s in out[name]["replay"]["summaries"]]
@@ -711,7 +717,11 @@ def run_phases(args: argparse.Namespace, report: dict, model_dir: str, engines: 
     )
     report["served"] = {
         name: run_system(
-            args, ps.SYSTEMS[name], model_dir, mix=False, offline=engines.get(ps.SYSTEMS[name].kind)
+            args,
+            system(args, name),
+            model_dir,
+            mix=False,
+            offline=engines.get(system(args, name).kind),
         )
         for name in args.systems
     }

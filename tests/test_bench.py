@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench import peers
@@ -53,6 +55,24 @@ def test_host_factor_scales_slos_up_and_rates_down():
     for bad in ("fast", "0", "-2"):
         with pytest.raises(SystemExit):
             peers.parse_args(["--host-factor", bad])
+
+
+def test_base_tree_serves_another_checkout_as_iterserve_base(tmp_path):
+    # The before/after comparison: iterserve-base is iterserve with the other tree first on
+    # PYTHONPATH; without --base-tree, or with a tree that is no checkout, it is refused.
+    import json
+
+    from bench.toolkit.servers import SYSTEMS
+
+    root = Path(__file__).resolve().parents[1]
+    args = peers.parse_args(["--base-tree", str(root), "--systems", "vllm,iterserve-base"])
+    base = peers.system(args, "iterserve-base")
+    assert (base.kind, base.env) == ("iterserve", {"PYTHONPATH": str(root)})
+    assert peers.system(args, "vllm") is SYSTEMS["vllm"] and "iterserve-base" not in SYSTEMS
+    json.dumps(vars(args))  # the report records its arguments
+    for argv in (["--systems", "iterserve-base"], ["--base-tree", str(tmp_path)]):
+        with pytest.raises(SystemExit):
+            peers.parse_args(argv)
 
 
 class _FakeTarget:
