@@ -45,6 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
         num_replicas=args.num_replicas,
         host=args.host,
         port=args.port,
+        step_log=args.step_log,
     )
     from deploy.server import run_server
 
@@ -105,6 +106,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     srv.add_argument(
         "--config", default=None, help="YAML ServiceConfig; flags given here override it"
+    )
+    srv.add_argument(
+        "--step-log",
+        default=None,
+        metavar="FILE",
+        help="append every engine step and request event to FILE as JSON lines "
+        "(iterserve simulate --replay-steps reads it)",
     )
     srv.add_argument(
         "--address",

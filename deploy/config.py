@@ -16,6 +16,7 @@ import yaml
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
+from engine.step_log import HISTORY
 from policies import TrafficClass, make_classes
 from router.settings import IngressOptions, IngressSettings
 from router.tenants import check_key_classes
@@ -73,6 +74,19 @@ class ServiceConfig(IngressOptions):
         "each other, route to the one that was sent a longer prefix of the prompt "
         "(needs engine.enable_prefix_caching)",
     )
+    step_log: str | None = Field(
+        None,
+        description="a JSONL file the server appends every engine step and every request's "
+        "arrival, admission, refusal and finish to (`iterserve simulate --replay-steps` "
+        "reads it; format: engine/step_log.py); one-process server (num_replicas: 1) only",
+    )
+    step_history: int = Field(
+        HISTORY,
+        ge=0,
+        description="step-log records (steps and request events) kept in memory for "
+        "`GET /steps`, which `iterserve calibrate --from-url` and `iterserve simulate "
+        "--from-url` read; 0: none kept",
+    )
     host: str = Field("127.0.0.1", description="the address the HTTP server binds")
     port: int = Field(8000, ge=0, le=65535, description="the HTTP port of the API")
 
@@ -106,6 +120,15 @@ class ServiceConfig(IngressOptions):
             raise ValueError(
                 "replica_num_gpus > 0 with engine.dtype 'float32', the CPU dtype: "
                 "flash-attn needs bfloat16 or float16 ('auto' picks bfloat16)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _step_log_local(self) -> ServiceConfig:
+        # Replicas on Ray Serve keep no step log yet: refused, not silently ignored.
+        if self.step_log is not None and self.num_replicas > 1:
+            raise ValueError(
+                "step_log is recorded by the one-process server; it needs num_replicas: 1"
             )
         return self
 

@@ -22,6 +22,7 @@ from engine import (
     RequestRejectedError,
     SamplingParams,
 )
+from engine.step_log import StepRecorder, engine_info
 from engine.step_metrics import StepMetrics
 from policies import LoadSnapshot
 from router.contract import (
@@ -47,13 +48,30 @@ class EngineReplica:
             replicas sharing a machine do not oversubscribe it (oversubscribed OpenMP
             threads wait at barriers for preempted peers: docs/operations.md, "Few cores").
         replica_id: the id the ingress knows this replica by.
+        step_log: a JSONL file to append the step log to (:mod:`engine.step_log`).
+        step_history: step-log records kept in memory (``GET /steps``); with 0 and no
+            ``step_log``, nothing is recorded and :attr:`recorder` is None.
+
+    Raises:
+        OSError: ``step_log`` cannot be opened for appending.
     """
 
-    def __init__(self, engine_config: dict[str, Any], num_threads: int, replica_id: str) -> None:
+    def __init__(
+        self,
+        engine_config: dict[str, Any],
+        num_threads: int,
+        replica_id: str,
+        step_log: str | None = None,
+        step_history: int = 0,
+    ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.engine = AsyncLLMEngine.from_config(EngineConfig(**engine_config))
         self.step_metrics = StepMetrics()
         self.engine.engine.on_step = self.step_metrics.record
+        self.recorder: StepRecorder | None = None
+        if step_log is not None or step_history > 0:
+            self.recorder = StepRecorder(engine_info(self.engine.engine), step_log, step_history)
+            self.recorder.attach(self.engine.engine)
         self.replica_id = replica_id
         logger.info("replica ready (pid %d, %d torch threads)", os.getpid(), num_threads)
 

@@ -102,9 +102,18 @@ class _Server(uvicorn.Server):
 def build_local(config: ServiceConfig) -> tuple[_Server, EngineReplica]:
     """The server (not yet started) and its replica, once the model has loaded."""
     threads = max(1, math.floor(config.replica_num_cpus))
-    replica = EngineReplica(config.engine_config().model_dump(), threads, REPLICA_ID)
+    replica = EngineReplica(
+        config.engine_config().model_dump(),
+        threads,
+        REPLICA_ID,
+        step_log=config.step_log,
+        step_history=config.step_history,
+    )
     ingress = Ingress(
-        LocalReplicas(replica), config.ingress_settings().model_dump(), watch_disconnects=True
+        LocalReplicas(replica),
+        config.ingress_settings().model_dump(),
+        watch_disconnects=True,
+        step_log=replica.recorder,
     )
     app = make_app()
     add_routes(app, ingress)

@@ -211,6 +211,13 @@ def run_server(config: ServiceConfig, address: str | None = None) -> int:
         except (ServeError, PortInUse) as e:
             print(f"iterserve: error: {e}", flush=True)
             return 1
+    if config.step_log is not None:
+        print(
+            "iterserve: error: step_log is recorded by the one-process server: "
+            "drop --address (and keep num_replicas: 1)",
+            flush=True,
+        )
+        return 1
     return _run_on_ray(config, address)
 
 

@@ -52,7 +52,8 @@ class StepRecord:
     ``sample``); empty when the runner gives none (see :class:`ModelRunner`).
     ``predicted_s`` is the step-time model's prediction for the step's shape, made before
     it ran and scaled by the model's recent measured / predicted ratio (as the TPOT guard
-    sees it). Queue sizes are after the step. ``seqs`` holds ``(request id, first position
+    sees it). ``tokens_at`` is when the step's sampled tokens were stamped (a request's
+    first-token time), in seconds from ``start``. Queue sizes are after the step. ``seqs`` holds ``(request id, first position
     scheduled, tokens)`` per scheduled sequence, decodes first; ``guard`` is the TPOT
     guard's plan (defaults when it is off).
     """
@@ -61,6 +62,7 @@ class StepRecord:
     start: float
     seconds: float
     schedule_s: float
+    tokens_at: float
     phases: tuple[tuple[str, float], ...]
     predicted_s: float
     num_decodes: int
@@ -73,3 +75,26 @@ class StepRecord:
     owed_cap: float
     sat_out: tuple[str, ...]
     shed: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FinishRecord:
+    """One request that ended (finished, stopped or aborted), as
+    :attr:`engine.LLMEngine.on_finish` receives it.
+
+    Times are seconds on the engine's clock: ``arrival`` (added to the engine),
+    ``first_token`` (its first token stamped; None if it got none) and ``finish``.
+    ``output_tokens`` is the most any of its ``n`` sequences generated; ``reason`` is
+    the first sequence's finish reason (``stop``, ``length`` or ``abort``).
+    """
+
+    request_id: str
+    traffic_class: str
+    priority: int
+    prompt_tokens: int
+    max_tokens: int
+    output_tokens: int
+    arrival: float
+    first_token: float | None
+    finish: float
+    reason: str

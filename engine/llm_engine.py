@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.interfaces import ModelRunner, StepRecord
+from engine.interfaces import FinishRecord, ModelRunner, StepRecord
 from engine.kv_cache import BlockManager
 from engine.outputs import RequestGroup, make_output
 from engine.request import FinishReason, ParamError, Request, RequestOutput, SamplingParams
@@ -85,6 +85,9 @@ class LLMEngine:
         self.on_step: Callable[[StepRecord], None] | None = None
         """Called after every step that ran, with its :class:`StepRecord` (step logs,
         metrics); on the thread that steps the engine."""
+        self.on_finish: Callable[[FinishRecord], None] | None = None
+        """Called once for every request that ends (finished, stopped, aborted), with its
+        :class:`FinishRecord` (step logs); on the thread that steps the engine."""
         self.on_scheduled: Callable[[LoadSnapshot], None] | None = None
         """Called in every step between scheduling and running it, with the load as after
         the step (``load_snapshot(in_flight=...)``): the replica publishes that while the
@@ -286,6 +289,7 @@ class LLMEngine:
                 if not req.is_finished:
                     self.scheduler.finish(req, FinishReason.ABORT, now)
             outs.append(make_output(group, aborted))
+            self._finished(group)
         return outs
 
     def has_unfinished_requests(self) -> bool:
@@ -337,14 +341,35 @@ class LLMEngine:
                 outputs.append(output)
             if group.finished:
                 del self._groups[parent]
+                self._finished(group)
         seconds = self.clock() - start
         prefill = out.num_batched_tokens - out.num_decodes
         self.step_time_model.observe(prefill, out.num_decodes, seconds)
         self._recent_step_s.append(seconds)
         self._num_steps += 1
         if self.on_step is not None:
-            self.on_step(self._record(out, start, seconds, schedule_s, predicted))
+            self.on_step(self._record(out, start, seconds, schedule_s, now - start, predicted))
         return outputs
+
+    def _finished(self, group: RequestGroup) -> None:
+        if self.on_finish is None:
+            return
+        first = group.seqs[0]
+        tokens = [r.first_token_time for r in group.seqs if r.first_token_time is not None]
+        self.on_finish(
+            FinishRecord(
+                request_id=group.request_id,
+                traffic_class=first.traffic_class,
+                priority=first.priority,
+                prompt_tokens=len(first.prompt_token_ids),
+                max_tokens=first.max_tokens,
+                output_tokens=max(len(r.output_token_ids) for r in group.seqs),
+                arrival=group.arrival_time,
+                first_token=min(tokens) if tokens else None,
+                finish=max(r.finish_time or group.arrival_time for r in group.seqs),
+                reason=str(first.finish_reason or "abort"),
+            )
+        )
 
     def _predict(self, out: SchedulerOutput) -> float:
         model = self.step_time_model
@@ -357,6 +382,7 @@ class LLMEngine:
         start: float,
         seconds: float,
         schedule_s: float,
+        tokens_at: float,
         predicted: float,
     ) -> StepRecord:
         sched, plan = self.scheduler, self.scheduler.last_guard
@@ -365,6 +391,7 @@ class LLMEngine:
             start=start,
             seconds=seconds,
             schedule_s=schedule_s,
+            tokens_at=tokens_at,
             phases=tuple(getattr(self.runner, "last_phases", ())),
             predicted_s=predicted,
             num_decodes=out.num_decodes,

@@ -224,3 +224,27 @@ class Replica(Protocol):
         """Each replica's routing stats by its id: its snapshot's fields and, under
         ``"metrics"``, its step counts (``/metrics`` renders them)."""
         ...
+
+
+class StepEvents(Protocol):
+    """Where the ingress records each request's arrival, admission or refusal, and reads
+    the replica's recent steps for ``GET /steps`` (:class:`engine.step_log.StepRecorder`;
+    its module gives the records' format). Times are ``time.monotonic`` seconds."""
+
+    def arrival(
+        self,
+        request_id: str,
+        t: float,
+        traffic_class: str,
+        priority: int,
+        prompt_tokens: int,
+        max_tokens: int | None,
+    ) -> None: ...
+
+    def admitted(self, request_id: str, t: float, held_s: float) -> None: ...
+
+    def refused(self, request_id: str, t: float, reason: str) -> None: ...
+
+    def recent(self, since: float | None = None) -> list[dict[str, Any]]:
+        """The header record, then the kept records at or after ``since``."""
+        ...

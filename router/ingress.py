@@ -36,7 +36,7 @@ from router import openai_format as fmt
 from router import responses
 from router.admission import AdmissionRejected, IngressAdmission
 from router.calls import ReplicaLost
-from router.contract import ModelInfo, Replica, ReplicaCall, RequestShape
+from router.contract import ModelInfo, Replica, ReplicaCall, RequestShape, StepEvents
 from router.cors import ConfiguredCORS
 from router.errors import ApiError
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -59,6 +59,7 @@ ROUTES = (
     ("GET", "/health", "health"),
     ("GET", "/metrics", "prometheus_metrics"),
     ("GET", "/v1/models", "models"),
+    ("GET", "/steps", "steps"),
     ("POST", "/v1/completions", "completions"),
     ("POST", "/v1/chat/completions", "chat_completions"),
 )
@@ -101,12 +102,19 @@ class Ingress:
         settings: :class:`IngressSettings` fields.
         watch_disconnects: abort a non-streamed request whose client disconnected. Ray
             Serve cancels such a handler itself; uvicorn alone does not.
+        step_log: where request events are recorded and ``GET /steps`` reads recent
+            steps (the one-process server's replica); None: ``GET /steps`` is a 404.
     """
 
     def __init__(
-        self, replicas: Replica, settings: dict[str, Any], watch_disconnects: bool = False
+        self,
+        replicas: Replica,
+        settings: dict[str, Any],
+        watch_disconnects: bool = False,
+        step_log: StepEvents | None = None,
     ) -> None:
         self.watch_disconnects = watch_disconnects
+        self.step_log = step_log
         self.settings = IngressSettings(**settings)
         ConfiguredCORS.origins = self.settings.allowed_origins
         self.replicas = replicas
@@ -181,6 +189,40 @@ class Ingress:
                 ],
             }
         )
+
+    async def steps(self, request: Request) -> Response:
+        """``GET /steps[?seconds=S]``: the step log's header and its records of the last
+        ``S`` seconds (default: all kept), as ``{"records": [...]}``
+        (:mod:`engine.step_log` gives the format). The API key rules of ``/v1/models``
+        apply. 404 when no step history is kept (``step_history: 0``, or replicas on
+        Ray Serve); 400 for a bad ``seconds``."""
+        try:
+            authenticate(self.api_keys, request.headers.get("authorization"))
+            if self.step_log is None:
+                raise ApiError(
+                    404,
+                    "no step history is kept here: it needs the one-process server "
+                    "(num_replicas: 1) and step_history > 0",
+                    code="not_found",
+                )
+            since = None
+            raw = request.query_params.get("seconds")
+            if raw is not None:
+                try:
+                    seconds = float(raw)
+                except ValueError:
+                    seconds = -1.0
+                if not seconds >= 0:
+                    raise ApiError(
+                        400,
+                        f"seconds: expected a number >= 0, got {raw!r}",
+                        param="seconds",
+                        code="invalid_value",
+                    )
+                since = time.monotonic() - seconds
+            return JSONResponse({"records": self.step_log.recent(since)})
+        except ApiError as e:
+            return self._error(e)
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
@@ -307,8 +349,20 @@ class Ingress:
         # A request that can never fit skips admission: the replica answers it with a
         # 400 that has the numbers, not a 429.
         held_s = 0.0
+        log = self.step_log
+        if log is not None:
+            log.arrival(
+                rid, arrival, caller.traffic_class, caller.priority, len(ids), params["max_tokens"]
+            )
         if info.limits.fits(len(ids), params["max_tokens"]):
-            held_s = await self._admit(caller, shape, params["max_tokens"], arrival)
+            try:
+                held_s = await self._admit(caller, shape, params["max_tokens"], arrival)
+            except ApiError as e:
+                if log is not None:
+                    log.refused(rid, time.monotonic(), e.message)
+                raise
+            if log is not None:
+                log.admitted(rid, time.monotonic(), held_s)
         record = self.metrics.request(caller.traffic_class, arrival, len(ids), held_s)
         dispatch = self.replicas.call(rid, ids, params, shape, record)
         try:
