@@ -53,9 +53,9 @@ class StepRecord:
     ``predicted_s`` is the step-time model's prediction for the step's shape, made before
     it ran and scaled by the model's recent measured / predicted ratio (as the TPOT guard
     sees it). ``tokens_at`` is when the step's sampled tokens were stamped (a request's
-    first-token time), in seconds from ``start``. Queue sizes are after the step. ``seqs`` holds ``(request id, first position
-    scheduled, tokens)`` per scheduled sequence, decodes first; ``guard`` is the TPOT
-    guard's plan (defaults when it is off).
+    first-token time), in seconds from ``start``. Queue sizes are after the step.
+    ``seqs`` holds ``(request id, first position scheduled, tokens)`` per scheduled
+    sequence, decodes first; ``guard`` is the TPOT guard's plan (defaults when it is off).
     """
 
     index: int
