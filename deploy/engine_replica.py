@@ -51,6 +51,8 @@ class EngineReplica:
         step_log: a JSONL file to append the step log to (:mod:`engine.step_log`).
         step_history: step-log records kept in memory (``GET /steps``); with 0 and no
             ``step_log``, nothing is recorded and :attr:`recorder` is None.
+        service: the service config, for the step log's header (a replay of the log
+            runs under it).
 
     Raises:
         OSError: ``step_log`` cannot be opened for appending.
@@ -63,6 +65,7 @@ class EngineReplica:
         replica_id: str,
         step_log: str | None = None,
         step_history: int = 0,
+        service: dict[str, Any] | None = None,
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.engine = AsyncLLMEngine.from_config(EngineConfig(**engine_config))
@@ -70,7 +73,8 @@ class EngineReplica:
         self.engine.engine.on_step = self.step_metrics.record
         self.recorder: StepRecorder | None = None
         if step_log is not None or step_history > 0:
-            self.recorder = StepRecorder(engine_info(self.engine.engine), step_log, step_history)
+            info = engine_info(self.engine.engine) | ({"service": service} if service else {})
+            self.recorder = StepRecorder(info, step_log, step_history)
             self.recorder.attach(self.engine.engine)
         self.replica_id = replica_id
         logger.info("replica ready (pid %d, %d torch threads)", os.getpid(), num_threads)

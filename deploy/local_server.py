@@ -108,6 +108,7 @@ def build_local(config: ServiceConfig) -> tuple[_Server, EngineReplica]:
         REPLICA_ID,
         step_log=config.step_log,
         step_history=config.step_history,
+        service=config.model_dump(mode="json", exclude={"api_keys", "api_keys_file"}),
     )
     ingress = Ingress(
         LocalReplicas(replica),

@@ -26,6 +26,7 @@ from deploy.config import ServiceConfig
 from deploy.sim import ROUTING
 from deploy.sim.trace import SimRequest
 from engine import LLMEngine, RequestOutputKind, SamplingParams
+from engine.interfaces import StepRecord
 from engine.sim import SimClock, sim_engine
 from policies import Admit, LoadSnapshot, Reject
 from router.admission import POLL_S, IngressAdmission, computed_tokens
@@ -108,6 +109,12 @@ class Fleet:
         routing: one of :data:`ROUTING`.
         seed: the router's pair draws; a run is a pure function of its inputs and seed.
         timeline_period_s: how often a replica's KV usage is kept for the report.
+        live_loads: admission and routing read each replica's load as it is at the
+            decision, as the one-process server's ingress does (``iterserve serve`` with
+            one replica), instead of the snapshot published every
+            ``routing_stats_period_s``, as on Ray Serve.
+        record_steps: keep every replica's :class:`engine.interfaces.StepRecord` in
+            :attr:`steps` (a replay compares them with the real run's).
 
     Raises:
         ValueError: unknown routing.
@@ -121,6 +128,8 @@ class Fleet:
         routing: str = "load-aware",
         seed: int = 0,
         timeline_period_s: float = 1.0,
+        live_loads: bool = False,
+        record_steps: bool = False,
     ) -> None:
         if routing not in ROUTING:
             raise ValueError(f"routing {routing!r}: one of {ROUTING}")
@@ -130,6 +139,11 @@ class Fleet:
         econfig = config.engine_config()
         engines = [sim_engine(econfig, cost, SimClock()) for _ in range(config.num_replicas)]
         self.replicas = [_Replica(e) for e in engines]
+        self.live_loads = live_loads
+        self.steps: list[list[StepRecord]] = [[] for _ in engines]
+        if record_steps:
+            for e, kept in zip(engines, self.steps):
+                e.on_step = kept.append
         classes = config.traffic_classes()
         policy = econfig.make_policy()
         self.admission = IngressAdmission(
@@ -206,6 +220,22 @@ class Fleet:
                     )
                 )
 
+    def _refresh(self) -> None:
+        """Every replica's snapshot as of now (``live_loads``); a new version only where
+        one changed."""
+        for r in self.replicas:
+            left = max(0.0, r.engine.clock.t - self.now) if r.stepping else 0.0
+            snap = dataclasses.replace(r.engine.load_snapshot(), timestamp=0.0, step_left_s=left)
+            if r.snap is None or dataclasses.replace(r.snap, timestamp=0.0) != snap:
+                self._version += 1
+            r.snap = dataclasses.replace(snap, timestamp=self.now)
+
+    def _load(self, i: int) -> LoadSnapshot:
+        """Replica ``i``'s load for a decision: live, or its last snapshot with what was
+        routed to it since."""
+        snap = self.replicas[i].snap
+        return snap if self.live_loads else self.routed.adjust(i, snap, self.now)
+
     def _shape(self, req: SimRequest) -> RequestShape:
         cls = self.admission.controller.classes.get(req.traffic_class)
         if cls is None:  # a trace line's own class
@@ -218,13 +248,14 @@ class Fleet:
             if self.config.prefix_affinity
             else ()
         )
-        return RequestShape(req.prompt_tokens, req.traffic_class, cls.default_priority, hashes)
+        priority = cls.default_priority if req.priority is None else req.priority
+        return RequestShape(req.prompt_tokens, req.traffic_class, priority, hashes)
 
     def _loads(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
         matched = self.chooser.prefixes.matched_blocks(shape.prefix_hashes)
         return [
             (
-                self.routed.adjust(i, r.snap, self.now),
+                self._load(i),
                 cached_tokens(matched.get(i, 0), r.snap.block_size, shape.prompt_tokens),
             )
             for i, r in enumerate(self.replicas)
@@ -234,6 +265,8 @@ class Fleet:
         """An arrival, or a held request's re-decision (as ``IngressAdmission.admit``)."""
         req = o.request
         shape = o.shape = o.shape or self._shape(req)
+        if self.live_loads:
+            self._refresh()
         if self.admission.enabled:
             if (
                 req.id in self._held
@@ -254,7 +287,7 @@ class Fleet:
                 loads,
                 req.traffic_class,
                 req.prompt_tokens,
-                req.output_tokens,
+                req.output_tokens if req.max_tokens is None else req.max_tokens,
                 shape.priority,
                 req.arrival_s,
             )
@@ -332,7 +365,7 @@ class Fleet:
         ranks = self.chooser.choose(
             ids,
             shape,
-            lambda i: self.routed.adjust(i, self.replicas[i].snap, self.now),
+            self._load,
             key=lambda i: i,
         )
         return ranks[0][0]
@@ -346,6 +379,7 @@ class Fleet:
                 o = r.live.pop(out.request_id)
                 o.status = "ok"
                 o.first_token_s, o.finish_s = out.metrics.first_token_time, out.metrics.finish_time
+        clock.t += r.engine.runner.take_tail()
         if r.engine.has_unfinished_requests():
             if r.engine.last_step_num_tokens == 0:
                 clock.t = self.now + IDLE_STEP_S

@@ -42,13 +42,19 @@ def trace_path(name_or_path: str | Path) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class SimRequest:
-    """One request to replay: when it arrives (s from the window's start) and its sizes."""
+    """One request to replay: when it arrives (s from the window's start) and its sizes.
+
+    ``output_tokens`` is what it generates; ``max_tokens`` is what it asked for, which
+    admission reads (None: ``output_tokens``). ``priority`` None: its class's default.
+    """
 
     id: str
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
     traffic_class: str
+    priority: int | None = None
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ import time
 from engine.config import EngineConfig
 from engine.interfaces import StepRecord
 from engine.sim.cost import FEATURES, LinearCost, StepShape, fit_linear
+from engine.step_log import STEP_KINDS, LoggedStep, StepLog
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 WARMUP_STEPS = 5
@@ -161,3 +162,58 @@ def calibrate(
         f"held-out MAPE {summary['held_out_mape']:.1%}"
     )
     return LinearCost(coef, source=source, **kw), summary
+
+
+def fit_log(log: StepLog, steps: list[LoggedStep] | None = None, source: str = "") -> LinearCost:
+    """A :class:`LinearCost` fitted on a step log's steps (default: all), each costing its
+    period (:attr:`engine.step_log.LoggedStep.period`), with the KV capacity and limits of
+    the engine that logged them.
+
+    Raises:
+        ValueError: fewer steps than features.
+    """
+    steps = log.steps if steps is None else steps
+    shapes = [StepShape.of_record(s.seqs, s.num_decodes) for s in steps]
+    e = log.engine
+    return LinearCost(
+        fit_linear(shapes, [s.period for s in steps]),
+        num_kv_blocks=e["num_kv_blocks"],
+        block_size=e["block_size"],
+        max_model_len=e["max_model_len"],
+        vocab_size=e["vocab_size"],
+        source=source or f"{e.get('model')}: {len(steps)} logged steps",
+    )
+
+
+def errors_by_kind(cost: LinearCost, steps: list[LoggedStep]) -> dict[str, dict[str, float]]:
+    """Per step kind (``decode``, ``mixed``, ``prefill``; ``all``): ``count``, and the
+    ``median_abs``, ``p90_abs`` and ``mean`` of ``(predicted - period) / period``
+    (NaN where a kind has no step)."""
+    groups: dict[str, list[float]] = {k: [] for k in (*STEP_KINDS, "all")}
+    for s in steps:
+        e = (cost.step_seconds(StepShape.of_record(s.seqs, s.num_decodes)) - s.period) / s.period
+        groups[s.kind].append(e)
+        groups["all"].append(e)
+    out = {}
+    for kind, errs in groups.items():
+        a = sorted(abs(e) for e in errs)
+        out[kind] = {
+            "count": len(errs),
+            "median_abs": statistics.median(a) if a else math.nan,
+            "p90_abs": a[min(len(a) - 1, math.ceil(0.9 * len(a)) - 1)] if a else math.nan,
+            "mean": statistics.fmean(errs) if errs else math.nan,
+        }
+    return out
+
+
+def holdout(log: StepLog) -> tuple[LinearCost, dict[str, dict[str, float]]]:
+    """Fit on the first half of the log's steps; the errors on the second half
+    (:func:`errors_by_kind`), within one run, so the host's drift between a calibration
+    and a replay is left out.
+
+    Raises:
+        ValueError: too few steps.
+    """
+    half = len(log.steps) // 2
+    cost = fit_log(log, log.steps[:half])
+    return cost, errors_by_kind(cost, log.steps[half:])

@@ -58,8 +58,19 @@ class SimRunner:
         self.clock.t += seconds
         self.steps += 1
         self.busy_s += seconds
+        return self.samples(out)
+
+    @staticmethod
+    def samples(out: SchedulerOutput) -> dict[str, SampleResult]:
+        """The fixed token for every sequence whose chunk reached its last token."""
         sample = SampleResult(SIM_TOKEN_ID, None)
         return {s.request.request_id: sample for s in out.seqs if s.samples}
+
+    def take_tail(self) -> float:
+        """Seconds of the last step that fall after its tokens were stamped (the
+        simulator adds them once the step's outputs are out); 0 here: a cost model's
+        step ends when its tokens are stamped."""
+        return 0.0
 
 
 def sim_engine(config: EngineConfig, cost, clock: SimClock | None = None) -> LLMEngine:

@@ -1,0 +1,326 @@
+"""Replay a server's step log through the simulator, and compare decision for decision.
+
+``iterserve simulate --replay-steps FILE`` re-runs the logged arrivals (ingress arrival
+time, prompt and output tokens, class, priority, ``max_tokens``) through
+:class:`deploy.sim.fleet.Fleet`, whose admission, router, scheduler and TPOT guard are the
+server's own code. A :class:`ReplayRunner` costs each simulated step what the real step
+of the same composition (the same requests, positions and token counts) measured: its
+period (start to the next step's start, :attr:`engine.step_log.LoggedStep.period`), with
+its tokens stamped at the real offset, plus, after idleness, the real delay from the
+request's admission to the step's start (the time outside steps). A step the real run
+never ran (the decisions diverged) is costed by a :class:`engine.sim.LinearCost` fitted on
+the same log.
+
+:func:`compare` then matches every request (TTFT, TPOT, admitted or refused) and names the
+first step whose composition differs, with the likeliest reason.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from deploy.config import ServiceConfig
+from deploy.sim.fleet import Fleet, Outcome, SimRun
+from deploy.sim.trace import SimRequest
+from engine.interfaces import StepRecord
+from engine.sampler import SampleResult
+from engine.schedule_output import SchedulerOutput
+from engine.sim.calibrate import fit_log
+from engine.sim.cost import CostModel, StepShape
+from engine.sim.runner import SimClock, SimRunner
+from engine.step_log import IDLE_GAP_S, LoggedStep, StepLog
+
+Composition = tuple[tuple[str, int, int], ...]
+
+BARS = {"median": 0.02, "p99": 0.05}
+"""Decision fidelity's bars: per-request TTFT and TPOT within 2% (median absolute
+relative error) and 5% (p99)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RealCost:
+    """What one real step cost: ``lead`` seconds before it (after idleness: from the
+    admission of the request that woke the engine to the step's start), its tokens
+    ``tokens_at`` seconds into it, ``period`` seconds until the next step could start."""
+
+    lead: float
+    tokens_at: float
+    period: float
+
+
+def real_costs(log: StepLog) -> dict[Composition, deque[RealCost]]:
+    """Each real step's cost by composition, in the order they ran."""
+    entered = {
+        r.id: r.admitted if r.admitted is not None else r.arrival for r in log.requests.values()
+    }
+    seen: set[str] = set()
+    out: dict[Composition, deque[RealCost]] = {}
+    prev_end = -math.inf
+    for s in log.steps:
+        lead = 0.0
+        idle = s.start - prev_end
+        if idle >= IDLE_GAP_S:
+            new = [entered[rid] for rid, _, _ in s.seqs if rid not in seen and rid in entered]
+            woke = max([prev_end, *new])
+            lead = min(idle, max(0.0, s.start - woke)) if math.isfinite(woke) else 0.0
+        seen.update(rid for rid, _, _ in s.seqs)
+        prev_end = s.start + s.seconds
+        out.setdefault(s.composition, deque()).append(RealCost(lead, s.tokens_at, s.period))
+    return out
+
+
+class ReplayRunner(SimRunner):
+    """A simulated runner whose steps cost what the logged real steps of the same
+    composition cost (each real step used once, in order); ``fallback`` prices the rest.
+
+    ``matched`` and ``unmatched`` count the steps priced each way.
+    """
+
+    def __init__(self, costs: dict[Composition, deque[RealCost]], fallback, clock: SimClock):
+        super().__init__(fallback, clock)
+        self.costs = costs
+        self.matched = 0
+        self.unmatched = 0
+        self._tail = 0.0
+
+    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
+        key = tuple(sorted((s.request.request_id, s.start, s.num_tokens) for s in out.seqs))
+        queue = self.costs.get(key)
+        if queue:
+            c = queue.popleft()
+            self.matched += 1
+        else:
+            seconds = self.cost.step_seconds(StepShape.of(out))
+            c = RealCost(0.0, seconds, seconds)
+            self.unmatched += 1
+        self.clock.t += c.lead + c.tokens_at
+        self._tail = c.period - c.tokens_at
+        self.steps += 1
+        self.busy_s += c.lead + c.period
+        return self.samples(out)
+
+    def take_tail(self) -> float:
+        tail, self._tail = self._tail, 0.0
+        return tail
+
+
+def origin(log: StepLog) -> float:
+    """The replay's time 0 on the log's clock: the first arrival or step."""
+    times = [r.arrival for r in log.requests.values()] + [s.start for s in log.steps[:1]]
+    if not times:
+        raise ValueError("the step log holds no request and no step")
+    return min(times)
+
+
+def requests(log: StepLog, t0: float) -> list[SimRequest]:
+    """The logged requests as the simulator's, arrivals in seconds from ``t0``.
+
+    A finished request generates what it generated; a refused or unfinished one what
+    it asked for (``max_tokens``). ``n > 1`` requests replay as one sequence.
+    """
+    out = []
+    for r in log.requests.values():
+        asked = r.max_tokens if r.max_tokens is not None else (r.output_tokens or 1)
+        made = r.output_tokens if r.finish is not None and r.output_tokens else asked
+        out.append(
+            SimRequest(
+                r.id,
+                r.arrival - t0,
+                max(1, r.prompt_tokens),
+                max(1, made),
+                r.traffic_class,
+                priority=r.priority,
+                max_tokens=max(1, asked),
+            )
+        )
+    return out
+
+
+def service_config(log: StepLog, overrides: dict[str, Any] | None = None) -> ServiceConfig:
+    """The service the log was recorded under (its header's ``service``, else its
+    engine config with defaults around it), with ``overrides`` (top-level fields;
+    ``engine`` merged key by key).
+
+    Raises:
+        pydantic.ValidationError: a bad value.
+    """
+    data = dict(log.engine.get("service") or {})
+    engine = dict(data.get("engine") or log.engine.get("config") or {})
+    engine.pop("model", None)
+    for key in ("step_log", "model", "host", "port"):
+        data.pop(key, None)
+    overrides = dict(overrides or {})
+    engine.update(overrides.pop("engine", {}) or {})
+    return ServiceConfig(**{**data, **overrides, "engine": engine})
+
+
+@dataclass(slots=True)
+class Replay:
+    """A replayed log: the simulated run, its steps, the real costs left unused."""
+
+    run: SimRun
+    steps: list[StepRecord]
+    runner: ReplayRunner
+    t0: float
+
+
+def replay(log: StepLog, config: ServiceConfig, fallback: CostModel | None = None) -> Replay:
+    """Replay ``log``'s requests through one simulated replica of ``config`` whose steps
+    cost the logged ones (:class:`ReplayRunner`); admission and routing read live loads,
+    as the one-process server's ingress does.
+
+    Raises:
+        ValueError: the log has no requests, or ``config.num_replicas`` is not 1.
+    """
+    if config.num_replicas != 1:
+        raise ValueError("a step-for-step replay runs one replica, as the log was recorded")
+    fallback = fallback or fit_log(log)
+    t0 = origin(log)
+    fleet = Fleet(config, fallback, live_loads=True, record_steps=True)
+    engine = fleet.replicas[0].engine
+    runner = ReplayRunner(real_costs(log), fallback, engine.clock)
+    runner.num_kv_blocks = engine.runner.num_kv_blocks
+    engine.runner = runner
+    reqs = requests(log, t0)
+    if not reqs:
+        raise ValueError("the step log holds no request to replay")
+    run = fleet.run(reqs)
+    return Replay(run, fleet.steps[0], runner, t0)
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def compare(log: StepLog, rep: Replay) -> dict[str, Any]:
+    """The replay against the log: per-request errors, agreement, first divergence.
+
+    Returns ``{"requests", "both_ok", "status_differs", "ttft" and "tpot": {"median_abs",
+    "p99_abs", "mean_real_s", "mean_sim_s"}, "steps": {"real", "simulated", "matched",
+    "unmatched"}, "within_bars": {"median", "p99"}, "divergence": None or {...}}``; errors
+    are relative, ``(simulated - real) / real``.
+    """
+    by_id = {o.request.id: o for o in rep.run.outcomes}
+    errors: dict[str, list[float]] = {"ttft": [], "tpot": []}
+    means: dict[str, list[tuple[float, float]]] = {"ttft": [], "tpot": []}
+    differs = []
+    for r in log.requests.values():
+        o = by_id.get(r.id)
+        real_ok = r.refused is None and r.first_token is not None
+        sim_ok = o is not None and o.status == "ok"
+        if real_ok != sim_ok:
+            differs.append(r.id)
+            continue
+        if not real_ok or r.finish_reason == "abort":
+            continue
+        for name, real, sim in (("ttft", r.ttft_s, o.ttft_s), ("tpot", r.tpot_s, o.tpot_s)):
+            if real is None or sim is None or real <= 0 or (name == "tpot" and r.finish is None):
+                continue
+            errors[name].append((sim - real) / real)
+            means[name].append((real, sim))
+    stats = {}
+    for name in errors:
+        abs_err = [abs(e) for e in errors[name]]
+        pairs = means[name]
+        stats[name] = {
+            "compared": len(abs_err),
+            "median_abs": _quantile(abs_err, 0.5),
+            "p99_abs": _quantile(abs_err, 0.99),
+            "mean_real_s": sum(p[0] for p in pairs) / len(pairs) if pairs else None,
+            "mean_sim_s": sum(p[1] for p in pairs) / len(pairs) if pairs else None,
+        }
+    within = {
+        stat: all(
+            stats[m][f"{stat}_abs"] is not None and stats[m][f"{stat}_abs"] <= bar
+            for m in ("ttft", "tpot")
+        )
+        and not differs
+        for stat, bar in BARS.items()
+    }
+    return {
+        "requests": len(log.requests),
+        "status_differs": differs,
+        **stats,
+        "steps": {
+            "real": len(log.steps),
+            "simulated": len(rep.steps),
+            "matched": rep.runner.matched,
+            "unmatched": rep.runner.unmatched,
+        },
+        "within_bars": within,
+        "divergence": divergence(log, rep, by_id),
+    }
+
+
+def divergence(log: StepLog, rep: Replay, by_id: dict[str, Outcome]) -> dict[str, Any] | None:
+    """The first step whose composition differs between the real run and the replay,
+    and why it likely does (None: every step the same)."""
+    for i, (real, sim) in enumerate(zip(log.steps, rep.steps)):
+        sim_comp = tuple(sorted(sim.seqs))
+        if real.composition == sim_comp:
+            continue
+        return {
+            "step": i,
+            "real_start_s": real.start - rep.t0,
+            "sim_start_s": sim.start,
+            "only_real": sorted({s[0] for s in real.seqs} - {s[0] for s in sim.seqs}),
+            "only_sim": sorted({s[0] for s in sim.seqs} - {s[0] for s in real.seqs}),
+            "why": _why(log, rep, real, sim, by_id),
+        }
+    if len(log.steps) != len(rep.steps):
+        n = min(len(log.steps), len(rep.steps))
+        return {
+            "step": n,
+            "why": f"the real run ran {len(log.steps)} steps, the replay {len(rep.steps)}",
+        }
+    return None
+
+
+def _why(
+    log: StepLog, rep: Replay, real: LoggedStep, sim: StepRecord, by_id: dict[str, Outcome]
+) -> str:
+    start = real.start - rep.t0
+    real_ids = {s[0] for s in real.seqs}
+    sim_ids = {s[0] for s in sim.seqs}
+    for rid in sorted(real_ids ^ sim_ids):
+        r, o = log.requests.get(rid), by_id.get(rid)
+        if r is None or o is None:
+            continue
+        entered = (r.admitted if r.admitted is not None else r.arrival) - rep.t0
+        if o.status == "refused" or r.refused is not None:
+            return (
+                f"admission: {rid} was {'refused' if r.refused is not None else 'admitted'} "
+                f"in the real run and {o.status} in the replay"
+            )
+        if o.routed_s is None:
+            continue
+        if rid in real_ids and o.routed_s > sim.start:
+            held = o.routed_s - o.request.arrival_s
+            cause = (
+                "the ingress's 50 ms re-decision held it"
+                if held > 0
+                else "the real step started later (time outside steps)"
+            )
+            return (
+                f"{rid} entered the real engine at {entered:.4f} s, before the real step at "
+                f"{start:.4f} s, and the simulated one at {o.routed_s:.4f} s, after the "
+                f"simulated step at {sim.start:.4f} s: {cause}"
+            )
+        if rid in sim_ids and entered > start:
+            return (
+                f"{rid} entered the simulated engine at {o.routed_s:.4f} s, before its step at "
+                f"{sim.start:.4f} s; the real ingress admitted it at {entered:.4f} s, after "
+                f"the real step began at {start:.4f} s (time outside steps: the steps "
+                f"drifted {sim.start - start:+.4f} s apart)"
+            )
+    return (
+        f"the scheduler chose differently at {start:.4f} s (the guard's prefill cap: real "
+        f"{real.cap}, simulated {sim.prefill_cap}; time between the runs "
+        f"{sim.start - start:+.4f} s)"
+    )
