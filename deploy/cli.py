@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -179,6 +180,24 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     cal.add_argument(
         "--steps-per-level", type=int, default=40, help="steps measured at each concurrency level"
+    )
+    cal.add_argument(
+        "--from-url",
+        default=None,
+        metavar="URL",
+        help="fit on a running server's recent steps (GET URL/steps) instead of a sweep",
+    )
+    cal.add_argument(
+        "--last",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --from-url: the server's last SECONDS of steps (default: all it keeps)",
+    )
+    cal.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="with --from-url: the server's API key, if it has keys (default: $OPENAI_API_KEY)",
     )
     cal.set_defaults(func=_calibrate)
 

@@ -34,12 +34,25 @@ ENGINE_FLAGS = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
         "--trace",
-        required=True,
         help="a shipped trace (conv, code: Azure LLM inference 2023, CC-BY 4.0), "
         "an Azure trace CSV, or JSONL of {arrival_s, prompt_tokens, "
         "output_tokens, class?}",
+    )
+    src.add_argument(
+        "--replay-steps",
+        metavar="FILE",
+        help="a server's step log (iterserve serve --step-log): replay its arrivals, each "
+        "step costing what the real step of the same composition measured, and compare "
+        "request by request",
+    )
+    src.add_argument(
+        "--from-url",
+        metavar="URL",
+        help="a running server (http://HOST:PORT): replay its recent traffic (GET /steps) "
+        "under this plan, with a step-time model fitted on its recent steps",
     )
     p.add_argument(
         "--replicas",
@@ -87,6 +100,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--gpu", default=None, help="roofline on a GPU: h100-sxm or h200")
     c.add_argument("--model-size", default=None, help="with --gpu: 0.5b, 8b or 70b")
     c.add_argument("--tensor-parallel", type=int, default=1, help="with --gpu: GPUs per replica")
+    t = p.add_argument_group("a running server (--from-url)")
+    t.add_argument(
+        "--last",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="replay the server's last SECONDS of traffic (default: all it keeps)",
+    )
+    t.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="the server's API key, if it has keys (default: $OPENAI_API_KEY)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--search",
@@ -125,8 +151,8 @@ def cost_model(args: argparse.Namespace):
         return LinearCost.load(path)
 
 
-def service_config(args: argparse.Namespace) -> ServiceConfig:
-    """The config file with the flags applied.
+def service_config(args: argparse.Namespace, base: ServiceConfig | None = None) -> ServiceConfig:
+    """The config file (or ``base``: a step log's service) with the flags applied.
 
     Raises:
         ValueError: a malformed --slo; pydantic.ValidationError: a bad value.
@@ -134,7 +160,12 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     from deploy.config import ServiceConfig
     from deploy.sim.runs import with_engine
 
-    config = ServiceConfig.load(args.config, num_replicas=args.replicas)
+    if base is None:
+        config = ServiceConfig.load(args.config, num_replicas=args.replicas)
+    elif args.replicas is not None:
+        config = with_engine(base, {"num_replicas": args.replicas})
+    else:
+        config = base
     engine = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     if args.tpot_slo_guard is not None:
         engine["tpot_slo_guard"] = args.tpot_slo_guard == "on"
@@ -208,6 +239,29 @@ def check_args(args: argparse.Namespace) -> None:
             "--search chooses the replica count: drop --replicas",
         ),
     ]
+    twin = args.replay_steps or args.from_url
+    source = "--replay-steps" if args.replay_steps else "--from-url"
+    window = (
+        args.window_start != 0.0
+        or args.duration is not None
+        or args.rate_scale != "1"
+        or args.length_scale != 1.0
+        or args.class_mix is not None
+        or args.default_class != "standard"
+    )
+    ignored += [
+        (
+            twin and window,
+            f"{source} replays the logged requests: the trace-window flags do not apply",
+        ),
+        (
+            twin and (args.search or args.ablate or args.plots),
+            f"{source} runs one plan: drop --search, --ablate and --plots",
+        ),
+        (twin and args.gpu, f"{source} fits the logged steps: --gpu does not apply"),
+        (args.last is not None and not args.from_url, "--last goes with --from-url"),
+        (args.last is not None and args.last <= 0, "--last must be > 0 seconds"),
+    ]
     for wrong, why in ignored:
         if wrong:
             raise ValueError(why)
@@ -249,6 +303,10 @@ def run_command(args: argparse.Namespace) -> int:
     from deploy.sim.report import ATTAINMENT, all_classes_meet, plot, table
 
     check_args(args)
+    if args.replay_steps or args.from_url:
+        from deploy.sim.twin import from_url_command, replay_command
+
+        return (replay_command if args.replay_steps else from_url_command)(args)
     config, cost = service_config(args), cost_model(args)
     check_classes(args, config)
     print(f"cost model: {cost_line(args, cost)}")
@@ -316,6 +374,15 @@ def describe(cost) -> dict[str, Any]:
 def calibrate_command(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from engine.sim.calibrate import CONCURRENCY, calibrate
+
+    if args.from_url:
+        if args.model is not None:
+            raise ValueError("--model goes with the sweep; --from-url fits the server's model")
+        from deploy.sim.twin import calibrate_from_url
+
+        return calibrate_from_url(args)
+    if args.last is not None:
+        raise ValueError("--last goes with --from-url")
 
     if not writable_file(args.output):  # before two minutes of sweep, not after
         raise ValueError(f"--output {args.output}: not a file in a writable directory")
