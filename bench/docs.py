@@ -87,10 +87,7 @@ def _batch(name: str, result: dict) -> list[str]:
 def _sim_validate(name: str, result: dict) -> list[str]:
     from bench import sim_validate
 
-    table = sim_validate.targets_markdown(result["rows"])
-    while table and (table[0].startswith("#") or not table[0]):
-        table.pop(0)  # the report's own heading
-    return [*_run_lines(result), *table, ""]
+    return [*_run_lines(result), *sim_validate.verdict(result), ""]
 
 
 def _engine_throughput(name: str, result: dict) -> list[str]:
@@ -174,12 +171,12 @@ SUITES: tuple[Suite, ...] = (
     Suite(
         "Simulator validation",
         "bench.sim_validate",
-        "`iterserve simulate` against the real engine on this machine: the step-time model "
-        "calibrated here, then one window of the conversation trace replayed at four loads "
-        "(light, near, at and past the simulated capacity) through the in-process engine and "
-        "through the simulator with the same requests; TTFT and TPOT means and p99s against "
-        "the bars, and whether a 5% step-time error accounts for the difference. See "
-        "[simulator.md](simulator.md).",
+        "`iterserve simulate` against the live server on this machine, in three layers: "
+        "each real run's step log replayed step for step (decision fidelity), a step-time "
+        "fit on the first half of a run predicting the second (cost-model fidelity, beside "
+        "the host's own drift), and each run simulated with its own fit against the band of "
+        "three interleaved real runs per load (end to end). See "
+        "[simulator.md](simulator.md#validation).",
         (
             "python -m bench.sim_validate",
             "python -m bench.sim_validate --quick",

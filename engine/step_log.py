@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -255,6 +254,8 @@ class LoggedRequest:
     prompt_tokens: int
     max_tokens: int | None
     admitted: float | None = None
+    held_s: float | None = None
+    """Seconds admission held it before admitting it."""
     refused: float | None = None
     reason: str = ""
     engine_arrival: float | None = None
@@ -374,7 +375,7 @@ class StepLog:
             elif req is None:
                 continue  # its arrival fell out of the kept history
             elif kind == "admit":
-                req.admitted = r["t"]
+                req.admitted, req.held_s = r["t"], r["held_s"]
             elif kind == "refuse":
                 req.refused, req.reason = r["t"], r["reason"]
         ordered = dict(sorted(requests.items(), key=lambda kv: kv[1].arrival))
@@ -394,7 +395,9 @@ class StepLog:
                 yield r
 
 
-def median_abs(errors: Iterable[float]) -> float:
-    """The median of ``|e|`` (NaN when empty)."""
-    vals = [abs(e) for e in errors]
-    return statistics.median(vals) if vals else math.nan
+def window(log: StepLog, start: float, end: float) -> StepLog:
+    """The part of ``log`` between ``start`` and ``end`` (engine clock): steps that began
+    and requests that arrived in ``[start, end)``; a run between idle gaps."""
+    steps = [s for s in log.steps if start <= s.start < end]
+    reqs = {k: r for k, r in log.requests.items() if start <= r.arrival < end}
+    return StepLog(log.engine, steps, reqs)

@@ -17,6 +17,7 @@ nothing here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import random
@@ -97,6 +98,13 @@ class _Replica:
     snap: LoadSnapshot | None = None
     stepping: bool = False
     live: dict[str, Outcome] = field(default_factory=dict)
+    in_flight: LoadSnapshot | None = None
+    """``live_loads``: the load as after the step now running, published at its start
+    (``LLMEngine.on_scheduled``), as a served engine publishes it."""
+    step_start: float = 0.0
+    step_end: float = 0.0
+    queued: list[tuple[str, int]] = field(default_factory=list)
+    """``live_loads``: requests added since the running step started."""
 
 
 class Fleet:
@@ -112,7 +120,14 @@ class Fleet:
         live_loads: admission and routing read each replica's load as it is at the
             decision, as the one-process server's ingress does (``iterserve serve`` with
             one replica), instead of the snapshot published every
-            ``routing_stats_period_s``, as on Ray Serve.
+            ``routing_stats_period_s``, as on Ray Serve. During a step that is the load
+            as after it, with the step's predicted seconds left, plus the requests added
+            since it started (``AsyncLLMEngine.load_snapshot``).
+        wake_s: per request id, seconds from its admission to the first step of an idle
+            replica it wakes (a replay's measured time outside steps; default none).
+        ingress_s: per request id, seconds from its arrival until admission first
+            decides it (a replay's measured ingress time; default none). Its TTFT still
+            counts from its arrival.
         record_steps: keep every replica's :class:`engine.interfaces.StepRecord` in
             :attr:`steps` (a replay compares them with the real run's).
 
@@ -130,6 +145,8 @@ class Fleet:
         timeline_period_s: float = 1.0,
         live_loads: bool = False,
         record_steps: bool = False,
+        wake_s: dict[str, float] | None = None,
+        ingress_s: dict[str, float] | None = None,
     ) -> None:
         if routing not in ROUTING:
             raise ValueError(f"routing {routing!r}: one of {ROUTING}")
@@ -140,6 +157,11 @@ class Fleet:
         engines = [sim_engine(econfig, cost, SimClock()) for _ in range(config.num_replicas)]
         self.replicas = [_Replica(e) for e in engines]
         self.live_loads = live_loads
+        self.wake_s = wake_s or {}
+        self.ingress_s = ingress_s or {}
+        if live_loads:
+            for r in self.replicas:
+                r.engine.on_scheduled = functools.partial(setattr, r, "in_flight")
         self.steps: list[list[StepRecord]] = [[] for _ in engines]
         if record_steps:
             for e, kept in zip(engines, self.steps):
@@ -169,7 +191,7 @@ class Fleet:
         """Replay ``requests`` (sorted by arrival) to the end; every request's outcome."""
         outcomes = [Outcome(r) for r in requests]
         for o in outcomes:
-            self._push(o.request.arrival_s, _ARRIVAL, o)
+            self._push(o.request.arrival_s + self.ingress_s.get(o.request.id, 0.0), _ARRIVAL, o)
         self._pending = len(outcomes)
         self._publish()  # snapshots at time 0
         self._push(self.config.routing_stats_period_s, _SNAPSHOT, None)
@@ -224,8 +246,13 @@ class Fleet:
         """Every replica's snapshot as of now (``live_loads``); a new version only where
         one changed."""
         for r in self.replicas:
-            left = max(0.0, r.engine.clock.t - self.now) if r.stepping else 0.0
-            snap = dataclasses.replace(r.engine.load_snapshot(), timestamp=0.0, step_left_s=left)
+            if r.in_flight is not None and r.step_start <= self.now < r.step_end:
+                left = max(0.0, r.in_flight.step_left_s - (self.now - r.step_start))
+                snap = dataclasses.replace(
+                    r.in_flight.with_queued(r.queued), timestamp=0.0, step_left_s=left
+                )
+            else:
+                snap = dataclasses.replace(r.engine.load_snapshot(), timestamp=0.0, step_left_s=0.0)
             if r.snap is None or dataclasses.replace(r.snap, timestamp=0.0) != snap:
                 self._version += 1
             r.snap = dataclasses.replace(snap, timestamp=self.now)
@@ -344,11 +371,12 @@ class Fleet:
             return
         o.replica, o.routed_s = i, self.now
         r.live[req.id] = o
+        r.queued.append((req.traffic_class, req.prompt_tokens))
         self._pending -= 1
         if not r.stepping:
             r.stepping = True
             clock = r.engine.clock
-            clock.t = max(clock.t, self.now)
+            clock.t = max(clock.t, self.now + self.wake_s.get(req.id, 0.0))
             self._push(clock.t, _STEP, i)
 
     def _choose(self, shape: RequestShape) -> int:
@@ -374,11 +402,13 @@ class Fleet:
         r = self.replicas[i]
         clock = r.engine.clock
         clock.t = self.now
+        r.step_start, r.queued = self.now, []
         for out in r.engine.step():
             if out.finished:
                 o = r.live.pop(out.request_id)
                 o.status = "ok"
                 o.first_token_s, o.finish_s = out.metrics.first_token_time, out.metrics.finish_time
+        r.step_end = clock.t
         clock.t += r.engine.runner.take_tail()
         if r.engine.has_unfinished_requests():
             if r.engine.last_step_num_tokens == 0:

@@ -6,8 +6,10 @@ time, prompt and output tokens, class, priority, ``max_tokens``) through
 server's own code. A :class:`ReplayRunner` costs each simulated step what the real step
 of the same composition (the same requests, positions and token counts) measured: its
 period (start to the next step's start, :attr:`engine.step_log.LoggedStep.period`), with
-its tokens stamped at the real offset, plus, after idleness, the real delay from the
-request's admission to the step's start (the time outside steps). A step the real run
+its tokens stamped and its end at the real offsets; a request that woke the idle engine
+starts its step after the real delay from its admission (:func:`wake_delays`), and each
+request reaches admission after the real ingress's own delay (:func:`ingress_delays`):
+time outside steps, measured per request as steps are. A step the real run
 never ran (the decisions diverged) is costed by a :class:`engine.sim.LinearCost` fitted on
 the same log.
 
@@ -42,33 +44,55 @@ relative error) and 5% (p99)."""
 
 @dataclass(frozen=True, slots=True)
 class RealCost:
-    """What one real step cost: ``lead`` seconds before it (after idleness: from the
-    admission of the request that woke the engine to the step's start), its tokens
-    ``tokens_at`` seconds into it, ``period`` seconds until the next step could start."""
+    """What one real step cost: its tokens stamped ``tokens_at`` seconds into it, its end
+    at ``seconds``, and ``period`` seconds until the next step could start."""
 
-    lead: float
     tokens_at: float
+    seconds: float
     period: float
 
 
 def real_costs(log: StepLog) -> dict[Composition, deque[RealCost]]:
     """Each real step's cost by composition, in the order they ran."""
+    out: dict[Composition, deque[RealCost]] = {}
+    for s in log.steps:
+        out.setdefault(s.composition, deque()).append(RealCost(s.tokens_at, s.seconds, s.period))
+    return out
+
+
+def ingress_delays(log: StepLog) -> dict[str, float]:
+    """Per admitted request: the seconds the ingress spent on it before admission decided,
+    outside admission's own hold (reading and tokenizing it, waiting for the event loop):
+    from its arrival to its admission, less ``held_s``."""
+    return {
+        r.id: max(0.0, r.admitted - r.arrival - (r.held_s or 0.0))
+        for r in log.requests.values()
+        if r.admitted is not None
+    }
+
+
+def wake_delays(log: StepLog) -> dict[str, float]:
+    """Per request that woke an idle engine: the seconds from its admission (its arrival
+    when admission did not hold it) to the start of the step that took it. The serving
+    loop's idle tick, the hand-over to the engine's thread and the ingress's own work
+    are in it: time outside steps."""
     entered = {
         r.id: r.admitted if r.admitted is not None else r.arrival for r in log.requests.values()
     }
     seen: set[str] = set()
-    out: dict[Composition, deque[RealCost]] = {}
+    out: dict[str, float] = {}
     prev_end = -math.inf
     for s in log.steps:
-        lead = 0.0
-        idle = s.start - prev_end
-        if idle >= IDLE_GAP_S:
-            new = [entered[rid] for rid, _, _ in s.seqs if rid not in seen and rid in entered]
-            woke = max([prev_end, *new])
-            lead = min(idle, max(0.0, s.start - woke)) if math.isfinite(woke) else 0.0
+        if s.start - prev_end >= IDLE_GAP_S:
+            new = [
+                (entered[rid], rid) for rid, _, _ in s.seqs if rid not in seen and rid in entered
+            ]
+            if new:
+                t, rid = max(new)
+                if t >= prev_end:
+                    out[rid] = max(0.0, s.start - t)
         seen.update(rid for rid, _, _ in s.seqs)
         prev_end = s.start + s.seconds
-        out.setdefault(s.composition, deque()).append(RealCost(lead, s.tokens_at, s.period))
     return out
 
 
@@ -94,12 +118,15 @@ class ReplayRunner(SimRunner):
             self.matched += 1
         else:
             seconds = self.cost.step_seconds(StepShape.of(out))
-            c = RealCost(0.0, seconds, seconds)
+            c = RealCost(seconds, seconds, seconds)
             self.unmatched += 1
-        self.clock.t += c.lead + c.tokens_at
-        self._tail = c.period - c.tokens_at
+        # The engine stamps the tokens at the next reading, and the step ends (its
+        # duration, which the engine's step-time model learns from) at the one after.
+        self.clock.t += c.tokens_at
+        self.clock.advance_after_next_read(c.seconds - c.tokens_at)
+        self._tail = c.period - c.seconds
         self.steps += 1
-        self.busy_s += c.lead + c.period
+        self.busy_s += c.period
         return self.samples(out)
 
     def take_tail(self) -> float:
@@ -179,7 +206,7 @@ def replay(log: StepLog, config: ServiceConfig, fallback: CostModel | None = Non
         raise ValueError("a step-for-step replay runs one replica, as the log was recorded")
     fallback = fallback or fit_log(log)
     t0 = origin(log)
-    fleet = Fleet(config, fallback, live_loads=True, record_steps=True)
+    fleet = Fleet(config, fallback, live_loads=True, record_steps=True, wake_s=wake_delays(log))
     engine = fleet.replicas[0].engine
     runner = ReplayRunner(real_costs(log), fallback, engine.clock)
     runner.num_kv_blocks = engine.runner.num_kv_blocks

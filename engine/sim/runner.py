@@ -19,13 +19,24 @@ SIM_TOKEN_ID = 1
 class SimClock:
     """Virtual seconds; the runner advances it, the simulator sets it between steps."""
 
-    __slots__ = ("t",)
+    __slots__ = ("t", "_after_read")
 
     def __init__(self, t: float = 0.0) -> None:
         self.t = t
+        self._after_read = 0.0
 
     def __call__(self) -> float:
-        return self.t
+        t = self.t
+        if self._after_read:
+            self.t += self._after_read
+            self._after_read = 0.0
+        return t
+
+    def advance_after_next_read(self, seconds: float) -> None:
+        """Move ``seconds`` on once the next reading is taken: a runner whose step goes on
+        after its tokens are stamped (the engine reads the clock for the stamp, then for
+        the step's end)."""
+        self._after_read += seconds
 
 
 class SimTokenizer:
