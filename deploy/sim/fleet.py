@@ -20,6 +20,7 @@ import dataclasses
 import heapq
 import itertools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deploy.config import ServiceConfig
@@ -115,6 +116,9 @@ class Fleet:
             ``routing_stats_period_s``, as on Ray Serve.
         record_steps: keep every replica's :class:`engine.interfaces.StepRecord` in
             :attr:`steps` (a replay compares them with the real run's).
+        wake_delay: seconds from a request's arrival until the idle replica it wakes
+            starts its step, by request id (a replay's real time outside steps,
+            :func:`deploy.sim.replay.wake_leads`); None: at its routing.
 
     Raises:
         ValueError: unknown routing.
@@ -130,6 +134,7 @@ class Fleet:
         timeline_period_s: float = 1.0,
         live_loads: bool = False,
         record_steps: bool = False,
+        wake_delay: Callable[[str], float] | None = None,
     ) -> None:
         if routing not in ROUTING:
             raise ValueError(f"routing {routing!r}: one of {ROUTING}")
@@ -140,6 +145,7 @@ class Fleet:
         engines = [sim_engine(econfig, cost, SimClock()) for _ in range(config.num_replicas)]
         self.replicas = [_Replica(e) for e in engines]
         self.live_loads = live_loads
+        self.wake_delay = wake_delay
         self.steps: list[list[StepRecord]] = [[] for _ in engines]
         if record_steps:
             for e, kept in zip(engines, self.steps):
@@ -349,7 +355,12 @@ class Fleet:
             r.stepping = True
             clock = r.engine.clock
             clock.t = max(clock.t, self.now)
-            self._push(clock.t, _STEP, i)
+            start = clock.t
+            if self.wake_delay is not None:
+                # Not on the clock: until the step starts the replica is idle, and a load
+                # read meanwhile has no step in flight.
+                start = max(start, req.arrival_s + self.wake_delay(req.id))
+            self._push(start, _STEP, i)
 
     def _choose(self, shape: RequestShape) -> int:
         ids = range(len(self.replicas))

@@ -6,8 +6,9 @@ time, prompt and output tokens, class, priority, ``max_tokens``) through
 server's own code. A :class:`ReplayRunner` costs each simulated step what the real step
 of the same composition (the same requests, positions and token counts) measured: its
 period (start to the next step's start, :attr:`engine.step_log.LoggedStep.period`), with
-its tokens stamped at the real offset, plus, after idleness, the real delay from the
-request's admission to the step's start (the time outside steps). A step the real run
+its tokens stamped at the real offset. After idleness the simulated replica starts its
+step as late after the waking request's arrival as the real one did (:func:`wake_leads`:
+the time outside steps, spent before the step is scheduled). A step the real run
 never ran (the decisions diverged) is costed by a :class:`engine.sim.LinearCost` fitted on
 the same log.
 
@@ -42,33 +43,44 @@ relative error) and 5% (p99)."""
 
 @dataclass(frozen=True, slots=True)
 class RealCost:
-    """What one real step cost: ``lead`` seconds before it (after idleness: from the
-    admission of the request that woke the engine to the step's start), its tokens
-    ``tokens_at`` seconds into it, ``period`` seconds until the next step could start."""
+    """What one real step cost: its tokens ``tokens_at`` seconds into it, ``period``
+    seconds until the next step could start."""
 
-    lead: float
     tokens_at: float
     period: float
 
 
 def real_costs(log: StepLog) -> dict[Composition, deque[RealCost]]:
     """Each real step's cost by composition, in the order they ran."""
-    entered = {
-        r.id: r.admitted if r.admitted is not None else r.arrival for r in log.requests.values()
-    }
-    seen: set[str] = set()
     out: dict[Composition, deque[RealCost]] = {}
+    for s in log.steps:
+        out.setdefault(s.composition, deque()).append(RealCost(s.tokens_at, s.period))
+    return out
+
+
+def wake_leads(log: StepLog) -> dict[str, float]:
+    """The time outside steps after idleness: for each real step that followed idleness
+    (or began the log), the seconds from the arrival of the earliest-arriving request
+    it started to the step's start, keyed by that request's id.
+
+    This is the ingress's work before the engine sees a request (tokenizing, admission)
+    plus the serving loop's poll: what the simulator does not model. It is spent before
+    the simulated step is scheduled, as it was before the real one: a request arriving
+    meanwhile joins that first step in both runs.
+    """
+    seen: set[str] = set()
+    out: dict[str, float] = {}
     prev_end = -math.inf
     for s in log.steps:
-        lead = 0.0
-        idle = s.start - prev_end
-        if idle >= IDLE_GAP_S:
-            new = [entered[rid] for rid, _, _ in s.seqs if rid not in seen and rid in entered]
-            woke = max([prev_end, *new])
-            lead = min(idle, max(0.0, s.start - woke)) if math.isfinite(woke) else 0.0
+        if s.start - prev_end >= IDLE_GAP_S:
+            new = [
+                log.requests[rid] for rid, _, _ in s.seqs if rid not in seen and rid in log.requests
+            ]
+            if new:
+                first = min(new, key=lambda r: r.arrival)
+                out[first.id] = max(0.0, s.start - first.arrival)
         seen.update(rid for rid, _, _ in s.seqs)
         prev_end = s.start + s.seconds
-        out.setdefault(s.composition, deque()).append(RealCost(lead, s.tokens_at, s.period))
     return out
 
 
@@ -94,12 +106,12 @@ class ReplayRunner(SimRunner):
             self.matched += 1
         else:
             seconds = self.cost.step_seconds(StepShape.of(out))
-            c = RealCost(0.0, seconds, seconds)
+            c = RealCost(seconds, seconds)
             self.unmatched += 1
-        self.clock.t += c.lead + c.tokens_at
+        self.clock.t += c.tokens_at
         self._tail = c.period - c.tokens_at
         self.steps += 1
-        self.busy_s += c.lead + c.period
+        self.busy_s += c.period
         return self.samples(out)
 
     def take_tail(self) -> float:
@@ -179,7 +191,14 @@ def replay(log: StepLog, config: ServiceConfig, fallback: CostModel | None = Non
         raise ValueError("a step-for-step replay runs one replica, as the log was recorded")
     fallback = fallback or fit_log(log)
     t0 = origin(log)
-    fleet = Fleet(config, fallback, live_loads=True, record_steps=True)
+    leads = wake_leads(log)
+    fleet = Fleet(
+        config,
+        fallback,
+        live_loads=True,
+        record_steps=True,
+        wake_delay=lambda rid: leads.get(rid, 0.0),
+    )
     engine = fleet.replicas[0].engine
     runner = ReplayRunner(real_costs(log), fallback, engine.clock)
     runner.num_kv_blocks = engine.runner.num_kv_blocks
@@ -315,9 +334,10 @@ def _why(
         if rid in sim_ids and entered > start:
             return (
                 f"{rid} entered the simulated engine at {o.routed_s:.4f} s, before its step at "
-                f"{sim.start:.4f} s; the real ingress admitted it at {entered:.4f} s, after "
-                f"the real step began at {start:.4f} s (time outside steps: the steps "
-                f"drifted {sim.start - start:+.4f} s apart)"
+                f"{sim.start:.4f} s; the real ingress admitted it at {entered:.4f} s, "
+                f"{entered - (r.arrival - rep.t0):.4f} s after its arrival and after the real "
+                f"step began at {start:.4f} s (time outside steps: the simulated ingress "
+                f"takes none; the steps drifted {sim.start - start:+.4f} s apart)"
             )
     return (
         f"the scheduler chose differently at {start:.4f} s (the guard's prefill cap: real "
