@@ -116,9 +116,10 @@ class Fleet:
             ``routing_stats_period_s``, as on Ray Serve.
         record_steps: keep every replica's :class:`engine.interfaces.StepRecord` in
             :attr:`steps` (a replay compares them with the real run's).
-        wake_delay: seconds from a request's arrival until the idle replica it wakes
-            starts its step, by request id (a replay's real time outside steps,
-            :func:`deploy.sim.replay.wake_leads`); None: at its routing.
+        wake_delay: seconds from a request's arrival (from its routing where admission
+            held it) until the idle replica it wakes starts its step, by request id (a
+            replay's real time outside steps, :func:`deploy.sim.replay.wake_leads`); None:
+            at its routing.
 
     Raises:
         ValueError: unknown routing.
@@ -359,7 +360,8 @@ class Fleet:
             if self.wake_delay is not None:
                 # Not on the clock: until the step starts the replica is idle, and a load
                 # read meanwhile has no step in flight.
-                start = max(start, req.arrival_s + self.wake_delay(req.id))
+                held = self.now - req.arrival_s >= POLL_S
+                start = max(start, (self.now if held else req.arrival_s) + self.wake_delay(req.id))
             self._push(start, _STEP, i)
 
     def _choose(self, shape: RequestShape) -> int:

@@ -33,6 +33,7 @@ from engine.sim.calibrate import fit_log
 from engine.sim.cost import CostModel, StepShape
 from engine.sim.runner import SimClock, SimRunner
 from engine.step_log import IDLE_GAP_S, LoggedStep, StepLog
+from router.admission import POLL_S
 
 Composition = tuple[tuple[str, int, int], ...]
 
@@ -61,12 +62,15 @@ def real_costs(log: StepLog) -> dict[Composition, deque[RealCost]]:
 def wake_leads(log: StepLog) -> dict[str, float]:
     """The time outside steps after idleness: for each real step that followed idleness
     (or began the log), the seconds from the arrival of the earliest-arriving request
-    it started to the step's start, keyed by that request's id.
+    it started to the step's start, keyed by that request's id; from its admission
+    instead where admission held it (admitted a re-decision, ``router.admission.POLL_S``,
+    or more after arrival), as the simulated ingress decides its own holds.
 
-    This is the ingress's work before the engine sees a request (tokenizing, admission)
-    plus the serving loop's poll: what the simulator does not model. It is spent before
-    the simulated step is scheduled, as it was before the real one: a request arriving
-    meanwhile joins that first step in both runs.
+    This is the ingress's work before the engine sees a request (tokenizing, the
+    admission decision) plus the serving loop's wake-up: what the simulator does not
+    model (its ingress admits at arrival). It is spent before the simulated step is
+    scheduled, as it was before the real one: a request arriving meanwhile joins that
+    first step in both runs.
     """
     seen: set[str] = set()
     out: dict[str, float] = {}
@@ -78,7 +82,9 @@ def wake_leads(log: StepLog) -> dict[str, float]:
             ]
             if new:
                 first = min(new, key=lambda r: r.arrival)
-                out[first.id] = max(0.0, s.start - first.arrival)
+                held = first.admitted is not None and first.admitted - first.arrival >= POLL_S
+                since = first.admitted if held else first.arrival
+                out[first.id] = max(0.0, s.start - since)
         seen.update(rid for rid, _, _ in s.seqs)
         prev_end = s.start + s.seconds
     return out
