@@ -34,6 +34,7 @@ from engine.sim.calibrate import fit_log
 from engine.sim.cost import CostModel, StepShape
 from engine.sim.runner import SimClock, SimRunner
 from engine.step_log import IDLE_GAP_S, LoggedStep, StepLog
+from router.admission import POLL_S
 
 Composition = tuple[tuple[str, int, int], ...]
 
@@ -61,21 +62,23 @@ def real_costs(log: StepLog) -> dict[Composition, deque[RealCost]]:
 
 
 def ingress_delays(log: StepLog) -> dict[str, float]:
-    """Per admitted request: the seconds the ingress spent on it before admission decided,
-    outside admission's own hold (reading and tokenizing it, waiting for the event loop):
-    from its arrival to its admission, less ``held_s``."""
-    return {
-        r.id: max(0.0, r.admitted - r.arrival - (r.held_s or 0.0))
-        for r in log.requests.values()
-        if r.admitted is not None
-    }
+    """Per admitted request: the seconds from its arrival until admission let it in,
+    less admission's own hold where that hold was a real wait (at least one re-decision,
+    ``router.admission.POLL_S``): the ingress's work on it (reading and tokenizing it,
+    waiting for the event loop), which the simulated ingress does not spend."""
+    out = {}
+    for r in log.requests.values():
+        if r.admitted is not None:
+            held = r.held_s or 0.0
+            out[r.id] = max(0.0, r.admitted - r.arrival - (held if held >= POLL_S else 0.0))
+    return out
 
 
 def wake_delays(log: StepLog) -> dict[str, float]:
-    """Per request that woke an idle engine: the seconds from its admission (its arrival
-    when admission did not hold it) to the start of the step that took it. The serving
-    loop's idle tick, the hand-over to the engine's thread and the ingress's own work
-    are in it: time outside steps."""
+    """Per request that woke an idle engine (the first of its step's new requests to be
+    admitted): the seconds from its admission to the start of that step. The serving
+    loop's idle tick and the hand-over to the engine's thread are in it: time outside
+    steps, which requests admitted meanwhile join."""
     entered = {
         r.id: r.admitted if r.admitted is not None else r.arrival for r in log.requests.values()
     }
@@ -88,7 +91,7 @@ def wake_delays(log: StepLog) -> dict[str, float]:
                 (entered[rid], rid) for rid, _, _ in s.seqs if rid not in seen and rid in entered
             ]
             if new:
-                t, rid = max(new)
+                t, rid = min(new)
                 if t >= prev_end:
                     out[rid] = max(0.0, s.start - t)
         seen.update(rid for rid, _, _ in s.seqs)
@@ -206,7 +209,14 @@ def replay(log: StepLog, config: ServiceConfig, fallback: CostModel | None = Non
         raise ValueError("a step-for-step replay runs one replica, as the log was recorded")
     fallback = fallback or fit_log(log)
     t0 = origin(log)
-    fleet = Fleet(config, fallback, live_loads=True, record_steps=True, wake_s=wake_delays(log))
+    fleet = Fleet(
+        config,
+        fallback,
+        live_loads=True,
+        record_steps=True,
+        wake_s=wake_delays(log),
+        ingress_s=ingress_delays(log),
+    )
     engine = fleet.replicas[0].engine
     runner = ReplayRunner(real_costs(log), fallback, engine.clock)
     runner.num_kv_blocks = engine.runner.num_kv_blocks
