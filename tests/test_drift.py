@@ -138,6 +138,22 @@ def test_without_a_model_it_fits_its_own_on_its_first_steps():
         assert ratios[kind][0] == pytest.approx(0.8, rel=0.05), (kind, ratios)
 
 
+def test_a_clock_that_cannot_time_steps_never_fits_nor_stops_the_engine():
+    clock = Clock()
+    m = DriftMonitor(clock=clock, fit_steps=10, warmup_steps=0)
+    run(m, clock, [(2, 0)] * 50, slowdown=0.0)  # every step 0 s: no relative error
+    assert not m.fitted
+    run(m, clock, [(2, 0), (2, 100), (0, 50), (1, 300)] * 4, slowdown=1.0)
+    assert m.fitted
+
+
+def test_the_window_stays_bounded_when_nobody_reads_it():
+    clock = Clock()
+    m = DriftMonitor(COST, clock=clock, window_s=1.0)
+    run(m, clock, [(4, 0)] * 1000, slowdown=1.0)  # 14 s of steps
+    assert len(m._window) <= 1.0 / predicted(4, 0) + 2
+
+
 def test_attach_keeps_the_on_step_set_before():
     clock, seen = Clock(), []
 

@@ -135,14 +135,17 @@ class DriftMonitor:
         s[0] += predicted
         s[1] += measured
         s[2] += 1
+        self._expire(r.start)  # bounded even where nobody reads the ratios
 
     def _fit(self) -> None:
         # Steps too short to time (a coarse or fake clock) have no relative error.
         pairs = [(x, t) for x, t in zip(self._fit_shapes, self._fit_seconds) if t > 0]
         self._fit_shapes, self._fit_seconds = [], []
-        if len(pairs) < 5:
-            return  # start over on the next steps
-        coef = fit_linear([x for x, _ in pairs], [t for _, t in pairs])
+        try:
+            coef = fit_linear([x for x, _ in pairs], [t for _, t in pairs])
+        except ValueError:  # too few timed steps, or a degenerate solve (LinAlgError)
+            return  # start over on the next steps: a failure must not stop the engine
+        # KV capacity and limits unknown here (0): this model costs steps, nothing more.
         self.cost = LinearCost(
             coef, 0, 0, 0, 0, source=f"fitted by the replica on {len(pairs)} of its first steps"
         )
