@@ -52,7 +52,12 @@ def build_app(config: ServiceConfig) -> serve.Application:
             health_check_timeout_s=30.0,
             graceful_shutdown_timeout_s=5.0,
         )
-        .bind(engine.model_dump(), max(1, math.floor(config.replica_num_cpus)))
+        # The twin's model travels with the arguments: its file need not be on every node.
+        .bind(
+            engine.model_dump(),
+            max(1, math.floor(config.replica_num_cpus)),
+            config.twin_cost(),
+        )
     )
     ingress = serve.deployment(OpenAIIngress, name=INGRESS_NAME).options(
         num_replicas=1,

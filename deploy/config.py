@@ -7,6 +7,7 @@ command line. Engine settings nest under ``engine`` (:class:`engine.EngineConfig
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -16,6 +17,7 @@ import yaml
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
+from engine.sim.cost import LinearCost
 from engine.step_log import HISTORY
 from policies import TrafficClass, make_classes
 from router.settings import IngressOptions, IngressSettings
@@ -30,6 +32,24 @@ SERVER_ENGINE_DEFAULTS: dict[str, Any] = {"policy": "priority", "tpot_slo_guard"
 def host_cpus() -> int:
     """CPUs this process may run on (its affinity mask, which containers narrow)."""
     return len(os.sched_getaffinity(0))
+
+
+def _read_cost(path: str) -> LinearCost:
+    """``path`` as a :class:`engine.sim.cost.LinearCost`, with errors that say what it
+    should be.
+
+    Raises:
+        ValueError: it cannot be read, is not JSON, or is not a calibration file.
+    """
+    hint = "expected a cost model file from `iterserve calibrate`"
+    try:
+        return LinearCost.load(path)
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read ({e.strerror or e}): {hint}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e}): {hint}") from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: malformed ({type(e).__name__}: {e}): {hint}") from None
 
 
 class ServiceConfig(IngressOptions):
@@ -87,6 +107,14 @@ class ServiceConfig(IngressOptions):
         "`GET /steps`, which `iterserve calibrate --from-url` and `iterserve simulate "
         "--from-url` read; 0: none kept",
     )
+    twin_cost_model: str | None = Field(
+        None,
+        description="the simulator's step-time model that each replica checks its measured "
+        "step times against (`iterserve:step_time_prediction_ratio`): a file written by "
+        "`iterserve calibrate` or `iterserve calibrate --from-url`, read where the config "
+        "is loaded (its contents travel to the replicas); None: each replica fits its own "
+        "on its first steps, so the ratio tells how far it drifted since",
+    )
     host: str = Field("127.0.0.1", description="the address the HTTP server binds")
     port: int = Field(8000, ge=0, le=65535, description="the HTTP port of the API")
 
@@ -100,6 +128,14 @@ class ServiceConfig(IngressOptions):
         if "model" in v:
             raise ValueError("set `model` at the top level, not under `engine`")
         return {**SERVER_ENGINE_DEFAULTS, **v}
+
+    @field_validator("twin_cost_model")
+    @classmethod
+    def _twin_cost_readable(cls, v: str | None) -> str | None:
+        # Read now, so a bad file stops `iterserve serve` before the model loads.
+        if v is not None:
+            _read_cost(v)
+        return v
 
     @model_validator(mode="after")
     def _cpus_resolved(self) -> ServiceConfig:
@@ -160,6 +196,14 @@ class ServiceConfig(IngressOptions):
                 engine.block_size if self.prefix_affinity and engine.enable_prefix_caching else None
             ),
         )
+
+    def twin_cost(self) -> LinearCost | None:
+        """The model ``twin_cost_model`` names (None: none named).
+
+        Raises:
+            ValueError: the file cannot be read or is not a calibration file.
+        """
+        return None if self.twin_cost_model is None else _read_cost(self.twin_cost_model)
 
     def model_name(self) -> str:
         """The name the API serves the model under."""

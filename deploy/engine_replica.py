@@ -22,6 +22,8 @@ from engine import (
     RequestRejectedError,
     SamplingParams,
 )
+from engine.sim.cost import LinearCost
+from engine.sim.drift import DriftMonitor
 from engine.step_log import StepRecorder, engine_info
 from engine.step_metrics import StepMetrics
 from policies import LoadSnapshot
@@ -53,6 +55,8 @@ class EngineReplica:
             ``step_log``, nothing is recorded and :attr:`recorder` is None.
         service: the service config, for the step log's header (a replay of the log
             runs under it).
+        twin_cost: the simulator's step-time model that :attr:`drift` checks the
+            measured steps against; None: it fits its own on the first steps.
 
     Raises:
         OSError: ``step_log`` cannot be opened for appending.
@@ -66,6 +70,7 @@ class EngineReplica:
         step_log: str | None = None,
         step_history: int = 0,
         service: dict[str, Any] | None = None,
+        twin_cost: LinearCost | None = None,
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.engine = AsyncLLMEngine.from_config(EngineConfig(**engine_config))
@@ -76,6 +81,8 @@ class EngineReplica:
             info = engine_info(self.engine.engine) | ({"service": service} if service else {})
             self.recorder = StepRecorder(info, step_log, step_history)
             self.recorder.attach(self.engine.engine)
+        self.drift = DriftMonitor(twin_cost, clock=self.engine.engine.clock)
+        self.drift.attach(self.engine.engine)
         self.replica_id = replica_id
         logger.info("replica ready (pid %d, %d torch threads)", os.getpid(), num_threads)
 
@@ -99,14 +106,16 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """The load snapshot and, under ``"metrics"``, :class:`engine.step_metrics.StepMetrics`
-        plus the prefix cache's lookups and hits since start, in tokens. Ray Serve polls
-        it from a served replica; the ingress's admission, routing and ``/metrics`` read
-        it."""
+        plus the prefix cache's lookups and hits since start, in tokens, and the twin's
+        drift (``"step_time_prediction"``: :meth:`engine.sim.drift.DriftMonitor.to_dict`).
+        Ray Serve polls it from a served replica; the ingress's admission, routing and
+        ``/metrics`` read it."""
         bm = self.engine.engine.block_manager
         metrics = {
             **self.step_metrics.to_dict(),
             "prefix_cache_queries": bm.num_queried_tokens,
             "prefix_cache_hits": bm.num_hit_tokens,
+            "step_time_prediction": self.drift.to_dict(),
         }
         return {**self.engine.load_snapshot().to_dict(), "metrics": metrics}
 

@@ -109,6 +109,7 @@ def build_local(config: ServiceConfig) -> tuple[_Server, EngineReplica]:
         step_log=config.step_log,
         step_history=config.step_history,
         service=config.model_dump(mode="json", exclude={"api_keys", "api_keys_file"}),
+        twin_cost=config.twin_cost(),
     )
     ingress = Ingress(
         LocalReplicas(replica),

@@ -14,6 +14,7 @@ from typing import Any
 from ray import serve
 
 from deploy.engine_replica import EngineReplica
+from engine.sim.cost import LinearCost
 from router.contract import FirstItem, Lost, RequestShape, StepItem, StreamItem
 
 
@@ -21,9 +22,17 @@ class ModelReplica(EngineReplica):
     """One engine replica as a Ray Serve deployment (the arguments of :class:`EngineReplica`
     but its id, which is Serve's unique id of the replica)."""
 
-    def __init__(self, engine_config: dict[str, Any], num_threads: int = 1) -> None:
+    def __init__(
+        self,
+        engine_config: dict[str, Any],
+        num_threads: int = 1,
+        twin_cost: LinearCost | None = None,
+    ) -> None:
         super().__init__(
-            engine_config, num_threads, serve.get_replica_context().replica_id.unique_id
+            engine_config,
+            num_threads,
+            serve.get_replica_context().replica_id.unique_id,
+            twin_cost=twin_cost,
         )
         self._outboxes = Outboxes()
 

@@ -4,8 +4,10 @@ Every refresh scrapes the server's ``/metrics`` and compares it with the scrape 
 a minute before (the first frames, and ``--once``, compare with the server's start: every
 counter from zero). Per class: request rate, TTFT and TPOT p50/p99 (interpolated in the
 histogram buckets, as Prometheus's ``histogram_quantile`` does), SLO attainment (both SLOs
-met; refusals count as misses), goodput, refusals; per replica: running, waiting, KV use.
-Drawn with ``rich``.
+met; refusals count as misses), goodput, refusals; per replica: running, waiting, KV use,
+and the digital twin's drift per step kind (``iterserve:step_time_prediction_ratio``: the
+simulator's predicted step seconds / the measured, over the replica's last minute; "-"
+where the replica ran no step of the kind). Drawn with ``rich``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from rich.table import Table
 from router.metrics import PREFIX
 
 WINDOW_S = 60.0
+STEP_KINDS = ("decode", "mixed", "prefill")
+"""The step kinds of ``iterserve:step_time_prediction_ratio`` (``engine.step_log``'s)."""
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 """One scrape: ``{(sample name, sorted labels): value}``."""
@@ -98,6 +102,8 @@ class View:
     classes: list[ClassRow] = field(default_factory=list)
     replicas: list[tuple[str, float, float, float]] = field(default_factory=list)
     """(replica, running, waiting, KV usage 0-1)."""
+    twin: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``{replica: {step kind: predicted / measured step seconds}}``, kinds with a ratio."""
 
 
 def view(now: Samples, then: Samples, window_s: float, since_start: bool) -> View:
@@ -134,6 +140,10 @@ def view(now: Samples, then: Samples, window_s: float, since_start: bool) -> Vie
         (r, running.get(r, 0.0), waiting.get(r, 0.0), kv.get(r, 0.0))
         for r in sorted({*running, *kv})
     ]
+    for (n, labels), v in now.items():
+        d = dict(labels)
+        if n == PREFIX + "step_time_prediction_ratio" and "replica" in d and "kind" in d:
+            out.twin.setdefault(d["replica"], {})[d["kind"]] = v
     return out
 
 
@@ -165,10 +175,23 @@ def render(v: View, url: str) -> Group:
             f"{c.refused:.0f}",
         )
     replicas = Table(title="replicas, now", expand=True)
-    for col in ("replica", "running", "waiting", "KV cache"):
+    twin_cols = [f"twin {k}" for k in STEP_KINDS]
+    for col in ("replica", "running", "waiting", "KV cache", *twin_cols):
         replicas.add_column(col, justify="left" if col == "replica" else "right")
     for r, running, waiting, kv in v.replicas:
-        replicas.add_row(r, f"{running:.0f}", f"{waiting:.0f}", f"{100 * kv:.1f}%")
+        ratios = v.twin.get(r, {})
+        replicas.add_row(
+            r,
+            f"{running:.0f}",
+            f"{waiting:.0f}",
+            f"{100 * kv:.1f}%",
+            *(_f(ratios.get(k, math.nan), ".2f") for k in STEP_KINDS),
+        )
+    if v.twin:
+        replicas.caption = (
+            "twin: the simulator's predicted / measured step seconds, last minute "
+            "(1: a perfect twin; alert outside 0.8-1.25)"
+        )
     return Group(classes, replicas)
 
 

@@ -13,14 +13,15 @@ Two sources feed it:
   inter-token latency, TPOT, end-to-end latency, queue time, tokens, finish reasons,
   aborts, admission rejections, SLO outcomes;
 * each replica counts its own steps (:class:`engine.step_metrics.StepMetrics`: step time,
-  prefill and decode tokens per step, preemptions, with their buckets); the cumulative
-  counts travel with the load snapshot Ray Serve already polls from every replica
-  (``record_routing_stats``), and the ingress renders them with the snapshots' gauges
-  (running, waiting, KV usage) per replica (:func:`replica_families`).
+  prefill and decode tokens per step, preemptions, with their buckets) and checks their
+  times against the simulator's step-time model (:class:`engine.sim.drift.DriftMonitor`);
+  the cumulative counts and the drift travel with the load snapshot Ray Serve already
+  polls from every replica (``record_routing_stats``), and the ingress renders them with
+  the snapshots' gauges (running, waiting, KV usage) per replica (:func:`replica_families`).
 
-Labels: ``model``, ``replica``, ``traffic_class``, plus ``reason``, ``finish_reason`` or
-``phase`` where they apply. No request ids or tenant names: the label sets are bounded by
-the configured classes and the replicas.
+Labels: ``model``, ``replica``, ``traffic_class``, plus ``reason``, ``finish_reason``,
+``phase`` or ``kind`` (a step's: decode, mixed, prefill) where they apply. No request ids
+or tenant names: the label sets are bounded by the configured classes and the replicas.
 """
 
 from __future__ import annotations
@@ -307,6 +308,13 @@ def replica_families(
         "Of those, tokens found cached (their prefill skipped).",
         labels=labels,
     )
+    twin = GaugeMetricFamily(
+        PREFIX + "step_time_prediction_ratio",
+        "The digital twin's drift: predicted / measured step seconds over the last minute, "
+        "per step kind (decode, mixed, prefill); 1 is a perfect twin, under 1 steps take "
+        "longer than the simulator's model predicts.",
+        labels=[*labels, "kind"],
+    )
     steps, prefill, decode = [], [], []
     for rid, s in sorted(stats.items()):
         for cls in sorted({*classes, *s.get("running_seqs", {}), *s.get("waiting_requests", {})}):
@@ -321,6 +329,9 @@ def replica_families(
             steps.append(([model, rid], met["step_s"]))
             prefill.append(([model, rid, "prefill"], met["prefill_tokens"]))
             decode.append(([model, rid, "decode"], met["decode_tokens"]))
+            for kind, p in sorted(met.get("step_time_prediction", {}).items()):
+                if p.get("ratio") is not None:
+                    twin.add_metric([model, rid, kind], p["ratio"])
     return [
         running,
         waiting,
@@ -328,6 +339,7 @@ def replica_families(
         preempt,
         queries,
         hits,
+        twin,
         _histogram("step_time_seconds", "Seconds per engine step.", labels, steps),
         _histogram(
             "iteration_tokens_total",

@@ -112,7 +112,16 @@ def test_replica_series_come_from_routing_stats_and_gauges_track_them():
             "running_seqs": {"interactive": 3},
             "waiting_requests": {"batch": 2},
             "kv_usage": 0.5,
-            "metrics": {**steps.to_dict(), "prefix_cache_queries": 900, "prefix_cache_hits": 640},
+            "metrics": {
+                **steps.to_dict(),
+                "prefix_cache_queries": 900,
+                "prefix_cache_hits": 640,
+                "step_time_prediction": {
+                    "decode": {"ratio": 0.5, "steps": 120},
+                    "mixed": {"ratio": 1.1, "steps": 4},
+                    "prefill": {"ratio": None, "steps": 0},
+                },
+            },
         }
     }
     m = make(Clock(), stats, held={"interactive": 4})
@@ -129,6 +138,10 @@ def test_replica_series_come_from_routing_stats_and_gauges_track_them():
     assert value(s, "iterserve:step_time_seconds_bucket", **rep, le="0.05") == 1
     assert value(s, "iterserve:iteration_tokens_total_sum", **rep, phase="prefill") == 300
     assert value(s, "iterserve:iteration_tokens_total_count", **rep, phase="decode") == 2
+    ratio = "iterserve:step_time_prediction_ratio"
+    assert value(s, ratio, **rep, kind="decode") == 0.5
+    assert value(s, ratio, **rep, kind="mixed") == 1.1
+    assert not [k for k in s if k[0] == ratio and ("kind", "prefill") in k[1]]  # no steps
     assert value(s, "iterserve:num_requests_held", model="m", traffic_class="interactive") == 4
     assert value(s, "iterserve:num_requests_held", model="m", traffic_class="batch") == 0
     assert value(s, "iterserve:num_replicas", model="m") == 1

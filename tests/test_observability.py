@@ -23,7 +23,8 @@ import yaml
 pytest.importorskip("ray")
 
 from deploy.config import ServiceConfig  # noqa: E402
-from deploy.top import scrape, view  # noqa: E402
+from deploy.top import STEP_KINDS, scrape, view  # noqa: E402
+from engine.sim.cost import LinearCost  # noqa: E402
 from tests import serving_app as app  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -55,8 +56,13 @@ def _prometheus_binaries() -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
+    # A twin's model from a file, so that the drift's series has data without the
+    # replica's own fit (which waits for more steps than the load below runs).
+    twin = tmp_path_factory.mktemp("twin") / "cost.json"
+    LinearCost((0.02, 1e-4, 1e-3, 0.0, 0.0), 0, 0, 0, 0).save(twin)
     config = ServiceConfig(
+        twin_cost_model=str(twin),
         num_replicas=1,
         replica_num_cpus=1,
         port=app.free_port(),
@@ -216,6 +222,59 @@ def test_shipped_prometheus_files_pass_promtool():
         assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_the_twin_drift_alert_fires_after_ten_minutes_outside_its_band(tmp_path):
+    _, promtool = _prometheus_binaries()
+    series = 'iterserve:step_time_prediction_ratio{model="m",replica="r1",kind="%s"}'
+
+    def alert(kind: str, ratio: str) -> dict:
+        return {
+            "exp_labels": {"severity": "ticket", "model": "m", "replica": "r1", "kind": kind},
+            "exp_annotations": {
+                "summary": f"replica r1: the simulator's {kind} step times outside "
+                "0.8-1.25 of the measured for 10 minutes",
+                "description": f"Predicted / measured step seconds is {ratio} (1: a perfect "
+                "twin): `iterserve simulate` runs on a step-time model that no longer "
+                "matches this replica. Recalibrate: iterserve calibrate --from-url URL "
+                "--output FILE, and set twin_cost_model to FILE.",
+            },
+        }
+
+    def at(minute: int, *alerts: dict) -> dict:
+        return {
+            "eval_time": f"{minute}m",
+            "alertname": "IterserveTwinDrift",
+            "exp_alerts": list(alerts),
+        }
+
+    test = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                # Decode steps twice as slow as the twin says, mixed within the band;
+                # prefill slow for 9 minutes, then a minute without prefill steps (the
+                # replica exports no sample: the series goes stale), then slow again.
+                "input_series": [
+                    {"series": series % "decode", "values": "0.5x21"},
+                    {"series": series % "mixed", "values": "1.2x21"},
+                    {"series": series % "prefill", "values": "1.5x8 stale 1.5x11"},
+                ],
+                "alert_rule_test": [
+                    at(9),
+                    at(10, alert("decode", "0.50")),
+                    at(19, alert("decode", "0.50")),
+                    at(20, alert("decode", "0.50"), alert("prefill", "1.50")),
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "test.yml"
+    path.write_text(yaml.safe_dump(test))
+    r = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_metrics_under_load_reach_prometheus_and_drain(prometheus, loaded):
     server = loaded
     # Gauges are true with no traffic: every request ended or was aborted.
@@ -289,3 +348,9 @@ def test_top_once_shows_what_metrics_say(loaded):
     assert rows["tight"].refused == 3 and rows["tight"].attainment == 0.0
     assert rows["batch"].attainment == 1.0
     assert len(v.replicas) == 1 and v.replicas[0][1:] == (0.0, 0.0, 0.0)
+    # The twin's drift per step kind: a ratio, or "-" once the load's steps are over a
+    # minute old (the window may empty between the two scrapes).
+    assert all(f"twin {k}" in out.stdout for k in STEP_KINDS), out.stdout
+    row = next(ln for ln in out.stdout.splitlines() if f"│ {v.replicas[0][0]}" in ln)
+    for cell in [c.strip() for c in row.split("│")[1:-1]][-3:]:
+        assert cell == "-" or re.fullmatch(r"\d+\.\d\d", cell), row
