@@ -343,13 +343,23 @@ class LLMEngine:
                 del self._groups[parent]
                 self._finished(group)
         seconds = self.clock() - start
-        prefill = out.num_batched_tokens - out.num_decodes
-        self.step_time_model.observe(prefill, out.num_decodes, seconds)
-        self._recent_step_s.append(seconds)
+        self.observe_step(out.num_batched_tokens - out.num_decodes, out.num_decodes, seconds)
         self._num_steps += 1
         if self.on_step is not None:
             self.on_step(self._record(out, start, seconds, schedule_s, now - start, predicted))
         return outputs
+
+    def observe_step(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
+        """Learn from one step that ran (its prefill tokens, decodes and seconds): the
+        step-time model that admission and the TPOT guard read, and the recent step
+        times of the load snapshot. Every step calls it; a replay of a server's step log
+        calls it for the steps the server ran before the replayed ones.
+
+        Raises:
+            ValueError: a negative or non-finite value.
+        """
+        self.step_time_model.observe(prefill_tokens, decodes, seconds)
+        self._recent_step_s.append(seconds)
 
     def _finished(self, group: RequestGroup) -> None:
         if self.on_finish is None:

@@ -128,6 +128,9 @@ class Fleet:
         ingress_s: per request id, seconds from its arrival until admission first
             decides it (a replay's measured ingress time; default none). Its TTFT still
             counts from its arrival.
+        engine_lag_s: per request id, seconds from its admission to its arrival time in
+            the engine (the TPOT guard's TTFT deadlines count from it; a replay's
+            measured hand-over; default none).
         record_steps: keep every replica's :class:`engine.interfaces.StepRecord` in
             :attr:`steps` (a replay compares them with the real run's).
 
@@ -147,6 +150,7 @@ class Fleet:
         record_steps: bool = False,
         wake_s: dict[str, float] | None = None,
         ingress_s: dict[str, float] | None = None,
+        engine_lag_s: dict[str, float] | None = None,
     ) -> None:
         if routing not in ROUTING:
             raise ValueError(f"routing {routing!r}: one of {ROUTING}")
@@ -159,6 +163,7 @@ class Fleet:
         self.live_loads = live_loads
         self.wake_s = wake_s or {}
         self.ingress_s = ingress_s or {}
+        self.engine_lag_s = engine_lag_s or {}
         if live_loads:
             for r in self.replicas:
                 r.engine.on_scheduled = functools.partial(setattr, r, "in_flight")
@@ -363,7 +368,7 @@ class Fleet:
                 _prompt(req, self.vocab_size),
                 params,
                 traffic_class=req.traffic_class,
-                arrival_time=self.now,
+                arrival_time=self.now + self.engine_lag_s.get(req.id, 0.0),
             )
         except ValueError as e:  # RequestRejectedError: too long for any replica
             o.status, o.reason = "rejected", str(e)

@@ -197,10 +197,19 @@ class Replay:
     t0: float
 
 
-def replay(log: StepLog, config: ServiceConfig, fallback: CostModel | None = None) -> Replay:
+def replay(
+    log: StepLog,
+    config: ServiceConfig,
+    fallback: CostModel | None = None,
+    history: list[LoggedStep] | None = None,
+) -> Replay:
     """Replay ``log``'s requests through one simulated replica of ``config`` whose steps
     cost the logged ones (:class:`ReplayRunner`); admission and routing read live loads,
     as the one-process server's ingress does.
+
+    ``history``: the steps the server ran before the log's first (when the log is a window
+    of a longer one). The simulated engine's step-time model, which admission and the
+    TPOT guard read, learns from them first, as the server's did.
 
     Raises:
         ValueError: the log has no requests, or ``config.num_replicas`` is not 1.
@@ -216,8 +225,15 @@ def replay(log: StepLog, config: ServiceConfig, fallback: CostModel | None = Non
         record_steps=True,
         wake_s=wake_delays(log),
         ingress_s=ingress_delays(log),
+        engine_lag_s={
+            r.id: max(0.0, r.engine_arrival - r.admitted)
+            for r in log.requests.values()
+            if r.engine_arrival is not None and r.admitted is not None
+        },
     )
     engine = fleet.replicas[0].engine
+    for s in history or ():
+        engine.observe_step(s.num_prefill_tokens, s.num_decodes, s.seconds)
     runner = ReplayRunner(real_costs(log), fallback, engine.clock)
     runner.num_kv_blocks = engine.runner.num_kv_blocks
     engine.runner = runner
@@ -331,9 +347,17 @@ def _why(
             continue
         entered = (r.admitted if r.admitted is not None else r.arrival) - rep.t0
         if o.status == "refused" or r.refused is not None:
+            held = (r.held_s or 0.0) >= POLL_S or "held" in r.reason
+            cause = (
+                ": admission held it and re-decided it every 50 ms on the ingress's event "
+                "loop, whose re-decisions run late by what the loop is busy with; the "
+                "simulated ones keep to the 50 ms grid"
+                if held
+                else ""
+            )
             return (
                 f"admission: {rid} was {'refused' if r.refused is not None else 'admitted'} "
-                f"in the real run and {o.status} in the replay"
+                f"in the real run and {o.status} in the replay{cause}"
             )
         if o.routed_s is None:
             continue
