@@ -90,6 +90,13 @@ def _sim_validate(name: str, result: dict) -> list[str]:
     return [*_run_lines(result), *sim_validate.verdict(result), ""]
 
 
+def _twin(name: str, result: dict) -> list[str]:
+    from bench import twin
+
+    body = twin.markdown(result).splitlines()
+    return [*_run_lines(result), *body[2:], ""]
+
+
 def _engine_throughput(name: str, result: dict) -> list[str]:
     from bench import engine_throughput
 
@@ -183,6 +190,19 @@ SUITES: tuple[Suite, ...] = (
         ),
         ("sim_validation.json",),
         _sim_validate,
+    ),
+    Suite(
+        "The digital twin",
+        "bench.twin",
+        "A what-if answered by the twin of a live server and checked live: `iterserve serve` "
+        "serves a window of the conversation trace, `iterserve calibrate --from-url` fits its "
+        "steps, `iterserve simulate --from-url` predicts the same traffic under another plan "
+        "(a token budget of 256), and the server, restarted with that plan, serves the window "
+        "three times; the prediction is judged by the simulator validation's end-to-end bars. "
+        "See [simulator.md](simulator.md#the-digital-twin-of-a-running-server).",
+        ("python -m bench.twin",),
+        ("twin.json",),
+        _twin,
     ),
     Suite(
         "Engine throughput",

@@ -52,6 +52,7 @@ from bench.toolkit.workload import ATTRIBUTION, REPO, TRACE, Lengths, Window, to
 from deploy.config import ServiceConfig
 from deploy.sim import replay as rpl
 from deploy.sim.fleet import Fleet, SimRun
+from deploy.sim.report import latency
 from deploy.sim.trace import SimRequest
 from deploy.sim.twin import observed
 from engine.sim.calibrate import fit_log, holdout
@@ -160,20 +161,14 @@ def capacity(cost, config: ServiceConfig, duration_s: float) -> float:
 
 
 def stats(run: SimRun) -> dict[str, Any]:
-    """Mean and p99 TTFT and TPOT (s) over finished requests; attainment; refusals."""
-    ok = [o for o in run.outcomes if o.status == "ok"]
-    out: dict[str, Any] = {
+    """Mean and p99 TTFT and TPOT (s) over finished requests, as the simulator's report
+    computes them (:func:`deploy.sim.report.latency`); requests, finished, refused."""
+    return {
         "requests": len(run.outcomes),
-        "finished": len(ok),
+        "finished": sum(o.status == "ok" for o in run.outcomes),
         "refused": sum(o.status == "refused" for o in run.outcomes),
+        **{k.removesuffix("_s"): v for k, v in latency(run.outcomes).items()},
     }
-    for m, vals in (
-        ("ttft", [o.ttft_s for o in ok]),
-        ("tpot", [o.tpot_s for o in ok if o.request.output_tokens > 1]),
-    ):
-        out[f"{m}_mean"] = statistics.fmean(vals) if vals else None
-        out[f"{m}_p99"] = rp.percentile(vals, 99) if vals else None
-    return out
 
 
 def layer1(log: StepLog, config: ServiceConfig, history: list) -> dict[str, Any]:
@@ -236,7 +231,9 @@ def layer2(log: StepLog) -> dict[str, Any]:
 
 def layer3(log: StepLog, config: ServiceConfig) -> dict[str, Any]:
     t0 = rpl.origin(log)
-    sim = Fleet(config, fit_log(log), live_loads=True).run(rpl.requests(log, t0))
+    sim = Fleet(config, fit_log(log), live_loads=True).run(
+        rpl.requests(log, t0), rpl.cancels(log, t0)
+    )
     return {"real": stats(observed(log, t0)), "sim": stats(sim)}
 
 
@@ -310,7 +307,7 @@ def markdown(rep: dict[str, Any]) -> str:
         "bars 2% and 5%.",
         "",
         "| round | load | requests | TTFT median | TTFT p99 | TPOT median | TPOT p99 | "
-        "status differs | steps real / sim / priced from the log | within bars | first "
+        "status differs | steps real / sim / same composition | within bars | first "
         "divergent step |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]

@@ -127,6 +127,24 @@ def test_overload_is_refused_by_admission_and_no_request_is_lost():
     assert admitted_met > s_off["classes"]["interactive"]["goodput_rps"]
 
 
+def test_a_cancelled_request_is_aborted_where_it_is_and_frees_its_blocks():
+    heavy = [SimRequest(f"r{i}", i * 0.01, 200, 20, "interactive") for i in range(60)]
+    fleet = Fleet(service(admission=True), FixedCost())
+    # r0 runs when its client leaves; r59 is still held by admission then.
+    run = fleet.run(heavy, cancels={"r0": 0.3, "r59": 0.6})
+    by_id = {o.request.id: o for o in run.outcomes}
+    assert by_id["r0"].status == by_id["r59"].status == "aborted"
+    assert by_id["r0"].routed_s is not None and by_id["r59"].routed_s is None
+    assert {o.status for o in run.outcomes} <= {"ok", "refused", "aborted"}
+    engine = fleet.replicas[0].engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert fleet.admission.held == {}
+    # Without the cancels, both run to the end (the cancel is what aborted them).
+    plain = Fleet(service(admission=True), FixedCost()).run(heavy)
+    assert {o.request.id: o.status for o in plain.outcomes}["r0"] == "ok"
+
+
 def test_requests_too_long_for_a_replica_are_rejected_not_lost():
     reqs = [SimRequest("r0", 0.0, 4000, 10, "batch"), SimRequest("r1", 0.1, 10, 5, "batch")]
     run = Fleet(service(), FixedCost()).run(reqs)

@@ -401,7 +401,7 @@ def test_the_recorded_log_replays_step_for_step():
     report = compare(log, rep)
     assert report["divergence"] is None, report["divergence"]
     assert report["status_differs"] == []
-    assert report["steps"]["unmatched"] == 0
+    assert report["steps"]["unmatched"] == report["steps"]["near"] == 0
     assert report["steps"]["matched"] == report["steps"]["real"] == len(log.steps)
     for metric in ("ttft", "tpot"):
         assert report[metric]["compared"] == len(log.requests)
@@ -452,6 +452,6 @@ def test_a_request_arriving_before_the_first_step_after_idleness_joins_it():
     # Three steps are too few to fit a fallback on; none is used.
     report = compare(log, replay(log, service_config(log), fallback=fit_log(small)))
     assert report["divergence"] is None, report["divergence"]
-    assert report["steps"] == {"real": 3, "simulated": 3, "matched": 3, "unmatched": 0}
+    assert report["steps"] == {"real": 3, "simulated": 3, "matched": 3, "near": 0, "unmatched": 0}
     assert report["ttft"]["median_abs"] == pytest.approx(0.0, abs=1e-9)
     assert report["tpot"]["p99_abs"] == pytest.approx(0.0, abs=1e-9)

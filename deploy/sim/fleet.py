@@ -39,7 +39,7 @@ IDLE_STEP_S = 0.005
 """Virtual seconds before an engine that scheduled nothing while it has work steps again
 (the static policy filling a batch, or every request blocked on KV)."""
 
-_SNAPSHOT, _ARRIVAL, _STEP = 0, 1, 2  # order of events at the same instant
+_SNAPSHOT, _ARRIVAL, _ENTER, _STEP, _CANCEL = range(5)  # order of events at one instant
 
 
 @dataclass(slots=True)
@@ -48,7 +48,8 @@ class Outcome:
 
     request: SimRequest
     status: str = "pending"
-    """``ok``, ``refused`` (admission's 429), or ``rejected`` (too long for a replica)."""
+    """``ok``, ``refused`` (admission's 429), ``rejected`` (too long for a replica), or
+    ``aborted`` (its client left first: ``Fleet.run``'s ``cancels``)."""
     replica: int = -1
     routed_s: float | None = None
     first_token_s: float | None = None
@@ -123,14 +124,14 @@ class Fleet:
             ``routing_stats_period_s``, as on Ray Serve. During a step that is the load
             as after it, with the step's predicted seconds left, plus the requests added
             since it started (``AsyncLLMEngine.load_snapshot``).
-        wake_s: per request id, seconds from its admission to the first step of an idle
-            replica it wakes (a replay's measured time outside steps; default none).
+        wake_s: per request id, seconds from its engine having it to the first step of
+            the idle replica it wakes (a replay's measured time outside steps; default none).
         ingress_s: per request id, seconds from its arrival until admission first
             decides it (a replay's measured ingress time; default none). Its TTFT still
             counts from its arrival.
-        engine_lag_s: per request id, seconds from its admission to its arrival time in
-            the engine (the TPOT guard's TTFT deadlines count from it; a replay's
-            measured hand-over; default none).
+        engine_lag_s: per request id, seconds from its admission until its engine has
+            it (a replay's measured hand-over; until then no load shows it, and the TPOT
+            guard's TTFT deadlines count from then; default none).
         record_steps: keep every replica's :class:`engine.interfaces.StepRecord` in
             :attr:`steps` (a replay compares them with the real run's).
 
@@ -192,9 +193,17 @@ class Fleet:
         self.fast_holds = True
         """False: re-decide every held request in full at every poll (tests compare)."""
 
-    def run(self, requests: list[SimRequest]) -> SimRun:
-        """Replay ``requests`` (sorted by arrival) to the end; every request's outcome."""
+    def run(self, requests: list[SimRequest], cancels: dict[str, float] | None = None) -> SimRun:
+        """Replay ``requests`` (sorted by arrival) to the end; every request's outcome.
+
+        ``cancels``: per request id, when its client leaves (virtual seconds); a request
+        not finished by then is aborted (held: dropped from admission; running: its KV
+        blocks freed before the next step), as a client's disconnect aborts it.
+        """
         outcomes = [Outcome(r) for r in requests]
+        for o in outcomes:
+            if cancels and o.request.id in cancels:
+                self._push(cancels[o.request.id], _CANCEL, o)
         for o in outcomes:
             self._push(o.request.arrival_s + self.ingress_s.get(o.request.id, 0.0), _ARRIVAL, o)
         self._pending = len(outcomes)
@@ -206,6 +215,10 @@ class Fleet:
                 self._step(payload)
             elif kind == _ARRIVAL:
                 self._decide(payload)
+            elif kind == _CANCEL:
+                self._cancel(payload)
+            elif kind == _ENTER:
+                self._enter(*payload)
             elif self._busy():
                 self._publish()
                 self._push(self.now + self.config.routing_stats_period_s, _SNAPSHOT, None)
@@ -293,8 +306,26 @@ class Fleet:
             for i, r in enumerate(self.replicas)
         ]
 
+    def _cancel(self, o: Outcome) -> None:
+        """``o``'s client left: abort it wherever it is, unless it is done."""
+        rid = o.request.id
+        if o.status != "pending":
+            return
+        o.status = "aborted"
+        if o.replica >= 0:
+            r = self.replicas[o.replica]
+            r.live.pop(rid, None)
+            r.engine.abort(rid)
+        else:
+            self._pending -= 1
+            if rid in self._held:
+                self.admission.release(self._held.pop(rid))
+        self._version += 1
+
     def _decide(self, o: Outcome) -> None:
         """An arrival, or a held request's re-decision (as ``IngressAdmission.admit``)."""
+        if o.status != "pending":
+            return  # its client left while it was held
         req = o.request
         shape = o.shape = o.shape or self._shape(req)
         if self.live_loads:
@@ -353,12 +384,24 @@ class Fleet:
 
     def _route(self, o: Outcome, shape: RequestShape) -> None:
         i = self._choose(shape)
-        r = self.replicas[i]
         req = o.request
         matched = self.chooser.prefixes.matched_blocks(shape.prefix_hashes).get(i, 0)
         self.routed.record(i, self.now, shape, matched)
         self._version += 1
         self.chooser.prefixes.record(shape.prefix_hashes, i)
+        o.replica, o.routed_s = i, self.now
+        self._pending -= 1
+        lag = self.engine_lag_s.get(req.id, 0.0)
+        if lag > 0:
+            self._push(self.now + lag, _ENTER, (o, i))
+        else:
+            self._enter(o, i)
+
+    def _enter(self, o: Outcome, i: int) -> None:
+        """``o`` reaches replica ``i``'s engine (its client may have left meanwhile)."""
+        if o.status != "pending":
+            return
+        r, req = self.replicas[i], o.request
         params = SamplingParams(
             max_tokens=req.output_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
         )
@@ -368,16 +411,13 @@ class Fleet:
                 _prompt(req, self.vocab_size),
                 params,
                 traffic_class=req.traffic_class,
-                arrival_time=self.now + self.engine_lag_s.get(req.id, 0.0),
+                arrival_time=self.now,
             )
         except ValueError as e:  # RequestRejectedError: too long for any replica
-            o.status, o.reason = "rejected", str(e)
-            self._pending -= 1
+            o.status, o.reason, o.replica = "rejected", str(e), -1
             return
-        o.replica, o.routed_s = i, self.now
         r.live[req.id] = o
         r.queued.append((req.traffic_class, req.prompt_tokens))
-        self._pending -= 1
         if not r.stepping:
             r.stepping = True
             clock = r.engine.clock

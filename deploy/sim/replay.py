@@ -7,11 +7,13 @@ server's own code. A :class:`ReplayRunner` costs each simulated step what the re
 of the same composition (the same requests, positions and token counts) measured: its
 period (start to the next step's start, :attr:`engine.step_log.LoggedStep.period`), with
 its tokens stamped and its end at the real offsets; a request that woke the idle engine
-starts its step after the real delay from its admission (:func:`wake_delays`), and each
-request reaches admission after the real ingress's own delay (:func:`ingress_delays`):
-time outside steps, measured per request as steps are. A step the real run
-never ran (the decisions diverged) is costed by a :class:`engine.sim.LinearCost` fitted on
-the same log.
+starts its step after the real delay (:func:`wake_delays`), each request reaches
+admission after the real ingress's own delay (:func:`ingress_delays`) and the engine
+after the real hand-over from admission (:func:`engine_lags`):
+time outside steps, measured per request as steps are. Once the runs part, each step
+takes the cost of the next real step not yet used, scaled by a
+:class:`engine.sim.LinearCost` fitted on the same log for the difference between the two
+steps' shapes (:class:`ReplayRunner`).
 
 :func:`compare` then matches every request (TTFT, TPOT, admitted or refused) and names the
 first step whose composition differs, with the likeliest reason.
@@ -52,13 +54,8 @@ class RealCost:
     seconds: float
     period: float
 
-
-def real_costs(log: StepLog) -> dict[Composition, deque[RealCost]]:
-    """Each real step's cost by composition, in the order they ran."""
-    out: dict[Composition, deque[RealCost]] = {}
-    for s in log.steps:
-        out.setdefault(s.composition, deque()).append(RealCost(s.tokens_at, s.seconds, s.period))
-    return out
+    def scaled(self, k: float) -> RealCost:
+        return RealCost(self.tokens_at * k, self.seconds * k, self.period * k)
 
 
 def ingress_delays(log: StepLog) -> dict[str, float]:
@@ -74,53 +71,88 @@ def ingress_delays(log: StepLog) -> dict[str, float]:
     return out
 
 
+def engine_lags(log: StepLog) -> dict[str, float]:
+    """Per admitted request that ran: the seconds from its admission until the engine had
+    it (the dispatch to the replica and its checks, on the ingress's event loop)."""
+    return {
+        r.id: max(0.0, r.engine_arrival - r.admitted)
+        for r in log.requests.values()
+        if r.engine_arrival is not None and r.admitted is not None
+    }
+
+
 def wake_delays(log: StepLog) -> dict[str, float]:
-    """Per request that woke an idle engine (the first of its step's new requests to be
-    admitted): the seconds from its admission to the start of that step. The serving
-    loop's idle tick and the hand-over to the engine's thread are in it: time outside
-    steps, which requests admitted meanwhile join."""
+    """Per request in the first step after the engine idled: the seconds from when the
+    engine had it to the start of that step. The serving loop's idle tick and the
+    hand-over to the engine's thread are in it: time outside steps, which requests that
+    reach the engine meanwhile join. Whichever of them reaches the simulated engine first
+    wakes it, at the real step's start."""
     entered = {
-        r.id: r.admitted if r.admitted is not None else r.arrival for r in log.requests.values()
+        r.id: next(t for t in (r.engine_arrival, r.admitted, r.arrival) if t is not None)
+        for r in log.requests.values()
     }
     seen: set[str] = set()
     out: dict[str, float] = {}
     prev_end = -math.inf
     for s in log.steps:
         if s.start - prev_end >= IDLE_GAP_S:
-            new = [
-                (entered[rid], rid) for rid, _, _ in s.seqs if rid not in seen and rid in entered
-            ]
-            if new:
-                t, rid = min(new)
-                if t >= prev_end:
-                    out[rid] = max(0.0, s.start - t)
+            for rid, _, _ in s.seqs:
+                if rid not in seen and rid in entered and entered[rid] >= prev_end:
+                    out[rid] = max(0.0, s.start - entered[rid])
         seen.update(rid for rid, _, _ in s.seqs)
         prev_end = s.start + s.seconds
     return out
 
 
 class ReplayRunner(SimRunner):
-    """A simulated runner whose steps cost what the logged real steps of the same
-    composition cost (each real step used once, in order); ``fallback`` prices the rest.
+    """A simulated runner whose steps cost what the logged real steps cost.
 
-    ``matched`` and ``unmatched`` count the steps priced each way.
+    A simulated step of the same composition as a real one (the same requests,
+    positions and token counts) costs what that real step measured, each real step used
+    once, in order (``matched``). Once the runs part, a step takes the cost of the first
+    real step not yet used, scaled by ``fallback``'s ratio between the two steps' shapes
+    (``near``): the real run's own noise, corrected for the small difference the parting
+    made. Past the real run's last step, ``fallback`` prices it (``unmatched``).
     """
 
-    def __init__(self, costs: dict[Composition, deque[RealCost]], fallback, clock: SimClock):
+    def __init__(self, steps: list[LoggedStep], fallback, clock: SimClock):
         super().__init__(fallback, clock)
-        self.costs = costs
+        self.real = steps
+        self.by_composition: dict[Composition, deque[int]] = {}
+        for i, s in enumerate(steps):
+            self.by_composition.setdefault(s.composition, deque()).append(i)
+        self.used = [False] * len(steps)
+        self.next = 0
+        """The first real step not yet used."""
         self.matched = 0
+        self.near = 0
         self.unmatched = 0
         self._tail = 0.0
 
+    def _take(self, i: int) -> LoggedStep:
+        self.used[i] = True
+        while self.next < len(self.used) and self.used[self.next]:
+            self.next += 1
+        return self.real[i]
+
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
         key = tuple(sorted((s.request.request_id, s.start, s.num_tokens) for s in out.seqs))
-        queue = self.costs.get(key)
+        queue = self.by_composition.get(key)
+        while queue and self.used[queue[0]]:
+            queue.popleft()
+        shape = StepShape.of(out)
         if queue:
-            c = queue.popleft()
+            r = self._take(queue.popleft())
+            c = RealCost(r.tokens_at, r.seconds, r.period)
             self.matched += 1
+        elif self.next < len(self.real):
+            r = self._take(self.next)
+            predicted = self.cost.step_seconds(StepShape.of_record(r.seqs, r.num_decodes))
+            k = self.cost.step_seconds(shape) / predicted if predicted > 0 else 1.0
+            c = RealCost(r.tokens_at, r.seconds, r.period).scaled(k)
+            self.near += 1
         else:
-            seconds = self.cost.step_seconds(StepShape.of(out))
+            seconds = self.cost.step_seconds(shape)
             c = RealCost(seconds, seconds, seconds)
             self.unmatched += 1
         # The engine stamps the tokens at the next reading, and the step ends (its
@@ -167,6 +199,16 @@ def requests(log: StepLog, t0: float) -> list[SimRequest]:
             )
         )
     return out
+
+
+def cancels(log: StepLog, t0: float) -> dict[str, float]:
+    """When each aborted request's client left (its ``finish`` with reason ``abort``), in
+    seconds from ``t0``: a replay aborts it then too."""
+    return {
+        r.id: r.finish - t0
+        for r in log.requests.values()
+        if r.finish_reason == "abort" and r.finish is not None
+    }
 
 
 def service_config(log: StepLog, overrides: dict[str, Any] | None = None) -> ServiceConfig:
@@ -225,22 +267,18 @@ def replay(
         record_steps=True,
         wake_s=wake_delays(log),
         ingress_s=ingress_delays(log),
-        engine_lag_s={
-            r.id: max(0.0, r.engine_arrival - r.admitted)
-            for r in log.requests.values()
-            if r.engine_arrival is not None and r.admitted is not None
-        },
+        engine_lag_s=engine_lags(log),
     )
     engine = fleet.replicas[0].engine
     for s in history or ():
         engine.observe_step(s.num_prefill_tokens, s.num_decodes, s.seconds)
-    runner = ReplayRunner(real_costs(log), fallback, engine.clock)
+    runner = ReplayRunner(log.steps, fallback, engine.clock)
     runner.num_kv_blocks = engine.runner.num_kv_blocks
     engine.runner = runner
     reqs = requests(log, t0)
     if not reqs:
         raise ValueError("the step log holds no request to replay")
-    run = fleet.run(reqs)
+    run = fleet.run(reqs, cancels(log, t0))
     return Replay(run, fleet.steps[0], runner, t0)
 
 
@@ -265,7 +303,7 @@ def compare(log: StepLog, rep: Replay) -> dict[str, Any]:
     differs = []
     for r in log.requests.values():
         o = by_id.get(r.id)
-        real_ok = r.refused is None and r.first_token is not None
+        real_ok = r.refused is None and r.first_token is not None and r.finish_reason != "abort"
         sim_ok = o is not None and o.status == "ok"
         if real_ok != sim_ok:
             differs.append(r.id)
@@ -304,6 +342,7 @@ def compare(log: StepLog, rep: Replay) -> dict[str, Any]:
             "real": len(log.steps),
             "simulated": len(rep.steps),
             "matched": rep.runner.matched,
+            "near": rep.runner.near,
             "unmatched": rep.runner.unmatched,
         },
         "within_bars": within,

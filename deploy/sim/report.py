@@ -78,12 +78,26 @@ def summarize(run: SimRun, classes: Mapping[str, TrafficClass]) -> dict[str, Any
         "attainment": met / len(outcomes) if outcomes else None,
         "goodput_rps": met / span,
         "classes": per_class,
+        "latency": latency(outcomes),
         "preemptions": run.preemptions,
         "steps": run.steps,
         "end_s": run.end_s,
         "replica_busy": [b / run.end_s if run.end_s else 0.0 for b in run.busy_s],
         "kv_usage_p50": _pct(usage, 0.5),
         "kv_usage_max": max(usage, default=None),
+    }
+
+
+def latency(outcomes: list[Outcome]) -> dict[str, float | None]:
+    """TTFT and TPOT mean and p99 (s) over every class's finished requests."""
+    ok = [o for o in outcomes if o.status == "ok"]
+    ttft = [o.ttft_s for o in ok]
+    tpot = [o.tpot_s for o in ok if o.request.output_tokens > 1]
+    return {
+        "ttft_mean_s": sum(ttft) / len(ttft) if ttft else None,
+        "ttft_p99_s": _pct(ttft, 0.99),
+        "tpot_mean_s": sum(tpot) / len(tpot) if tpot else None,
+        "tpot_p99_s": _pct(tpot, 0.99),
     }
 
 

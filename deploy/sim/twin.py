@@ -68,6 +68,8 @@ def observed(log: StepLog, t0: float) -> SimRun:
         o = Outcome(req)
         if r.refused is not None:
             o.status, o.reason = "refused", r.reason
+        elif r.finish_reason == "abort":
+            o.status = "aborted"
         elif r.finish is not None and r.first_token is not None and r.finish_reason != "abort":
             o.status, o.replica = "ok", 0
             o.first_token_s, o.finish_s = r.first_token - t0, r.finish - t0
@@ -126,7 +128,7 @@ def from_url_command(args: argparse.Namespace) -> int:
     fleet = Fleet(
         config, cost, routing=args.routing, seed=args.seed, live_loads=config.num_replicas == 1
     )
-    run = fleet.run(rp.requests(log, t0))
+    run = fleet.run(rp.requests(log, t0), rp.cancels(log, t0))
     planned = summarize(run, config.traffic_classes())
     print(f"\n## As served: {len(log.requests)} requests, {len(log.steps)} steps\n")
     print(table(served))
@@ -198,7 +200,8 @@ def fidelity_text(result: dict[str, Any]) -> str:
         "",
         f"steps: {steps['real']} real, {steps['simulated']} simulated; "
         f"{steps['matched']} priced from a real step of the same composition, "
-        f"{steps['unmatched']} by the fit",
+        f"{steps['near']} from the next real step scaled by the fit, "
+        f"{steps['unmatched']} by the fit alone",
         f"requests admitted in one run and not the other: {len(result['status_differs'])}",
     ]
     for m in ("ttft", "tpot"):
