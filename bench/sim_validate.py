@@ -21,8 +21,9 @@ requests are served, to time the host's own drift.
    step kind (decode, mixed, prefill): median absolute error at most 5%, p90 at most 10%.
    Beside it, the probe's step times at the start against the end.
 3. **End to end, against the real system's own spread.** ``--rounds`` real runs per load
-   (:data:`LOADS`), interleaved; each simulated with the fit of its own step log
-   (admission, router and scheduler as the server runs them). Bar: the simulated mean
+   (:data:`LOADS`), interleaved; each simulated with the fit of its own step log and its
+   median time outside steps (:class:`deploy.sim.replay.OutsideSteps`; admission, router
+   and scheduler as the server runs them). Bar: the simulated mean
    TTFT and TPOT within the real runs' min-max band widened by 5%, the p99 within the
    band widened by 10%. Where the real runs' own spread is wider than the bar, the
    report says so.
@@ -70,6 +71,8 @@ BAND = {"mean": 0.05, "p99": 0.10}
 """Layer 3: how far the band of the real runs is widened."""
 WINDOW_START = 3000
 """First trace row of the window."""
+CALIBRATION_RPS = 2.0
+"""The rate of the calibration run (30 s of the window), whose fit sets the capacity."""
 PROBE = [(64, 24), (256, 16), (32, 48), (512, 8)] * 4
 """The probe's (prompt, output) tokens, served 4 at a time: the same requests at the
 start and the end of the run."""
@@ -125,7 +128,7 @@ def plan(args: argparse.Namespace) -> list[tuple[int, float]]:
 
 def expected_s(args: argparse.Namespace) -> float:
     runs = len(plan(args))
-    return 60 + 2 * 40 + runs * (args.duration + args.drain_allowance + 8)
+    return 60 + 2 * 40 + 45 + runs * (args.duration + 20)
 
 
 # -- capacity -----------------------------------------------------------------------------
@@ -135,15 +138,17 @@ def sim_requests(reqs: list[LoadRequest]) -> list[SimRequest]:
     return [SimRequest(r.id, r.arrival_s, r.prompt_tokens, r.max_tokens, r.cls) for r in reqs]
 
 
-def capacity(cost, config: ServiceConfig, duration_s: float) -> float:
-    """The highest rate (x1.15 steps from 0.3 req/s) at which one simulated replica with
+def capacity(
+    cost, config: ServiceConfig, duration_s: float, outside: rpl.OutsideSteps | None = None
+) -> float:
+    """The highest rate (x1.1 steps from 0.3 req/s) at which one simulated replica with
     admission off meets 90% attainment on the window: where the loads are put."""
     off = config.model_copy(update={"admission": False})
     rate, best = 0.3, 0.3
     while rate < 50:
-        run = Fleet(off, cost, live_loads=True).run(
-            sim_requests(window_requests(rate, duration_s, 0, "cap"))
-        )
+        reqs = sim_requests(window_requests(rate, duration_s, 0, "cap"))
+        more = outside.fleet_args(reqs) if outside else {}
+        run = Fleet(off, cost, live_loads=True, **more).run(reqs)
         classes = off.traffic_classes()
         met = sum(
             o.status == "ok"
@@ -153,7 +158,7 @@ def capacity(cost, config: ServiceConfig, duration_s: float) -> float:
         )
         if met / len(run.outcomes) < rp.GOODPUT_ATTAINMENT:
             break
-        best, rate = rate, rate * 1.15
+        best, rate = rate, rate * 1.1
     return best
 
 
@@ -231,9 +236,9 @@ def layer2(log: StepLog) -> dict[str, Any]:
 
 def layer3(log: StepLog, config: ServiceConfig) -> dict[str, Any]:
     t0 = rpl.origin(log)
-    sim = Fleet(config, fit_log(log), live_loads=True).run(
-        rpl.requests(log, t0), rpl.cancels(log, t0)
-    )
+    reqs = rpl.requests(log, t0)
+    outside = rpl.OutsideSteps.of(log).fleet_args(reqs)
+    sim = Fleet(config, fit_log(log), live_loads=True, **outside).run(reqs, rpl.cancels(log, t0))
     return {"real": stats(observed(log, t0)), "sim": stats(sim)}
 
 
@@ -298,7 +303,8 @@ def markdown(rep: dict[str, Any]) -> str:
         "",
         f"Trace: {rep['trace']}. One `iterserve serve` replica with its step log, admission "
         f"on, classes {MIX} (interactive SLOs TTFT {SLO[0]} s, TPOT {SLO[1]} s). Capacity "
-        f"{rep['capacity_rps']:.2f} req/s (simulated, from the start probe's fit); "
+        f"{rep['capacity_rps']:.2f} req/s (simulated with the fit of a 30 s calibration run "
+        f"at {CALIBRATION_RPS:g} req/s); "
         f"{len(runs)} runs of {rep['args']['duration']:g} s of arrivals.",
         "",
         "## 1. Decision fidelity: each run replayed step for step",
@@ -464,10 +470,12 @@ async def real_runs(args: argparse.Namespace, server: Server, log_path: Path) ->
             client, server.url, MODEL_NAME, extra_headers={"authorization": f"Bearer {MIX_API_KEY}"}
         )
         probes = [await closed(target, probe_requests(1), 4)]
-        log = StepLog.read(log_path)
+        warm = await serve(target, window_requests(CALIBRATION_RPS, 30.0, 9, "cal"), 60.0)
+        log = window(StepLog.read(log_path), warm["start"], warm["end"] + 0.5)
         config = rpl.service_config(log)
-        cap = capacity(fit_log(log, window(log, probes[0]["start"], 1e18).steps), config, 60.0)
-        print(f"capacity (simulated, from the probe): {cap:.2f} req/s", flush=True)
+        outside = rpl.OutsideSteps.of(log)
+        cap = capacity(fit_log(log), config, 60.0, outside)
+        print(f"capacity (simulated, from the calibration run): {cap:.2f} req/s", flush=True)
         spans = []
         for n, (k, load) in enumerate(plan(args)):
             reqs = window_requests(cap * load, args.duration, 10 + n, f"v{n}")

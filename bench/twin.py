@@ -30,7 +30,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.sim_validate import BAND, MIX, SLO, capacity, probe_requests, serve, window_requests
+from bench.sim_validate import (
+    BAND,
+    CALIBRATION_RPS,
+    MIX,
+    SLO,
+    capacity,
+    probe_requests,
+    serve,
+    window_requests,
+)
 from bench.toolkit import report as rp
 from bench.toolkit.servers import MIX_API_KEY, MODEL_NAME, Server, SystemSpec, model_dir
 from bench.toolkit.targets import HttpTarget, http_client
@@ -38,6 +47,7 @@ from bench.toolkit.workload import ATTRIBUTION, REPO, TRACE
 from deploy.sim import replay as rpl
 from deploy.sim.twin import fetch_log
 from engine.sim.calibrate import fit_log
+from engine.step_log import window
 
 STATS = ("ttft_mean", "tpot_mean", "ttft_p99", "tpot_p99")
 
@@ -96,7 +106,6 @@ def real_stats(url: str, span: dict) -> dict[str, Any]:
     """The run's figures from the server's own step log (``GET /steps``)."""
     from bench.sim_validate import stats
     from deploy.sim.twin import observed
-    from engine.step_log import window
 
     log = window(fetch_log(url, MIX_API_KEY), span["start"], span["end"] + 0.5)
     return stats(observed(log, rpl.origin(log)))
@@ -111,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="twin-") as tmp:
         fit_path, plan_json = Path(tmp) / "cost.json", Path(tmp) / "plan.json"
         with Server(SystemSpec("iterserve", "iterserve"), mdir, mix=True, slo=SLO) as server:
-            asyncio.run(probe(server))
-            log = fetch_log(server.url, MIX_API_KEY)
-            cap = capacity(fit_log(log), rpl.service_config(log), 60.0)
+            cal = asyncio.run(run_window(server, CALIBRATION_RPS, 30.0, 9))
+            log = window(fetch_log(server.url, MIX_API_KEY), cal["start"], cal["end"] + 0.5)
+            outside = rpl.OutsideSteps.of(log)
+            cap = capacity(fit_log(log), rpl.service_config(log), 60.0, outside)
             rate = cap * args.load
             print(f"capacity {cap:.2f} req/s; serving {rate:.2f} req/s", flush=True)
             base = asyncio.run(run_window(server, rate, args.duration, 0))
@@ -134,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         with Server(spec, mdir, mix=True, slo=SLO) as server:
             asyncio.run(probe(server))
             for k in range(args.repeats):
-                span = asyncio.run(run_window(server, rate, args.duration, 0))
+                span = asyncio.run(run_window(server, rate, args.duration, 1 + k))
                 reals.append(real_stats(server.url, span))
                 print(f"what-if run {k + 1}: {reals[-1]}", flush=True)
     sim = {m: predicted["latency"][f"{m}_s"] for m in STATS}

@@ -304,7 +304,7 @@ class LLMEngine:
             ``finished=True``.
         """
         start = self.clock()
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(start)
         schedule_s = self.clock() - start
         self.last_step_num_tokens = out.num_batched_tokens
         if out.is_empty:

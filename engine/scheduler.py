@@ -100,19 +100,23 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan the next step; allocates the KV blocks its tokens need."""
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Plan the next step; allocates the KV blocks its tokens need.
+
+        ``now``: the step's time on the clock (default: read it). The engine passes its
+        step's start, so that the step log's ``t`` is the time the plan was made for
+        and a replay of the log plans at the same instant.
+        """
         out = SchedulerOutput()
-        self._fill(out)
+        self._fill(out, self.clock() if now is None else now)
         for seq in out.seqs:
             rid = seq.request.request_id
             out.block_tables[rid] = self.block_manager.block_table(rid)
         return out
 
-    def _fill(self, out: SchedulerOutput) -> None:
+    def _fill(self, out: SchedulerOutput, now: float) -> None:
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
-        now = self.clock()
         # One sort of the waiting queue per step; again only if preemption changed it.
         waiting_order = self.policy.order(self.waiting, now)
         self._preempt_for_urgent(out, waiting_order, now)

@@ -22,6 +22,7 @@ first step whose composition differs, with the likeliest reason.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +103,41 @@ def wake_delays(log: StepLog) -> dict[str, float]:
         seen.update(rid for rid, _, _ in s.seqs)
         prev_end = s.start + s.seconds
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class OutsideSteps:
+    """A server's typical time outside steps, per request (medians over a log, seconds):
+    the ingress's work before admission decides (:func:`ingress_delays`), the hand-over to
+    the engine (:func:`engine_lags`), and an idle engine's wake-up (:func:`wake_delays`).
+    A simulation of that server's traffic under another plan spends them on every
+    request (:meth:`fleet_args`)."""
+
+    ingress_s: float
+    engine_lag_s: float
+    wake_s: float
+
+    @classmethod
+    def of(cls, log: StepLog) -> OutsideSteps:
+        def med(d: dict[str, float]) -> float:
+            return statistics.median(d.values()) if d else 0.0
+
+        return cls(med(ingress_delays(log)), med(engine_lags(log)), med(wake_delays(log)))
+
+    def fleet_args(self, requests: list[SimRequest]) -> dict[str, dict[str, float]]:
+        """:class:`deploy.sim.fleet.Fleet`'s ``ingress_s``, ``engine_lag_s`` and
+        ``wake_s`` for ``requests``, each the median."""
+        return {
+            "ingress_s": dict.fromkeys((r.id for r in requests), self.ingress_s),
+            "engine_lag_s": dict.fromkeys((r.id for r in requests), self.engine_lag_s),
+            "wake_s": dict.fromkeys((r.id for r in requests), self.wake_s),
+        }
+
+    def describe(self) -> str:
+        return (
+            f"time outside steps per request (medians): ingress {1000 * self.ingress_s:.1f} "
+            f"ms, hand-over {1000 * self.engine_lag_s:.1f} ms, wake-up {1000 * self.wake_s:.1f} ms"
+        )
 
 
 class ReplayRunner(SimRunner):

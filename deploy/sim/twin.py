@@ -125,10 +125,18 @@ def from_url_command(args: argparse.Namespace) -> int:
     print(f"cost model: {args.cost_model or 'fitted on the server steps'} ({cost.source})")
     t0 = rp.origin(log)
     served = summarize(observed(log, t0), config.traffic_classes())
+    reqs = rp.requests(log, t0)
+    outside = rp.OutsideSteps.of(log)
+    print(outside.describe())
     fleet = Fleet(
-        config, cost, routing=args.routing, seed=args.seed, live_loads=config.num_replicas == 1
+        config,
+        cost,
+        routing=args.routing,
+        seed=args.seed,
+        live_loads=config.num_replicas == 1,
+        **outside.fleet_args(reqs),
     )
-    run = fleet.run(rp.requests(log, t0), rp.cancels(log, t0))
+    run = fleet.run(reqs, rp.cancels(log, t0))
     planned = summarize(run, config.traffic_classes())
     print(f"\n## As served: {len(log.requests)} requests, {len(log.steps)} steps\n")
     print(table(served))
