@@ -455,8 +455,24 @@ def _why(
                 f"the real step began at {start:.4f} s (time outside steps: the steps "
                 f"drifted {sim.start - start:+.4f} s apart)"
             )
+    for rid in sorted(real_ids ^ sim_ids):
+        r, o = log.requests.get(rid), by_id.get(rid)
+        if r is None or o is None or r.admitted is None or o.routed_s is None:
+            continue
+        if (r.held_s or 0.0) >= POLL_S and abs(o.routed_s - (r.admitted - rep.t0)) > 0.001:
+            return (
+                f"{rid} was held by admission and let in at {r.admitted - rep.t0:.4f} s in "
+                f"the real run, at {o.routed_s:.4f} s in the replay: the ingress's 50 ms "
+                "re-decisions run late by what its event loop is busy with, the simulated "
+                "ones keep to the 50 ms grid, so held requests reach the queue in another "
+                "order or step"
+            )
+    diff = sorted(set(real.seqs) ^ {tuple(x) for x in sim.seqs})
     return (
-        f"the scheduler chose differently at {start:.4f} s (the guard's prefill cap: real "
-        f"{real.cap}, simulated {sim.prefill_cap}; time between the runs "
-        f"{sim.start - start:+.4f} s)"
+        f"the scheduler chose differently at {start:.4f} s: real "
+        f"{sorted(set(real.seqs) - set(sim.seqs))}, simulated "
+        f"{sorted(set(sim.seqs) - set(real.seqs))} (the guard's prefill caps: real "
+        f"{real.cap} / {real.owed}, simulated {sim.prefill_cap} / {sim.owed_cap})"
+        if diff
+        else f"the scheduler chose differently at {start:.4f} s"
     )
