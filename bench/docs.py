@@ -46,6 +46,9 @@ def _run_lines(result: dict) -> list[str]:
     run = result["run"]
     rows = [("date", run["date"]), ("commit", run["commit"]), ("host", run["host"])]
     rows.append(("recorded command", f"`{run['command']}`"))
+    if "analysis" in result:  # the runs' own record above; this one analyzed their log again
+        a = result["analysis"]
+        rows.append(("analyzed again", f"{a['date']}, commit {a['commit']}: `{a['command']}`"))
     lines = ["| run | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
     wall = result.get("wall_s", result.get("elapsed_s"))
     if wall is not None:

@@ -28,15 +28,22 @@ requests are served, to time the host's own drift.
    band widened by 10%. Where the real runs' own spread is wider than the bar, the
    report says so.
 
-Output: ``bench/results/sim_validation.json`` and ``.md`` (``_quick`` with --quick).
+Output: ``bench/results/sim_validation.json`` and ``.md``, and the server's step log,
+``sim_validation_steps.jsonl.gz`` (``_quick`` with --quick). The layers can be computed
+again from them, with no real run::
+
+    python -m bench.sim_validate --reanalyze bench/results/sim_validation.json \
+        --step-log bench/results/sim_validation_steps.jsonl.gz
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import math
+import shutil
 import statistics
 import sys
 import tempfile
@@ -499,8 +506,10 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     t_begin = time.perf_counter()
+    recorded = None
     if args.reanalyze:
-        real = json.loads(Path(args.reanalyze).read_text())["real"]
+        before = json.loads(Path(args.reanalyze).read_text())
+        real, recorded = before["real"], before["run"]
         log = StepLog.read(args.step_log)
     else:
         with tempfile.TemporaryDirectory(prefix="sim-validate-") as tmp:
@@ -512,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
             with Server(spec, model_dir(), mix=True, slo=SLO) as server:
                 real = asyncio.run(real_runs(args, server, log_path))
             log = StepLog.read(log_path)
+            name = "sim_validation_quick" if args.quick else "sim_validation"
+            kept = REPO / "bench" / "results" / f"{name}_steps.jsonl.gz"
+            with log_path.open("rb") as src, gzip.open(kept, "wb") as dst:
+                shutil.copyfileobj(src, dst)
     config = rpl.service_config(log)
     runs = []
     for span in real["spans"]:
@@ -529,7 +542,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     rep: dict[str, Any] = {
-        "run": rp.run_record(),
+        # Reanalyzed: the real runs' record stays; the analysis has its own.
+        "run": recorded or rp.run_record(),
+        **({"analysis": rp.run_record()} if recorded else {}),
         "trace": f"{TRACE.name} from row {WINDOW_START}, lengths / 8; {ATTRIBUTION}",
         "args": vars(args),
         "capacity_rps": real["capacity"],

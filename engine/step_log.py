@@ -34,6 +34,7 @@ its arrival is then its ``engine_arrival``.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import threading
@@ -287,12 +288,14 @@ class StepLog:
 
     @classmethod
     def read(cls, path: str | Path) -> StepLog:
-        """Parse a file written by a :class:`StepRecorder`.
+        """Parse a file written by a :class:`StepRecorder` (gzipped if it ends in ``.gz``).
 
         Raises:
             OSError: it cannot be read; ValueError: not a step log (see :meth:`parse`).
         """
-        with Path(path).open() as f:
+        path = Path(path)
+        opened = gzip.open(path, "rt") if path.suffix == ".gz" else path.open()
+        with opened as f:
             try:
                 return cls.parse(json.loads(line) for line in f if line.strip())
             except json.JSONDecodeError as e:
