@@ -90,7 +90,13 @@ def _batch(name: str, result: dict) -> list[str]:
 def _sim_validate(name: str, result: dict) -> list[str]:
     from bench import sim_validate
 
-    return [*_run_lines(result), *sim_validate.verdict(result), ""]
+    return [
+        *_run_lines(result),
+        *sim_validate.verdict(result),
+        "",
+        "The layers run by run: `bench/results/sim_validation.md`.",
+        "",
+    ]
 
 
 def _twin(name: str, result: dict) -> list[str]:

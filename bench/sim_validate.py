@@ -506,10 +506,10 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     t_begin = time.perf_counter()
-    recorded = None
+    recorded, recorded_wall = None, 0.0
     if args.reanalyze:
         before = json.loads(Path(args.reanalyze).read_text())
-        real, recorded = before["real"], before["run"]
+        real, recorded, recorded_wall = before["real"], before["run"], before["wall_s"]
         log = StepLog.read(args.step_log)
     else:
         with tempfile.TemporaryDirectory(prefix="sim-validate-") as tmp:
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         "bands": bands(runs),
         "drift": drift(log, real["probes"]),
         "real": real,
-        "wall_s": time.perf_counter() - t_begin,
+        "wall_s": recorded_wall if recorded else time.perf_counter() - t_begin,
     }
     rep["verdict"] = verdict(rep)
     name = "sim_validation_quick" if args.quick else "sim_validation"
