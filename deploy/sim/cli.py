@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deploy.sim import ROUTING
+from deploy.sim.report import describe, writable_file
 from deploy.sim.trace import TraceSpec, parse_mix
 
 if TYPE_CHECKING:
@@ -280,12 +281,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--plots {args.plots}: not a writable directory")
 
 
-def writable_file(path: str | Path) -> bool:
-    """Whether a file could be written at ``path``: not a directory, in a writable one."""
-    path = Path(path)
-    return not path.is_dir() and path.parent.is_dir() and os.access(path.parent, os.W_OK)
-
-
 def check_classes(args: argparse.Namespace, config: ServiceConfig) -> None:
     """Raises:
     ValueError: --class-mix or --default-class names a class the config lacks.
@@ -304,9 +299,17 @@ def run_command(args: argparse.Namespace) -> int:
 
     check_args(args)
     if args.replay_steps or args.from_url:
-        from deploy.sim.twin import from_url_command, replay_command
+        from deploy.sim import twin
+        from engine.step_log import StepLog
 
-        return (replay_command if args.replay_steps else from_url_command)(args)
+        if args.replay_steps:
+            log = StepLog.read(args.replay_steps)
+        else:
+            log = twin.fetch_log(args.from_url, args.api_key, args.last)
+        config = service_config(args, twin.base_config(args.config, log))
+        return (twin.replay_command if args.replay_steps else twin.from_url_command)(
+            args, log, config
+        )
     config, cost = service_config(args), cost_model(args)
     check_classes(args, config)
     print(f"cost model: {cost_line(args, cost)}")
@@ -364,11 +367,6 @@ def cost_line(args: argparse.Namespace, cost) -> str:
         else ("; `iterserve calibrate --output FILE` fits this host, `--cost-model FILE` uses it")
     )
     return f"{origin} ({cost.source or 'no source recorded'}){hint}"
-
-
-def describe(cost) -> dict[str, Any]:
-    """The cost model, for reports."""
-    return {"kind": type(cost).__name__, **dataclasses.asdict(cost)}
 
 
 def calibrate_command(args: argparse.Namespace) -> int:

@@ -9,7 +9,9 @@ requests, in every class, meet their SLOs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -221,3 +223,14 @@ def _plot_sweep(plt, runs, summaries, out: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def describe(cost) -> dict[str, Any]:
+    """The cost model, for reports."""
+    return {"kind": type(cost).__name__, **dataclasses.asdict(cost)}
+
+
+def writable_file(path: str | Path) -> bool:
+    """Whether a file could be written at ``path``: not a directory, in a writable one."""
+    path = Path(path)
+    return not path.is_dir() and path.parent.is_dir() and os.access(path.parent, os.W_OK)

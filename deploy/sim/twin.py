@@ -25,7 +25,7 @@ import httpx
 from deploy.config import ServiceConfig
 from deploy.sim import replay as rp
 from deploy.sim.fleet import Fleet, Outcome, SimRun
-from deploy.sim.report import summarize, table
+from deploy.sim.report import describe, summarize, table, writable_file
 from engine.sim.calibrate import errors_by_kind, fit_log, holdout
 from engine.sim.cost import LinearCost
 from engine.step_log import StepLog
@@ -92,10 +92,14 @@ def _complete(log: StepLog) -> StepLog:
     return StepLog(log.engine, log.steps, done)
 
 
-def _base(args: argparse.Namespace, log: StepLog) -> ServiceConfig:
-    if args.config:
-        return ServiceConfig.load(args.config)
-    return rp.service_config(log)
+def base_config(path: str | None, log: StepLog) -> ServiceConfig:
+    """The plan's starting point: the config file at ``path``, else the service the log
+    was recorded under.
+
+    Raises:
+        FileNotFoundError, ValueError, pydantic.ValidationError: a bad config file.
+    """
+    return ServiceConfig.load(path) if path else rp.service_config(log)
 
 
 def _kind_table(errors: dict[str, dict[str, float]]) -> str:
@@ -112,14 +116,12 @@ def _kind_table(errors: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def from_url_command(args: argparse.Namespace) -> int:
-    """``iterserve simulate --from-url``: the server's recent traffic under the plan."""
-    from deploy.sim.cli import describe, service_config
-
-    log = _complete(fetch_log(args.from_url, args.api_key, args.last))
+def from_url_command(args: argparse.Namespace, log: StepLog, config: ServiceConfig) -> int:
+    """``iterserve simulate --from-url``: the server's recent traffic (``log``) under the
+    plan (``config``)."""
+    log = _complete(log)
     if not log.requests:
         raise ValueError(f"{args.from_url}: no finished or refused request in its step log yet")
-    config = service_config(args, _base(args, log))
     check_classes_in_log(log, config)
     cost = LinearCost.load(args.cost_model) if args.cost_model else fit_log(log)
     print(f"cost model: {args.cost_model or 'fitted on the server steps'} ({cost.source})")
@@ -167,12 +169,9 @@ def check_classes_in_log(log: StepLog, config: ServiceConfig) -> None:
         )
 
 
-def replay_command(args: argparse.Namespace) -> int:
-    """``iterserve simulate --replay-steps``: step for step, and the fidelity report."""
-    from deploy.sim.cli import describe, service_config
-
-    log = StepLog.read(args.replay_steps)
-    config = service_config(args, _base(args, log))
+def replay_command(args: argparse.Namespace, log: StepLog, config: ServiceConfig) -> int:
+    """``iterserve simulate --replay-steps``: ``log`` step for step under ``config``, and
+    the fidelity report."""
     check_classes_in_log(log, config)
     fallback = LinearCost.load(args.cost_model) if args.cost_model else fit_log(log)
     if config.num_replicas != 1:
@@ -231,8 +230,6 @@ def fidelity_text(result: dict[str, Any]) -> str:
 
 def calibrate_from_url(args: argparse.Namespace) -> int:
     """``iterserve calibrate --from-url``: fit on the server's recent steps, write it."""
-    from deploy.sim.cli import writable_file
-
     if not writable_file(args.output):
         raise ValueError(f"--output {args.output}: not a file in a writable directory")
     log = fetch_log(args.from_url, args.api_key, args.last)
