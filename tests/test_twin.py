@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import uvicorn
 
 from deploy.cli import main
 from deploy.config import ServiceConfig
@@ -40,6 +41,9 @@ def server():
             engine={"num_kv_blocks": 256},
         )
     )
+    # uvicorn's own Server: the server's subclass installs signal handlers, which only
+    # the main thread may.
+    srv = uvicorn.Server(srv.config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -73,6 +77,7 @@ def server():
     yield url
     srv.should_exit = True
     thread.join(30)
+    asyncio.run(replica.engine.shutdown())
 
 
 def test_calibrate_from_url_fits_the_servers_steps(server, tmp_path, capsys):
@@ -102,11 +107,11 @@ def test_simulate_from_url_replays_its_traffic_under_a_plan(server, tmp_path, ca
 
 
 def test_the_twin_needs_the_key_and_a_reachable_server(server, tmp_path, capsys):
-    assert main(["calibrate", "--from-url", server, "--output", str(tmp_path / "x.json")]) == 1
+    assert main(["calibrate", "--from-url", server, "--output", str(tmp_path / "x.json")]) == 2
     assert "401" in capsys.readouterr().err
     dead = f"http://127.0.0.1:{_free_port()}"
-    assert main(["simulate", "--from-url", dead, "--api-key", KEY]) == 1
+    assert main(["simulate", "--from-url", dead, "--api-key", KEY]) == 2
     assert "cannot reach the server" in capsys.readouterr().err
     bad = ["simulate", "--from-url", server, "--api-key", KEY, "--rate-scale", "2"]
-    assert main(bad) == 1
+    assert main(bad) == 2
     assert "trace-window flags" in capsys.readouterr().err
