@@ -179,7 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--output", default="sim_cost.json", help="where to write the fit")
     cal.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     cal.add_argument(
-        "--steps-per-level", type=int, default=40, help="steps measured at each concurrency level"
+        "--steps-per-level",
+        type=int,
+        default=None,
+        help="steps measured at each concurrency level (default 40)",
     )
     cal.add_argument(
         "--from-url",

@@ -115,3 +115,6 @@ def test_the_twin_needs_the_key_and_a_reachable_server(server, tmp_path, capsys)
     bad = ["simulate", "--from-url", server, "--api-key", KEY, "--rate-scale", "2"]
     assert main(bad) == 2
     assert "trace-window flags" in capsys.readouterr().err
+    sweep = ["calibrate", "--from-url", server, "--steps-per-level", "5"]
+    assert main([*sweep, "--output", str(tmp_path / "y.json")]) == 2
+    assert "go with the sweep" in capsys.readouterr().err

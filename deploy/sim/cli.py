@@ -374,13 +374,17 @@ def calibrate_command(args: argparse.Namespace) -> int:
     from engine.sim.calibrate import CONCURRENCY, calibrate
 
     if args.from_url:
-        if args.model is not None:
-            raise ValueError("--model goes with the sweep; --from-url fits the server's model")
+        if args.model is not None or args.steps_per_level is not None:
+            raise ValueError(
+                "--model and --steps-per-level go with the sweep; --from-url fits the "
+                "server's own steps"
+            )
         from deploy.sim.twin import calibrate_from_url
 
         return calibrate_from_url(args)
     if args.last is not None:
         raise ValueError("--last goes with --from-url")
+    args.steps_per_level = 40 if args.steps_per_level is None else args.steps_per_level
 
     if not writable_file(args.output):  # before two minutes of sweep, not after
         raise ValueError(f"--output {args.output}: not a file in a writable directory")
