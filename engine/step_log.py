@@ -56,6 +56,13 @@ every ``engine.async_engine.IDLE_TICK_S`` when it has nothing to do."""
 STEP_KINDS = ("decode", "mixed", "prefill")
 
 
+def step_kind(num_prefill_tokens: int, num_decodes: int) -> str:
+    """``decode`` (decodes only), ``prefill`` (prefill chunks only) or ``mixed``."""
+    if not num_prefill_tokens:
+        return "decode"
+    return "prefill" if not num_decodes else "mixed"
+
+
 def _finite(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else x
 
@@ -233,10 +240,8 @@ class LoggedStep:
 
     @property
     def kind(self) -> str:
-        """``decode`` (decodes only), ``prefill`` (prefill chunks only) or ``mixed``."""
-        if not self.num_prefill_tokens:
-            return "decode"
-        return "prefill" if not self.num_decodes else "mixed"
+        """:func:`step_kind` of the step."""
+        return step_kind(self.num_prefill_tokens, self.num_decodes)
 
     @property
     def composition(self) -> tuple[tuple[str, int, int], ...]:

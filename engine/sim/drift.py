@@ -30,7 +30,7 @@ from typing import Any
 
 from engine.interfaces import StepRecord
 from engine.sim.cost import CostModel, LinearCost, StepShape, fit_linear
-from engine.step_log import IDLE_GAP_S, STEP_KINDS
+from engine.step_log import IDLE_GAP_S, STEP_KINDS, step_kind
 
 WINDOW_S = 60.0
 """Seconds of steps the ratio covers."""
@@ -38,14 +38,6 @@ FIT_STEPS = 400
 """Steps a monitor without a model fits its own on."""
 WARMUP_STEPS = 5
 """First steps left out of a self-fit (compilation, cold caches)."""
-
-
-def step_kind(num_prefill_tokens: int, num_decodes: int) -> str:
-    """``decode`` (decodes only), ``prefill`` (prefill chunks only) or ``mixed``, as
-    :attr:`engine.step_log.LoggedStep.kind`."""
-    if not num_prefill_tokens:
-        return "decode"
-    return "prefill" if not num_decodes else "mixed"
 
 
 class DriftMonitor:
