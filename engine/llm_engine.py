@@ -349,6 +349,20 @@ class LLMEngine:
             self.on_step(self._record(out, start, seconds, schedule_s, now - start, predicted))
         return outputs
 
+    def also_on_step(self, listener: Callable[[StepRecord], None]) -> None:
+        """Call ``listener`` with every step's :class:`StepRecord` too, after whatever
+        :attr:`on_step` already calls (step metrics, the step log, the drift monitor)."""
+        before = self.on_step
+        if before is None:
+            self.on_step = listener
+            return
+
+        def both(r: StepRecord) -> None:
+            before(r)
+            listener(r)
+
+        self.on_step = both
+
     def observe_step(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
         """Learn from one step that ran (its prefill tokens, decodes and seconds): the
         step-time model that admission and the TPOT guard read, and the recent step

@@ -136,14 +136,7 @@ class StepRecorder:
     def attach(self, engine) -> None:
         """Record ``engine``'s steps and finishes (an :class:`engine.LLMEngine`), after
         whatever its ``on_step`` already did."""
-        before = engine.on_step
-
-        def on_step(r: StepRecord) -> None:
-            if before is not None:
-                before(r)
-            self.step(r)
-
-        engine.on_step = on_step
+        engine.also_on_step(self.step)
         engine.on_finish = self.finish
 
     def _add(self, rec: dict[str, Any]) -> None:

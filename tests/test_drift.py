@@ -155,14 +155,22 @@ def test_the_window_stays_bounded_when_nobody_reads_it():
 
 
 def test_attach_keeps_the_on_step_set_before():
+    from engine.llm_engine import LLMEngine
+
     clock, seen = Clock(), []
 
     class Engine:
-        on_step = seen.append
+        """What attach touches: on_step and the engine's way of chaining listeners."""
 
+        also_on_step = LLMEngine.also_on_step
+
+        def __init__(self) -> None:
+            self.on_step = seen.append
+
+    engine = Engine()
     m = DriftMonitor(COST, clock=clock)
-    m.attach(Engine)
-    Engine.on_step(record(0, clock.t, 0.01, 1, 0))
+    m.attach(engine)
+    engine.on_step(record(0, clock.t, 0.01, 1, 0))
     assert len(seen) == 1 and m._pending is not None
 
 

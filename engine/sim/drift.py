@@ -175,11 +175,4 @@ class DriftMonitor:
     def attach(self, engine) -> None:
         """Take ``engine``'s steps (an :class:`engine.LLMEngine`), after whatever its
         ``on_step`` already did."""
-        before = engine.on_step
-
-        def on_step(r: StepRecord) -> None:
-            if before is not None:
-                before(r)
-            self.step(r)
-
-        engine.on_step = on_step
+        engine.also_on_step(self.step)
