@@ -32,6 +32,7 @@ from bench.toolkit import report as rp
 from bench.toolkit.inprocess import run_open, start_engine, stop_engine
 from bench.toolkit.workload import REPO, TRACE, Lengths, Window
 from deploy.config import SERVER_ENGINE_DEFAULTS
+from engine.step_log import StepLog
 
 OUT = REPO / "bench" / "results" / "guard_probe.jsonl"
 
@@ -96,16 +97,16 @@ def step_summary(path: Path | None) -> dict:
     """Prefill steps, their mean chunk and duration, and decode-only steps' duration."""
     if path is None:
         return {}
-    steps = [json.loads(line) for line in path.open()]
-    prefill = [s for s in steps if s["prefill_tokens"] > 0]
-    decode = [s["dur_s"] for s in steps if s["prefill_tokens"] == 0]
+    steps = StepLog.read(path).steps
+    prefill = [s for s in steps if s.num_prefill_tokens > 0]
+    decode = [s.seconds for s in steps if s.num_prefill_tokens == 0]
     return {
         "steps": len(steps),
         "prefill_steps": len(prefill),
         "mean_chunk": (
-            sum(s["prefill_tokens"] for s in prefill) / len(prefill) if prefill else None
+            sum(s.num_prefill_tokens for s in prefill) / len(prefill) if prefill else None
         ),
-        "prefill_step_s": statistics.fmean(s["dur_s"] for s in prefill) if prefill else None,
+        "prefill_step_s": statistics.fmean(s.seconds for s in prefill) if prefill else None,
         "decode_step_s": statistics.fmean(decode) if decode else None,
     }
 

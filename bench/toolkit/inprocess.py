@@ -1,59 +1,19 @@
 """iterserve's engine in this process, for the scheduling experiments: start (warmed up),
-stop, check that a run left no request or KV block behind, and log every step."""
+stop, check that a run left no request or KV block behind, and log every step (in the
+server's step-log format, :mod:`engine.step_log`)."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.toolkit import loadgen
-from bench.toolkit.report import finite
 from bench.toolkit.targets import EngineTarget
 from bench.toolkit.workload import token_ids
-
-
-class StepLog:
-    """``--step-log PATH``: one JSON line per engine step, to read why a request missed.
-
-    Fields: ``t`` (the step's start on the engine's clock), ``dur_s`` (its duration),
-    ``pred_s`` (the step-time model's prediction for its shape, as the TPOT guard sees
-    it), ``decodes``, ``prefill_tokens``, ``waiting`` and ``running`` (after the step),
-    ``cap`` and ``owed`` (the guard's prefill caps in tokens; None: no cap), ``deferred``
-    (decodes that sat the step out), ``preempted`` (request ids) and ``seqs`` (``[request
-    id, position of its first token scheduled, tokens]`` per scheduled sequence).
-    """
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("a", buffering=1)
-
-    def write(self, r) -> None:
-        """Append one ``engine.StepRecord`` as a JSON line (``LLMEngine.on_step``)."""
-        self.file.write(
-            json.dumps(
-                finite(
-                    {
-                        "t": r.start,
-                        "dur_s": r.seconds,
-                        "pred_s": r.predicted_s,
-                        "decodes": r.num_decodes,
-                        "prefill_tokens": r.num_prefill_tokens,
-                        "waiting": r.num_waiting,
-                        "running": r.num_running,
-                        "cap": r.prefill_cap,
-                        "owed": r.owed_cap,
-                        "deferred": len(r.sat_out),
-                        "preempted": list(r.preempted),
-                        "seqs": [list(s) for s in r.seqs],
-                    }
-                )
-            )
-            + "\n"
-        )
+from engine.step_log import StepRecorder, engine_info
 
 
 async def start_engine(
@@ -73,8 +33,8 @@ async def start_engine(
     loop = asyncio.get_running_loop()
     t = time.perf_counter()
     aeng = await loop.run_in_executor(None, AsyncLLMEngine.from_config, EngineConfig(**config))
-    if step_log is not None:
-        aeng.engine.on_step = StepLog(step_log).write
+    if step_log is not None:  # the server's step-log format (engine.step_log)
+        StepRecorder(engine_info(aeng.engine), step_log, history=0).attach(aeng.engine)
     # Kernels, the allocator and the step-time model's first fit.
     warm = EngineTarget(aeng)
     reqs = [
