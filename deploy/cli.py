@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 
@@ -190,18 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="fit on a running server's recent steps (GET URL/steps) instead of a sweep",
     )
-    cal.add_argument(
-        "--last",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="with --from-url: the server's last SECONDS of steps (default: all it keeps)",
-    )
-    cal.add_argument(
-        "--api-key",
-        default=os.environ.get("OPENAI_API_KEY"),
-        help="with --from-url: the server's API key, if it has keys (default: $OPENAI_API_KEY)",
-    )
+    from deploy.sim.cli import server_arguments
+
+    server_arguments(cal)
     cal.set_defaults(func=_calibrate)
 
     dash = sub.add_parser("dashboard", help="the Grafana dashboard")

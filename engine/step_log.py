@@ -39,7 +39,7 @@ import json
 import math
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -175,9 +175,11 @@ class StepRecorder:
         )
 
     def admitted(self, request_id: str, t: float, held_s: float) -> None:
+        """Admission let the request in at ``t``, after holding it ``held_s`` seconds."""
         self._add({"type": "admit", "t": t, "id": request_id, "held_s": held_s})
 
     def refused(self, request_id: str, t: float, reason: str) -> None:
+        """Admission refused the request at ``t`` (its 429's message in ``reason``)."""
         self._add({"type": "refuse", "t": t, "id": request_id, "reason": reason})
 
     def recent(self, since: float | None = None) -> list[dict[str, Any]]:
@@ -388,12 +390,6 @@ class StepLog:
         for s in self.steps:
             out[s.kind].append(s)
         return out
-
-    def completed(self) -> Iterator[LoggedRequest]:
-        """Requests that arrived in the log and ran to a finish (not aborted)."""
-        for r in self.requests.values():
-            if r.finish is not None and r.finish_reason != "abort" and r.first_token is not None:
-                yield r
 
 
 def window(log: StepLog, start: float, end: float) -> StepLog:

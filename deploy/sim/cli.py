@@ -101,19 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--gpu", default=None, help="roofline on a GPU: h100-sxm or h200")
     c.add_argument("--model-size", default=None, help="with --gpu: 0.5b, 8b or 70b")
     c.add_argument("--tensor-parallel", type=int, default=1, help="with --gpu: GPUs per replica")
-    t = p.add_argument_group("a running server (--from-url)")
-    t.add_argument(
-        "--last",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="replay the server's last SECONDS of traffic (default: all it keeps)",
-    )
-    t.add_argument(
-        "--api-key",
-        default=os.environ.get("OPENAI_API_KEY"),
-        help="the server's API key, if it has keys (default: $OPENAI_API_KEY)",
-    )
+    server_arguments(p.add_argument_group("a running server (--from-url)"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--search",
@@ -131,6 +119,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ablate",
         action="store_true",
         help="switch each TPOT guard rule off in turn and report its effect",
+    )
+
+
+def server_arguments(group) -> None:
+    """``--last`` and ``--api-key``, how ``--from-url`` reads a server's ``GET /steps``
+    (``iterserve simulate`` and ``iterserve calibrate`` both take them)."""
+    group.add_argument(
+        "--last",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --from-url: the server's last SECONDS of steps and traffic "
+        "(default: all it keeps)",
+    )
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="with --from-url: the server's API key, if it has keys (default: $OPENAI_API_KEY)",
     )
 
 

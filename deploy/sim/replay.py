@@ -119,6 +119,8 @@ class OutsideSteps:
 
     @classmethod
     def of(cls, log: StepLog) -> OutsideSteps:
+        """The medians over ``log``'s requests (0 where it has none of a kind)."""
+
         def med(d: dict[str, float]) -> float:
             return statistics.median(d.values()) if d else 0.0
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -152,7 +151,7 @@ def from_url_command(args: argparse.Namespace, log: StepLog, config: ServiceConf
             "served": served,
             "simulated": planned,
         }
-        Path(args.json).write_text(json.dumps(report, indent=1, default=_json) + "\n")
+        _write(args.json, report)
     return 0
 
 
@@ -195,7 +194,7 @@ def replay_command(args: argparse.Namespace, log: StepLog, config: ServiceConfig
             "replayed": replayed,
             "fidelity": result,
         }
-        Path(args.json).write_text(json.dumps(report, indent=1, default=_json) + "\n")
+        _write(args.json, report)
     return 0
 
 
@@ -252,7 +251,7 @@ def calibrate_from_url(args: argparse.Namespace) -> int:
     return 0
 
 
-def _json(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return str(x)
+def _write(path: str, report: dict[str, Any]) -> None:
+    """``--json``: the report (a log's fields that JSON lacks, such as numpy numbers, as
+    text)."""
+    Path(path).write_text(json.dumps(report, indent=1, default=str) + "\n")
