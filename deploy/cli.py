@@ -36,6 +36,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replicas(text: str) -> int | str:
+    """``--num-replicas``: a count, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of replicas or `auto`") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     from deploy.config import ServiceConfig
 
@@ -101,7 +111,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="transformers directory or .gguf file (default: embedded SmolLM2-135M)",
     )
-    srv.add_argument("--num-replicas", type=int, default=None, help="model replicas (default 1)")
+    srv.add_argument(
+        "--num-replicas",
+        type=_replicas,
+        default=None,
+        help="model replicas (default 1), or `auto`: scale on the SLOs between the config's "
+        "autoscaling bounds (default 1 to this host's CPUs / replica_num_cpus)",
+    )
     srv.add_argument("--host", default=None, help="HTTP host (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     srv.add_argument(

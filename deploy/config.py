@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
 from engine.sim.cost import LinearCost
 from engine.step_log import HISTORY
 from policies import TrafficClass, make_classes
+from policies.autoscale import AutoscalingSettings
 from router.settings import IngressOptions, IngressSettings
 from router.tenants import check_key_classes
 
@@ -52,6 +53,85 @@ def _read_cost(path: str) -> LinearCost:
         raise ValueError(f"{path}: malformed ({type(e).__name__}: {e}): {hint}") from None
 
 
+class AutoscalingConfig(BaseModel):
+    """The ``autoscaling:`` section: bounds and the settings of the SLO autoscaler
+    (:mod:`policies.autoscale`). Each name is the same in the YAML, the Helm values'
+    ``config.autoscaling`` and :class:`policies.autoscale.AutoscalingSettings`.
+
+    Raises (at construction):
+        pydantic.ValidationError: an unknown key or a value out of range.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=1, description="replicas at least (and at start)")
+    max_replicas: int | None = Field(
+        None,
+        ge=1,
+        description="replicas at most; None: this host's CPUs divided by replica_num_cpus",
+    )
+    decision_period_s: float = Field(
+        5.0, gt=0, description="seconds between the policy's decisions"
+    )
+    window_s: float = Field(
+        30.0,
+        gt=0,
+        description="seconds of traffic (arrivals, refusals, finishes) each decision reads",
+    )
+    target_attainment: float = Field(
+        0.99,
+        gt=0,
+        le=1,
+        description="a class whose share of requests within SLO over the window falls "
+        "below this is at risk, and the fleet grows",
+    )
+    target_utilization: float = Field(
+        0.7,
+        gt=0,
+        le=1,
+        description="the share of each replica's capacity (step time within the tightest "
+        "TPOT SLO) that the predicted demand may fill",
+    )
+    scale_down_utilization: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="hysteresis: the fleet shrinks only when the demand fits fewer replicas "
+        "at this fraction of target_utilization",
+    )
+    scale_down_delay_s: float = Field(
+        120.0,
+        ge=0,
+        description="seconds the demand must fit fewer replicas, and seconds since the last "
+        "scale-up, before the fleet shrinks (cooldown)",
+    )
+    replica_start_s: float = Field(
+        20.0,
+        ge=0,
+        description="seconds a new replica takes to serve (start and model load); a backlog "
+        "the fleet drains sooner than this is a burst and does not scale it",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        if self.max_replicas is not None and self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"autoscaling.max_replicas={self.max_replicas} < min_replicas={self.min_replicas}"
+            )
+        if self.window_s < self.decision_period_s:
+            raise ValueError("autoscaling.window_s must be >= decision_period_s")
+        return self
+
+    def settings(self, replica_num_cpus: float) -> AutoscalingSettings:
+        """The policy's settings, ``max_replicas`` resolved against this host."""
+        fields = self.model_dump()
+        if fields["max_replicas"] is None:
+            fields["max_replicas"] = max(
+                self.min_replicas, int(host_cpus() // max(replica_num_cpus, 1e-9))
+            )
+        return AutoscalingSettings(**fields)
+
+
 class ServiceConfig(IngressOptions):
     """Everything ``iterserve serve`` and ``build_app`` need (the ingress's own fields,
     ``api_keys``, ``admission``, ``max_n``, ``max_request_body_bytes`` and
@@ -68,7 +148,16 @@ class ServiceConfig(IngressOptions):
         None, description="the name clients send as `model`; default: the model's name"
     )
     num_replicas: int = Field(
-        1, ge=1, description="model replicas; more than one serves on Ray Serve"
+        1,
+        ge=1,
+        description="model replicas; more than one serves on Ray Serve. `auto`: scale "
+        "between the `autoscaling` section's bounds (its defaults if there is none)",
+    )
+    autoscaling: AutoscalingConfig | None = Field(
+        None,
+        description="scale the replicas on the traffic classes' SLOs (policies/autoscale.py) "
+        "on Ray Serve; num_replicas is then the start count, min_replicas. None: a fixed "
+        "num_replicas",
     )
     replica_num_cpus: float | None = Field(
         None,
@@ -118,6 +207,36 @@ class ServiceConfig(IngressOptions):
     host: str = Field("127.0.0.1", description="the address the HTTP server binds")
     port: int = Field(8000, ge=0, le=65535, description="the HTTP port of the API")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_replicas(cls, data: Any) -> Any:
+        # `num_replicas: auto` is shorthand for an autoscaling section; with a section, the
+        # count starts at its min_replicas, so a fixed count beside one is a contradiction.
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        n = data.get("num_replicas")
+        if n == "auto":
+            data["autoscaling"] = data.get("autoscaling") or {}
+            del data["num_replicas"]
+        elif data.get("autoscaling") is not None and n is not None:
+            raise ValueError(
+                f"num_replicas: {n} with an autoscaling section: set num_replicas: auto "
+                "(autoscaling.min_replicas and max_replicas bound the count)"
+            )
+        if data.get("autoscaling") is not None:
+            section = data["autoscaling"]
+            start = (
+                section.min_replicas
+                if isinstance(section, AutoscalingConfig)
+                else (section.get("min_replicas", 1))
+            )
+            data["num_replicas"] = start
+            # One CPU per replica unless set: the host's CPUs are shared out as replicas
+            # come, not all given to the first.
+            data.setdefault("replica_num_cpus", 1.0)
+        return data
+
     @field_validator("engine", mode="before")
     @classmethod
     def _engine_merged(cls, v: Any) -> Any:
@@ -162,7 +281,7 @@ class ServiceConfig(IngressOptions):
     @model_validator(mode="after")
     def _step_log_local(self) -> ServiceConfig:
         # Replicas on Ray Serve keep no step log yet: refused, not silently ignored.
-        if self.step_log is not None and self.num_replicas > 1:
+        if self.step_log is not None and (self.num_replicas > 1 or self.autoscaling):
             raise ValueError(
                 "step_log is recorded by the one-process server; it needs num_replicas: 1"
             )
@@ -196,6 +315,12 @@ class ServiceConfig(IngressOptions):
                 engine.block_size if self.prefix_affinity and engine.enable_prefix_caching else None
             ),
         )
+
+    def autoscaling_settings(self) -> AutoscalingSettings | None:
+        """The autoscaler's settings (None: a fixed fleet)."""
+        if self.autoscaling is None:
+            return None
+        return self.autoscaling.settings(self.replica_num_cpus or 1.0)
 
     def twin_cost(self) -> LinearCost | None:
         """The model ``twin_cost_model`` names (None: none named).

@@ -148,7 +148,12 @@ def deploy(config: ServiceConfig, proxy_port: int | None = None) -> str:
 
 def uses_ray(config: ServiceConfig, address: str | None) -> bool:
     """Whether ``iterserve serve`` runs on Ray Serve (else in this process, without Ray)."""
-    return address is not None or "RAY_ADDRESS" in os.environ or config.num_replicas > 1
+    return (
+        address is not None
+        or "RAY_ADDRESS" in os.environ
+        or config.num_replicas > 1
+        or config.autoscaling is not None
+    )
 
 
 def banner(config: ServiceConfig, url: str, where: str) -> str:

@@ -39,6 +39,10 @@ class TrafficClass:
     """Waiting requests of the class at most; at the cap new ones are rejected. None: no cap."""
     rejectable: bool = True
     """False: never rejected for its SLO, only for ``hard_queue_cap`` (work that must run)."""
+    scale_share: float = 1.0
+    """The most of the autoscaler's ``max_replicas``, as a fraction, that this class's
+    demand alone may scale the fleet to (:mod:`policies.autoscale`): under 1 for work that
+    can wait."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -63,6 +67,7 @@ class TrafficClass:
                 self.hard_queue_cap is None or self.hard_queue_cap >= 1,
                 "must be >= 1 or None",
             ),
+            ("scale_share", self.scale_share, 0 <= self.scale_share <= 1, "must be in [0, 1]"),
         ]
         for field_name, value, ok, rule in checks:
             if not ok:
@@ -93,6 +98,7 @@ DEFAULT_CLASSES: dict[str, TrafficClass] = {
         max_queue_wait_s=30.0,
         hard_queue_cap=1000,
         rejectable=False,
+        scale_share=0.5,
     ),
 }
 """The built-in classes by name. Do not mutate; build a variant with :func:`make_classes`."""
