@@ -22,6 +22,7 @@ import heapq
 import itertools
 import random
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from deploy.config import ServiceConfig
 from deploy.sim import ROUTING
@@ -29,7 +30,14 @@ from deploy.sim.trace import SimRequest
 from engine import LLMEngine, RequestOutputKind, SamplingParams
 from engine.interfaces import StepRecord
 from engine.sim import SimClock, sim_engine
-from policies import Admit, LoadSnapshot, Reject
+from policies import Admit, LoadSnapshot, Reject, TrafficClass
+from policies.autoscale import (
+    AutoscalingSettings,
+    FleetState,
+    ReplicaLoad,
+    ScalingDecision,
+)
+from policies.scaling_window import ClassWindow
 from router.admission import POLL_S, IngressAdmission, computed_tokens
 from router.choice import ReplicaChooser, RoutedSince
 from router.contract import RequestShape
@@ -39,7 +47,36 @@ IDLE_STEP_S = 0.005
 """Virtual seconds before an engine that scheduled nothing while it has work steps again
 (the static policy filling a batch, or every request blocked on KV)."""
 
-_SNAPSHOT, _ARRIVAL, _ENTER, _STEP, _CANCEL = range(5)  # order of events at one instant
+_SNAPSHOT, _ARRIVAL, _ENTER, _STEP, _CANCEL, _READY, _DECIDE = range(7)
+# (the order of events at one instant)
+
+
+class Scaler(Protocol):
+    """What the fleet asks for a target replica count: :class:`policies.autoscale.
+    SloAutoscaler`, or :class:`deploy.sim.autoscale.QueueLengthScaler` (Ray Serve's
+    default policy)."""
+
+    def decide(self, state: FleetState) -> ScalingDecision: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Autoscaling:
+    """A fleet that scales: who decides, how often, and what a new replica costs."""
+
+    scaler: Scaler
+    settings: AutoscalingSettings
+    """Bounds, ``decision_period_s`` and ``window_s`` (the scaler's own rules aside)."""
+    start_s: float
+    """Virtual seconds from a replica being asked for to its first request."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One autoscaling decision that changed the target, as the report lists it."""
+
+    t: float
+    target: int
+    reason: str
 
 
 @dataclass(slots=True)
@@ -71,6 +108,11 @@ class Outcome:
         return (self.finish_s - self.first_token_s) / (n - 1) if n > 1 else 0.0
 
 
+def meets(o: Outcome, cls: TrafficClass) -> bool:
+    """Whether ``o`` finished within both SLOs of ``cls`` (TTFT from its arrival)."""
+    return o.status == "ok" and o.ttft_s <= cls.ttft_slo_s and o.tpot_s <= cls.tpot_slo_s
+
+
 @dataclass(slots=True)
 class KvSample:
     """One replica's load when it published a snapshot."""
@@ -91,11 +133,23 @@ class SimRun:
     busy_s: list[float]
     """Each replica's virtual seconds spent in steps."""
     end_s: float
+    replica_s: float = 0.0
+    """Virtual seconds of replicas held (asked for until stopped), summed."""
+    decisions: list[Decision] = field(default_factory=list)
+    """Autoscaling decisions that changed the target (none for a fixed fleet)."""
+
+
+STARTING, SERVING, DRAINING, STOPPED = "starting", "serving", "draining", "stopped"
 
 
 @dataclass(slots=True)
 class _Replica:
     engine: LLMEngine
+    state: str = SERVING
+    """``starting`` (asked for, not yet serving), ``serving``, ``draining`` (no new
+    requests; stops when its last one ends) or ``stopped``."""
+    asked_s: float = 0.0
+    stopped_s: float | None = None
     snap: LoadSnapshot | None = None
     stepping: bool = False
     live: dict[str, Outcome] = field(default_factory=dict)
@@ -134,6 +188,8 @@ class Fleet:
             guard's TTFT deadlines count from then; default none).
         record_steps: keep every replica's :class:`engine.interfaces.StepRecord` in
             :attr:`steps` (a replay compares them with the real run's).
+        autoscaling: scale the fleet in virtual time, starting from
+            ``config.num_replicas`` (None: a fixed fleet).
 
     Raises:
         ValueError: unknown routing.
@@ -152,27 +208,32 @@ class Fleet:
         wake_s: dict[str, float] | None = None,
         ingress_s: dict[str, float] | None = None,
         engine_lag_s: dict[str, float] | None = None,
+        autoscaling: Autoscaling | None = None,
     ) -> None:
         if routing not in ROUTING:
             raise ValueError(f"routing {routing!r}: one of {ROUTING}")
         self.config = config
         self.routing = routing
         self.now = 0.0
-        econfig = config.engine_config()
-        engines = [sim_engine(econfig, cost, SimClock()) for _ in range(config.num_replicas)]
-        self.replicas = [_Replica(e) for e in engines]
+        self._econfig = config.engine_config()
+        self._cost = cost
         self.live_loads = live_loads
         self.wake_s = wake_s or {}
         self.ingress_s = ingress_s or {}
         self.engine_lag_s = engine_lag_s or {}
-        if live_loads:
-            for r in self.replicas:
-                r.engine.on_scheduled = functools.partial(setattr, r, "in_flight")
-        self.steps: list[list[StepRecord]] = [[] for _ in engines]
-        if record_steps:
-            for e, kept in zip(engines, self.steps):
-                e.on_step = kept.append
+        self.record_steps = record_steps
+        self.replicas: list[_Replica] = []
+        self.steps: list[list[StepRecord]] = []
+        for _ in range(config.num_replicas):
+            self._add_replica(SERVING)
+        engines = [r.engine for r in self.replicas]
+        econfig = self._econfig
+        self.autoscaling = autoscaling
+        self.target = config.num_replicas
+        self.decisions: list[Decision] = []
+        self.window = ClassWindow(autoscaling.settings.window_s if autoscaling else 60.0)
         classes = config.traffic_classes()
+        self._classes = classes
         policy = econfig.make_policy()
         self.admission = IngressAdmission(
             classes, policy=policy, enabled=config.admission, clock=lambda: self.now
@@ -193,6 +254,21 @@ class Fleet:
         self.fast_holds = True
         """False: re-decide every held request in full at every poll (tests compare)."""
 
+    def _add_replica(self, state: str) -> int:
+        """A new replica (its engine idle) in ``state``; its index."""
+        r = _Replica(sim_engine(self._econfig, self._cost, SimClock()), state, self.now)
+        if self.live_loads:
+            r.engine.on_scheduled = functools.partial(setattr, r, "in_flight")
+        kept: list[StepRecord] = []
+        if self.record_steps:
+            r.engine.on_step = kept.append
+        self.replicas.append(r)
+        self.steps.append(kept)
+        return len(self.replicas) - 1
+
+    def _serving(self) -> list[int]:
+        return [i for i, r in enumerate(self.replicas) if r.state == SERVING]
+
     def run(self, requests: list[SimRequest], cancels: dict[str, float] | None = None) -> SimRun:
         """Replay ``requests`` (sorted by arrival) to the end; every request's outcome.
 
@@ -201,6 +277,7 @@ class Fleet:
         blocks freed before the next step), as a client's disconnect aborts it.
         """
         outcomes = [Outcome(r) for r in requests]
+        self._outcomes = {o.request.id: o for o in outcomes}
         for o in outcomes:
             if cancels and o.request.id in cancels:
                 self._push(cancels[o.request.id], _CANCEL, o)
@@ -209,6 +286,8 @@ class Fleet:
         self._pending = len(outcomes)
         self._publish()  # snapshots at time 0
         self._push(self.config.routing_stats_period_s, _SNAPSHOT, None)
+        if self.autoscaling is not None:
+            self._push(self.autoscaling.settings.decision_period_s, _DECIDE, None)
         while self._events:
             self.now, kind, _, payload = heapq.heappop(self._events)
             if kind == _STEP:
@@ -219,6 +298,14 @@ class Fleet:
                 self._cancel(payload)
             elif kind == _ENTER:
                 self._enter(*payload)
+            elif kind == _READY:
+                self._ready(payload)
+            elif kind == _DECIDE:
+                if self._busy():
+                    self._scale()
+                    self._push(
+                        self.now + self.autoscaling.settings.decision_period_s, _DECIDE, None
+                    )
             elif self._busy():
                 self._publish()
                 self._push(self.now + self.config.routing_stats_period_s, _SNAPSHOT, None)
@@ -229,7 +316,87 @@ class Fleet:
             sum(r.engine.runner.steps for r in self.replicas),
             [r.engine.runner.busy_s for r in self.replicas],
             self.now,
+            sum(
+                (self.now if r.stopped_s is None else r.stopped_s) - r.asked_s
+                for r in self.replicas
+            ),
+            self.decisions,
         )
+
+    # -- autoscaling --------------------------------------------------------------------------
+
+    def fleet_state(self) -> FleetState:
+        """What the scaler reads now: the window's per-class counts (held requests by
+        their arrival), and each serving replica's load."""
+        held: dict[str, list[float]] = {}
+        for rid in self._held:
+            o = self._outcomes[rid]
+            held.setdefault(o.request.traffic_class, []).append(o.request.arrival_s)
+        replicas = []
+        for i in self._serving():
+            s = self.replicas[i].engine.load_snapshot()
+            replicas.append(
+                ReplicaLoad(
+                    running=s.total_running,
+                    waiting=sum(s.waiting_requests.values()),
+                    kv_usage=s.kv_usage,
+                    step_s=s.recent_step_s,
+                    waiting_prefill_tokens=sum(s.waiting_prefill_tokens.values()),
+                    step_coefficients=s.step_coefficients,
+                )
+            )
+        return FleetState(
+            now_s=self.now,
+            running=len(replicas),
+            target=self.target,
+            classes=self.window.loads(self.now, held),
+            replicas=replicas,
+            window_s=self.window.span_s(self.now),
+        )
+
+    def _scale(self) -> None:
+        """One decision: start replicas, or stop starting ones first, then drain the least
+        loaded serving ones."""
+        assert self.autoscaling is not None
+        bounds = self.autoscaling.settings
+        d = self.autoscaling.scaler.decide(self.fleet_state())
+        target = min(max(d.target, bounds.min_replicas), bounds.max_replicas)
+        if target == self.target:
+            return
+        self.decisions.append(Decision(self.now, target, d.reason))
+        for _ in range(target - self.target):
+            i = self._add_replica(STARTING)
+            self._push(self.now + self.autoscaling.start_s, _READY, i)
+        surplus = self.target - target
+        starting = [i for i, r in enumerate(self.replicas) if r.state == STARTING]
+        for i in reversed(starting[-surplus:] if surplus > 0 else []):
+            self._stop(i)
+            surplus -= 1
+        if surplus > 0:
+            idle_first = sorted(
+                self._serving(),
+                key=lambda i: len(self.replicas[i].live),
+            )
+            for i in idle_first[:surplus]:
+                self.replicas[i].state = DRAINING
+                self.routed.forget(i)
+                self.chooser.prefixes.forget(i)
+                if not self.replicas[i].live:
+                    self._stop(i)
+        self.target = target
+        self._version += 1
+
+    def _ready(self, i: int) -> None:
+        """Replica ``i`` finished starting (unless it was stopped meanwhile)."""
+        r = self.replicas[i]
+        if r.state == STARTING:
+            r.state = SERVING
+            self._publish()
+            self._version += 1
+
+    def _stop(self, i: int) -> None:
+        r = self.replicas[i]
+        r.state, r.stopped_s = STOPPED, self.now
 
     def _push(self, t: float, kind: int, payload) -> None:
         heapq.heappush(self._events, (t, kind, next(self._order), payload))
@@ -243,13 +410,15 @@ class Fleet:
             (self.now - self.config.routing_stats_period_s) // self.timeline_period_s
         )
         for i, r in enumerate(self.replicas):
+            if r.state == STOPPED:
+                continue
             # The engine has run its current step at once (the fake clock is at its end):
             # its state is as after the step in flight, as a real replica publishes it.
             left = max(0.0, r.engine.clock.t - self.now) if r.stepping else 0.0
             r.snap = dataclasses.replace(
                 r.engine.load_snapshot(), timestamp=self.now, step_left_s=left
             )
-            if keep or self.now == 0:
+            if (keep or self.now == 0) and r.state == SERVING:
                 self._timeline.append(
                     KvSample(
                         self.now,
@@ -264,6 +433,8 @@ class Fleet:
         """Every replica's snapshot as of now (``live_loads``); a new version only where
         one changed."""
         for r in self.replicas:
+            if r.state == STOPPED:
+                continue
             if r.in_flight is not None and r.step_start <= self.now < r.step_end:
                 left = max(0.0, r.in_flight.step_left_s - (self.now - r.step_start))
                 snap = dataclasses.replace(
@@ -303,7 +474,7 @@ class Fleet:
                 self._load(i),
                 cached_tokens(matched.get(i, 0), r.snap.block_size, shape.prompt_tokens),
             )
-            for i, r in enumerate(self.replicas)
+            for i, r in ((i, self.replicas[i]) for i in self._serving())
         ]
 
     def _cancel(self, o: Outcome) -> None:
@@ -327,6 +498,13 @@ class Fleet:
         if o.status != "pending":
             return  # its client left while it was held
         req = o.request
+        if o.shape is None:
+            self.window.arrived(
+                req.traffic_class,
+                self.now,
+                req.prompt_tokens,
+                req.output_tokens if req.max_tokens is None else req.max_tokens,
+            )
         shape = o.shape = o.shape or self._shape(req)
         if self.live_loads:
             self._refresh()
@@ -361,6 +539,7 @@ class Fleet:
             self._version += 1  # one held ahead of others fewer
             if isinstance(d, Reject):
                 o.status, o.reason = "refused", d.reason
+                self.window.refused(req.traffic_class, self.now)
                 self._pending -= 1
                 return
         self._route(o, shape)
@@ -425,7 +604,7 @@ class Fleet:
             self._push(clock.t, _STEP, i)
 
     def _choose(self, shape: RequestShape) -> int:
-        ids = range(len(self.replicas))
+        ids = self._serving()
         if self.routing == "queue-length":
             pair = self.chooser.rng.sample(ids, min(2, len(ids)))
             return min(
@@ -453,6 +632,14 @@ class Fleet:
                 o = r.live.pop(out.request_id)
                 o.status = "ok"
                 o.first_token_s, o.finish_s = out.metrics.first_token_time, out.metrics.finish_time
+                self.window.finished(
+                    o.request.traffic_class,
+                    self.now,
+                    meets(o, self._classes[o.request.traffic_class]),
+                    o.request.output_tokens,
+                )
+        if r.state == DRAINING and not r.live:
+            self._stop(i)
         r.step_end = clock.t
         clock.t += r.engine.runner.take_tail()
         if r.engine.has_unfinished_requests():

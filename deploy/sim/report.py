@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from deploy.sim.fleet import Outcome, SimRun
+from deploy.sim.fleet import Outcome, SimRun, meets
 from policies import TrafficClass
 
 ATTAINMENT = 0.9
@@ -28,10 +28,6 @@ def _pct(xs: list[float], q: float) -> float | None:
         return None
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
-
-
-def meets(o: Outcome, cls: TrafficClass) -> bool:
-    return o.status == "ok" and o.ttft_s <= cls.ttft_slo_s and o.tpot_s <= cls.tpot_slo_s
 
 
 def class_summary(outcomes: list[Outcome], cls: TrafficClass, span_s: float) -> dict[str, Any]:
