@@ -1,7 +1,7 @@
 """The Helm chart's ``values.schema.json``, generated from :class:`deploy.config.ServiceConfig`.
 
 The chart's ``config:`` value is the service's own config, the YAML that ``iterserve serve
---config`` reads, so its schema is ServiceConfig's JSON schema with four changes for
+--config`` reads, so its schema is ServiceConfig's JSON schema with these changes for
 Kubernetes:
 
 - ``api_keys`` and ``api_keys_file`` are left out: keys come from the Secret named by
@@ -20,7 +20,8 @@ min_replicas``, ``window_s >= decision_period_s``), which JSON Schema cannot say
 chart's template checks them (``iterserve.autoscaling`` in ``templates/_helpers.tpl``),
 with the chart's own rule that ``max_replicas`` be set.
 
-The other values (``image``, ``head``, ``worker``, ``service``, ...) are the chart's own.
+The other values (``image``, ``head``, ``worker``, ``autoscaler``, ``service``, ...) are the
+chart's own.
 
 Run ``python -m deploy.chart_schema`` after changing ServiceConfig; a test checks that
 the committed file equals the generated one.

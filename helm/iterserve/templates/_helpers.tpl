@@ -39,7 +39,8 @@ The replica bounds when the service autoscales (config.autoscaling, or num_repli
 as YAML {min, max}; nothing for a fixed count. max_replicas must be given: the app's default,
 the host's CPUs divided by replica_num_cpus, means nothing for a fleet of pods. The checks of
 AutoscalingConfig that compare two fields are here too, since the values schema cannot say
-them: the chart refuses what `iterserve serve` refuses.
+them: the chart refuses what `iterserve serve` refuses. The defaults below are
+AutoscalingConfig's (tests/test_helm.py checks that the two agree).
 */}}
 {{- define "iterserve.autoscaling" -}}
 {{- $cfg := .Values.config }}
