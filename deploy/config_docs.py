@@ -6,9 +6,9 @@ field of :class:`deploy.config.ServiceConfig` (which inherits the ingress's own 
 :class:`router.settings.IngressOptions`), of :class:`deploy.config.AutoscalingConfig` under
 ``autoscaling:``, of :class:`engine.EngineConfig` under ``engine:``, of
 :class:`router.tenants.ApiKeyConfig` under ``api_keys:``, or of :class:`policies.TrafficClass`
-under ``engine.traffic_classes:``. Each row's type, default
-and constraints come from the field; its meaning from the pydantic ``description``, or
-for a dataclass from the attribute's docstring.
+under ``engine.traffic_classes:``. Each row's type, default and constraints come from the
+field; its meaning from the pydantic ``description``, or for a dataclass from the
+attribute's docstring.
 
 Usage::
 
@@ -49,9 +49,10 @@ Row = tuple[str, str, str, str]
 
 _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean", Any: "any"}
 
-ALSO_ACCEPTED = {"num_replicas": "auto"}
-"""Values a field takes besides its annotation's: ServiceConfig's before-validator reads
-``num_replicas: auto`` as an autoscaling section, so the field itself stays an integer."""
+ALSO_ACCEPTED: dict[tuple[type[BaseModel], str], Any] = {(ServiceConfig, "num_replicas"): "auto"}
+"""Values a field takes besides its annotation's, by (model, field): ServiceConfig's
+before-validator reads ``num_replicas: auto`` as an autoscaling section, so the field
+itself stays an integer."""
 
 
 def type_name(tp: Any) -> str:
@@ -138,7 +139,7 @@ def model_rows(
             continue
         yield (
             f"`{prefix}{name}`",
-            _field_type(field) + _also(name if not prefix else ""),
+            _field_type(field) + _also(model, name),
             _field_default(field, (defaults or {}).get(name, PydanticUndefined)),
             _meaning(model, name, field.description or docs.get(name)),
         )
@@ -149,8 +150,9 @@ def _field_type(field: FieldInfo) -> str:
     return type_name(field.annotation) + (f", {rules}" if rules else "")
 
 
-def _also(name: str) -> str:
-    return f"; or {_value(ALSO_ACCEPTED[name])}" if name in ALSO_ACCEPTED else ""
+def _also(model: type[BaseModel], name: str) -> str:
+    also = ALSO_ACCEPTED.get((model, name), PydanticUndefined)
+    return "" if also is PydanticUndefined else f"; or {_value(also)}"
 
 
 def _field_default(field: FieldInfo, override: Any) -> str:
