@@ -1,7 +1,7 @@
 """The Helm chart's ``values.schema.json``, generated from :class:`deploy.config.ServiceConfig`.
 
 The chart's ``config:`` value is the service's own config, the YAML that ``iterserve serve
---config`` reads, so its schema is ServiceConfig's JSON schema with four changes for
+--config`` reads, so its schema is ServiceConfig's JSON schema with these changes for
 Kubernetes:
 
 - ``api_keys`` and ``api_keys_file`` are left out: keys come from the Secret named by
@@ -10,9 +10,18 @@ Kubernetes:
 - ``engine.traffic_classes`` names :class:`policies.TrafficClass`'s fields, so an unknown
   field fails at render time, not when the replica starts;
 - GPUs with ``engine.device: cpu`` or the CPU dtype ``float32`` are refused, as
-  ServiceConfig refuses them.
+  ServiceConfig refuses them;
+- ``num_replicas`` also takes ``auto`` (ServiceConfig's shorthand for an ``autoscaling``
+  section), and a number of replicas beside an ``autoscaling`` section is refused, as
+  ServiceConfig refuses it.
 
-The other values (``image``, ``head``, ``worker``, ``service``, ...) are the chart's own.
+Two of AutoscalingConfig's rules compare one field with another (``max_replicas >=
+min_replicas``, ``window_s >= decision_period_s``), which JSON Schema cannot say; the
+chart's template checks them (``iterserve.autoscaling`` in ``templates/_helpers.tpl``),
+with the chart's own rule that ``max_replicas`` be set.
+
+The other values (``image``, ``head``, ``worker``, ``autoscaler``, ``service``, ...) are the
+chart's own.
 
 Run ``python -m deploy.chart_schema`` after changing ServiceConfig; a test checks that
 the committed file equals the generated one.
@@ -65,6 +74,12 @@ CHART_VALUES: dict[str, Any] = {
         tolerations={"type": "array", "items": _OBJ},
     ),
     "worker": _obj(memory=_STR, nodeSelector=_MAP, tolerations={"type": "array", "items": _OBJ}),
+    "autoscaler": _obj(
+        upscalingMode={"enum": ["Default", "Aggressive", "Conservative"]},
+        idleTimeoutSeconds={"type": "integer", "minimum": 0},
+        cpu={"type": ["string", "number"]},
+        memory=_STR,
+    ),
     "service": _obj(
         type={"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
         port={"type": "integer", "minimum": 1, "maximum": 65535},
@@ -120,6 +135,39 @@ GPU_RULE = {
 }
 
 
+AUTOSCALING_RULE = {
+    "if": {
+        "required": ["config"],
+        "properties": {
+            "config": {
+                "required": ["autoscaling"],
+                "properties": {"autoscaling": {"type": "object"}},
+            }
+        },
+    },
+    "then": {
+        "properties": {
+            "config": {
+                "properties": {
+                    "num_replicas": {
+                        "const": "auto",
+                        "description": "with an autoscaling section: auto or unset "
+                        "(min_replicas and max_replicas bound the count)",
+                    }
+                }
+            }
+        }
+    },
+}
+
+
+def num_replicas_schema(field: dict[str, Any]) -> dict[str, Any]:
+    """``num_replicas``: ServiceConfig's integer, or ``auto``. One ``type`` list, not an
+    ``anyOf``, so that a number out of range is reported as such (``minimum`` applies to
+    numbers only, ``pattern`` to strings only)."""
+    return {**field, "type": ["integer", "string"], "pattern": "^auto$"}
+
+
 def traffic_class_override() -> dict[str, Any]:
     """Schema of one class's overrides: any of TrafficClass's fields but ``name``."""
     schema = TypeAdapter(TrafficClass).json_schema()
@@ -137,6 +185,7 @@ def values_schema() -> dict[str, Any]:
         **config["properties"]["replica_num_cpus"]["anyOf"][0],
         "description": "CPUs per replica: its worker pod's CPU request and Ray's num-cpus",
     }
+    config["properties"]["num_replicas"] = num_replicas_schema(config["properties"]["num_replicas"])
     config["required"] = ["replica_num_cpus"]
     engine = defs["EngineConfig"]["properties"]
     engine.pop("model")
@@ -152,7 +201,7 @@ def values_schema() -> dict[str, Any]:
         "additionalProperties": False,
         "required": ["config", "image"],
         "properties": {"config": {"$ref": "#/$defs/ServiceConfig"}, **CHART_VALUES},
-        "allOf": [GPU_RULE],
+        "allOf": [GPU_RULE, AUTOSCALING_RULE],
         "$defs": defs,
     }
 

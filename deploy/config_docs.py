@@ -3,11 +3,12 @@
 Every key of the service YAML (``iterserve serve --config``, ``iterserve batch run
 --config``, ``iterserve simulate --config`` and the Helm chart's ``config:`` value) is a
 field of :class:`deploy.config.ServiceConfig` (which inherits the ingress's own fields from
-:class:`router.settings.IngressOptions`), of :class:`engine.EngineConfig` under
-``engine:``, of :class:`router.tenants.ApiKeyConfig` under ``api_keys:``, or of
-:class:`policies.TrafficClass` under ``engine.traffic_classes:``. Each row's type, default
-and constraints come from the field; its meaning from the pydantic ``description``, or
-for a dataclass from the attribute's docstring.
+:class:`router.settings.IngressOptions`), of :class:`deploy.config.AutoscalingConfig` under
+``autoscaling:``, of :class:`engine.EngineConfig` under ``engine:``, of
+:class:`router.tenants.ApiKeyConfig` under ``api_keys:``, or of :class:`policies.TrafficClass`
+under ``engine.traffic_classes:``. Each row's type, default and constraints come from the
+field; its meaning from the pydantic ``description``, or for a dataclass from the
+attribute's docstring.
 
 Usage::
 
@@ -36,7 +37,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from deploy.config import SERVER_ENGINE_DEFAULTS, ServiceConfig
+from deploy.config import SERVER_ENGINE_DEFAULTS, AutoscalingConfig, ServiceConfig
 from engine.config import EngineConfig
 from engine.llm import OFFLINE_DEFAULTS
 from policies import DEFAULT_CLASS, DEFAULT_CLASSES, TrafficClass
@@ -47,6 +48,11 @@ Row = tuple[str, str, str, str]
 """(key, type, default, meaning) of one table row, as Markdown."""
 
 _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean", Any: "any"}
+
+ALSO_ACCEPTED: dict[tuple[type[BaseModel], str], Any] = {(ServiceConfig, "num_replicas"): "auto"}
+"""Values a field takes besides its annotation's, by (model, field): ServiceConfig's
+before-validator reads ``num_replicas: auto`` as an autoscaling section, so the field
+itself stays an integer."""
 
 
 def type_name(tp: Any) -> str:
@@ -133,7 +139,7 @@ def model_rows(
             continue
         yield (
             f"`{prefix}{name}`",
-            _field_type(field),
+            _field_type(field) + _also(model, name),
             _field_default(field, (defaults or {}).get(name, PydanticUndefined)),
             _meaning(model, name, field.description or docs.get(name)),
         )
@@ -142,6 +148,11 @@ def model_rows(
 def _field_type(field: FieldInfo) -> str:
     rules = _constraints(field.metadata)
     return type_name(field.annotation) + (f", {rules}" if rules else "")
+
+
+def _also(model: type[BaseModel], name: str) -> str:
+    also = ALSO_ACCEPTED.get((model, name), PydanticUndefined)
+    return "" if also is PydanticUndefined else f"; or {_value(also)}"
 
 
 def _field_default(field: FieldInfo, override: Any) -> str:
@@ -230,6 +241,23 @@ def render() -> str:
         "## Service",
         "Top-level keys (`deploy.config.ServiceConfig`).",
         table(list(model_rows(ServiceConfig, skip=ingress))),
+        "### `autoscaling`",
+        "The SLO autoscaler's bounds and settings (`deploy.config.AutoscalingConfig`; the "
+        "policy: `policies.autoscale`). With this section the replicas run on Ray Serve, "
+        "their count starts at `min_replicas`, and `replica_num_cpus` defaults to 1. "
+        "`num_replicas: auto` (or `iterserve serve --num-replicas auto`) turns it on with "
+        "the defaults where the section is absent; a number of replicas beside the section "
+        "is refused. `max_replicas` must be at least `min_replicas`, and `window_s` at least "
+        "`decision_period_s`. The Helm chart needs `max_replicas`: it is the worker group's "
+        "`maxReplicas`, and a host's CPUs mean nothing there.",
+        "```yaml\n"
+        "autoscaling:\n"
+        "  min_replicas: 1\n"
+        "  max_replicas: 4\n"
+        "  scale_down_delay_s: 300\n"
+        "replica_num_cpus: 4\n"
+        "```",
+        table(list(model_rows(AutoscalingConfig, prefix="autoscaling."))),
         "## Ingress",
         "Top-level keys the ingress reads (`router.settings.IngressOptions`, which "
         "`ServiceConfig` inherits).",

@@ -1,12 +1,14 @@
 """docs/configuration.md is the generator's output, and the generator covers every key."""
 
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import BaseModel, Field
 
 from deploy import config_docs
-from deploy.config import ServiceConfig
+from deploy.config import AutoscalingConfig, ServiceConfig
 from engine.config import EngineConfig
 from policies import TrafficClass
 from router.tenants import ApiKeyConfig
@@ -30,7 +32,12 @@ def test_check_flag_fails_on_a_stale_file(tmp_path):
 
 @pytest.mark.parametrize(
     ("model", "prefix"),
-    [(ServiceConfig, ""), (EngineConfig, "engine."), (ApiKeyConfig, "api_keys.KEY.")],
+    [
+        (ServiceConfig, ""),
+        (AutoscalingConfig, "autoscaling."),
+        (EngineConfig, "engine."),
+        (ApiKeyConfig, "api_keys.KEY."),
+    ],
 )
 def test_every_field_has_a_row_with_a_meaning(model, prefix):
     text = config_docs.render()
@@ -61,3 +68,21 @@ def test_a_field_without_a_description_is_refused():
 def test_server_defaults_shown_beside_the_engines():
     assert "| `engine.policy` |" in config_docs.render()
     assert '`"fcfs"` (`iterserve serve`: `"priority"`)' in config_docs.render()
+
+
+def test_autoscaling_fields_have_rows_and_num_replicas_shows_auto():
+    text = config_docs.render()
+    for name in AutoscalingConfig.model_fields:
+        assert f"| `autoscaling.{name}` |" in text, name
+    (row,) = [r for r in config_docs.model_rows(ServiceConfig) if r[0] == "`num_replicas`"]
+    assert row[1] == 'integer, >= 1; or `"auto"`'
+    assert ServiceConfig(num_replicas="auto").autoscaling == AutoscalingConfig()
+
+
+def test_yaml_examples_are_valid_service_configs():
+    blocks = re.findall(r"```yaml\n(.*?)```", config_docs.render(), flags=re.S)
+    assert len(blocks) == 2
+    configs = [ServiceConfig(**yaml.safe_load(b)) for b in blocks]
+    assert configs[1].autoscaling == AutoscalingConfig(
+        min_replicas=1, max_replicas=4, scale_down_delay_s=300
+    )

@@ -143,3 +143,25 @@ def test_push_updates_an_existing_datasource_and_needs_the_key(grafana, monkeypa
         main(["dashboard", "push", "--grafana-url", grafana, "--api-key-env", "GRAFANA_TOKEN"]) == 2
     )
     assert "GRAFANA_TOKEN" in capsys.readouterr().err and not StandIn.requests
+
+
+def test_replicas_panel_shows_running_and_target_replicas():
+    """Both gauges of the ingress over time, in a panel of their own; that every query returns
+    data from a real server is tests/test_observability.py's check."""
+    panels = load_dashboard()["panels"]
+    (panel,) = [p for p in panels if "iterserve:num_replicas_target" in json.dumps(p)]
+    exprs = [t["expr"] for t in panel["targets"]]
+    assert exprs == [
+        'max by (model) (iterserve:num_replicas{model=~"$model"})',
+        'max by (model) (iterserve:num_replicas_target{model=~"$model"})',
+    ]
+    assert len({t["refId"] for t in panel["targets"]}) == 2
+    # The grid stays a grid: unique ids, no two panels on the same cells.
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells = [
+        (x, y)
+        for p in panels
+        for x in range(p["gridPos"]["x"], p["gridPos"]["x"] + p["gridPos"]["w"])
+        for y in range(p["gridPos"]["y"], p["gridPos"]["y"] + p["gridPos"]["h"])
+    ]
+    assert len(cells) == len(set(cells))

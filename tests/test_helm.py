@@ -5,6 +5,7 @@ serve config deployed to a real Ray cluster."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import tempfile
@@ -21,7 +22,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from deploy import chart_schema
 from deploy.batch import _engine_config, add_arguments, apply_config
-from deploy.config import ServiceConfig
+from deploy.config import AutoscalingConfig, ServiceConfig
 from deploy.server import SERVE_ENV_DEFAULTS
 from tests.ray_head import cli, ray, ray_env, start_head, stop_head
 from tests.serving_app import free_port
@@ -34,6 +35,15 @@ EXAMPLES = {
     "default": {},
     "cpu": yaml.safe_load((CHART / "values-cpu.yaml").read_text()),
     "gpu": yaml.safe_load((CHART / "values-gpu.yaml").read_text()),
+}
+SECTION = {"min_replicas": 2, "max_replicas": 6, "scale_down_delay_s": 300}
+# The CPU example, autoscaled: its fixed count replaced by an autoscaling section.
+EXAMPLES["autoscaled"] = {
+    **EXAMPLES["cpu"],
+    "config": {
+        **{k: v for k, v in EXAMPLES["cpu"]["config"].items() if k != "num_replicas"},
+        "autoscaling": SECTION,
+    },
 }
 EVERYTHING_ON = {
     "ingress": {
@@ -129,8 +139,16 @@ def test_serve_config_parses_with_serve_and_service_config(example):
         **yaml.safe_load((CHART / "values.yaml").read_text())["config"],
         **EXAMPLES[example].get("config", {}),
     }
-    for key in ("model", "num_replicas", "replica_num_cpus", "replica_num_gpus", "port"):
+    # The app gets the service the values describe: every field, autoscaling included
+    # (api_keys_file is the chart's: the mounted Secret).
+    expected = ServiceConfig(**values)
+    assert config.model_dump(exclude={"api_keys_file"}) == expected.model_dump(
+        exclude={"api_keys_file"}
+    )
+    for key in ("model", "replica_num_cpus", "replica_num_gpus", "port"):
         assert getattr(config, key) == values[key]
+    start = values["autoscaling"]["min_replicas"] if "autoscaling" in values else 1
+    assert config.num_replicas == values.get("num_replicas", start)
 
 
 def test_api_service_ingress_and_pod_monitor_use_the_serve_port():
@@ -230,10 +248,134 @@ def test_batch_job_runs_deploy_batch_with_the_service_config(tmp_path):
         assert {"name": "batch-data", "mountPath": "/data"} in mounts
 
 
+@pytest.mark.parametrize("auto", [False, True], ids=["section", "num_replicas-auto"])
+def test_autoscaling_turns_on_kuberays_autoscaler_for_the_service(auto, tmp_path):
+    values = copy.deepcopy(EXAMPLES["autoscaled"])
+    if auto:
+        values["config"]["num_replicas"] = "auto"
+    objs = render({**values, **EVERYTHING_ON})
+    (svc,) = by_kind(objs, "RayService")
+    cluster = svc["spec"]["rayClusterConfig"]
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["autoscaler"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    resources = {"cpu": defaults["cpu"], "memory": defaults["memory"]}
+    assert cluster["autoscalerOptions"] == {
+        "upscalingMode": "Default",
+        "idleTimeoutSeconds": defaults["idleTimeoutSeconds"],
+        "imagePullPolicy": "IfNotPresent",
+        "resources": {"requests": resources, "limits": resources},
+    }
+    (group,) = cluster["workerGroupSpecs"]
+    # One worker pod per replica: the pod holds one replica's CPUs.
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 2, 6)
+    assert group["rayStartParams"]["num-cpus"] == "2"
+    # The app gets the section as written, and starts at min_replicas.
+    args = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["autoscaling"] == SECTION
+    assert args.get("num_replicas") == ("auto" if auto else None)
+    config = ServiceConfig(**args)
+    assert config.autoscaling == AutoscalingConfig(**SECTION) and config.num_replicas == 2
+    # The batch job's own cluster and config: a fixed fleet of max_replicas.
+    (job,) = by_kind(objs, "RayJob")
+    spec = job["spec"]["rayClusterSpec"]
+    assert "enableInTreeAutoscaling" not in spec and "autoscalerOptions" not in spec
+    (batch_group,) = spec["workerGroupSpecs"]
+    assert [batch_group[k] for k in ("replicas", "minReplicas", "maxReplicas")] == [6, 6, 6]
+    (cm,) = [o for o in by_kind(objs, "ConfigMap") if "service.yaml" in o["data"]]
+    (tmp_path / "service.yaml").write_text(cm["data"]["service.yaml"])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parsed = parser.parse_args(
+        ["-i", "in", "-o", "out", "--config", str(tmp_path / "service.yaml")]
+    )
+    apply_config(parsed)
+    assert (parsed.num_replicas, parsed.replica_num_cpus) == (6, 2)
+    assert "autoscaling" not in yaml.safe_load(cm["data"]["service.yaml"])
+
+
+@pytest.mark.parametrize("example", ["default", "cpu", "gpu"])
+def test_a_fixed_fleet_renders_no_autoscaler(example):
+    objs = render({**EXAMPLES[example], **EVERYTHING_ON})
+    n = EXAMPLES[example].get("config", {}).get("num_replicas", 1)
+    (svc,) = by_kind(objs, "RayService")
+    (job,) = by_kind(objs, "RayJob")
+    for cluster in (svc["spec"]["rayClusterConfig"], job["spec"]["rayClusterSpec"]):
+        assert "enableInTreeAutoscaling" not in cluster and "autoscalerOptions" not in cluster
+        (group,) = cluster["workerGroupSpecs"]
+        assert [group[k] for k in ("replicas", "minReplicas", "maxReplicas")] == [n, n, n]
+    args = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["num_replicas"] == n and "autoscaling" not in args
+
+
+_SECTION_DEFAULTS = AutoscalingConfig()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"autoscaling": {"max_replicas": 3}},
+        {"num_replicas": "auto", "autoscaling": {"max_replicas": 3}},
+        {
+            "autoscaling": {
+                "min_replicas": 3,
+                "max_replicas": 3,
+                "window_s": 5,
+                "decision_period_s": 5,
+            }
+        },
+        {"num_replicas": 2, "autoscaling": {"max_replicas": 3}},
+        {"num_replicas": "two"},
+        {"num_replicas": 0},
+        {"autoscaling": {"min_replicas": 4, "max_replicas": 3}},
+        # Against the other field's default: the template's defaults are the model's.
+        {"autoscaling": {"max_replicas": 3, "window_s": _SECTION_DEFAULTS.decision_period_s / 2}},
+        {"autoscaling": {"max_replicas": 3, "decision_period_s": _SECTION_DEFAULTS.window_s * 2}},
+        {"autoscaling": {"max_replicas": 3, "target_utilization": 1.5}},
+        {"autoscaling": {"max_replicas": 3, "max_replica": 4}},
+        {"autoscaling": None, "num_replicas": 2},
+    ],
+)
+def test_chart_and_service_config_agree_on_replicas_and_autoscaling(config):
+    """The chart renders exactly the sections ``iterserve serve`` accepts (with
+    max_replicas, which the chart alone needs)."""
+    try:
+        ServiceConfig(**config, replica_num_cpus=2)
+        accepted = True
+    except ValueError:
+        accepted = False
+    try:
+        render({"config": config})
+        rendered = True
+    except helm.HelmError:
+        rendered = False
+    assert rendered == accepted
+
+
 @pytest.mark.parametrize(
     "values, message",
     [
         ({"config": {"num_replicas": -1}}, "at '/config/num_replicas': minimum: got -1, want 1"),
+        ({"config": {"num_replicas": "two"}}, "at '/config/num_replicas': 'two' does not match"),
+        (
+            {"config": {"num_replicas": 2, "autoscaling": {"max_replicas": 3}}},
+            "at '/config/num_replicas': value must be 'auto'",
+        ),
+        (
+            {"config": {"autoscaling": {"min_replicas": 2}}},
+            "config.autoscaling.max_replicas is required when the service autoscales",
+        ),
+        (
+            {"config": {"num_replicas": "auto"}},
+            "config.autoscaling.max_replicas is required when the service autoscales",
+        ),
+        (
+            {"config": {"autoscaling": {"min_replicas": 4, "max_replicas": 3}}},
+            "config.autoscaling.max_replicas=3 < min_replicas=4",
+        ),
+        (
+            {"config": {"autoscaling": {"max_replicas": 3, "window_s": 1}}},
+            "config.autoscaling.window_s must be >= decision_period_s",
+        ),
         (
             {"config": {"engine": {"traffic_classes": {"interactive": {"ttft_slo": 1}}}}},
             "at '/config/engine/traffic_classes/interactive': additional properties 'ttft_slo'",
@@ -262,6 +404,12 @@ def test_service_config_refuses_what_the_schema_refuses():
         ServiceConfig(replica_num_gpus=1, engine={"dtype": "float32"})
     with pytest.raises(ValueError, match="device 'cpu'"):
         ServiceConfig(replica_num_gpus=1, engine={"device": "cpu"})
+    with pytest.raises(ValueError, match="num_replicas: 2 with an autoscaling section"):
+        ServiceConfig(num_replicas=2, autoscaling={"max_replicas": 3})
+    with pytest.raises(ValueError, match="max_replicas=3 < min_replicas=4"):
+        ServiceConfig(autoscaling={"min_replicas": 4, "max_replicas": 3})
+    with pytest.raises(ValueError, match="window_s must be >= decision_period_s"):
+        ServiceConfig(autoscaling={"max_replicas": 3, "window_s": 1})
 
 
 @pytest.mark.slow

@@ -35,11 +35,43 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "iterserve.batchConfigPath" -}}/etc/iterserve/batch/service.yaml{{- end }}
 
 {{/*
+The replica bounds when the service autoscales (config.autoscaling, or num_replicas: auto),
+as YAML {min, max}; nothing for a fixed count. max_replicas must be given: the app's default,
+the host's CPUs divided by replica_num_cpus, means nothing for a fleet of pods. The checks of
+AutoscalingConfig that compare two fields are here too, since the values schema cannot say
+them: the chart refuses what `iterserve serve` refuses. The defaults below are
+AutoscalingConfig's (tests/test_helm.py checks that the two agree).
+*/}}
+{{- define "iterserve.autoscaling" -}}
+{{- $cfg := .Values.config }}
+{{- if or (kindIs "map" $cfg.autoscaling) (eq (toString $cfg.num_replicas) "auto") }}
+{{- $a := $cfg.autoscaling | default dict }}
+{{- if not $a.max_replicas }}
+{{- fail "config.autoscaling.max_replicas is required when the service autoscales (config.autoscaling or config.num_replicas: auto): it is the worker group's maxReplicas, the most worker pods (one per replica) the cluster may grow to" }}
+{{- end }}
+{{- $min := $a.min_replicas | default 1 | int }}
+{{- $max := $a.max_replicas | int }}
+{{- if lt $max $min }}
+{{- fail (printf "config.autoscaling.max_replicas=%d < min_replicas=%d" $max $min) }}
+{{- end }}
+{{- if lt ($a.window_s | default 30.0 | float64) ($a.decision_period_s | default 5.0 | float64) }}
+{{- fail "config.autoscaling.window_s must be >= decision_period_s" }}
+{{- end }}
+min: {{ $min }}
+max: {{ $max }}
+{{- end }}
+{{- end }}
+
+{{/*
 The application's args: config without host and port (Serve's http_options), with
-api_keys_file pointing at the mounted Secret.
+api_keys_file pointing at the mounted Secret. A fixed count is written out (1 when unset);
+with autoscaling, num_replicas stays as given (auto, or unset) beside the section.
 */}}
 {{- define "iterserve.appArgs" -}}
 {{- $args := omit .Values.config "host" "port" }}
+{{- if not (include "iterserve.autoscaling" .) }}
+{{- $_ := set $args "num_replicas" (.Values.config.num_replicas | default 1) }}
+{{- end }}
 {{- if .Values.apiKeysSecret }}
 {{- $_ := set $args "api_keys_file" (include "iterserve.apiKeysPath" .) }}
 {{- end }}
@@ -126,9 +158,30 @@ checks they match), and Serve's HTTP proxy as the way in (no direct ingress). */
 {{- end }}
 
 {{/*
+The replicas of a fixed fleet: config.num_replicas (1 when unset). A batch job's fleet is
+fixed even when the service autoscales (it has no traffic to scale on): max_replicas then.
+*/}}
+{{- define "iterserve.fixedReplicas" -}}
+{{- $bounds := include "iterserve.autoscaling" . | fromYaml }}
+{{- if $bounds }}{{ $bounds.max | int }}{{ else }}{{ .Values.config.num_replicas | default 1 | int }}{{ end }}
+{{- end }}
+
+{{/* The batch job's service config (deploy.batch --config): config without host and port,
+with a fixed count (iterserve.fixedReplicas) in place of autoscaling. */}}
+{{- define "iterserve.batchConfig" -}}
+{{- $c := omit .Values.config "host" "port" "autoscaling" }}
+{{- $_ := set $c "num_replicas" (include "iterserve.fixedReplicas" . | int) }}
+{{- toYaml $c }}
+{{- end }}
+
+{{/*
 The Ray cluster: a head (Serve's controller and proxy, the dashboard; num-cpus 0, so no
 model replica lands there) and one worker pod per model replica. Takes a dict with the
-root context as "root" and "batch" (true in the RayJob: its data volume is mounted).
+root context as "root" and "batch" (true in the RayJob: its data volume is mounted, and
+its fleet is fixed). When the service autoscales, KubeRay's in-tree autoscaler (a sidecar
+of the head) adds a worker pod for each replica Serve cannot place, up to max_replicas,
+and removes a pod idle for autoscaler.idleTimeoutSeconds (the replica policy's own
+cooldown, autoscaling.scale_down_delay_s, has passed by the time a replica goes).
 */}}
 {{- define "iterserve.rayCluster" -}}
 {{- $root := .root }}
@@ -136,10 +189,23 @@ root context as "root" and "batch" (true in the RayJob: its data volume is mount
 {{- $cfg := $root.Values.config }}
 {{- $cpus := $cfg.replica_num_cpus | float64 }}
 {{- $gpus := $cfg.replica_num_gpus | default 0 | float64 }}
+{{- $bounds := include "iterserve.autoscaling" $root | fromYaml }}
+{{- $autoscale := and $bounds (not .batch) }}
+{{- $as := $root.Values.autoscaler }}
 rayVersion: {{ $root.Values.rayVersion | quote }}
 {{- if $root.Values.rayAuthToken }}
 authOptions:
   mode: token
+{{- end }}
+{{- if $autoscale }}
+enableInTreeAutoscaling: true
+autoscalerOptions:
+  upscalingMode: {{ $as.upscalingMode }}
+  idleTimeoutSeconds: {{ $as.idleTimeoutSeconds | int }}
+  imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+  resources:
+    requests: {cpu: {{ $as.cpu | quote }}, memory: {{ $as.memory | quote }}}
+    limits: {cpu: {{ $as.cpu | quote }}, memory: {{ $as.memory | quote }}}
 {{- end }}
 headGroupSpec:
   rayStartParams:
@@ -182,9 +248,16 @@ headGroupSpec:
         {{- include "iterserve.volumes" $ctx | trim | nindent 8 }}
 workerGroupSpecs:
   - groupName: replicas
-    replicas: {{ $cfg.num_replicas | default 1 | int }}
-    minReplicas: {{ $cfg.num_replicas | default 1 | int }}
-    maxReplicas: {{ $cfg.num_replicas | default 1 | int }}
+    {{- if $autoscale }}
+    replicas: {{ $bounds.min | int }}
+    minReplicas: {{ $bounds.min | int }}
+    maxReplicas: {{ $bounds.max | int }}
+    {{- else }}
+    {{- $n := include "iterserve.fixedReplicas" $root | int }}
+    replicas: {{ $n }}
+    minReplicas: {{ $n }}
+    maxReplicas: {{ $n }}
+    {{- end }}
     rayStartParams:
       num-cpus: {{ ceil $cpus | int | quote }}
     template:
