@@ -239,8 +239,10 @@ class SloAutoscaler:
 
     # -- risk -------------------------------------------------------------------------------
 
-    def _risks(self, state: FleetState) -> list[str]:
-        """Words for each thing at risk now, e.g. ``interactive attainment 93% < 99%``."""
+    def _risks(self, state: FleetState) -> list[tuple[str, str]]:
+        """``(who, words)`` for each thing at risk now: ``who`` is a class name, or ``""``
+        for the fleet (KV cache, step time); e.g. ``("interactive", "interactive attainment
+        93% < 99%")``."""
         out = []
         s = self.settings
         for name, load in sorted(state.classes.items()):
@@ -255,20 +257,29 @@ class SloAutoscaler:
             if load.held and wait > 0 and load.oldest_held_s > HELD_RISK_FRACTION * wait:
                 parts.append(f"{load.held} held up to {load.oldest_held_s:.1f} s")
             if parts:
-                out.append(f"{name} " + " and ".join(parts))
+                out.append((name, f"{name} " + " and ".join(parts)))
         if state.replicas:
             kv = statistics.fmean(r.kv_usage for r in state.replicas)
             if kv > KV_RISK_USAGE:
-                out.append(f"KV cache {kv:.0%} full")
+                out.append(("", f"KV cache {kv:.0%} full"))
             busy = [r.step_s for r in state.replicas if r.step_s > 0]
             target = self._step_target_s(state)
             if busy and statistics.fmean(busy) > target:
-                out.append(f"steps {statistics.fmean(busy):.2f} s > TPOT {target:.2f} s")
+                out.append(("", f"steps {statistics.fmean(busy):.2f} s > TPOT {target:.2f} s"))
         return out
 
-    def _backlog_drains_s(self, state: FleetState) -> float:
+    def _may_grow_for(self, who: str, current: int) -> bool:
+        """Whether a risk to ``who`` may add a replica to ``current``: a class that may
+        wait (``scale_share`` under 1) only below its share of ``max_replicas``."""
+        cls = self.classes.get(who)
+        if cls is None or cls.scale_share >= 1.0:
+            return True
+        return current < cls.scale_share * self.settings.max_replicas
+
+    def _backlog_drains_s(self, state: FleetState) -> float | None:
         """Seconds the running replicas need to compute the prompts they and admission hold,
-        at the capacity the demand leaves them (inf: none left)."""
+        at the capacity the demand leaves them (inf: none left; None: nothing is held, so
+        a risk is not a burst's)."""
         _, b, _ = self._coefficients(state)
         held_tokens = sum(r.waiting_prefill_tokens for r in state.replicas)
         held_tokens += sum(
@@ -277,7 +288,7 @@ class SloAutoscaler:
         need, _ = self.demand_replicas(state, 1.0)
         spare = max(0, state.running) - need
         if held_tokens <= 0:
-            return 0.0
+            return None
         if spare <= 0:
             return math.inf
         a, _, _ = self._coefficients(state)
@@ -298,6 +309,7 @@ class SloAutoscaler:
         current = max(state.target, s.min_replicas)
         need, capped_by = self.demand_replicas(state, s.target_utilization)
         risks = self._risks(state)
+        words = [w for _, w in risks]
         cap = (
             f" ({capped_by} capped at {self.classes[capped_by].scale_share:.0%} of max)"
             if capped_by
@@ -305,35 +317,44 @@ class SloAutoscaler:
         )
         demand_words = f"demand needs {need:.2f} replicas{cap}"
         wanted = math.ceil(need - 1e-9)
-        if risks and wanted <= current:
-            if self._backlog_drains_s(state) <= s.replica_start_s:
+        growing = [w for who, w in risks if self._may_grow_for(who, current)]
+        if growing and wanted <= current:
+            starting = state.target - state.running
+            if starting > 0:
+                # The replicas on their way are the answer to this risk: wait for them.
+                self._surplus_since = None
+                return self._keep(
+                    current,
+                    f"{'; '.join(words)}; {starting} starting: hold at {current}",
+                    need,
+                    words,
+                )
+            drains = self._backlog_drains_s(state)
+            if drains is not None and drains <= s.replica_start_s:
                 # A burst: the fleet clears it before a new replica would serve.
                 self._surplus_since = None
                 return self._keep(
                     current,
-                    f"{'; '.join(risks)}, but the backlog drains "
-                    f"within a replica's start ({s.replica_start_s:.0f} s): "
-                    f"hold at {current}",
+                    f"{'; '.join(words)}, but the backlog drains within a replica's start "
+                    f"({s.replica_start_s:.0f} s): hold at {current}",
                     need,
-                    risks,
+                    words,
                 )
             wanted = current + 1
         if wanted > current:
             target = min(wanted, s.max_replicas)
             self._surplus_since = None
             if target == current:
-                return self._keep(current, f"{demand_words}; at max_replicas", need, risks)
+                return self._keep(current, f"{demand_words}; at max_replicas", need, words)
             self._last_up_s = state.now_s
-            why = "; ".join(risks) if risks else demand_words
-            if risks:
-                why += f"; {demand_words}"
-            return ScalingDecision(target, f"{why}: +{target - current}", need, tuple(risks))
+            why = "; ".join(growing + [demand_words])
+            return ScalingDecision(target, f"{why}: +{target - current}", need, tuple(words))
         # Scale down: the demand must fit fewer replicas with margin, for a while.
         down_need, _ = self.demand_replicas(state, s.target_utilization * s.scale_down_utilization)
         fewer = max(s.min_replicas, math.ceil(down_need - 1e-9))
         if risks or fewer >= current:
             self._surplus_since = None
-            return self._keep(current, f"{demand_words}: hold at {current}", need, risks)
+            return self._keep(current, f"{demand_words}: hold at {current}", need, words)
         if self._surplus_since is None:
             self._surplus_since = state.now_s
         since = state.now_s - self._surplus_since
@@ -344,7 +365,7 @@ class SloAutoscaler:
                 f"{demand_words}: {fewer} would do for {since:.0f} s of "
                 f"{s.scale_down_delay_s:.0f} s; hold at {current}",
                 need,
-                risks,
+                words,
             )
         self._surplus_since = state.now_s
         return ScalingDecision(

@@ -13,11 +13,13 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from deploy.config import ServiceConfig
+from deploy.sim.fleet import Autoscaling
 from deploy.sim.trace import SimRequest, TraceSpec, load_requests
-from policies.autoscale import AutoscalingSettings, FleetState, ScalingDecision
+from policies.autoscale import AutoscalingSettings, FleetState, ScalingDecision, SloAutoscaler
 
 
 class QueueLengthScaler:
@@ -136,13 +138,13 @@ def diurnal_requests(spec: TraceSpec, curve: Diurnal, seed: int = 0) -> list[Sim
     """
     base = load_requests(spec)
     span = base[-1].arrival_s + (base[-1].arrival_s / max(1, len(base) - 1))
-    speed = (len(base) / span) / curve.peak_rps  # trace seconds per played second
-    period = span / speed
+    stretch = (len(base) / span) / curve.peak_rps  # played seconds per trace second
+    period = span * stretch
     rng = random.Random(seed)
     out = []
     for copy in range(math.ceil(curve.day_s / period)):
         for r in base:
-            t = copy * period + r.arrival_s / speed
+            t = copy * period + r.arrival_s * stretch
             if t >= curve.day_s:
                 break
             if rng.random() * curve.peak_rps <= curve.rate(t):
@@ -158,6 +160,37 @@ def diurnal_requests(spec: TraceSpec, curve: Diurnal, seed: int = 0) -> list[Sim
                     )
                 )
     return out
+
+
+def autoscaling_for(
+    config: ServiceConfig, max_replicas: int | None, start_s: float | None
+) -> tuple[ServiceConfig, Callable[[], Autoscaling]]:
+    """``iterserve simulate --autoscale``'s fleet: ``config`` with an autoscaling section
+    (its own, else the defaults) whose ``max_replicas`` is ``max_replicas`` where given,
+    else the section's, else :data:`deploy.sim.cli.AUTOSCALE_MAX_REPLICAS`; and a maker of
+    a fresh :class:`deploy.sim.fleet.Autoscaling` (the policy keeps state: one per run).
+
+    Raises:
+        pydantic.ValidationError: the bounds contradict (``max_replicas < min_replicas``).
+    """
+    from deploy.sim.cli import AUTOSCALE_MAX_REPLICAS
+
+    section = config.autoscaling.model_dump() if config.autoscaling else {}
+    if max_replicas is not None:
+        section["max_replicas"] = max_replicas
+    elif section.get("max_replicas") is None:
+        section["max_replicas"] = max(AUTOSCALE_MAX_REPLICAS, section.get("min_replicas", 1))
+    data = config.model_dump(exclude={"engine": {"model"}})
+    data.pop("num_replicas")
+    data["autoscaling"] = section
+    scaled = ServiceConfig(**data)
+    settings = scaled.autoscaling_settings()
+    start = settings.replica_start_s if start_s is None else start_s
+
+    def make() -> Autoscaling:
+        return Autoscaling(SloAutoscaler(settings, scaled.traffic_classes()), settings, start)
+
+    return scaled, make
 
 
 def replica_hours(replica_s: float, day_s: float, real_day_s: float = 86400.0) -> float:

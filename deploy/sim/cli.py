@@ -23,6 +23,9 @@ DEFAULT_COST_MODEL = "cpu_smollm2_135m.json"
 """Shipped in ``deploy/sim``: ``iterserve calibrate`` on the project's 2-core CPU host
 (SmolLM2-135M-Instruct, fp32). Calibrate on your own machine for its figures."""
 MAX_REPLICAS = 64
+AUTOSCALE_MAX_REPLICAS = 8
+"""``--autoscale``'s upper bound where neither the config nor ``--max-replicas`` sets one
+(the config's default, this host's CPUs, says nothing of the simulated fleet)."""
 """``--search``'s default upper bound on replicas."""
 ENGINE_FLAGS = (
     "max_num_batched_tokens",
@@ -113,7 +116,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-replicas",
         type=int,
         default=None,
-        help=f"--search's upper bound (default {MAX_REPLICAS})",
+        help=f"--search's upper bound (default {MAX_REPLICAS}); --autoscale's, where the "
+        f"config sets none (default {AUTOSCALE_MAX_REPLICAS})",
+    )
+    p.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="scale the fleet with the SLO autoscaler (policies/autoscale.py) in virtual "
+        "time, within the config's autoscaling section (default: its defaults, from 1 "
+        "replica), and report replica-hours and every decision",
+    )
+    p.add_argument(
+        "--replica-start-s",
+        type=float,
+        default=None,
+        help="with --autoscale: seconds from a replica being asked for to its first request "
+        "(default: the config's autoscaling.replica_start_s)",
     )
     p.add_argument(
         "--ablate",
@@ -240,7 +258,27 @@ def check_args(args: argparse.Namespace) -> None:
             args.plots and (args.search or args.ablate),
             "--plots draws a plain run or a sweep, not --search or --ablate",
         ),
-        (args.max_replicas is not None and not args.search, "--max-replicas goes with --search"),
+        (
+            args.max_replicas is not None and not (args.search or args.autoscale),
+            "--max-replicas goes with --search or --autoscale",
+        ),
+        (
+            args.autoscale and (args.search or args.ablate),
+            "--autoscale is one run: drop --search and --ablate",
+        ),
+        (
+            args.autoscale and args.replicas is not None,
+            "--autoscale chooses the replica count (the config's autoscaling bounds and "
+            "--max-replicas): drop --replicas",
+        ),
+        (
+            args.replica_start_s is not None and not args.autoscale,
+            "--replica-start-s goes with --autoscale",
+        ),
+        (
+            args.replica_start_s is not None and args.replica_start_s < 0,
+            "--replica-start-s must be >= 0",
+        ),
         (
             args.search and args.replicas is not None,
             "--search chooses the replica count: drop --replicas",
@@ -266,6 +304,7 @@ def check_args(args: argparse.Namespace) -> None:
             f"{source} runs one plan: drop --search, --ablate and --plots",
         ),
         (twin and args.gpu, f"{source} fits the logged steps: --gpu does not apply"),
+        (twin and args.autoscale, f"{source} replays one fleet: --autoscale does not apply"),
         (args.last is not None and not args.from_url, "--last goes with --from-url"),
         (args.last is not None and args.last <= 0, "--last must be > 0 seconds"),
     ]
@@ -326,19 +365,33 @@ def run_command(args: argparse.Namespace) -> int:
         return (search_command if args.search else ablate_command)(args, config, cost, specs)
     from deploy.sim.runs import simulate
 
+    autoscaling = None
+    if args.autoscale:
+        from deploy.sim.autoscale import autoscaling_for
+
+        config, autoscaling = autoscaling_for(config, args.max_replicas, args.replica_start_s)
     runs, summaries = [], []
     for spec in specs:
         k = spec.rate_scale
         t0 = time.perf_counter()
-        run, summary = simulate(config, cost, spec, args.routing, args.seed)
+        run, summary = simulate(
+            config, cost, spec, args.routing, args.seed, autoscaling and autoscaling()
+        )
         summary["rate_scale"], summary["wall_s"] = k, time.perf_counter() - t0
         runs.append((k, run))
         summaries.append(summary)
-        print(
-            f"\n## rate x{k:g}: {config.num_replicas} replica(s), simulated in "
-            f"{summary['wall_s']:.1f} s\n"
+        fleet = (
+            f"{config.num_replicas} replica(s)"
+            if autoscaling is None
+            else "autoscaled, "
+            f"{summary['replica_hours']:.2f} replica-hours, {len(run.decisions)} scaling actions"
         )
+        print(f"\n## rate x{k:g}: {fleet}, simulated in {summary['wall_s']:.1f} s\n")
         print(table(summary))
+        if autoscaling is not None:
+            from deploy.sim.autoscale import decisions_text
+
+            print(f"\ndecisions (virtual time, target, reason):\n{decisions_text(run.decisions)}")
     report: dict[str, Any] = {
         "trace": trace_info(args),
         "config": config.model_dump(mode="json"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from deploy.config import ServiceConfig
-from deploy.sim.fleet import Fleet, SimRun
+from deploy.sim.fleet import Autoscaling, Fleet, SimRun
 from deploy.sim.report import summarize
 from deploy.sim.trace import TraceSpec, load_requests
 from engine.sim import CostModel
@@ -27,8 +27,19 @@ def with_engine(
 
 
 def simulate(
-    config: ServiceConfig, cost: CostModel, spec: TraceSpec, routing: str, seed: int
+    config: ServiceConfig,
+    cost: CostModel,
+    spec: TraceSpec,
+    routing: str,
+    seed: int,
+    autoscaling: Autoscaling | None = None,
 ) -> tuple[SimRun, dict[str, Any]]:
-    """One run: ``(run, summary)`` (:func:`deploy.sim.report.summarize`)."""
-    run = Fleet(config, cost, routing=routing, seed=seed).run(load_requests(spec))
-    return run, summarize(run, config.traffic_classes())
+    """One run: ``(run, summary)`` (:func:`deploy.sim.report.summarize`; with
+    ``autoscaling``, also ``replica_hours`` and ``decisions``)."""
+    fleet = Fleet(config, cost, routing=routing, seed=seed, autoscaling=autoscaling)
+    run = fleet.run(load_requests(spec))
+    summary = summarize(run, config.traffic_classes())
+    if autoscaling is not None:
+        summary["replica_hours"] = run.replica_s / 3600
+        summary["decisions"] = [[d.t, d.target, d.reason] for d in run.decisions]
+    return run, summary
