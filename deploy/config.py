@@ -311,6 +311,7 @@ class ServiceConfig(IngressOptions):
             traffic_classes=classes,
             policy=engine.policy_spec(),
             num_replicas=self.num_replicas,
+            autoscaling=asdict(scaling) if (scaling := self.autoscaling_settings()) else None,
             prefix_block_size=(
                 engine.block_size if self.prefix_affinity and engine.enable_prefix_caching else None
             ),
