@@ -289,3 +289,11 @@ def test_check_resources_refuses_min_and_warns_for_max(monkeypatch):
     assert server.check_resources(fitting) is None
     with pytest.raises(server.ServeError, match="min_replicas"):
         server.check_resources(ServiceConfig(num_replicas="auto", autoscaling={"min_replicas": 3}))
+
+
+def test_an_autoscaled_config_reads_back_from_its_dump():
+    config = ServiceConfig(num_replicas="auto", autoscaling={"min_replicas": 2, "max_replicas": 3})
+    again = ServiceConfig(**config.model_dump(mode="json", exclude_none=True))
+    assert again == config and again.num_replicas == 2
+    with pytest.raises(ValueError, match="set num_replicas: auto"):
+        ServiceConfig(num_replicas=3, autoscaling={"min_replicas": 2, "max_replicas": 3})
