@@ -3,7 +3,7 @@ step that one replica cannot hold scales the fleet up to 2 running replicas, and
 back to 1 once the load stops; every request meanwhile gets 200 with a whole stream or 429
 with a Retry-After.
 
-Short settings (decisions every second over a 5 s window) so that it runs in a minute or
+Short settings (decisions every second over a 4 s window) so that it runs in a minute or
 two; it asserts that the events happen, polling with generous deadlines, not when."""
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def test_a_load_step_scales_up_to_two_replicas_and_back_to_one(tmp_path):
             "min_replicas": 1,
             "max_replicas": 2,
             "decision_period_s": 1,
-            "window_s": 5,
-            "scale_down_delay_s": 15,
+            "window_s": 4,
+            "scale_down_delay_s": 10,
             "replica_start_s": 1,
         },
         engine={"max_num_seqs": 8, "traffic_classes": {"standard": {"tpot_slo_s": 0.25}}},
