@@ -297,3 +297,18 @@ def test_an_autoscaled_config_reads_back_from_its_dump():
     assert again == config and again.num_replicas == 2
     with pytest.raises(ValueError, match="set num_replicas: auto"):
         ServiceConfig(num_replicas=3, autoscaling={"min_replicas": 2, "max_replicas": 3})
+
+
+def test_top_shows_the_replicas_running_and_asked_for():
+    from rich.console import Console
+
+    from deploy.top import render, view
+
+    model = (("model", "m"),)
+    now = {("iterserve:num_replicas", model): 1.0, ("iterserve:num_replicas_target", model): 2.0}
+    console = Console(width=160, record=True)
+    console.print(render(view(now, {}, 1.0, True), "http://x"))
+    assert "replicas, now: 1 running, 2 asked for" in console.export_text()
+    console.print(render(view({}, {}, 1.0, True), "http://x"))  # an older server's metrics
+    text = console.export_text()
+    assert "replicas, now" in text and "asked for" not in text
