@@ -56,7 +56,13 @@ class TimedValue(Protocol):
 
 
 class PolicyContext(Protocol):
-    """What :func:`fleet_state` reads of Ray Serve's ``AutoscalingContext``."""
+    """What :class:`ServePolicy` reads of Ray Serve's ``AutoscalingContext``."""
+
+    @property
+    def app_name(self) -> str: ...
+
+    @property
+    def deployment_name(self) -> str: ...
 
     @property
     def current_num_replicas(self) -> int: ...
@@ -172,7 +178,7 @@ class ServePolicy:
             logger.setLevel(logging.INFO)
             logger.propagate = False
 
-    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+    def __call__(self, ctx: PolicyContext) -> tuple[int, dict[str, Any]]:
         """``(target replicas, policy state)`` for Serve's ``AutoscalingContext``: the
         autoscaler's decision every ``decision_period_s``, the current target between."""
         now = self.clock()
@@ -190,7 +196,7 @@ class ServePolicy:
         self._report(ctx, decision)
         return decision.target, {}
 
-    def _report(self, ctx: Any, decision: ScalingDecision) -> None:
+    def _report(self, ctx: PolicyContext, decision: ScalingDecision) -> None:
         key = (decision.target, _words(decision.reason))
         if key != self._logged:
             self._logged = key

@@ -70,9 +70,8 @@ class ScalingSignals:
         """Every class's load now, and the seconds it covers."""
         now = self.clock()
         loads = self.window.loads(now, self._held())
-        return {c: loads.get(c, ClassLoad()) for c in {*self.classes, *loads}}, (
-            self.window.span_s(now)
-        )
+        every = {c: loads.get(c, ClassLoad()) for c in {*self.classes, *loads}}
+        return every, self.window.span_s(now)
 
     def encode(self) -> dict[str, float]:
         """:meth:`loads` in the form that travels (:mod:`policies.scaling_signals`)."""

@@ -312,3 +312,50 @@ def test_top_shows_the_replicas_running_and_asked_for():
     console.print(render(view({}, {}, 1.0, True), "http://x"))  # an older server's metrics
     text = console.export_text()
     assert "replicas, now" in text and "asked for" not in text
+
+
+def test_the_ingress_gives_its_counts_to_every_replica_that_answers_in_time():
+    import asyncio
+
+    from router import routing
+    from router.dispatch import RayReplicas
+
+    got: dict[str, dict] = {}
+    cancelled: list[str] = []
+
+    class Call:
+        def __init__(self, signals: dict, pin: str) -> None:
+            self.signals, self.pin = signals, pin
+
+        def __await__(self):
+            if self.pin == "slow":
+                yield from asyncio.sleep(60).__await__()
+            if self.pin == "dead":
+                raise RuntimeError("replica died")
+            got[self.pin] = self.signals
+
+        def cancel(self) -> None:
+            cancelled.append(self.pin)
+
+    class Method:
+        def remote(self, signals: dict, pin: str) -> Call:
+            return Call(signals, pin)
+
+    class Handle:
+        app_name, deployment_name = "app-under-test", "Model"
+        autoscale_signals = Method()
+
+        def options(self, **_: object) -> Handle:
+            return self
+
+    class View:
+        def replica_stats(self) -> dict[str, dict]:
+            return {"a": {}, "slow": {}, "dead": {}, "b": {}}
+
+    replicas = RayReplicas(Handle())
+    signals = {"ingress_at": 1.0, "ingress_window_s": 2.0}
+    assert asyncio.run(replicas.send_scaling_signals(signals, timeout_s=0.5)) == 0  # no router
+    view = View()
+    routing.register(view, "app-under-test", "Model")
+    assert asyncio.run(replicas.send_scaling_signals(signals, timeout_s=0.5)) == 2
+    assert got == {"a": signals, "b": signals} and cancelled == ["slow"]
