@@ -174,8 +174,12 @@ class Ingress:
         num = self.replicas.count()
         if num == 0:
             return self._error(ApiError(503, "no model replica is running", code="not_ready"))
-        body = {"status": "ok", "num_replicas": num, "replicas": replicas}
-        body["held"] = self.admission.held
+        body = {
+            "status": "ok",
+            "num_replicas": num,
+            "replicas": replicas,
+            "held": self.admission.held,
+        }
         if self.scaling_decision is not None:
             body["autoscaling"] = asdict(self.scaling_decision)
         return JSONResponse(body)

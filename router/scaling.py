@@ -29,7 +29,8 @@ KV_NAMESPACE = "iterserve"
 
 
 class ScalingSignals:
-    """The ingress's per-class counts for the autoscaler.
+    """The ingress's per-class counts for the autoscaler. Its owner calls :meth:`encode`
+    every decision period: the window forgets old events only then.
 
     Args:
         classes: every traffic class's name (each is sent, with zeros when idle, so that
