@@ -20,6 +20,13 @@ from router.request_router import LoadAwareRouter
 APP_NAME = "iterserve"
 INGRESS_NAME = "OpenAIIngress"
 REPLICA_NAME = "ModelReplica"
+DRAIN_S = 5.0
+"""Seconds a stopping model replica has to finish its requests before Serve kills it, with
+a fixed fleet (Ctrl-C, a redeploy); requests cut then fail."""
+SCALE_DOWN_DRAIN_S = 300.0
+"""The same with autoscaling, where replicas stop under traffic: a replica scaled down
+gets this long to finish the requests it holds (it stops when they end: the ingress
+closes its streams to it then), so that none is cut short."""
 
 
 def build_app(config: ServiceConfig) -> serve.Application:
@@ -51,6 +58,7 @@ def build_app(config: ServiceConfig) -> serve.Application:
         count: dict[str, Any] = {"num_replicas": config.num_replicas}
     else:
         count = {"autoscaling_config": autoscaling_config(scaling, classes)}
+    drain_s = DRAIN_S if scaling is None else SCALE_DOWN_DRAIN_S
     replica = (
         serve.deployment(ModelReplica, name=REPLICA_NAME)
         .options(
@@ -60,7 +68,7 @@ def build_app(config: ServiceConfig) -> serve.Application:
             request_router_config=router_config,
             health_check_period_s=2.0,
             health_check_timeout_s=30.0,
-            graceful_shutdown_timeout_s=5.0,
+            graceful_shutdown_timeout_s=drain_s,
         )
         # The twin's model travels with the arguments: its file need not be on every node.
         .bind(

@@ -29,8 +29,10 @@ class OpenAIIngress(Ingress):
 
     With autoscaling, it relays each class's traffic to the autoscaler: every
     ``decision_period_s`` it sends :class:`router.scaling.ScalingSignals` to every model
-    replica (Serve's controller reads only replicas' numbers), then reads the
-    autoscaler's last decision back (``/health``, ``iterserve:num_replicas_target``).
+    replica (Serve's controller reads only replicas' numbers), reads the autoscaler's last
+    decision back (``/health``, ``iterserve:num_replicas_target``), and closes its step
+    streams to replicas being scaled down once their last request ended, so that they
+    stop then (:meth:`router.dispatch.RayReplicas.close_retired_streams`).
 
     Args:
         replicas: handle to the model-replica deployment.
@@ -52,6 +54,7 @@ class OpenAIIngress(Ingress):
         while True:
             await asyncio.sleep(period)
             try:
+                self._ray.close_retired_streams()
                 await self._ray.send_scaling_signals(self.scaling.encode(), timeout_s=period)
                 record = await asyncio.to_thread(
                     read_decision, handle.app_name, handle.deployment_name
@@ -62,3 +65,10 @@ class OpenAIIngress(Ingress):
             if record is not None:
                 self.scaling_decision = record
                 self.metrics.target_replicas = record.target
+
+    async def __del__(self) -> None:
+        """Serve calls it once this ingress has drained: its step streams close, so the
+        model replicas, which count each as a request in flight, can stop at once."""
+        if self._relay is not None:
+            self._relay.cancel()
+        self._ray.streams.close_all()

@@ -222,6 +222,13 @@ class RayReplicas:
         view = self._view()
         return view.replica_stats() if view is not None else {}
 
+    def close_retired_streams(self) -> list[str]:
+        """Close the step streams of replicas Serve no longer routes to once no request
+        is on them (:meth:`router.step_streams.StepStreams.close_unused`), so that a
+        replica being scaled down stops as soon as its last request ends."""
+        view = self._view()
+        return [] if view is None else self.streams.close_unused(view.replica_ids())
+
     async def send_scaling_signals(self, signals: dict[str, float], timeout_s: float) -> int:
         """Give ``signals`` (:meth:`router.scaling.ScalingSignals.encode`) to every running
         replica that has published its load (``ModelReplica.autoscale_signals``, pinned to
