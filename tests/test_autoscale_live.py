@@ -36,8 +36,9 @@ class Load:
         self.outcomes: list[str] = []
         """Per request: ``ok`` (200 and a whole stream), ``429`` (with Retry-After), or
         what went wrong."""
-        self.replicas: set[str] = set()
-        """The replicas that served its requests."""
+        self.served: list[tuple[str, float, float]] = []
+        """Per request answered 200: its replica, and when it started and ended
+        (monotonic seconds)."""
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, args=(k,)) for k in range(workers)]
         for t in self._threads:
@@ -57,8 +58,14 @@ class Load:
                 }
                 self.outcomes.append(self._one(c, body))
 
+    @property
+    def replicas(self) -> set[str]:
+        """The replicas that served its requests."""
+        return {replica for replica, _, _ in self.served}
+
     def _one(self, c: httpx.Client, body: dict) -> str:
         headers = {"x-iterserve-class": self.traffic_class}
+        start = time.monotonic()
         with c.stream("POST", f"{self.url}/v1/completions", json=body, headers=headers) as r:
             if r.status_code == 429:
                 r.read()
@@ -69,8 +76,8 @@ class Load:
                 return "429"
             if r.status_code != 200:
                 return f"{r.status_code}: {r.read()[:300]!r}"
-            self.replicas.add(r.headers["x-iterserve-replica"])
             lines = [line for line in r.iter_lines() if line]
+            self.served.append((r.headers["x-iterserve-replica"], start, time.monotonic()))
             if lines[-1:] != ["data: [DONE]"] or any('"error"' in line for line in lines):
                 return f"broken stream: {lines[-3:]}"
             return "ok"
@@ -132,9 +139,19 @@ def test_a_load_step_scales_up_to_two_replicas_and_back_to_one(tmp_path):
                 lambda: health(url)["num_replicas"] == 1 and target(url) == 1,
                 180,
             )
+            down_at = time.monotonic()
         finally:
             trickle.stop()
-        scaled = health(url)["autoscaling"]
+        h = health(url)
+        kept = {r["replica"] for r in h["replicas"]}
+        # Informative only: the long requests that were on the replica scaled down as it
+        # went (routing decides where they ran; a cut one is a broken stream, below).
+        drained = [
+            f"{end - down_at:+.1f} s"
+            for r, start, end in trickle.served
+            if r not in kept and start < down_at < end
+        ]
+        scaled = h["autoscaling"]
         assert scaled["target"] == 1 and scaled["reason"]
         decisions = [
             line.split("iterserve.autoscale: ", 1)[1]
@@ -143,6 +160,7 @@ def test_a_load_step_scales_up_to_two_replicas_and_back_to_one(tmp_path):
         ]
     served = sorted(load.replicas | trickle.replicas)
     print(f"up after {up_s:.0f} s of load, down {down_s:.0f} s after it; served by {served}")
+    print(f"long requests on the replica scaled down, ending after it went: {drained}")
     print(*decisions, sep="\n")
     assert any(d.startswith("target 2 ") and d.endswith(": +1") for d in decisions), decisions
     assert any(d.startswith("target 1 ") and d.endswith(": -1") for d in decisions), decisions
