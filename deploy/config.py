@@ -219,11 +219,6 @@ class ServiceConfig(IngressOptions):
         if n == "auto":
             data["autoscaling"] = data.get("autoscaling") or {}
             del data["num_replicas"]
-        elif data.get("autoscaling") is not None and n is not None:
-            raise ValueError(
-                f"num_replicas: {n} with an autoscaling section: set num_replicas: auto "
-                "(autoscaling.min_replicas and max_replicas bound the count)"
-            )
         if data.get("autoscaling") is not None:
             section = data["autoscaling"]
             start = (
@@ -231,6 +226,12 @@ class ServiceConfig(IngressOptions):
                 if isinstance(section, AutoscalingConfig)
                 else (section.get("min_replicas", 1))
             )
+            # The start count itself is what a dumped config holds: it reads back.
+            if n not in (None, "auto", start):
+                raise ValueError(
+                    f"num_replicas: {n} with an autoscaling section: set num_replicas: auto "
+                    "(autoscaling.min_replicas and max_replicas bound the count)"
+                )
             data["num_replicas"] = start
             # One CPU per replica unless set: the host's CPUs are shared out as replicas
             # come, not all given to the first.
@@ -311,6 +312,7 @@ class ServiceConfig(IngressOptions):
             traffic_classes=classes,
             policy=engine.policy_spec(),
             num_replicas=self.num_replicas,
+            autoscaling=asdict(scaling) if (scaling := self.autoscaling_settings()) else None,
             prefix_block_size=(
                 engine.block_size if self.prefix_affinity and engine.enable_prefix_caching else None
             ),

@@ -15,6 +15,7 @@ from ray import serve
 
 from deploy.engine_replica import EngineReplica
 from engine.sim.cost import LinearCost
+from policies.scaling_signals import encode_replica, replica_load
 from router.contract import FirstItem, Lost, RequestShape, StepItem, StreamItem
 
 
@@ -35,6 +36,7 @@ class ModelReplica(EngineReplica):
             twin_cost=twin_cost,
         )
         self._outboxes = Outboxes()
+        self._scaling_signals: dict[str, float] = {}
 
     async def generate(
         self,
@@ -81,6 +83,20 @@ class ModelReplica(EngineReplica):
                 yield await outbox.take()
         finally:
             self._outboxes.close(ingress, outbox)
+
+    def autoscale_signals(self, signals: dict[str, float], pin: str) -> None:
+        """Keep the ingress's latest per-class counts for :meth:`record_autoscaling_stats`
+        (:mod:`policies.scaling_signals`). ``pin`` is this replica's id (the ingress sends
+        them to every replica)."""
+        self._scaling_signals = dict(signals)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """This replica's load and the ingress's last per-class counts, flat
+        (:mod:`policies.scaling_signals`). Ray Serve calls it on deployments with an
+        ``autoscaling_config`` and hands the numbers to the autoscaling policy in its
+        controller (:class:`deploy.autoscale.ServePolicy`)."""
+        own = encode_replica(replica_load(self.engine.load_snapshot()))
+        return {**own, **self._scaling_signals}
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes it replace the replica."""

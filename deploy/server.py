@@ -100,21 +100,46 @@ def start_ray(address: str | None, config: ServiceConfig) -> None:
         raise ServeError(f"cannot start or join Ray ({address or 'local'}): {e}.{hint}") from e
 
 
-def check_resources(config: ServiceConfig) -> None:
-    """Fail fast when the replicas cannot all be placed (Ray would wait forever).
+def check_resources(config: ServiceConfig) -> str | None:
+    """Fail fast when the replicas cannot all be placed (Ray would wait forever); with
+    autoscaling, the replicas it starts with (``min_replicas``) must fit.
+
+    Returns:
+        A warning when autoscaling's ``max_replicas`` do not fit the cluster as it is now
+        (the fleet stops growing where they stop fitting, unless the cluster grows:
+        a Ray autoscaler adds nodes); else None.
 
     Raises:
         ServeError: not enough CPUs or GPUs in the cluster.
     """
     total = ray.cluster_resources()
+    cpus, gpus = total.get("CPU", 0), total.get("GPU", 0)
+
+    def fits(n: int) -> bool:
+        return n * config.replica_num_cpus <= cpus and n * config.replica_num_gpus <= gpus
+
     need_cpu = config.num_replicas * config.replica_num_cpus
     need_gpu = config.num_replicas * config.replica_num_gpus
-    if need_cpu > total.get("CPU", 0) or need_gpu > total.get("GPU", 0):
+    if not fits(config.num_replicas):
         raise ServeError(
             f"{config.num_replicas} replicas need {need_cpu:g} CPUs and {need_gpu:g} GPUs; "
-            f"the cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs "
+            f"the cluster has {cpus:g} CPUs and {gpus:g} GPUs "
             "(lower --num-replicas or replica_num_cpus)"
+            + (" (autoscaling.min_replicas)" if config.autoscaling else "")
         )
+    scaling = config.autoscaling_settings()
+    if scaling is None or fits(scaling.max_replicas):
+        return None
+    fit = config.num_replicas
+    while fits(fit + 1):
+        fit += 1
+    return (
+        f"autoscaling.max_replicas={scaling.max_replicas} replicas need "
+        f"{scaling.max_replicas * config.replica_num_cpus:g} CPUs and "
+        f"{scaling.max_replicas * config.replica_num_gpus:g} GPUs; the cluster has "
+        f"{cpus:g} CPUs and {gpus:g} GPUs now: the fleet stops at {fit} replicas "
+        "unless the cluster grows"
+    )
 
 
 def check_api_keys(config: ServiceConfig) -> None:
@@ -139,7 +164,9 @@ def deploy(config: ServiceConfig, proxy_port: int | None = None) -> str:
     Blocks until every replica has loaded the model.
     """
     check_api_keys(config)
-    check_resources(config)
+    warning = check_resources(config)
+    if warning is not None:
+        print(f"iterserve: warning: {warning}", flush=True)
     port = config.port if proxy_port is None else proxy_port
     serve.start(http_options={"host": config.host, "port": port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
@@ -166,9 +193,11 @@ def banner(config: ServiceConfig, url: str, where: str) -> str:
         else ""
     )
     n = config.num_replicas
+    scaling = config.autoscaling_settings()
+    bounds = f", autoscaling {scaling.min_replicas}-{scaling.max_replicas}" if scaling else ""
     return (
         f"\niterserve is ready: {url}/v1 (model {name!r}, {n} replica{'s' * (n != 1)} "
-        f"{where}, pid {os.getpid()})\n"
+        f"{where}{bounds}, pid {os.getpid()})\n"
         f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
         f'    -d \'{{"model": "{name}", "prompt": "The capital of France is", '
         f'"max_tokens": 16, "temperature": 0}}\'\n'

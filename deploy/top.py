@@ -4,7 +4,8 @@ Every refresh scrapes the server's ``/metrics`` and compares it with the scrape 
 a minute before (the first frames, and ``--once``, compare with the server's start: every
 counter from zero). Per class: request rate, TTFT and TPOT p50/p99 (interpolated in the
 histogram buckets, as Prometheus's ``histogram_quantile`` does), SLO attainment (both SLOs
-met; refusals count as misses), goodput, refusals; per replica: running, waiting, KV use,
+met; refusals count as misses), goodput, refusals; the replicas running and asked for
+(with autoscaling, the autoscaler's last decision); per replica: running, waiting, KV use,
 and the digital twin's drift per step kind (``iterserve:step_time_prediction_ratio``: the
 simulator's predicted step seconds / the measured, over the replica's last minute; "-"
 where the replica ran no step of the kind). Drawn with ``rich``.
@@ -104,6 +105,8 @@ class View:
     """(replica, running, waiting, KV usage 0-1)."""
     twin: dict[str, dict[str, float]] = field(default_factory=dict)
     """``{replica: {step kind: predicted / measured step seconds}}``, kinds with a ratio."""
+    fleet: tuple[float, float] = (math.nan, math.nan)
+    """Replicas running and asked for (with autoscaling: its last decision); NaN: unknown."""
 
 
 def view(now: Samples, then: Samples, window_s: float, since_start: bool) -> View:
@@ -140,6 +143,11 @@ def view(now: Samples, then: Samples, window_s: float, since_start: bool) -> Vie
         (r, running.get(r, 0.0), waiting.get(r, 0.0), kv.get(r, 0.0))
         for r in sorted({*running, *kv})
     ]
+    running, target = (_by(now, n, "model") for n in ("num_replicas", "num_replicas_target"))
+    out.fleet = (
+        sum(running.values()) if running else math.nan,
+        sum(target.values()) if target else math.nan,
+    )
     for (n, labels), v in now.items():
         d = dict(labels)
         if n == PREFIX + "step_time_prediction_ratio" and "replica" in d and "kind" in d:
@@ -174,7 +182,9 @@ def render(v: View, url: str) -> Group:
             _f(c.goodput, ".2f"),
             f"{c.refused:.0f}",
         )
-    replicas = Table(title="replicas, now", expand=True)
+    running, target = v.fleet
+    fleet = "" if math.isnan(target) else f": {running:.0f} running, {target:.0f} asked for"
+    replicas = Table(title=f"replicas, now{fleet}", expand=True)
     twin_cols = [f"twin {k}" for k in STEP_KINDS]
     for col in ("replica", "running", "waiting", "KV cache", *twin_cols):
         replicas.add_column(col, justify="left" if col == "replica" else "right")

@@ -85,6 +85,13 @@ class IngressAdmission:
         """Requests held at this ingress now, per class."""
         return dict(Counter(cls for cls, _, _ in self._held.values()))
 
+    def held_arrivals(self) -> dict[str, list[float]]:
+        """Per class, the arrival times (on ``clock``) of the requests held here now."""
+        out: dict[str, list[float]] = {}
+        for cls, arrival_s, _ in self._held.values():
+            out.setdefault(cls, []).append(arrival_s)
+        return out
+
     async def admit(
         self,
         loads: Callable[[], list[tuple[LoadSnapshot, int]]],

@@ -11,6 +11,7 @@ once tokens were streamed, :class:`ReplicaLost` ends the stream.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -220,3 +221,40 @@ class RayReplicas:
         """Each replica's last published routing stats by its unique id."""
         view = self._view()
         return view.replica_stats() if view is not None else {}
+
+    def close_retired_streams(self) -> list[str]:
+        """Close the step streams of replicas Serve no longer routes to once no request
+        is on them (:meth:`router.step_streams.StepStreams.close_unused`), so that a
+        replica being scaled down stops as soon as its last request ends."""
+        view = self._view()
+        return [] if view is None else self.streams.close_unused(view.replica_ids())
+
+    async def send_scaling_signals(self, signals: dict[str, float], timeout_s: float) -> int:
+        """Give ``signals`` (:meth:`router.scaling.ScalingSignals.encode`) to every running
+        replica that has published its load (``ModelReplica.autoscale_signals``, pinned to
+        each); the replicas that took them within ``timeout_s``. A replica that fails or
+        is slow gets the next ones."""
+        view = self._view()
+        if view is None:  # no call has gone through the handle yet: nothing to scale on
+            return 0
+        calls = [
+            self._info_handle.autoscale_signals.remote(signals, pin=rid)
+            for rid in view.replica_stats()
+        ]
+        if not calls:
+            return 0
+        tasks = {asyncio.ensure_future(_awaited(c)): c for c in calls}
+        done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in pending:
+            tasks[task].cancel()
+            task.cancel()
+        failed = [t.exception() for t in done if t.exception() is not None]
+        if failed:
+            logger.warning(
+                "scaling signals not delivered to %d replicas: %s", len(failed), failed[0]
+            )
+        return len(done) - len(failed)
+
+
+async def _awaited(response: Any) -> Any:
+    return await response

@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -43,6 +44,7 @@ from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import IngressMetrics
 from router.prefix import prefix_hashes
 from router.responses import Answer, PromptCall, Reply
+from router.scaling import ScalingRecord, ScalingSignals
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import IngressSettings
 from router.tenants import (
@@ -137,6 +139,17 @@ class Ingress:
             replicas.count,
             self.settings.num_replicas,
         )
+        self.scaling: ScalingSignals | None = None
+        """Each class's traffic for the autoscaler (None: a fixed fleet)."""
+        self.scaling_decision: ScalingRecord | None = None
+        """The autoscaler's last decision, once the ingress has read one."""
+        if self.settings.autoscaling is not None:
+            self.scaling = ScalingSignals(
+                self.classes,
+                self.settings.autoscaling["window_s"],
+                self.admission.held_arrivals,
+            )
+            self.metrics.on_end = self.scaling.ended
 
     # -- routes ------------------------------------------------------------------------
     # (No `from __future__ import annotations` in this module: FastAPI reads the
@@ -161,9 +174,15 @@ class Ingress:
         num = self.replicas.count()
         if num == 0:
             return self._error(ApiError(503, "no model replica is running", code="not_ready"))
-        return JSONResponse(
-            {"status": "ok", "num_replicas": num, "replicas": replicas, "held": self.admission.held}
-        )
+        body = {
+            "status": "ok",
+            "num_replicas": num,
+            "replicas": replicas,
+            "held": self.admission.held,
+        }
+        if self.scaling_decision is not None:
+            body["autoscaling"] = asdict(self.scaling_decision)
+        return JSONResponse(body)
 
     async def prometheus_metrics(self) -> Response:
         """Prometheus exposition of every ``iterserve:`` metric (:mod:`router.metrics`)."""
@@ -354,12 +373,16 @@ class Ingress:
             log.arrival(
                 rid, arrival, caller.traffic_class, caller.priority, len(ids), params["max_tokens"]
             )
+        if self.scaling is not None:
+            self.scaling.arrived(caller.traffic_class, arrival, len(ids), params["max_tokens"] or 0)
         if info.limits.fits(len(ids), params["max_tokens"]):
             try:
                 held_s = await self._admit(caller, shape, params["max_tokens"], arrival)
             except ApiError as e:
                 if log is not None:
                     log.refused(rid, time.monotonic(), e.message)
+                if self.scaling is not None:
+                    self.scaling.refused(caller.traffic_class)
                 raise
             if log is not None:
                 log.admitted(rid, time.monotonic(), held_s)

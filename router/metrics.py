@@ -125,6 +125,10 @@ class IngressMetrics:
         self.model, self.slos, self.clock = model, dict(slos), clock
         self._replica_stats, self._held = replica_stats, held
         self._replicas, self.target_replicas = replicas, target_replicas
+        self.on_end: Callable[[str, bool, int], None] | None = None
+        """Told of each request that finished or failed after admission: its class,
+        whether it met both SLOs (a failed one did not), and its output tokens (the
+        autoscaler's window, :class:`router.scaling.ScalingSignals`)."""
         self.started = time.time()
         self.registry = CollectorRegistry(auto_describe=True)
         self._outcomes: dict[str, deque[tuple[float, bool]]] = {c: deque() for c in slos}
@@ -411,7 +415,10 @@ class RequestRecord:
             m.tpot.labels(*labels).observe(tpot)
         ttft_slo, tpot_slo = m.slos.get(self.cls, (math.inf, math.inf))
         ttft = (self.first if self.first is not None else now) - self.arrival
-        m._outcome(self.cls, ttft_met=ttft <= ttft_slo, tpot_met=tpot <= tpot_slo)
+        ttft_met, tpot_met = ttft <= ttft_slo, tpot <= tpot_slo
+        m._outcome(self.cls, ttft_met=ttft_met, tpot_met=tpot_met)
+        if m.on_end is not None:
+            m.on_end(self.cls, ttft_met and tpot_met, self.count)
 
     def aborted(self) -> None:
         if not self._end():
@@ -421,6 +428,8 @@ class RequestRecord:
         """Ended by an error after admission (its replica lost): a miss."""
         if not self._end():
             self.m._outcome(self.cls, ttft_met=False, tpot_met=False)
+            if self.m.on_end is not None:
+                self.m.on_end(self.cls, False, self.count)
 
     def _end(self) -> bool:
         """Mark ended; True if it already was."""

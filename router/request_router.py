@@ -113,6 +113,10 @@ class LoadAwareRouter(RequestRouter):
         """Replicas running now."""
         return len(self.curr_replicas)
 
+    def replica_ids(self) -> set[str]:
+        """The unique ids of the replicas running now (a replica being stopped is gone)."""
+        return {rid.unique_id for rid in list(self._replicas)}
+
     def loads_for(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
         """Each replica's adjusted snapshot with the tokens of ``shape``'s prompt it was
         sent before (so likely holds in its prefix cache), as ingress admission takes them."""

@@ -81,6 +81,10 @@ class LoadView(Protocol):
         """Replicas running now."""
         ...
 
+    def replica_ids(self) -> set[str]:
+        """The unique ids of the replicas running now (those Serve routes to)."""
+        ...
+
 
 _routers: weakref.WeakKeyDictionary[LoadView, tuple[str, str]] = weakref.WeakKeyDictionary()
 """Live routers in this process, with the (app, deployment) each routes to; the ingress

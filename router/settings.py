@@ -69,7 +69,12 @@ class IngressSettings(IngressOptions):
     policy: dict[str, Any] | None = None
     """The replicas' ``EngineConfig.policy_spec``; None: the priority policy."""
     num_replicas: int = 1
-    """Model replicas the application asks for (``iterserve:num_replicas_target``)."""
+    """Model replicas the application asks for (``iterserve:num_replicas_target``); with
+    ``autoscaling``, the count it starts with."""
+    autoscaling: dict[str, Any] | None = None
+    """The autoscaler's settings (:class:`policies.autoscale.AutoscalingSettings` fields)
+    when it scales the replicas: the ingress then counts each class's traffic for it
+    (:class:`router.scaling.ScalingSignals`); None: a fixed fleet."""
     prefix_block_size: int | None = None
     """The replicas' KV block size when requests carry prefix hashes for prefix-affinity
     routing (prefix caching and ``prefix_affinity`` on); None: they carry none."""

@@ -58,6 +58,26 @@ class StepStreams:
         self._queues.pop(request_id, None)
         self._replica_of.pop(request_id, None)
 
+    def close_unused(self, running: set[str]) -> list[str]:
+        """Close the stream of each replica not in ``running`` (Serve stopped routing to
+        it: it is being scaled down or replaced) that none of this ingress's requests is
+        on any more; the replicas whose streams were closed.
+
+        An open stream counts as a request in flight on the replica, so Serve's graceful
+        shutdown of the replica would wait for it until its timeout ran out."""
+        busy = set(self._replica_of.values())
+        closed = []
+        for replica, task in list(self._streams.items()):
+            if replica not in running and replica not in busy and not task.done():
+                task.cancel()
+                closed.append(replica)
+        return closed
+
+    def close_all(self) -> None:
+        """Close every stream (the ingress is stopping)."""
+        for task in list(self._streams.values()):
+            task.cancel()
+
     def deliver(self, batch: list[tuple[str, StreamItem]]) -> None:
         """Route one step's items to their requests' queues."""
         for request_id, item in batch:

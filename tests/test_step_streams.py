@@ -162,3 +162,25 @@ async def test_dispatch_told_its_engine_failed_is_replica_lost_after_a_token():
     # on the stream, or the request would wait forever.
     with pytest.raises(ReplicaLost, match="EngineDeadError"):
         await _one_token_then([("req", Lost("EngineDeadError: loop failed"))])
+
+
+async def test_streams_to_retired_replicas_close_once_no_request_is_on_them():
+    # Serve stopped routing to r1 (scaled down): its stream stays open while a request is
+    # on it, since the replica counts the stream as a request in flight and would wait
+    # for it until its shutdown timeout, then closes; r2, still running, keeps its own.
+    handle = FakeReplicas([])
+    streams = StepStreams(handle)
+    for rid, replica in (("a", "r1"), ("b", "r2")):
+        streams.register(rid)
+        streams.assign(rid, replica)
+    await asyncio.sleep(0)
+    assert streams.close_unused({"r1", "r2"}) == []
+    assert streams.close_unused({"r2"}) == []  # request a is still on r1
+    streams.forget("a")
+    streams.forget("b")
+    assert streams.close_unused({"r2"}) == ["r1"]
+    await asyncio.sleep(0)
+    assert handle.streams["r1"].cancelled and not handle.streams["r2"].cancelled
+    streams.close_all()  # the ingress is stopping
+    await asyncio.sleep(0)
+    assert handle.streams["r2"].cancelled
