@@ -106,6 +106,13 @@ def _twin(name: str, result: dict) -> list[str]:
     return [*_run_lines(result), *body[2:], ""]
 
 
+def _autoscale(name: str, result: dict) -> list[str]:
+    from bench import autoscale
+
+    body = autoscale.markdown(result).splitlines()
+    return [*_run_lines(result), *body[4:], ""]
+
+
 def _engine_throughput(name: str, result: dict) -> list[str]:
     from bench import engine_throughput
 
@@ -212,6 +219,21 @@ SUITES: tuple[Suite, ...] = (
         ("python -m bench.twin",),
         ("twin.json",),
         _twin,
+    ),
+    Suite(
+        "Autoscaling over a simulated day",
+        "bench.autoscale",
+        "24 simulated hours of the conversation trace under a diurnal envelope, served by a "
+        "fixed fleet sized for the peak, by Ray Serve's default autoscaling policy, and by "
+        "iterserve's SLO autoscaler, each with the real scheduler, admission and router in "
+        "virtual time; replica-hours, per-class attainment and refusals, scaling actions. "
+        "See [autoscaling.md](autoscaling.md).",
+        (
+            "python -m bench.autoscale",
+            "python -m bench.autoscale --quick    # a 2-hour day",
+        ),
+        ("autoscale.json",),
+        _autoscale,
     ),
     Suite(
         "Engine throughput",

@@ -224,6 +224,10 @@ def apply_config(args: argparse.Namespace) -> dict[str, Any]:
     except yaml.YAMLError as e:
         raise ValueError(f"{args.config}: {e}") from e
     data = yaml.safe_load(Path(args.config).read_text()) or {}
+    if data.get("num_replicas") == "auto" or data.get("autoscaling") is not None:
+        # A batch has no live traffic to scale on: `auto` means as many replicas as the
+        # cluster fits, as an unset count does.
+        data.pop("num_replicas", None)
     for key in CONFIG_FLAGS:
         if getattr(args, key) is None and data.get(key) is not None:
             setattr(args, key, data[key])

@@ -86,7 +86,7 @@ class AutoscalingConfig(BaseModel):
         "below this is at risk, and the fleet grows",
     )
     target_utilization: float = Field(
-        0.7,
+        0.85,
         gt=0,
         le=1,
         description="the share of each replica's capacity (step time within the tightest "

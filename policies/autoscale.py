@@ -49,6 +49,10 @@ from policies.step_time import DEFAULT_STEP_COEFFICIENTS
 KV_RISK_USAGE = 0.95
 """Mean KV usage of the replicas above which the fleet is at risk (preemptions follow)."""
 
+MIN_MISSES = 2
+"""Requests a class must miss in the window, beyond what ``target_attainment`` allows,
+before it is at risk: one late or refused request says little about the fleet."""
+
 HELD_RISK_FRACTION = 0.5
 """A request held past this fraction of its class's ``max_queue_wait_s`` puts the class
 at risk: admission refuses it when the wait runs out."""
@@ -144,7 +148,7 @@ class AutoscalingSettings:
     decision_period_s: float = 5.0
     window_s: float = 30.0
     target_attainment: float = 0.99
-    target_utilization: float = 0.7
+    target_utilization: float = 0.85
     scale_down_utilization: float = 0.8
     scale_down_delay_s: float = 120.0
     replica_start_s: float = 20.0
@@ -188,11 +192,14 @@ class SloAutoscaler:
     # -- the demand model ------------------------------------------------------------------
 
     def _coefficients(self, state: FleetState) -> tuple[float, float, float]:
-        """The median of the replicas' fits (the prior when none has published)."""
+        """The median of the replicas' fits, the prior for a coefficient that is 0 (a
+        fit over steps that never vary it, all the same decode count say, cannot identify
+        it, and its non-negativity bound leaves it at 0); the prior when none published."""
         fits = [r.step_coefficients for r in state.replicas]
         if not fits:
             return DEFAULT_STEP_COEFFICIENTS
-        return tuple(statistics.median(f[i] for f in fits) for i in range(3))  # type: ignore[return-value]
+        med = [statistics.median(f[i] for f in fits) for i in range(3)]
+        return tuple(m if m > 0 else p for m, p in zip(med, DEFAULT_STEP_COEFFICIENTS))  # type: ignore[return-value]
 
     def _step_target_s(self, state: FleetState) -> float:
         """The tightest TPOT SLO of the classes with traffic in the window."""
@@ -249,10 +256,12 @@ class SloAutoscaler:
             cls = self.classes.get(name)
             att = load.attainment
             parts = []
-            if att is not None and att < s.target_attainment:
-                parts.append(f"attainment {att:.0%} < {s.target_attainment:.0%}")
-            if load.refused:
-                parts.append(f"{load.refused} refused")
+            judged = load.finished + load.refused
+            misses = judged - load.met
+            if att is not None and misses >= (1 - s.target_attainment) * judged + MIN_MISSES:
+                parts.append(f"attainment {att:.1%} < {s.target_attainment:.0%}")
+                if load.refused:
+                    parts.append(f"{load.refused} refused")
             wait = cls.max_queue_wait_s if cls is not None else 0.0
             if load.held and wait > 0 and load.oldest_held_s > HELD_RISK_FRACTION * wait:
                 parts.append(f"{load.held} held up to {load.oldest_held_s:.1f} s")
@@ -318,8 +327,8 @@ class SloAutoscaler:
         demand_words = f"demand needs {need:.2f} replicas{cap}"
         wanted = math.ceil(need - 1e-9)
         growing = [w for who, w in risks if self._may_grow_for(who, current)]
+        starting = state.target - state.running
         if growing and wanted <= current:
-            starting = state.target - state.running
             if starting > 0:
                 # The replicas on their way are the answer to this risk: wait for them.
                 self._surplus_since = None
@@ -345,14 +354,17 @@ class SloAutoscaler:
             target = min(wanted, s.max_replicas)
             self._surplus_since = None
             if target == current:
-                return self._keep(current, f"{demand_words}; at max_replicas", need, words)
+                why = "; ".join(growing + [demand_words])
+                return self._keep(current, f"{why}; at max_replicas", need, words)
             self._last_up_s = state.now_s
             why = "; ".join(growing + [demand_words])
             return ScalingDecision(target, f"{why}: +{target - current}", need, tuple(words))
         # Scale down: the demand must fit fewer replicas with margin, for a while.
         down_need, _ = self.demand_replicas(state, s.target_utilization * s.scale_down_utilization)
         fewer = max(s.min_replicas, math.ceil(down_need - 1e-9))
-        if risks or fewer >= current:
+        if risks or fewer >= current or starting > 0:
+            # Not while replicas start either: they were asked for minutes ago at most, and
+            # stopping one mid-start wastes its start.
             self._surplus_since = None
             return self._keep(current, f"{demand_words}: hold at {current}", need, words)
         if self._surplus_since is None:

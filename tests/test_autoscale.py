@@ -27,7 +27,12 @@ under the interactive TPOT SLO."""
 
 
 def _policy(**settings) -> SloAutoscaler:
-    base = {"min_replicas": 1, "max_replicas": 8, "scale_down_delay_s": 60.0}
+    base = {
+        "min_replicas": 1,
+        "max_replicas": 8,
+        "scale_down_delay_s": 60.0,
+        "target_utilization": 0.7,
+    }
     return SloAutoscaler(AutoscalingSettings(**(base | settings)), DEFAULT_CLASSES)
 
 
@@ -76,14 +81,38 @@ def test_a_class_at_risk_adds_a_replica_when_the_demand_model_says_the_fleet_suf
     # wrong, and the fleet grows by one.
     d = _policy().decide(_state(0, 2, rps=1, finished=30, met=27, refused=2))
     assert d.target == 3
-    assert d.reason.startswith("interactive attainment 84% < 99% and 2 refused")
+    assert d.reason.startswith("interactive attainment 84.4% < 99% and 2 refused")
     assert d.reason.endswith(": +1")
+
+
+def test_one_miss_is_noise_not_risk():
+    d = _policy().decide(_state(0, 2, rps=1, finished=99, met=98, refused=1))
+    assert d.target == 2 and not d.at_risk
 
 
 def test_a_risk_waits_for_the_replicas_already_starting():
     d = _policy().decide(_state(0, 2, target=3, rps=1, finished=30, met=27))
     assert d.target == 3
     assert "1 starting: hold at 3" in d.reason
+
+
+def test_no_scale_down_while_replicas_start():
+    p = _policy(scale_down_delay_s=0.0)
+    assert p.decide(_state(0, 2, target=3, rps=0.1)).target == 3
+    assert p.decide(_state(5, 3, rps=0.1)).target == 1
+
+
+def test_a_coefficient_the_fit_left_at_zero_takes_the_prior():
+    s = _state(0, 1, rps=10)
+    zero_c = FleetState(
+        now_s=0,
+        running=1,
+        target=1,
+        classes=s.classes,
+        replicas=[ReplicaLoad(step_coefficients=(0.03, 0.001, 0.0))],
+        window_s=30.0,
+    )
+    assert _policy()._coefficients(zero_c) == (0.03, 0.001, 0.002)
 
 
 def test_a_burst_the_fleet_drains_before_a_replica_could_start_does_not_scale():
