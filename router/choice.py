@@ -79,7 +79,8 @@ class ReplicaChooser:
     (:meth:`first_is_better`).
 
     Args:
-        admission: predicts a request's TTFT on a replica's snapshot.
+        admission: predicts a request's TTFT on a replica's snapshot and the TPOT SLO it
+            must meet there; its ``slo_margin`` is the room the TPOT rule leaves.
         rng: draws the pair (seeded in the simulator; None: a generator seeded by the OS).
     """
 
