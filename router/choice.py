@@ -151,9 +151,9 @@ class ReplicaChooser:
         ``Prediction.tpot_slo_s``). A replica where it fits beats one where it does
         not: each stream sent to a replica slows every step there for as long as it
         decodes, which no TTFT prediction sees, so a replica that holds the prompt's
-        prefix would otherwise take a whole burst on one prompt while the other idles
-        (docs/scheduling.md, "Routing"). Where it fits on neither, the lower predicted
-        TPOT wins: the decode load is spread.
+        prefix would otherwise take a whole burst on one prompt past the SLO while the
+        other idles (docs/scheduling.md, "Routing"). Where it fits on neither, the lower
+        predicted TPOT wins: the decode load is spread.
 
         Where it fits on both, the lower predicted TTFT wins. Each prediction counts
         only the prompt tokens that replica would compute, so it already credits a
