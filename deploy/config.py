@@ -179,9 +179,9 @@ class ServiceConfig(IngressOptions):
     )
     prefix_affinity: bool = Field(
         True,
-        description="between two replicas whose predicted TTFTs are within a step of "
-        "each other, route to the one that was sent a longer prefix of the prompt "
-        "(needs engine.enable_prefix_caching)",
+        description="between two replicas with room for the request's TPOT SLO whose "
+        "predicted TTFTs are within a step of each other, route to the one that was sent "
+        "a longer prefix of the prompt (needs engine.enable_prefix_caching)",
     )
     step_log: str | None = Field(
         None,

@@ -74,10 +74,13 @@ class RoutedSince:
 
 
 class ReplicaChooser:
-    """Power of two choices on predicted TTFT, with prefix affinity as the tie-breaker.
+    """Power of two choices: first a replica with room for the request's TPOT SLO, then
+    the lower predicted TTFT, with prefix affinity as the tie-breaker
+    (:meth:`first_is_better`).
 
     Args:
-        admission: predicts a request's TTFT on a replica's snapshot.
+        admission: predicts a request's TTFT on a replica's snapshot and the TPOT SLO it
+            must meet there; its ``slo_margin`` is the room the TPOT rule leaves.
         rng: draws the pair (seeded in the simulator; None: a generator seeded by the OS).
     """
 
@@ -120,24 +123,50 @@ class ReplicaChooser:
                 snap, shape.traffic_class, shape.prompt_tokens - cached, shape.priority
             )
             load = snap.total_running + sum(snap.waiting_requests.values())
-            keys.append((pred.ttft_s, load, snap.step_time(0, snap.total_running + 1), cached))
+            # Every request it holds decodes once its prompt is in, and so will this one.
+            tpot = snap.step_time(0, min(load + 1, snap.max_num_seqs))
+            keys.append(
+                (
+                    tpot <= self.admission.slo_margin * pred.tpot_slo_s,
+                    tpot,
+                    pred.ttft_s,
+                    load,
+                    snap.step_time(0, snap.total_running + 1),
+                    cached,
+                )
+            )
         first, second = pair if self.first_is_better(*keys) else pair[::-1]
         # The other replica stays as a second rank, used if the first refuses (full queue).
         return [[first], [second]]
 
     @staticmethod
     def first_is_better(key0: tuple, key1: tuple) -> bool:
-        """Whether the first of two replicas, keyed ``(predicted TTFT, requests, step
-        seconds, cached prompt tokens)``, should take the request.
+        """Whether the first of two replicas, keyed ``(TPOT fits, predicted TPOT,
+        predicted TTFT, requests, step seconds, cached prompt tokens)``, should take the
+        request (times in seconds).
 
-        The lower predicted TTFT wins. Each prediction counts only the prompt tokens that
-        replica would compute, so it already credits a replica that holds the prompt's
-        prefix with the prefill it saves; preferring that replica further (up to the TTFT
-        SLO) loads it while the other idles and costs attainment (docs/scheduling.md,
-        "Routing"). Within a step of each other, the replica holding more of
-        the prompt goes first (affinity breaks the tie), then the one with fewer requests.
+        The predicted TPOT is the replica's step time once every request it runs or
+        holds decodes, this one included; it fits when within the admission margin of
+        the TPOT SLO that admission's prediction must meet there (``slo_margin`` times
+        ``Prediction.tpot_slo_s``). A replica where it fits beats one where it does
+        not: each stream sent to a replica slows every step there for as long as it
+        decodes, which no TTFT prediction sees, so a replica that holds the prompt's
+        prefix would otherwise take a whole burst on one prompt past the SLO while the
+        other idles (docs/scheduling.md, "Routing"). Where it fits on neither, the lower
+        predicted TPOT wins: the decode load is spread.
+
+        Where it fits on both, the lower predicted TTFT wins. Each prediction counts
+        only the prompt tokens that replica would compute, so it already credits a
+        replica that holds the prompt's prefix with the prefill it saves; preferring that
+        replica further (up to the TTFT SLO) loads it while the other idles and costs
+        attainment. Within a step of each other, the replica holding more of the prompt
+        goes first (affinity breaks the tie), then the one with fewer requests.
         """
-        (t0, n0, step0, c0), (t1, n1, step1, c1) = key0, key1
+        (fits0, tpot0, t0, n0, step0, c0), (fits1, tpot1, t1, n1, step1, c1) = key0, key1
+        if fits0 != fits1:
+            return fits0
+        if not fits0 and tpot0 != tpot1:
+            return tpot0 < tpot1
         if abs(t0 - t1) <= max(step0, step1):
             # The same number of steps either way (short prompts all fit one step, so TTFT
             # does not see them queue): keep the prefix's replica, else balance the decode

@@ -9,9 +9,9 @@ of Ray Serve LLM's ``PrefixCacheAffinityRouter`` and SGLang's cache-aware router
 keep a radix tree of text per replica); a bounded map of block hashes does the same
 with memory bounded in entries.
 
-The router uses it only as a tie-breaker within the SLO (:mod:`router.request_router`):
-a cache hit is never worth a replica whose predicted TTFT would break the SLO while
-another meets it.
+The router uses it only as a tie-breaker within the SLOs (:mod:`router.choice`): a cache
+hit is never worth a replica whose predicted TTFT would break the SLO while another meets
+it, nor one without room for the request's decodes within the TPOT SLO while another has.
 """
 
 from __future__ import annotations

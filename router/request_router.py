@@ -1,4 +1,4 @@
-"""The Ray Serve ``RequestRouter`` class: power of two choices on predicted TTFT.
+"""The Ray Serve ``RequestRouter`` class: power of two choices on predicted TPOT and TTFT.
 
 See :mod:`router.routing` for the method. This module holds only the class, because Ray
 Serve pickles a custom router's module by value into every handle's process: state that
@@ -25,15 +25,17 @@ logger = logging.getLogger(__name__)
 
 
 class LoadAwareRouter(RequestRouter):
-    """Two random replicas; the one with the lower predicted TTFT first.
+    """Two random replicas; first one that can decode the request within its TPOT SLO
+    with all the requests it holds, then the one with the lower predicted TTFT.
 
     Prefix affinity: a replica that was sent a longer prefix of the prompt
     (:class:`router.prefix.PrefixMap`) replaces one of the two, and its prediction counts
     only the prompt tokens it would compute.
 
-    When the two predictions are within one step's time of each other, the replica that
-    holds more of the prompt goes first, else the one with fewer running and queued
-    requests (:meth:`router.choice.ReplicaChooser.first_is_better`).
+    When both have room for the TPOT SLO and their TTFT predictions are within one
+    step's time of each other, the replica that holds more of the prompt goes first,
+    else the one with fewer running and queued requests
+    (:meth:`router.choice.ReplicaChooser.first_is_better`).
 
     Falls back to Ray Serve's queue-length choice between the two when either has not
     published a snapshot yet, or when the call carries no :class:`RequestShape`.

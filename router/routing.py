@@ -1,12 +1,15 @@
-"""Replica choice: power of two choices on predicted TTFT (a Ray Serve ``RequestRouter``).
+"""Replica choice: power of two choices on predicted TPOT and TTFT (a Ray Serve
+``RequestRouter``).
 
 Mitzenmacher's power of two choices ("The Power of Two Choices in Randomized Load
 Balancing", IEEE TPDS 2001): sampling two replicas and taking the less loaded one gets
 exponentially better maximum load than one random choice, while needing no global view.
-Our load measure is the request's predicted TTFT on that replica
-(:meth:`policies.AdmissionController.predict`), from the load snapshot each replica
-publishes through Ray Serve's ``record_routing_stats``, which weighs queued prefill
-tokens and running decodes instead of counting requests.
+Our load measures are the request's predicted TPOT on that replica (the step time with
+every request it holds decoding, this one included, against the TPOT SLO) and its
+predicted TTFT (:meth:`policies.AdmissionController.predict`), from the load snapshot each
+replica publishes through Ray Serve's ``record_routing_stats``, which weigh queued prefill
+tokens and decodes instead of counting requests
+(:meth:`router.choice.ReplicaChooser.first_is_better`).
 
 Snapshots are at most a stats period old (plus the controller's broadcast delay), so a
 burst routed between two snapshots would all pick the same "idle" replica. The router

@@ -12,7 +12,7 @@ pytest.importorskip("ray")
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
-from policies import LoadSnapshot  # noqa: E402
+from policies import DEFAULT_CLASSES, LoadSnapshot  # noqa: E402
 from router.contract import RequestShape  # noqa: E402
 from router.prefix import PrefixMap, prefix_hashes  # noqa: E402
 from router.request_router import LoadAwareRouter  # noqa: E402
@@ -36,7 +36,9 @@ class FakeReplica:
         self.replica_id = FakeId(self.replica_id)
 
 
-def _stats(a: float, running: int = 0, waiting_tokens: int = 0, waiting: int = 0) -> dict:
+def _stats(
+    a: float, running: int = 0, waiting_tokens: int = 0, waiting: int = 0, decode: float = 0.005
+) -> dict:
     return LoadSnapshot(
         max_num_batched_tokens=512,
         max_num_seqs=64,
@@ -44,7 +46,7 @@ def _stats(a: float, running: int = 0, waiting_tokens: int = 0, waiting: int = 0
         running_seqs={"standard": running},
         waiting_prefill_tokens={"standard": waiting_tokens},
         waiting_requests={"standard": waiting},
-        step_coefficients=(a, 0.001, 0.005),
+        step_coefficients=(a, 0.001, decode),
         timestamp=time.time(),
     ).to_dict()
 
@@ -133,8 +135,9 @@ async def test_a_pinned_call_goes_to_its_replica_alone(router):
 # -- prefix affinity ------------------------------------------------------------------------
 
 
-def _prefixed(tokens: list[int]) -> PendingRequest:
-    shape = RequestShape(len(tokens), "standard", 1, prefix_hashes(tokens, 16))
+def _prefixed(tokens: list[int], traffic_class: str = "standard") -> PendingRequest:
+    priority = DEFAULT_CLASSES[traffic_class].default_priority
+    shape = RequestShape(len(tokens), traffic_class, priority, prefix_hashes(tokens, 16))
     return PendingRequest(args=[], kwargs={"shape": shape}, metadata=None, future=asyncio.Future())
 
 
@@ -199,3 +202,24 @@ async def test_routed_request_that_follows_its_prefix_queues_only_its_suffix(rou
     assert router.snapshot(a).waiting_prefill_tokens["standard"] == 600 + 58
     ranks = await router.choose_replicas([a, b], _prefixed(turn + list(range(9))))
     assert ranks[0][0].replica_id == "a"
+
+
+async def test_a_burst_on_one_prompt_uses_both_replicas_within_the_tpot_slo(router):
+    # 16 streams with one prompt arrive before either replica publishes a newer load.
+    # The first leaves the prompt's prefix on its replica, so every later one predicts a
+    # lower TTFT there; but each stream then decodes there too. A replica whose step
+    # with all its decodes would break the class's TPOT SLO must lose to one with room.
+    a, b = FakeReplica("a", _stats(0.1, decode=0.03)), FakeReplica("b", _stats(0.1, decode=0.03))
+    prompt = list(range(1000, 1600))
+    chosen = {"a": 0, "b": 0}
+    for _ in range(16):
+        pending = _prefixed(prompt, "interactive")
+        first = (await router.choose_replicas([a, b], pending))[0][0]
+        router.on_request_routed(pending, first.replica_id, None)
+        chosen[first.replica_id] += 1
+    slo = router.admission.classes["interactive"].tpot_slo_s
+    for r in (a, b):
+        snap = router.snapshot(r)
+        decodes = snap.total_running + sum(snap.waiting_requests.values())
+        assert snap.step_time(0, decodes) <= slo, chosen
+    assert min(chosen.values()) >= 16 // 4, chosen

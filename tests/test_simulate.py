@@ -268,6 +268,16 @@ def test_traces_are_windowed_rescaled_and_classed(tmp_path):
     assert [r.arrival_s for r in reqs] == [0.0, 0.5, 1.0, 1.5]
     assert {(r.prompt_tokens, r.output_tokens) for r in reqs} == {(10, 1)}
     assert {r.traffic_class for r in reqs} <= {"interactive", "batch"}
+    assert {r.prompt_key for r in reqs} == {None}
+    # Lines with one prompt key share their prompt up to the shorter one's length.
+    path.write_text(
+        "".join(
+            json.dumps({"arrival_s": 0, "prompt_tokens": n, "output_tokens": 1} | key) + "\n"
+            for n, key in ((30, {"prompt_key": "sys"}), (20, {"prompt_key": "sys"}), (30, {}))
+        )
+    )
+    shared, shorter, alone = (_prompt(r, 1000) for r in load_requests(TraceSpec(str(path))))
+    assert shorter == shared[:20] and alone[:20] != shared[:20]
     path.write_text('{"arrival_s": 1}\n')
     with pytest.raises(ValueError, match="t.jsonl:1"):
         load_requests(TraceSpec(str(path)))
@@ -290,6 +300,7 @@ def test_traces_are_windowed_rescaled_and_classed(tmp_path):
         {"arrival_s": 0, "prompt_tokens": 10.7, "output_tokens": 5},
         {"arrival_s": 0, "prompt_tokens": "inf", "output_tokens": 5},
         {"arrival_s": "nan", "prompt_tokens": 10, "output_tokens": 5},
+        {"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 5, "prompt_key": 3},
     ):
         path.write_text(json.dumps(line) + "\n")
         with pytest.raises(ValueError, match="t.jsonl:1"):
@@ -468,3 +479,19 @@ def test_top_refuses_an_interval_that_would_busy_poll_or_crash(capsys):
         with pytest.raises(SystemExit) as e:
             cli_main(["top", "--interval", interval])
         assert e.value.code == 2 and "must be positive" in capsys.readouterr().err
+
+
+def test_a_burst_on_one_prompt_uses_both_replicas_and_meets_its_slos():
+    # 16 streams with one prompt at once on two replicas. Prefix affinity alone sent them
+    # all to the replica that took the first; the TPOT guard then held their decodes
+    # within the SLO by starving their prefill, and the late ones missed their TTFT.
+    classes = CLASSES | {"interactive": {"ttft_slo_s": 2.0, "tpot_slo_s": 0.08}}
+    engine = {"max_num_seqs": 32, "max_num_batched_tokens": 256, "traffic_classes": classes}
+    config = service(num_replicas=2, admission=True, engine=engine)
+    cost = FixedCost(a=0.05, b=0.002, c=0.002, num_kv_blocks=1024)  # the replicas' prior fit
+    burst = [SimRequest(f"r{i}", 0.0, 100, 40, "interactive", prompt_key="p") for i in range(16)]
+    run = Fleet(config, cost).run(burst)
+    split = sorted(sum(o.replica == i for o in run.outcomes) for i in (0, 1))
+    assert split[0] >= 16 // 4, split
+    missed = [o.request.id for o in run.outcomes if not (o.ttft_s <= 2.0 and o.tpot_s <= 0.08)]
+    assert missed == [], split

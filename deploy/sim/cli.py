@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--trace",
         help="a shipped trace (conv, code: Azure LLM inference 2023, CC-BY 4.0), "
         "an Azure trace CSV, or JSONL of {arrival_s, prompt_tokens, "
-        "output_tokens, class?}",
+        "output_tokens, class?, prompt_key?} (one key: one shared prompt)",
     )
     src.add_argument(
         "--replay-steps",

@@ -651,9 +651,11 @@ class Fleet:
 
 
 def _prompt(req: SimRequest, vocab_size: int) -> list[int]:
-    """Token ids unique to the request in their first block (no prefix is shared: the
-    traces have lengths only), built without drawing a random number per token."""
-    n = int(req.id[1:]) if req.id[1:].isdigit() else int.from_bytes(req.id.encode()[-8:])
+    """Token ids unique to the request in their first block, or to its ``prompt_key``
+    (requests with one key share their prompt; the traces have lengths only), built
+    without drawing a random number per token."""
+    key = req.id if req.prompt_key is None else req.prompt_key
+    n = int(key[1:]) if key[1:].isdigit() else int.from_bytes(key.encode()[-8:])
     m = vocab_size - 2
     head = [2 + n % m, 2 + n // m % m, 2 + n // (m * m) % m]
     return (head + [1] * req.prompt_tokens)[: req.prompt_tokens]
