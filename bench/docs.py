@@ -113,6 +113,13 @@ def _autoscale(name: str, result: dict) -> list[str]:
     return [*_run_lines(result), *body[4:], ""]
 
 
+def _autoscale_live(name: str, result: dict) -> list[str]:
+    from bench import autoscale_live
+
+    body = autoscale_live.markdown(result).splitlines()
+    return [*_run_lines(result), *body[4:], ""]
+
+
 def _engine_throughput(name: str, result: dict) -> list[str]:
     from bench import engine_throughput
 
@@ -234,6 +241,18 @@ SUITES: tuple[Suite, ...] = (
         ),
         ("autoscale.json",),
         _autoscale,
+    ),
+    Suite(
+        "Autoscaling live",
+        "bench.autoscale_live",
+        "A load step from a light rate to one that one replica cannot hold, and back, on "
+        "`iterserve serve --num-replicas auto` (1 to 2 replicas of 1 CPU) and on a fixed "
+        "single replica, the same requests in turn; attainment before, during and after the "
+        "step, the replica counts over time, and every decision with its reason. See "
+        "[autoscaling.md](autoscaling.md).",
+        ("python -m bench.autoscale_live",),
+        ("autoscale_live.json",),
+        _autoscale_live,
     ),
     Suite(
         "Engine throughput",

@@ -338,3 +338,13 @@ def test_config_file_fills_what_flags_leave_and_keeps_its_engine_section(tmp_pat
     cfg.write_text(yaml.safe_dump({"engine": {"max_num_seq": 16}}))
     with pytest.raises(ValueError, match="max_num_seq"):
         apply_config(args)
+
+
+def test_an_autoscaled_config_runs_as_many_replicas_as_fit(tmp_path):
+    cfg = tmp_path / "service.yaml"
+    cfg.write_text(yaml.safe_dump({"num_replicas": "auto", "autoscaling": {"max_replicas": 4}}))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["-i", "in", "-o", "out", "--config", str(cfg)])
+    apply_config(args)
+    assert args.num_replicas is None  # plan_replicas: as many as the cluster fits
