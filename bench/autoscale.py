@@ -296,6 +296,11 @@ def bound_replica_hours(curve: Diurnal, fixed: int, steps: int = 8640) -> float:
     return sum(need) / steps * 24.0
 
 
+def _pct(x: float | None) -> str:
+    """Attainment to two decimals: the fleets differ below a whole percent."""
+    return "—" if x is None else f"{x:.2%}"
+
+
 def markdown(rep: dict[str, Any]) -> str:
     names = sorted({n for f in rep["fleets"] for n in f["classes"]})
     head = ["fleet", "replica-hours", "scaling actions", "attainment"]
@@ -306,11 +311,11 @@ def markdown(rep: dict[str, Any]) -> str:
             f["fleet"],
             f"{f['replica_hours']:.1f}",
             str(f["scaling_actions"]),
-            rp.pct(f["attainment"]),
+            _pct(f["attainment"]),
         ]
         for n in names:
             c = f["classes"].get(n, {})
-            row.append(f"{rp.pct(c.get('attainment'))} / {c.get('refused', 0)}")
+            row.append(f"{_pct(c.get('attainment'))} / {c.get('refused', 0)}")
         rows.append(row)
     c = rep["curve"]
     t = rep["targets"]
@@ -322,7 +327,7 @@ def markdown(rep: dict[str, Any]) -> str:
         "",
         f"Trace: {rep['trace']}. Day: {c['day_s'] / 3600:g} simulated hours, "
         f"{c['peak_rps']:g} req/s at the peak, peak/trough {c['ratio']:g}, mean "
-        f"{c['mean_rps']:.2f} req/s. {c['shape']} A replica serves "
+        f"{c['mean_rps']:.2f} req/s. {' '.join(c['shape'].split())} A replica serves "
         f"{rep['replica_start_s']:g} s after it is asked for.",
         "",
         f"(a) fixed: {rep['fixed_replicas']} replicas, the fewest meeting every class's SLOs "
@@ -337,7 +342,7 @@ def markdown(rep: dict[str, Any]) -> str:
         "| target | figures | met |",
         "|---|---|---|",
         f"| (c) interactive attainment >= 99% | "
-        f"{rp.pct(t['interactive_attainment_ge_99']['value'])} | "
+        f"{_pct(t['interactive_attainment_ge_99']['value'])} | "
         f"{'yes' if t['interactive_attainment_ge_99']['met'] else 'no'} |",
         f"| (c) >= 30% fewer replica-hours than (a) | "
         f"{t['replica_hours_saving_vs_fixed_ge_30pct']['value']:.1%} fewer | "
@@ -356,7 +361,7 @@ def markdown(rep: dict[str, Any]) -> str:
     h = t["higher_attainment_than_ray_default_at_no_more_replica_hours"]
     lines.append(
         f"| (c) higher attainment than (b) at no more replica-hours | attainment "
-        f"{rp.pct(h['attainment'][0])} vs {rp.pct(h['attainment'][1])}, replica-hours "
+        f"{_pct(h['attainment'][0])} vs {_pct(h['attainment'][1])}, replica-hours "
         f"{h['replica_hours'][0]:.1f} vs {h['replica_hours'][1]:.1f} | "
         f"{'yes' if h['met'] else 'no'} |"
     )
