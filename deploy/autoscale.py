@@ -21,7 +21,7 @@ Ray Serve runs it in its controller, once per control loop, with an
 Each decision whose target, or the words of whose reason, changed is logged (logger
 ``iterserve.autoscale``, to the controller's stderr, which Ray also streams to the
 ``iterserve serve`` console), and every decision is published in the cluster's key-value
-store (:func:`router.scaling.publish_decision`), where the ingress reads it for
+store (:func:`router.scaling_store.publish_decision`), where the ingress reads it for
 ``/health`` and ``iterserve:num_replicas_target``.
 
 Serve pickles this module by value into its controller; what it imports (``policies``,
@@ -40,7 +40,8 @@ from typing import Any, Protocol
 from policies import classes_from_fields
 from policies.autoscale import AutoscalingSettings, FleetState, ScalingDecision, SloAutoscaler
 from policies.scaling_signals import IngressSignals, decode_classes, decode_replica
-from router.scaling import ScalingRecord, publish_decision
+from router.scaling import ScalingRecord
+from router.scaling_store import publish_decision
 
 logger = logging.getLogger("iterserve.autoscale")
 
@@ -150,7 +151,7 @@ class ServePolicy:
         clock: the policy's clock (monotonic seconds).
         wall: Unix seconds.
         publish: where each decision goes for the ingress
-            (:func:`router.scaling.publish_decision`).
+            (:func:`router.scaling_store.publish_decision`).
 
     Raises:
         ValueError: a setting out of range.

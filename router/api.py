@@ -15,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 
 from router.dispatch import RayReplicas
 from router.ingress import Ingress, add_routes, make_app
-from router.scaling import read_decision
+from router.scaling_store import read_decision
 
 logger = logging.getLogger(__name__)
 

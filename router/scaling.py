@@ -9,9 +9,9 @@ Ray ingress (:class:`router.api.OpenAIIngress`) sends them to every model replic
 :class:`deploy.autoscale.ServePolicy` decides.
 
 The controller's policy publishes each decision (:class:`ScalingRecord`) in the Ray
-cluster's key-value store (:func:`publish_decision`), the one store both processes
-reach; the ingress reads it back (:func:`read_decision`) for ``/health`` and
-``iterserve:num_replicas_target``. Only the two store functions import Ray.
+cluster's key-value store (:mod:`router.scaling_store`), the one store both processes
+reach; the Ray ingress reads it back for ``/health`` and ``iterserve:num_replicas_target``.
+This module imports no Ray: the in-process ingress counts with it too.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from dataclasses import asdict, dataclass
 from policies.autoscale import ClassLoad
 from policies.scaling_signals import encode_classes
 from policies.scaling_window import ClassWindow
-
-KV_NAMESPACE = "iterserve"
 
 
 class ScalingSignals:
@@ -105,40 +103,3 @@ class ScalingRecord:
             return cls(int(d["target"]), str(d["reason"]), int(d["running"]), float(d["at"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not an autoscaling record: {e}") from None
-
-
-def decision_key(app_name: str, deployment_name: str) -> str:
-    """The store's key of a deployment's last decision."""
-    return f"autoscale/{app_name}/{deployment_name}"
-
-
-def publish_decision(app_name: str, deployment_name: str, record: ScalingRecord) -> None:
-    """Store ``record`` as the deployment's last decision (a blocking call to Ray's GCS).
-
-    Raises:
-        RuntimeError: Ray is not initialized in this process.
-    """
-    from ray.experimental import internal_kv
-
-    if not internal_kv._internal_kv_initialized():
-        raise RuntimeError("Ray is not initialized in this process")
-    internal_kv._internal_kv_put(
-        decision_key(app_name, deployment_name), record.to_json(), namespace=KV_NAMESPACE
-    )
-
-
-def read_decision(app_name: str, deployment_name: str) -> ScalingRecord | None:
-    """The deployment's last decision; None before the first (a blocking call to Ray's
-    GCS: run it off the event loop).
-
-    Raises:
-        ValueError: the stored value is not a record.
-    """
-    from ray.experimental import internal_kv
-
-    if not internal_kv._internal_kv_initialized():
-        return None
-    raw = internal_kv._internal_kv_get(
-        decision_key(app_name, deployment_name), namespace=KV_NAMESPACE
-    )
-    return None if raw is None else ScalingRecord.from_json(raw)

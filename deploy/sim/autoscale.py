@@ -21,6 +21,10 @@ from deploy.sim.fleet import Autoscaling
 from deploy.sim.trace import SimRequest, TraceSpec, load_requests
 from policies.autoscale import AutoscalingSettings, FleetState, ScalingDecision, SloAutoscaler
 
+AUTOSCALE_MAX_REPLICAS = 8
+"""``--autoscale``'s upper bound where neither the config nor ``--max-replicas`` sets one
+(the config's default, this host's CPUs, says nothing of the simulated fleet)."""
+
 
 class QueueLengthScaler:
     """Ray Serve's default autoscaling policy, on the fleet's replicas.
@@ -167,14 +171,12 @@ def autoscaling_for(
 ) -> tuple[ServiceConfig, Callable[[], Autoscaling]]:
     """``iterserve simulate --autoscale``'s fleet: ``config`` with an autoscaling section
     (its own, else the defaults) whose ``max_replicas`` is ``max_replicas`` where given,
-    else the section's, else :data:`deploy.sim.cli.AUTOSCALE_MAX_REPLICAS`; and a maker of
+    else the section's, else :data:`AUTOSCALE_MAX_REPLICAS`; and a maker of
     a fresh :class:`deploy.sim.fleet.Autoscaling` (the policy keeps state: one per run).
 
     Raises:
         pydantic.ValidationError: the bounds contradict (``max_replicas < min_replicas``).
     """
-    from deploy.sim.cli import AUTOSCALE_MAX_REPLICAS
-
     section = config.autoscaling.model_dump() if config.autoscaling else {}
     if max_replicas is not None:
         section["max_replicas"] = max_replicas

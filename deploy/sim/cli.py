@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deploy.sim import ROUTING
+from deploy.sim.autoscale import AUTOSCALE_MAX_REPLICAS
 from deploy.sim.report import describe, writable_file
 from deploy.sim.trace import TraceSpec, parse_mix
 
@@ -23,9 +24,6 @@ DEFAULT_COST_MODEL = "cpu_smollm2_135m.json"
 """Shipped in ``deploy/sim``: ``iterserve calibrate`` on the project's 2-core CPU host
 (SmolLM2-135M-Instruct, fp32). Calibrate on your own machine for its figures."""
 MAX_REPLICAS = 64
-AUTOSCALE_MAX_REPLICAS = 8
-"""``--autoscale``'s upper bound where neither the config nor ``--max-replicas`` sets one
-(the config's default, this host's CPUs, says nothing of the simulated fleet)."""
 """``--search``'s default upper bound on replicas."""
 ENGINE_FLAGS = (
     "max_num_batched_tokens",
