@@ -48,6 +48,10 @@ from deploy.sim.report import ATTAINMENT, all_classes_meet, summarize
 from deploy.sim.trace import TraceSpec, parse_mix
 from policies.autoscale import SloAutoscaler
 
+FIXED_ATTAINMENT = 0.99
+"""Every class's attainment the fixed fleet must keep at the peak (``--search``'s own bar
+is lower; this one is the SLO policy's interactive target)."""
+
 PEAK_S = 600.0
 """Seconds at the peak rate on which the fixed fleet is sized."""
 
@@ -177,7 +181,7 @@ def size_for_peak(args: argparse.Namespace) -> tuple[int, float, list[dict[str, 
             run = Fleet(_fixed(config, n), cost, seed=args.seed).run(peak)
             summary = summarize(run, config.traffic_classes())
             per = [s.running + s.waiting for s in run.timeline]
-            tried[n] = (all_classes_meet(summary), sum(per) / max(1, len(per)))
+            tried[n] = (all_classes_meet(summary, FIXED_ATTAINMENT), sum(per) / max(1, len(per)))
             log.append({"replicas": n, "meets": tried[n][0], "attainment": summary["attainment"]})
             print(
                 f"  {PEAK_S / 60:g} min at the peak, {n} fixed replicas: attainment "
