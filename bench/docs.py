@@ -238,8 +238,10 @@ SUITES: tuple[Suite, ...] = (
         (
             "python -m bench.autoscale",
             "python -m bench.autoscale --quick    # a 2-hour day",
+            "python -m bench.autoscale --peak-rps 18 --day-s 10800 --max-replicas 24 "
+            "--name autoscale_peak18    # a larger fleet, the day played in 3 hours",
         ),
-        ("autoscale.json",),
+        ("autoscale.json", "autoscale_peak18.json"),
         _autoscale,
     ),
     Suite(
