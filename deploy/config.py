@@ -53,6 +53,10 @@ def _read_cost(path: str) -> LinearCost:
         raise ValueError(f"{path}: malformed ({type(e).__name__}: {e}): {hint}") from None
 
 
+_POLICY = AutoscalingSettings()
+"""The policy's own defaults: the section's fields default to them, so they live in one place."""
+
+
 class AutoscalingConfig(BaseModel):
     """The ``autoscaling:`` section: bounds and the settings of the SLO autoscaler
     (:mod:`policies.autoscale`). Each name is the same in the YAML, the Helm values'
@@ -71,42 +75,42 @@ class AutoscalingConfig(BaseModel):
         description="replicas at most; None: this host's CPUs divided by replica_num_cpus",
     )
     decision_period_s: float = Field(
-        5.0, gt=0, description="seconds between the policy's decisions"
+        _POLICY.decision_period_s, gt=0, description="seconds between the policy's decisions"
     )
     window_s: float = Field(
-        30.0,
+        _POLICY.window_s,
         gt=0,
         description="seconds of traffic (arrivals, refusals, finishes) each decision reads",
     )
     target_attainment: float = Field(
-        0.99,
+        _POLICY.target_attainment,
         gt=0,
         le=1,
         description="a class whose share of requests within SLO over the window falls "
         "below this is at risk, and the fleet grows",
     )
     target_utilization: float = Field(
-        0.85,
+        _POLICY.target_utilization,
         gt=0,
         le=1,
         description="the share of each replica's capacity (step time within the tightest "
         "TPOT SLO) that the predicted demand may fill",
     )
     scale_down_utilization: float = Field(
-        0.8,
+        _POLICY.scale_down_utilization,
         gt=0,
         le=1,
         description="hysteresis: the fleet shrinks only when the demand fits fewer replicas "
         "at this fraction of target_utilization",
     )
     scale_down_delay_s: float = Field(
-        120.0,
+        _POLICY.scale_down_delay_s,
         ge=0,
         description="seconds the demand must fit fewer replicas, and seconds since the last "
         "scale-up, before the fleet shrinks (cooldown)",
     )
     replica_start_s: float = Field(
-        20.0,
+        _POLICY.replica_start_s,
         ge=0,
         description="seconds a new replica takes to serve (start and model load); a backlog "
         "the fleet drains sooner than this is a burst and does not scale it",

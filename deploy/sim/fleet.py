@@ -34,9 +34,9 @@ from policies import Admit, LoadSnapshot, Reject, TrafficClass
 from policies.autoscale import (
     AutoscalingSettings,
     FleetState,
-    ReplicaLoad,
     ScalingDecision,
 )
+from policies.scaling_signals import replica_load
 from policies.scaling_window import ClassWindow
 from router.admission import POLL_S, IngressAdmission, computed_tokens
 from router.choice import ReplicaChooser, RoutedSince
@@ -231,7 +231,8 @@ class Fleet:
         self.autoscaling = autoscaling
         self.target = config.num_replicas
         self.decisions: list[Decision] = []
-        self.window = ClassWindow(autoscaling.settings.window_s if autoscaling else 60.0)
+        self.window = ClassWindow(autoscaling.settings.window_s) if autoscaling else None
+        """The scaler's per-class counts (none kept for a fixed fleet)."""
         classes = config.traffic_classes()
         self._classes = classes
         policy = econfig.make_policy()
@@ -327,24 +328,18 @@ class Fleet:
 
     def fleet_state(self) -> FleetState:
         """What the scaler reads now: the window's per-class counts (held requests by
-        their arrival), and each serving replica's load."""
+        their arrival), and each serving replica's load.
+
+        Raises:
+            RuntimeError: the fleet does not scale (no window is kept).
+        """
+        if self.window is None:
+            raise RuntimeError("a fixed fleet keeps no scaling window")
         held: dict[str, list[float]] = {}
         for rid in self._held:
             o = self._outcomes[rid]
             held.setdefault(o.request.traffic_class, []).append(o.request.arrival_s)
-        replicas = []
-        for i in self._serving():
-            s = self.replicas[i].engine.load_snapshot()
-            replicas.append(
-                ReplicaLoad(
-                    running=s.total_running,
-                    waiting=sum(s.waiting_requests.values()),
-                    kv_usage=s.kv_usage,
-                    step_s=s.recent_step_s,
-                    waiting_prefill_tokens=sum(s.waiting_prefill_tokens.values()),
-                    step_coefficients=s.step_coefficients,
-                )
-            )
+        replicas = [replica_load(self.replicas[i].engine.load_snapshot()) for i in self._serving()]
         return FleetState(
             now_s=self.now,
             running=len(replicas),
@@ -498,7 +493,7 @@ class Fleet:
         if o.status != "pending":
             return  # its client left while it was held
         req = o.request
-        if o.shape is None:
+        if o.shape is None and self.window is not None:
             self.window.arrived(
                 req.traffic_class,
                 self.now,
@@ -539,7 +534,8 @@ class Fleet:
             self._version += 1  # one held ahead of others fewer
             if isinstance(d, Reject):
                 o.status, o.reason = "refused", d.reason
-                self.window.refused(req.traffic_class, self.now)
+                if self.window is not None:
+                    self.window.refused(req.traffic_class, self.now)
                 self._pending -= 1
                 return
         self._route(o, shape)
@@ -632,12 +628,13 @@ class Fleet:
                 o = r.live.pop(out.request_id)
                 o.status = "ok"
                 o.first_token_s, o.finish_s = out.metrics.first_token_time, out.metrics.finish_time
-                self.window.finished(
-                    o.request.traffic_class,
-                    self.now,
-                    meets(o, self._classes[o.request.traffic_class]),
-                    o.request.output_tokens,
-                )
+                if self.window is not None:
+                    self.window.finished(
+                        o.request.traffic_class,
+                        self.now,
+                        meets(o, self._classes[o.request.traffic_class]),
+                        o.request.output_tokens,
+                    )
         if r.state == DRAINING and not r.live:
             self._stop(i)
         r.step_end = clock.t
