@@ -10,7 +10,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -41,6 +41,7 @@ class _Pending:
     priority: int | None
     traffic_class: str | None
     arrival_time: float
+    resume_token_ids: Sequence[int] = ()
 
 
 class AsyncLLMEngine:
@@ -121,6 +122,7 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         priority: int | None = None,
         traffic_class: str | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens arrive; the last has ``finished=True``.
 
@@ -128,7 +130,8 @@ class AsyncLLMEngine:
         default; a streaming caller asks for ``DELTA``). Leaving the iterator early (or
         cancelling the task that iterates) aborts the request.
 
-        ``priority`` None means the traffic class's default (see
+        ``priority`` None means the traffic class's default; ``resume_token_ids``: the
+        output the request already produced on a replica that died (see
         :meth:`LLMEngine.add_request`).
 
         Raises:
@@ -146,12 +149,18 @@ class AsyncLLMEngine:
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
         # Validate now so the caller gets the error before any stream starts.
-        ids = self.validate(prompt, params, traffic_class)
+        ids = self.validate(prompt, params, traffic_class, resume_token_ids)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
         self._queue_news(
             add=_Pending(
-                rid, {"prompt_token_ids": ids}, params, priority, traffic_class, self.engine.clock()
+                rid,
+                {"prompt_token_ids": ids},
+                params,
+                priority,
+                traffic_class,
+                self.engine.clock(),
+                tuple(resume_token_ids),
             )
         )
         finished = False
@@ -172,7 +181,11 @@ class AsyncLLMEngine:
                 self._queue_news(abort=rid)
 
     def validate(
-        self, prompt: PromptType, sampling_params: SamplingParams, traffic_class: str | None = None
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        traffic_class: str | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> list[int]:
         """Check a request as :meth:`generate` will, without queuing it.
 
@@ -180,10 +193,15 @@ class AsyncLLMEngine:
             The prompt's token ids.
 
         Raises:
-            ValueError: empty prompt, token id outside the vocabulary, unknown class.
+            ValueError: empty prompt, token id outside the vocabulary, unknown class, or
+                resumed tokens the request cannot take (:meth:`LLMEngine.check_resume`).
             RequestRejectedError: prompt plus max_tokens exceeds the context or KV cache.
         """
-        _, ids, _ = self.engine.validate(prompt, sampling_params, traffic_class, self._tokenizer)
+        _, ids, max_tokens = self.engine.validate(
+            prompt, sampling_params, traffic_class, self._tokenizer
+        )
+        if resume_token_ids:
+            self.engine.check_resume(resume_token_ids, sampling_params, max_tokens)
         return ids
 
     @property
@@ -290,6 +308,7 @@ class AsyncLLMEngine:
                     priority=p.priority,
                     traffic_class=p.traffic_class,
                     arrival_time=p.arrival_time,
+                    resume_token_ids=p.resume_token_ids,
                 )
             except ValueError as e:  # validated in generate(); only a race can land here
                 self._deliver_soon([e], p.request_id)

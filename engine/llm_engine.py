@@ -174,6 +174,7 @@ class LLMEngine:
         priority: int | None = None,
         traffic_class: str | None = None,
         arrival_time: float | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> None:
         """Queue a request; it joins the batch at the next step that has room.
 
@@ -184,9 +185,19 @@ class LLMEngine:
             priority: lower is more urgent; None: the traffic class's default priority.
             traffic_class: a configured class (default ``standard``).
             arrival_time: seconds on the engine's clock; default now.
+            resume_token_ids: output tokens this request already produced elsewhere (a
+                replica that died: :class:`router.dispatch.Dispatch` migrates it). The
+                request starts as one preempted by recompute would: these tokens count
+                as its output (``max_tokens``, ``min_tokens``, penalties, its grammar)
+                and are prefilled with the prompt, and its detokenizer has read them, so
+                its first text delta continues the text they made (a character or a
+                stop string spanning the boundary included). Their text is not sent
+                again. Only for ``n == 1``.
 
         Raises:
-            ValueError: duplicate id, empty prompt or unknown traffic class.
+            ValueError: duplicate id, empty prompt or unknown traffic class; resumed
+                tokens with ``n > 1``, outside the vocabulary, or not under
+                ``max_tokens``.
             RequestRejectedError: prompt plus max_tokens exceeds the model's context or the
                 whole KV cache, so it could never run.
         """
@@ -195,6 +206,8 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         traffic_class = traffic_class or DEFAULT_CLASS
         text, ids, max_tokens = self.validate(prompt, params, traffic_class)
+        if resume_token_ids:
+            self.check_resume(resume_token_ids, params, max_tokens)
         if priority is None:
             priority = self.traffic_classes[traffic_class].default_priority
         now = self.clock() if arrival_time is None else arrival_time
@@ -222,10 +235,51 @@ class LLMEngine:
                 req.prompt_logprobs = [None]
             if params.json_schema is not None:
                 req.grammar = self.structured.matcher(params.json_schema)
+            if resume_token_ids:
+                self._resume(req, list(resume_token_ids))
             seqs.append(req)
         self._groups[request_id] = RequestGroup(request_id, text, seqs, now, params.output_kind)
         for req in seqs:
             self.scheduler.add(req)
+
+    def check_resume(
+        self, resume_token_ids: Sequence[int], params: SamplingParams, max_tokens: int
+    ) -> None:
+        """Check the output tokens a migrated request resumes with (see
+        :meth:`add_request`) against its parameters and effective ``max_tokens``.
+
+        Raises:
+            ValueError: ``n > 1``, a token id outside the vocabulary, or as many tokens
+                as ``max_tokens`` (the request had finished).
+        """
+        if params.n != 1:
+            raise ValueError("only a request with n == 1 can resume its output")
+        if len(resume_token_ids) >= max_tokens:
+            raise ValueError(
+                f"{len(resume_token_ids)} resumed tokens leave none of max_tokens={max_tokens}"
+            )
+        bad = [t for t in resume_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"resumed token id {bad[0]} is outside the vocabulary")
+
+    def _resume(self, req: Request, tokens: list[int]) -> None:
+        """Give a new request the output it produced elsewhere, as if it had been
+        preempted by recompute after producing it (see :meth:`add_request`)."""
+        for t in tokens:
+            req.append_token(t)
+            if req.grammar is not None:
+                req.grammar.accept_token(t)
+        # The detokenizer reads them as the first replica's did step by step (stop
+        # strings not looked for until min_tokens), so it holds back the same text: a
+        # partial character, or a tail that may begin a stop string.
+        free = max(0, min(req.params.min_tokens - 1, len(tokens)))
+        stop = None
+        if free:
+            req.detokenizer.update(tokens[:free], check_stop=False)
+        if len(tokens) > free:
+            _, stop = req.detokenizer.update(tokens[free:])
+        if stop is not None:
+            raise ValueError(f"the resumed output already ends at stop string {stop!r}")
 
     def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
         """The effective max_tokens under :attr:`limits` (see ``RequestLimits.check``).

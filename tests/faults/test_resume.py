@@ -1,0 +1,85 @@
+"""A request resumed on another engine with the output it already produced (what
+:class:`router.dispatch.Dispatch` sends when a replica dies mid-stream) continues that
+output exactly: the same tokens and, joined with the text already sent, the same text."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+
+from engine import AsyncLLMEngine, EngineConfig, RequestOutputKind, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    # Multi-byte characters: a boundary may fall inside one, whose bytes span tokens.
+    "Écris une phrase en français avec des accents: é, è, à, ç, et un emoji 🎉",
+    "Write a list of three colours:",
+]
+
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine():
+    engine = AsyncLLMEngine.from_config(EngineConfig(num_kv_blocks=128))
+    yield engine
+    await engine.shutdown()
+
+
+async def _run(engine, prompt, params: dict, resume=(), rid="r") -> tuple[list[int], str, str]:
+    sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
+    ids, text, reason = [], [], None
+    async for out in engine.generate(prompt, sampling, request_id=rid, resume_token_ids=resume):
+        o = out.outputs[0]
+        ids += o.token_ids
+        text.append(o.text)
+        reason = o.finish_reason or reason
+    return ids, "".join(text), reason
+
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+async def test_greedy_resume_at_every_boundary_equals_the_whole_run(engine, prompt):
+    params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
+    steps = [
+        (o.outputs[0].token_ids, o.outputs[0].text)
+        async for o in engine.generate(prompt, sampling, request_id="whole")
+    ]
+    whole_ids = [t for ids, _ in steps for t in ids]
+    whole_text = "".join(t for _, t in steps)
+    for k in (1, 2, 7, 23):
+        sent_text = "".join(t for _, t in steps[:k])  # one token per step
+        ids, text, reason = await _run(engine, prompt, params, whole_ids[:k], rid=f"k{k}")
+        assert whole_ids[:k] + ids == whole_ids, k
+        assert sent_text + text == whole_text, (k, sent_text, text)
+        assert reason == "length"
+
+
+async def test_resume_honours_stop_strings_and_min_tokens(engine):
+    prompt = "Count: one, two, three, four, five, six,"
+    base = {"max_tokens": 30, "temperature": 0}
+    _, whole_text, _ = await _run(engine, prompt, base, rid="count")
+    stop = whole_text[20:26]  # a stop string the whole run reaches later
+    params = {**base, "stop": [stop], "min_tokens": 2}
+    sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
+    steps = [
+        (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+        async for o in engine.generate(prompt, sampling, request_id="stopped")
+    ]
+    ids = [t for s, _, _ in steps for t in s]
+    text = "".join(t for _, t, _ in steps)
+    assert steps[-1][2] == "stop" and stop not in text and len(ids) > 4
+    for k in sorted({1, 2, 3, len(ids) // 2, len(ids) - 1}):
+        sent = "".join(t for _, t, _ in steps[:k])  # held-back text not sent yet
+        more_ids, more_text, reason = await _run(engine, prompt, params, ids[:k], rid=f"s{k}")
+        assert ids[:k] + more_ids == ids and reason == "stop", k
+        assert sent + more_text == text, (k, sent, more_text)
+
+
+async def test_resume_is_refused_when_nothing_is_left(engine):
+    with pytest.raises(ValueError, match="leave none"):
+        await _run(engine, "Hi", {"max_tokens": 2}, [1, 2])
+    with pytest.raises(ValueError, match="n == 1"):
+        await _run(engine, "Hi", {"max_tokens": 4, "n": 2}, [1])
