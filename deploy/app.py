@@ -35,7 +35,10 @@ def build_app(config: ServiceConfig) -> serve.Application:
     for (:func:`autoscaling_config`).
 
     Each replica reserves ``replica_num_cpus`` CPUs (torch uses that many threads) and
-    ``replica_num_gpus`` GPUs. Replicas publish their load snapshot every
+    ``replica_num_gpus`` GPUs. Serve checks each replica's health every
+    ``health_check_period_s`` (``ModelReplica.check_health``: its engine is alive and not
+    stalled past ``replica_stall_timeout_s``), giving it ``health_check_timeout_s`` to
+    answer. Replicas publish their load snapshot every
     ``routing_stats_period_s`` seconds; :class:`router.request_router.LoadAwareRouter` routes
     on it and the ingress admits on it. The ingress reserves no CPU: it only waits on I/O.
     """
@@ -66,8 +69,8 @@ def build_app(config: ServiceConfig) -> serve.Application:
             max_ongoing_requests=config.max_ongoing_requests,
             ray_actor_options=actor_options,
             request_router_config=router_config,
-            health_check_period_s=2.0,
-            health_check_timeout_s=30.0,
+            health_check_period_s=config.health_check_period_s,
+            health_check_timeout_s=config.health_check_timeout_s,
             graceful_shutdown_timeout_s=drain_s,
         )
         # The twin's model travels with the arguments: its file need not be on every node.
@@ -75,6 +78,7 @@ def build_app(config: ServiceConfig) -> serve.Application:
             engine.model_dump(),
             max(1, math.floor(config.replica_num_cpus)),
             config.twin_cost(),
+            config.replica_stall_timeout_s,
         )
     )
     ingress = serve.deployment(OpenAIIngress, name=INGRESS_NAME).options(

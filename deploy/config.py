@@ -181,6 +181,25 @@ class ServiceConfig(IngressOptions):
     routing_stats_period_s: float = Field(
         0.25, gt=0, description="how often each replica publishes its load snapshot"
     )
+    replica_stall_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a replica's engine may hold unfinished requests without "
+        "finishing a step before its health check fails: its requests then move to "
+        "another replica and Ray Serve replaces it. Far above the longest step (a long "
+        "prefill chunk on a few loaded cores takes seconds), so only a stuck engine trips it",
+    )
+    health_check_period_s: float = Field(
+        2.0, gt=0, description="seconds between Ray Serve's health checks of each replica"
+    )
+    health_check_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="seconds a replica has to answer a health check; Serve replaces a "
+        "replica after three failed checks in a row, so a stopped process (SIGSTOP, a "
+        "hung host) is taken out after about three times this. A replica answers in "
+        "milliseconds unless its process cannot run",
+    )
     prefix_affinity: bool = Field(
         True,
         description="between two replicas with room for the request's TPOT SLO whose "

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncGenerator
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +39,38 @@ from router.contract import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+class ProgressWatch:
+    """Whether an engine that holds work still makes progress: the seconds since it last
+    finished a step, or was seen idle, while it had unfinished requests.
+
+    :meth:`stepped` is called on the engine's thread after every step that ran;
+    :meth:`stalled_s` by the health check, which sees the engine idle at least once per
+    period: a request arriving after a long idle spell is thus counted from at most one
+    period before it came.
+
+    Args:
+        unfinished: the engine's unfinished requests now.
+        clock: seconds, monotonic.
+    """
+
+    def __init__(self, unfinished: Callable[[], int], clock: Callable[[], float] = time.monotonic):
+        self._unfinished = unfinished
+        self._clock = clock
+        self._progress = clock()
+
+    def stepped(self, *_: object) -> None:
+        """A step finished (an ``on_step`` listener)."""
+        self._progress = self._clock()
+
+    def stalled_s(self) -> float:
+        """Seconds without a finished step while requests were unfinished; 0 when idle."""
+        now = self._clock()
+        if self._unfinished() == 0:
+            self._progress = now
+            return 0.0
+        return max(0.0, now - self._progress)
 
 
 class EngineReplica:
@@ -83,6 +116,8 @@ class EngineReplica:
             self.recorder.attach(self.engine.engine)
         self.drift = DriftMonitor(twin_cost, clock=self.engine.engine.clock)
         self.drift.attach(self.engine.engine)
+        self.progress = ProgressWatch(lambda: self.engine.num_unfinished)
+        self.engine.engine.also_on_step(self.progress.stepped)
         self.replica_id = replica_id
         logger.info("replica ready (pid %d, %d torch threads)", os.getpid(), num_threads)
 
@@ -98,10 +133,18 @@ class EngineReplica:
         params: dict[str, Any],
         shape: RequestShape,
         send_load: bool = True,
+        resume: Sequence[int] = (),
     ) -> AsyncGenerator[FirstItem | StepItem, None]:
         """One request's items (:func:`engine_items`) on this replica's engine."""
         return engine_items(
-            self.engine, self.replica_id, request_id, prompt_token_ids, params, shape, send_load
+            self.engine,
+            self.replica_id,
+            request_id,
+            prompt_token_ids,
+            params,
+            shape,
+            send_load,
+            resume,
         )
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -128,6 +171,7 @@ async def engine_items(
     params: dict[str, Any],
     shape: RequestShape,
     send_load: bool = True,
+    resume: Sequence[int] = (),
 ) -> AsyncGenerator[FirstItem | StepItem, None]:
     """Run one request on ``engine``; yield the items the ingress turns into OpenAI chunks.
 
@@ -142,11 +186,14 @@ async def engine_items(
     an ingress in another process sees the replica's load step by step. An ingress in the
     engine's process reads the engine's snapshot itself and passes False.
 
+    ``resume``: the output tokens the request already produced on a replica that died
+    (:mod:`router.dispatch` migrates it); the items hold only what follows them.
+
     Closing or cancelling the iteration aborts the engine request before its next step.
     """
     try:
         sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
-        ids = engine.validate(prompt_token_ids, sampling, shape.traffic_class)
+        ids = engine.validate(prompt_token_ids, sampling, shape.traffic_class, resume)
     except RequestRejectedError as e:
         yield Refused(str(e), "context_length_exceeded", param="prompt")
         return
@@ -161,6 +208,7 @@ async def engine_items(
         request_id=request_id,
         priority=shape.priority,
         traffic_class=shape.traffic_class,
+        resume_token_ids=resume,
     ):
         outputs = [
             SequenceDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)

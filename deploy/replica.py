@@ -8,6 +8,7 @@ request against its engine (context and KV capacity), streams the items of
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,16 +19,25 @@ from engine.sim.cost import LinearCost
 from policies.scaling_signals import encode_replica, replica_load
 from router.contract import FirstItem, Lost, RequestShape, StepItem, StreamItem
 
+logger = logging.getLogger(__name__)
+
 
 class ModelReplica(EngineReplica):
     """One engine replica as a Ray Serve deployment (the arguments of :class:`EngineReplica`
-    but its id, which is Serve's unique id of the replica)."""
+    but its id, which is Serve's unique id of the replica).
+
+    Args:
+        stall_timeout_s: seconds the engine may hold unfinished requests without
+            finishing a step before :meth:`check_health` fails
+            (``ServiceConfig.replica_stall_timeout_s``).
+    """
 
     def __init__(
         self,
         engine_config: dict[str, Any],
         num_threads: int = 1,
         twin_cost: LinearCost | None = None,
+        stall_timeout_s: float = 30.0,
     ) -> None:
         super().__init__(
             engine_config,
@@ -35,7 +45,10 @@ class ModelReplica(EngineReplica):
             serve.get_replica_context().replica_id.unique_id,
             twin_cost=twin_cost,
         )
+        self.stall_timeout_s = stall_timeout_s
         self._outboxes = Outboxes()
+        self._serving: dict[str, str] = {}
+        """The ingress of each request running here, by request id."""
         self._scaling_signals: dict[str, float] = {}
 
     async def generate(
@@ -45,17 +58,22 @@ class ModelReplica(EngineReplica):
         params: dict[str, Any],
         shape: RequestShape,
         ingress: str,
+        resume: tuple[int, ...] = (),
     ) -> AsyncIterator[FirstItem]:
         """Run one request: yield the first item of :func:`deploy.engine_replica.engine_items`
         (:data:`router.contract.FirstItem`) and put the later ones in ``ingress``'s
-        :meth:`step_items` stream.
+        :meth:`step_items` stream. ``resume``: the output tokens it produced on a replica
+        that died (:mod:`router.dispatch`).
 
         The call stays open until the request ends, so cancelling it (client gone)
         aborts the engine request before its next step. If the engine fails, the stream
         gets a :class:`router.contract.Lost` for the request.
         """
+        self._serving[request_id] = ingress
         try:
-            async for item in self.items(request_id, prompt_token_ids, params, shape):
+            async for item in self.items(
+                request_id, prompt_token_ids, params, shape, resume=resume
+            ):
                 if not isinstance(item, StepItem):
                     yield item
                     continue
@@ -65,6 +83,8 @@ class ModelReplica(EngineReplica):
         except Exception as e:  # the engine died: nobody reads this call after Accepted
             self._outboxes.put(ingress, request_id, Lost(f"{type(e).__name__}: {e}"))
             raise
+        finally:
+            self._serving.pop(request_id, None)
 
     async def step_items(
         self, ingress: str, pin: str
@@ -99,9 +119,28 @@ class ModelReplica(EngineReplica):
         return {**own, **self._scaling_signals}
 
     def check_health(self) -> None:
-        """Ray Serve calls this periodically; raising makes it replace the replica."""
+        """Ray Serve calls this every ``health_check_period_s``; raising (three times in a
+        row) makes it replace the replica.
+
+        Fails when the engine loop died, or when it holds unfinished requests and has
+        finished no step for ``stall_timeout_s`` (a replica that answers pings but no
+        longer steps). A stalled replica's requests get a :class:`router.contract.Lost`
+        at once, so that their ingress moves them to another replica without waiting
+        for Serve to replace this one.
+        """
         if self.engine.dead:
             raise RuntimeError("engine loop failed")
+        stalled = self.progress.stalled_s()
+        if stalled > self.stall_timeout_s:
+            message = (
+                f"engine stalled: no step finished for {stalled:.1f} s with "
+                f"{self.engine.num_unfinished} requests unfinished"
+            )
+            for request_id, ingress in list(self._serving.items()):
+                self._outboxes.put(ingress, request_id, Lost(message))
+            self._serving.clear()
+            logger.error(message)
+            raise RuntimeError(message)
 
 
 class Outbox:

@@ -13,9 +13,15 @@ from __future__ import annotations
 from router.contract import Accepted, FirstItem, Refused, StepItem
 from router.metrics import RequestRecord
 
+RETRY_AFTER_S = 5
+"""``Retry-After`` seconds of a 503 for a request no replica could serve: about the time
+Ray Serve takes to start a replica in place of one that died."""
+
 
 class ReplicaLost(Exception):
-    """The replica serving a stream died after it had produced tokens."""
+    """The replica serving a request failed and the request could not move to another
+    (none is alive, or the request cannot migrate): a stream ends with an error event,
+    a whole response is a 503 with ``Retry-After``."""
 
 
 def accepted(first: FirstItem) -> Accepted:

@@ -1,26 +1,44 @@
-"""One request's call to a Ray Serve model replica, re-sent elsewhere if its replica dies
-early; :class:`RayReplicas`, the deployment as the ingress sees its replicas.
+"""One request's call to a Ray Serve model replica, migrated to another if its replica
+dies; :class:`RayReplicas`, the deployment as the ingress sees its replicas.
 
 The replica's call answers :class:`router.contract.Accepted` (or a
 :class:`router.contract.Refused`, which becomes a 400 before any stream starts); then one
 :class:`router.contract.StepItem` per step that produced tokens comes on the replica's
-step stream (:mod:`router.step_streams`). If the replica dies (or its engine fails) before the
-request produced a token the request is sent again, to the replica the router picks;
-once tokens were streamed, :class:`ReplicaLost` ends the stream.
+step stream (:mod:`router.step_streams`).
+
+Migration: if the replica dies (or its engine fails), the request is sent again, to the
+replica the router picks, with the output tokens it already streamed
+(``resume=``, :meth:`engine.LLMEngine.add_request`'s ``resume_token_ids``): the new
+replica prefills the prompt and those tokens (its prefix cache holds the prompt if it
+served it before), counts them as output (``max_tokens``, ``min_tokens``, penalties, a
+``json_schema``'s grammar), and its detokenizer has read them, so its first text delta
+continues the text already sent: no token or character is repeated or dropped, and a
+stop string spanning the boundary is still found. The new replica's items continue the
+same :meth:`Dispatch.items` iterator; ``prompt_tokens`` and ``cached_tokens`` stay the
+first replica's. A greedy request's output is the one an uninterrupted run gives. A
+seeded request continues with :func:`migrated_seed` (deterministic, but not the draws
+the first replica would have made). The prompt's log-probabilities came with the first
+item and are not asked for again.
+
+Not migrated (their stream ends with :class:`ReplicaLost`, an error event): requests with
+``n > 1``, and any request once :data:`MAX_DISPATCH_ATTEMPTS` replicas failed it. A
+request whose replica dies before its first token is sent again the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from policies import LoadSnapshot
-from router.calls import ReplicaLost, accepted, record_item
+from router.calls import RETRY_AFTER_S, ReplicaLost, accepted, record_item
 from router.contract import Lost, ModelInfo, Refused, RequestShape, StepItem
 from router.errors import ApiError
 from router.metrics import RequestRecord
@@ -30,9 +48,27 @@ from router.step_streams import StepStreams, StreamLost
 logger = logging.getLogger(__name__)
 
 MAX_DISPATCH_ATTEMPTS = 3
-"""Replicas tried for one request when they die before it produced a token."""
+"""Replicas tried for one request (the first and those it migrates to) when they die."""
 
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
+
+MIGRATE_TIMEOUT_S = 30.0
+"""Seconds a migrating request waits for another replica to accept it (every live one
+may be at ``max_ongoing_requests``) before its stream ends with an error event."""
+
+_WEYL = 0x9E3779B97F4A7C15
+"""2**64 over the golden ratio, odd: SplitMix64's increment (Steele, Lea and Flood,
+"Fast Splittable Pseudorandom Number Generators", OOPSLA 2014)."""
+
+
+def migrated_seed(seed: int, produced: int) -> int:
+    """The seed a seeded request continues with on a new replica after ``produced``
+    output tokens: ``seed + produced * 0x9E3779B97F4A7C15`` wrapped to a signed 64-bit
+    integer (``SamplingParams.seed``'s range). The same request migrated at the same
+    token continues the same way; each migration point gets a different seed, so the
+    continuation does not replay the draws of the request's first tokens."""
+    x = (seed + produced * _WEYL) % 2**64
+    return x - 2**64 if x >= 2**63 else x
 
 
 class Dispatch:
@@ -70,6 +106,12 @@ class Dispatch:
         self.replica = ""
         """The serving replica's id (Ray Serve's unique id), once accepted."""
         self.attempts = 0
+        self.output_ids: list[int] = []
+        """The output token ids streamed so far (the request's only sequence)."""
+        self.migrations = 0
+        """Times the request moved to another replica after it had produced tokens."""
+        self.resumed_at: list[float] = []
+        """``time.monotonic()`` of each loss of the serving replica that was migrated."""
 
     async def start(self) -> None:
         """Send the request; return once a replica accepted it.
@@ -81,52 +123,72 @@ class Dispatch:
         while True:
             self.attempts += 1
             self.streams.register(self.request_id)
+            params, resume = self.params, ()
+            if self.output_ids:
+                resume = tuple(self.output_ids)
+                params = {**self.params, "prompt_logprobs": None}
+                if params.get("seed") is not None:
+                    params["seed"] = migrated_seed(params["seed"], len(resume))
             self.gen = self.handle.generate.remote(
                 self.request_id,
                 self.prompt_token_ids,
-                self.params,
+                params,
                 shape=self.shape,
                 ingress=self.streams.ingress_id,
+                resume=resume,
             )
             try:
                 first = await self.gen.__anext__()
             except REPLICA_LOST as e:
                 if self.attempts >= MAX_DISPATCH_ATTEMPTS:
                     raise ApiError(
-                        503, f"no replica could take the request: {e}", code="replica_unavailable"
+                        503,
+                        f"no replica could take the request: {e}",
+                        code="replica_unavailable",
+                        headers={"Retry-After": str(RETRY_AFTER_S)},
                     ) from e
                 logger.warning("replica lost before accepting a request; re-sending: %s", e)
                 continue
             if isinstance(first, Refused):
                 self.done = True
             ok = accepted(first)
-            self.prompt_tokens, self.replica = ok.prompt_tokens, ok.replica
+            if not resume:
+                self.prompt_tokens = ok.prompt_tokens
+            self.replica = ok.replica
             self._load(ok.load)
             self.streams.assign(self.request_id, self.replica)
             return
 
     async def items(self) -> AsyncIterator[StepItem]:
-        """The replica's step items; re-sends the request if its replica dies first.
+        """The replica's step items; if its replica dies, the request migrates to another
+        (see the module docstring) and that replica's items follow.
 
         Raises:
-            ReplicaLost: the replica died after the request had produced tokens.
-            ApiError: a re-sent request was refused (see :meth:`start`).
+            ReplicaLost: the request could not migrate (``n > 1``, or
+                :data:`MAX_DISPATCH_ATTEMPTS` replicas failed it).
+            ApiError: a request re-sent before its first token was refused (see
+                :meth:`start`).
         """
         queue = self.streams.register(self.request_id)
         try:
             while True:
                 item = await queue.get()
+                if isinstance(item, StreamLost) and item.replica not in ("", self.replica):
+                    continue  # the stream of a replica the request already left
                 if isinstance(item, StreamLost | Lost):
                     why = item.message if isinstance(item, Lost) else str(item)
                     self.gen.cancel()  # in case only the stream failed, not the replica
-                    if self.produced or self.attempts >= MAX_DISPATCH_ATTEMPTS:
+                    if isinstance(item, Lost):  # its engine failed: Serve will replace it
+                        self._replica_died()
+                    if not self._can_migrate():
                         self._failed()
                         raise ReplicaLost(f"the replica serving this request failed: {why}")
-                    logger.warning("replica lost before the first token; re-sending: %s", why)
-                    await self.start()
+                    await self._migrate(why)
                     continue
                 if item.outputs:
                     self.produced = True
+                    for o in item.outputs:
+                        self.output_ids.extend(o.token_ids)
                 self._observe(item)
                 yield item
                 if item.finished:
@@ -134,6 +196,49 @@ class Dispatch:
                     return
         finally:
             self.streams.forget(self.request_id)
+
+    def _replica_died(self) -> None:
+        view = load_view(self.handle.app_name, self.handle.deployment_name)
+        if view is not None:
+            view.replica_died(self.replica)
+
+    def _can_migrate(self) -> bool:
+        return self.attempts < MAX_DISPATCH_ATTEMPTS and (
+            not self.produced or self.params.get("n", 1) == 1
+        )
+
+    async def _migrate(self, why: str) -> None:
+        """Send the request to another replica with the output it produced so far.
+
+        Raises:
+            ReplicaLost: no other replica is alive, or none accepted the request within
+                :data:`MIGRATE_TIMEOUT_S` (or one refused it).
+        """
+        logger.warning(
+            "replica %s of request %s lost after %d tokens; migrating: %s",
+            self.replica,
+            self.request_id,
+            len(self.output_ids),
+            why,
+        )
+        self.streams.leave(self.request_id, self.replica)
+        view = load_view(self.handle.app_name, self.handle.deployment_name)
+        if view is not None and not view.replica_ids():
+            self._failed()
+            raise ReplicaLost(
+                f"the replica serving this request failed and no other is alive: {why}"
+            )
+        if self.produced:
+            self.migrations += 1
+            self.resumed_at.append(time.monotonic())
+        try:
+            async with asyncio.timeout(MIGRATE_TIMEOUT_S):
+                await self.start()
+        except (ApiError, TimeoutError) as e:
+            if self.gen is not None:
+                self.gen.cancel()
+            self._failed()
+            raise ReplicaLost(f"the request could not move to another replica: {e}") from e
 
     def _load(self, load: LoadSnapshot | None) -> None:
         """Hand a load the replica sent with an item to this process's router."""
@@ -145,6 +250,10 @@ class Dispatch:
 
     def _observe(self, item: StepItem) -> None:
         self._load(item.load)
+        if self.migrations and (item.cached_tokens is not None or item.queue_s is not None):
+            # The first item of a migrated request: its prompt's cache and queue time
+            # were the first replica's.
+            item = replace(item, cached_tokens=None, queue_s=None)
         if item.cached_tokens is not None:
             self.cached_tokens = item.cached_tokens
         record_item(self.record, item)
@@ -172,7 +281,7 @@ class RayReplicas:
 
     def __init__(self, handle: DeploymentHandle) -> None:
         self.handle = handle.options(stream=True)
-        self.streams = StepStreams(self.handle)
+        self.streams = StepStreams(self.handle, on_dead=self._replica_died)
         self._info_handle = handle
 
     async def info(self) -> ModelInfo:
@@ -201,6 +310,11 @@ class RayReplicas:
 
     def _view(self) -> LoadView | None:
         return load_view(self.handle.app_name, self.handle.deployment_name)
+
+    def _replica_died(self, replica: str) -> None:
+        view = self._view()
+        if view is not None:
+            view.replica_died(replica)
 
     def loads(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
         """Each replica's snapshot and the tokens of ``shape``'s prompt it likely holds."""

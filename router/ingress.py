@@ -36,7 +36,7 @@ from policies import classes_from_fields, policy_from_spec
 from router import openai_format as fmt
 from router import responses
 from router.admission import AdmissionRejected, IngressAdmission
-from router.calls import ReplicaLost
+from router.calls import RETRY_AFTER_S, ReplicaLost
 from router.contract import ModelInfo, Replica, ReplicaCall, RequestShape, StepEvents
 from router.cors import ConfiguredCORS
 from router.errors import ApiError
@@ -509,5 +509,6 @@ def _failure(e: Exception) -> ApiError:
 
 
 def _lost(e: ReplicaLost) -> ApiError:
-    """The answer to a non-streamed request whose replica died after it produced tokens."""
-    return ApiError(503, str(e), code="replica_lost")
+    """The answer to a non-streamed request whose replica failed and that could not
+    move to another (:mod:`router.dispatch`)."""
+    return ApiError(503, str(e), code="replica_lost", headers={"Retry-After": str(RETRY_AFTER_S)})

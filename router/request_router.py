@@ -23,6 +23,12 @@ from router.routing import pinned_replica, register, shape_of
 
 logger = logging.getLogger(__name__)
 
+DEAD_FOR_S = 120.0
+"""Seconds a replica found dead stays out of routing while Serve still lists it. Serve's
+controller drops a dead replica within seconds; a replica whose engine only stalled
+(``ModelReplica.check_health``) and recovered before Serve replaced it is routed to
+again after this."""
+
 
 class LoadAwareRouter(RequestRouter):
     """Two random replicas; first one that can decode the request within its TPOT SLO
@@ -61,6 +67,9 @@ class LoadAwareRouter(RequestRouter):
         self._streamed: dict[str, LoadSnapshot] = {}
         """The latest load each replica sent with a stream item, by its unique id."""
         self._lock = threading.RLock()  # the router runs on its own loop thread
+        self._dead: dict[str, float] = {}
+        """Unique ids of replicas a call found dead that Serve still lists (its
+        controller learns of a death seconds later), with when (``time.monotonic``)."""
         register(self, self._deployment_id.app_name, self._deployment_id.name)
 
     # -- the load view (router.routing.LoadView) ------------------------------------------
@@ -90,18 +99,44 @@ class LoadAwareRouter(RequestRouter):
         with self._lock:
             return self._routed.adjust(replica.replica_id, snap, time.time())
 
+    def _live(self) -> list[tuple[ReplicaID, RunningReplica]]:
+        """Serve's running replicas less those found dead."""
+        dead = self._dead_ids()
+        return [(rid, r) for rid, r in list(self._replicas.items()) if rid.unique_id not in dead]
+
+    def _dead_ids(self) -> set[str]:
+        """The replicas found dead within :data:`DEAD_FOR_S`."""
+        if not self._dead:
+            return set()
+        now = time.monotonic()
+        with self._lock:
+            self._dead = {u: t for u, t in self._dead.items() if now - t < DEAD_FOR_S}
+            return set(self._dead)
+
+    def replica_died(self, replica_unique_id: str) -> None:
+        """A call found the replica's actor dead (:meth:`router.routing.LoadView.replica_died`).
+
+        Called from the ingress's event loop, not this router's thread: it only adds to
+        a set that every read filters by (Serve's ``on_replica_actor_died`` would change the
+        router's replica table from the wrong thread)."""
+        with self._lock:
+            self._dead[replica_unique_id] = time.monotonic()
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new replica list; a replica found dead is forgotten once Serve drops it."""
+        super().update_replicas(replicas)
+        listed = {r.replica_id.unique_id for r in replicas}
+        with self._lock:
+            self._dead = {u: t for u, t in self._dead.items() if u in listed}
+
     def replica_stats(self) -> dict[str, dict]:
         """Every running replica's last published routing stats, by its unique id."""
-        return {
-            rid.unique_id: dict(r.routing_stats)
-            for rid, r in list(self._replicas.items())
-            if r.routing_stats
-        }
+        return {rid.unique_id: dict(r.routing_stats) for rid, r in self._live() if r.routing_stats}
 
     def snapshots(self) -> dict[ReplicaID, LoadSnapshot]:
         """Adjusted snapshots of every running replica that has published one."""
         out = {}
-        for rid, replica in list(self._replicas.items()):
+        for rid, replica in self._live():
             snap = self.snapshot(replica)
             if snap is not None:
                 out[rid] = snap
@@ -112,12 +147,13 @@ class LoadAwareRouter(RequestRouter):
         return {rid.unique_id: s for rid, s in self.snapshots().items()}
 
     def num_replicas(self) -> int:
-        """Replicas running now."""
-        return len(self.curr_replicas)
+        """Replicas running now (none found dead)."""
+        return len(self._live())
 
     def replica_ids(self) -> set[str]:
-        """The unique ids of the replicas running now (a replica being stopped is gone)."""
-        return {rid.unique_id for rid in list(self._replicas)}
+        """The unique ids of the replicas running now (a replica being stopped or found
+        dead is gone)."""
+        return {rid.unique_id for rid, _ in self._live()}
 
     def loads_for(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
         """Each replica's adjusted snapshot with the tokens of ``shape``'s prompt it was
@@ -136,6 +172,11 @@ class LoadAwareRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        dead = self._dead_ids()
+        if dead:
+            candidate_replicas = [
+                r for r in candidate_replicas if r.replica_id.unique_id not in dead
+            ]
         if not candidate_replicas:
             return []
         pin = pinned_replica(pending_request)

@@ -88,6 +88,12 @@ class LoadView(Protocol):
         """The unique ids of the replicas running now (those Serve routes to)."""
         ...
 
+    def replica_died(self, replica_unique_id: str) -> None:
+        """A call to the replica failed because its actor died: route nothing more to it,
+        and leave it out of every view (``/health`` included) from now on, without
+        waiting for Serve's controller to notice."""
+        ...
+
 
 _routers: weakref.WeakKeyDictionary[LoadView, tuple[str, str]] = weakref.WeakKeyDictionary()
 """Live routers in this process, with the (app, deployment) each routes to; the ingress

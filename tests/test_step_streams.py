@@ -10,7 +10,8 @@ import pytest
 from deploy.replica import Outbox, Outboxes
 from router.calls import ReplicaLost
 from router.contract import Accepted, Lost, RequestShape, SequenceDelta, StepItem
-from router.dispatch import Dispatch
+from router.dispatch import Dispatch, migrated_seed
+from router.routing import register
 from router.step_streams import StepStreams, StreamLost
 
 
@@ -38,19 +39,27 @@ class FakeCall:
 
 class FakeReplicas:
     """The replica deployment's handle: ``generate`` answers Accepted from the replica
-    named in ``replicas`` (one per call, in turn); ``step_items`` opens a stream."""
+    named in ``replicas`` (one per call, in turn); ``step_items`` opens a stream.
 
-    def __init__(self, replicas: list[str]) -> None:
+    Its router's view (:class:`FakeView`) lists ``alive`` (default: every replica named)
+    less those found dead."""
+
+    app_name = "app"
+
+    def __init__(self, replicas: list[str], alive: set[str] | None = None) -> None:
         self.replicas, self.calls, self.streams = list(replicas), [], {}
         self.generate, self.step_items = self._Method(self._generate), self._Method(self._stream)
+        self.deployment_name = f"dep-{id(self)}"
+        self.view = FakeView(set(replicas) if alive is None else alive)
+        register(self.view, self.app_name, self.deployment_name)
 
     class _Method:
         def __init__(self, fn) -> None:
             self.remote = fn
 
-    def _generate(self, rid, ids, params, shape, ingress):
+    def _generate(self, rid, ids, params, shape, ingress, resume=()):
         call = FakeCall(Accepted(len(ids), self.replicas.pop(0)))
-        self.calls.append((rid, ingress, call))
+        self.calls.append((rid, ingress, call, params, resume))
         return call
 
     def _stream(self, ingress, pin):
@@ -58,8 +67,24 @@ class FakeReplicas:
         return call
 
 
-def item(text: str, finished: bool = False) -> StepItem:
-    delta = SequenceDelta(0, text, [1], None, "stop" if finished else None, None)
+class FakeView:
+    """The router's view of the replicas: the live ones, less those found dead."""
+
+    def __init__(self, alive: set[str]) -> None:
+        self.alive, self.dead = alive, set()
+
+    def replica_ids(self) -> set[str]:
+        return self.alive - self.dead
+
+    def replica_died(self, replica: str) -> None:
+        self.dead.add(replica)
+
+    def observe_load(self, replica, snap) -> None:
+        pass
+
+
+def item(text: str, finished: bool = False, token: int = 1) -> StepItem:
+    delta = SequenceDelta(0, text, [token], None, "stop" if finished else None, None)
     return StepItem([delta], finished)
 
 
@@ -138,11 +163,13 @@ async def test_dispatch_reads_its_stream_and_resends_when_lost_before_a_token():
     assert streams.register("req").empty()  # a new queue: the finished one was dropped
 
 
-async def _one_token_then(failure) -> None:
+async def _one_token_then(failure, params=None, alive=None) -> None:
     """A request on replica r1 gets one token, then ``failure`` on r1's stream: a raised
     exception (the stream is lost) or a batch (what the replica reports)."""
-    handle = FakeReplicas(["r1"])
-    d = Dispatch(handle, "req", [1], {}, RequestShape(1, "standard", 1), StepStreams(handle))
+    handle = FakeReplicas(["r1"], alive)
+    d = Dispatch(
+        handle, "req", [1], params or {}, RequestShape(1, "standard", 1), StepStreams(handle)
+    )
     await d.start()
     await asyncio.sleep(0)
     got = d.items()
@@ -152,16 +179,58 @@ async def _one_token_then(failure) -> None:
     await asyncio.wait_for(got.__anext__(), 1)
 
 
-async def test_dispatch_lost_after_a_token_is_replica_lost():
-    with pytest.raises(ReplicaLost, match="replica died"):
-        await _one_token_then(RuntimeError("replica died"))
+async def test_dispatch_lost_after_a_token_with_no_other_replica_is_replica_lost():
+    with pytest.raises(ReplicaLost, match="no other is alive.*replica died"):
+        await _one_token_then(RuntimeError("replica died"), alive=set())
 
 
 async def test_dispatch_told_its_engine_failed_is_replica_lost_after_a_token():
     # The replica's own call is not read after Accepted: an engine failure must come
-    # on the stream, or the request would wait forever.
+    # on the stream, or the request would wait forever. Its replica is out of routing.
     with pytest.raises(ReplicaLost, match="EngineDeadError"):
         await _one_token_then([("req", Lost("EngineDeadError: loop failed"))])
+
+
+async def test_dispatch_with_several_sequences_is_not_migrated():
+    with pytest.raises(ReplicaLost, match="replica died"):
+        await _one_token_then(RuntimeError("replica died"), params={"n": 2})
+
+
+async def test_dispatch_migrates_after_tokens_and_continues_the_same_stream():
+    # r1 streams two tokens and dies; the request moves to r2 with those tokens, its
+    # seed derived and its prompt log-probabilities not asked again; r2's items follow on
+    # the same iterator; a late item from r1 is dropped; prompt and cached tokens stay r1's.
+    handle = FakeReplicas(["r1", "r2"])
+    streams = StepStreams(handle)
+    params = {"seed": 7, "prompt_logprobs": 1, "max_tokens": 5}
+    d = Dispatch(handle, "req", [1, 2, 3], params, RequestShape(3, "standard", 1), streams)
+    await d.start()
+    await asyncio.sleep(0)
+    got = d.items()
+    first = StepItem([SequenceDelta(0, "a", [10], None, None, None)], False, cached_tokens=2)
+    handle.streams["r1"].fed.put_nowait([("req", first), ("req", item("b", token=11))])
+    assert [(await got.__anext__()).outputs[0].text for _ in range(2)] == ["a", "b"]
+    handle.streams["r1"].fed.put_nowait(RuntimeError("replica died"))
+    nxt = asyncio.create_task(got.__anext__())
+    await asyncio.sleep(0.05)
+    rid, ingress, call, sent, resume = handle.calls[1]
+    assert (rid, ingress, resume) == ("req", streams.ingress_id, (10, 11))
+    assert sent == {"seed": migrated_seed(7, 2), "prompt_logprobs": None, "max_tokens": 5}
+    assert params["seed"] == 7  # the request's own parameters are left as they were
+    assert d.replica == "r2" and d.migrations == 1 and handle.calls[0][2].cancelled
+    streams.deliver([("req", item("late", token=99))], "r1")  # r1's stream, had it lived
+    again = StepItem([SequenceDelta(0, "c", [12], None, None, None)], False, cached_tokens=3)
+    handle.streams["r2"].fed.put_nowait([("req", again), ("req", item("d", True, 13))])
+    assert (await asyncio.wait_for(nxt, 1)).outputs[0].text == "c"
+    assert (await got.__anext__()).finished
+    assert d.output_ids == [10, 11, 12, 13]
+    assert (d.prompt_tokens, d.cached_tokens) == (3, 2)
+
+
+def test_migrated_seed_is_a_signed_64_bit_integer_per_migration_point():
+    seeds = {migrated_seed(s, k) for s in (0, -1, 2**63 - 1, -(2**63)) for k in (1, 2, 3)}
+    assert len(seeds) == 12 and all(-(2**63) <= x < 2**63 for x in seeds)
+    assert migrated_seed(5, 3) == migrated_seed(5, 3)
 
 
 async def test_streams_to_retired_replicas_close_once_no_request_is_on_them():

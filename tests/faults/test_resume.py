@@ -38,7 +38,6 @@ async def _run(engine, prompt, params: dict, resume=(), rid="r") -> tuple[list[i
     return ids, "".join(text), reason
 
 
-
 @pytest.mark.parametrize("prompt", PROMPTS)
 async def test_greedy_resume_at_every_boundary_equals_the_whole_run(engine, prompt):
     params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
