@@ -8,12 +8,16 @@ Otherwise: start an embedded Ray cluster (``--num-replicas`` above 1, or
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
+import traceback
 
 import ray
 from ray import serve
@@ -25,6 +29,8 @@ from router.tenants import check_key_classes
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 20.0
+DRAIN_MARGIN_S = 5.0
+"""Seconds past the drain's grace that the server waits for the ingress to answer."""
 PORT_RELEASE_S = 65.0
 """Longest wait for a just-stopped server's connections on the port (TIME_WAIT is 60 s)."""
 
@@ -252,7 +258,61 @@ def run_server(config: ServiceConfig, address: str | None = None) -> int:
             flush=True,
         )
         return 1
-    return _run_on_ray(config, address)
+    return _run_in_own_session(config, address)
+
+
+def _run_in_own_session(config: ServiceConfig, address: str | None) -> int:
+    """Run :func:`_run_on_ray` in a child process of its own session; pass it SIGINT
+    and SIGTERM as one SIGTERM and return its exit status.
+
+    Ctrl-C in a terminal, and ``kill -TERM -PGID``, signal every process of the
+    server's process group. The Ray processes that ``ray.init`` starts (GCS, raylet, the
+    replicas' workers) would be in it: a SIGTERM would kill them before Serve could
+    drain, cutting the open streams without their error event. In a session of its own,
+    the server alone decides how they stop (:func:`_shutdown`). The child also gets a
+    SIGTERM if this process dies (``PR_SET_PDEATHSIG``, Linux), so a SIGKILL here does
+    not leave the cluster running.
+    """
+    if not hasattr(os, "fork"):
+        return _run_on_ray(config, address)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the caller's code
+        code = 1
+        try:
+            os.setsid()
+            _term_with_parent(parent)
+            code = _run_on_ray(config, address)
+        except BaseException:  # noqa: BLE001 - reported, then the child exits
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def forward(sig: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    _, status = os.waitpid(pid, 0)  # retried across the signals (PEP 475)
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else 1
+
+
+def _term_with_parent(parent: int) -> None:
+    """Ask Linux to send this process SIGTERM when its parent (pid ``parent``) dies
+    (elsewhere: nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _run_on_ray(config: ServiceConfig, address: str | None) -> int:
@@ -273,8 +333,28 @@ def _run_on_ray(config: ServiceConfig, address: str | None) -> int:
     print(banner(config, url, "on Ray Serve"), flush=True)
     stop.wait()
     print("iterserve: shutting down", flush=True)
+    _drain()
     _shutdown(own_cluster)
+    print("iterserve: shut down", flush=True)
     return 0
+
+
+def _drain() -> None:
+    """Have the ingress stop taking requests and finish or end the open ones within
+    :data:`deploy.local_server.GRACEFUL_SHUTDOWN_S` (``OpenAIIngress.drain``), so that
+    stopping Serve then cuts no stream mid-message."""
+    from deploy.local_server import GRACEFUL_SHUTDOWN_S
+
+    try:
+        handle = serve.get_app_handle(APP_NAME)
+        cut = handle.drain.remote(GRACEFUL_SHUTDOWN_S).result(
+            timeout_s=GRACEFUL_SHUTDOWN_S + DRAIN_MARGIN_S
+        )
+    except Exception as e:  # noqa: BLE001 - Serve's own shutdown follows regardless
+        logger.warning("the ingress did not drain: %s: %s", type(e).__name__, e)
+        return
+    if cut:
+        print(f"iterserve: ended {cut} open requests with an error", flush=True)
 
 
 def _shutdown(own_cluster: bool) -> None:

@@ -66,6 +66,13 @@ class OpenAIIngress(Ingress):
                 self.scaling_decision = record
                 self.metrics.target_replicas = record.target
 
+    async def drain(self, grace_s: float) -> int:
+        """Stop taking requests, let the open ones finish for up to ``grace_s`` seconds,
+        then end the rest with an error (:meth:`router.dispatch.RayReplicas.drain`); the
+        number ended so. ``iterserve serve`` calls it on SIGINT or SIGTERM, before it
+        stops Serve (which would otherwise cut the open streams mid-message)."""
+        return await self._ray.drain(grace_s)
+
     async def __del__(self) -> None:
         """Serve calls it once this ingress has drained: its step streams close, so the
         model replicas, which count each as a request in flight, can stop at once."""

@@ -180,6 +180,9 @@ class Dispatch:
                     self.gen.cancel()  # in case only the stream failed, not the replica
                     if isinstance(item, Lost):  # its engine failed: Serve will replace it
                         self._replica_died()
+                    if getattr(item, "final", False):  # the server is stopping
+                        self._failed()
+                        raise ReplicaLost(why)
                     if not self._can_migrate():
                         self._failed()
                         raise ReplicaLost(f"the replica serving this request failed: {why}")
@@ -283,6 +286,8 @@ class RayReplicas:
         self.handle = handle.options(stream=True)
         self.streams = StepStreams(self.handle, on_dead=self._replica_died)
         self._info_handle = handle
+        self.stopping = False
+        """Set by :meth:`drain`: new calls are refused."""
 
     async def info(self) -> ModelInfo:
         """One replica's tokenizer and limits.
@@ -303,10 +308,36 @@ class RayReplicas:
         shape: RequestShape,
         record: RequestRecord | None = None,
     ) -> Dispatch:
-        """The call of one prompt (:meth:`router.contract.Replica.call`)."""
+        """The call of one prompt (:meth:`router.contract.Replica.call`).
+
+        Raises:
+            ApiError: 503 with ``Retry-After`` once :meth:`drain` began.
+        """
+        if self.stopping:
+            raise ApiError(
+                503,
+                "the server is shutting down",
+                code="shutting_down",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         return Dispatch(
             self.handle, request_id, prompt_token_ids, params, shape, self.streams, record
         )
+
+    async def drain(self, grace_s: float) -> int:
+        """Stop taking requests (:meth:`call` answers 503), give the open ones up to
+        ``grace_s`` seconds to finish, then end those still open: a stream with an error
+        event and ``data: [DONE]``, a whole response with a 503. The requests ended so."""
+        self.stopping = True
+        deadline = time.monotonic() + grace_s
+        while self.streams.open_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        cut = self.streams.open_requests
+        if cut:
+            logger.warning("ending %d open requests: the server is shutting down", cut)
+            self.streams.end_all("the server is shutting down")
+            await asyncio.sleep(0.5)  # their error events go out before the ingress stops
+        return cut
 
     def _view(self) -> LoadView | None:
         return load_view(self.handle.app_name, self.handle.deployment_name)

@@ -32,11 +32,14 @@ class StreamLost(Exception):
     Args:
         message: why.
         replica: the replica whose stream it was.
+        final: see :attr:`final`.
     """
 
-    def __init__(self, message: str, replica: str = "") -> None:
+    def __init__(self, message: str, replica: str = "", final: bool = False) -> None:
         super().__init__(message)
         self.replica = replica
+        self.final = final
+        """The server is stopping: the request ends here rather than moving elsewhere."""
 
 
 class StepStreams:
@@ -98,6 +101,16 @@ class StepStreams:
                 task.cancel()
                 closed.append(replica)
         return closed
+
+    @property
+    def open_requests(self) -> int:
+        """Requests with a queue here (sent and not yet ended or forgotten)."""
+        return len(self._queues)
+
+    def end_all(self, message: str) -> None:
+        """End every open request with a final :class:`StreamLost` (the server stops)."""
+        for queue in self._queues.values():
+            queue.put_nowait(StreamLost(message, final=True))
 
     def close_all(self) -> None:
         """Close every stream (the ingress is stopping)."""
