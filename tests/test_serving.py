@@ -1,6 +1,8 @@
 """The real application (Ray Serve, 2 replicas of the default model) through the openai client.
 
-One module-scoped server; the replica-death test runs last because it kills a replica.
+One module-scoped server. Replica faults (a replica killed or stopped mid-stream, the
+server stopped by a signal) are tested on a server of their own, with short health
+checks: ``tests/faults/test_replica_faults.py``.
 """
 
 from __future__ import annotations
@@ -425,82 +427,3 @@ def test_interactive_first_token_while_batch_saturates(server):
     assert ttft < INTERACTIVE_TTFT_SLO_S, f"interactive TTFT {ttft:.2f} s behind batch load"
     assert len(done) == num_batch and all(reason == "length" for _, reason in done)
     app.wait_idle(server)
-
-
-# -- faults (last: kills a replica) ---------------------------------------------------------
-
-
-def test_replica_death(server):
-    """Streams on a killed replica end with an error event; new requests still succeed;
-    Ray Serve replaces the replica."""
-    results: dict[int, dict] = {}
-
-    def run_stream(i: int) -> None:
-        body = {
-            "model": MODEL,
-            "prompt": f"Story {i}:",
-            "max_tokens": 150,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        with httpx.stream(
-            "POST",
-            f"{server}/v1/completions",
-            json=body,
-            headers={"Authorization": "Bearer sk-standard"},
-            timeout=120,
-        ) as r:
-            results[i] = {"replica": r.headers["x-iterserve-replica"], "events": []}
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    results[i]["events"].append(line.removeprefix("data: "))
-
-    threads = [threading.Thread(target=run_stream, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    # Every stream started (a token streamed) on one of the two replicas.
-    while (
-        len(results) < 6
-        or len({r["replica"] for r in results.values()}) < 2
-        or not all(r["events"] for r in list(results.values()))
-    ):
-        # All six on one replica can happen under load; the replicas' published loads
-        # say why, if it does.
-        assert time.monotonic() < deadline, (
-            {i: r["replica"] for i, r in results.items()},
-            app.health(server)["replicas"],
-        )
-        time.sleep(0.1)
-    victim = results[0]["replica"]
-    ((name, namespace),) = [
-        (a["name"], a["namespace"])
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if victim in a["name"]
-    ]
-    ray.kill(ray.get_actor(name, namespace=namespace))
-    killed = time.monotonic()
-
-    # New requests are served meanwhile (by the other replica, or re-sent to it).
-    out = app.client(server).completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0
-    )
-    assert out.choices[0].finish_reason == "length"
-
-    deadline = time.monotonic() + 240
-    for t in threads:
-        t.join(timeout=max(0.0, deadline - time.monotonic()))
-        assert not t.is_alive(), "a stream hung after its replica died"
-    for r in results.values():
-        assert r["events"][-1] == "[DONE]"
-        last = json.loads(r["events"][-2])
-        if r["replica"] == victim:
-            assert "error" in last and last["error"]["code"] == "replica_lost", (
-                len(r["events"]),
-                r["events"][-3:],
-                time.monotonic() - killed,
-            )
-        else:
-            assert last["choices"][0]["finish_reason"] == "length", last
-    app.wait_health(server, replicas=2, timeout_s=180)
-    assert victim not in {r["replica"] for r in app.health(server)["replicas"]}

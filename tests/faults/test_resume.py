@@ -13,11 +13,10 @@ PROMPTS = [
     "The capital of France is",
     # Multi-byte characters: a boundary may fall inside one, whose bytes span tokens.
     "Écris une phrase en français avec des accents: é, è, à, ç, et un emoji 🎉",
-    "Write a list of three colours:",
 ]
 
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -48,7 +47,7 @@ async def test_greedy_resume_at_every_boundary_equals_the_whole_run(engine, prom
     ]
     whole_ids = [t for ids, _ in steps for t in ids]
     whole_text = "".join(t for _, t in steps)
-    for k in (1, 2, 7, 23):
+    for k in (1, 7, 23):
         sent_text = "".join(t for _, t in steps[:k])  # one token per step
         ids, text, reason = await _run(engine, prompt, params, whole_ids[:k], rid=f"k{k}")
         assert whole_ids[:k] + ids == whole_ids, k
@@ -70,7 +69,7 @@ async def test_resume_honours_stop_strings_and_min_tokens(engine):
     ids = [t for s, _, _ in steps for t in s]
     text = "".join(t for _, t, _ in steps)
     assert steps[-1][2] == "stop" and stop not in text and len(ids) > 4
-    for k in sorted({1, 2, 3, len(ids) // 2, len(ids) - 1}):
+    for k in sorted({1, 2, len(ids) // 2}):
         sent = "".join(t for _, t, _ in steps[:k])  # held-back text not sent yet
         more_ids, more_text, reason = await _run(engine, prompt, params, ids[:k], rid=f"s{k}")
         assert ids[:k] + more_ids == ids and reason == "stop", k
