@@ -110,8 +110,6 @@ class Dispatch:
         """The output token ids streamed so far (the request's only sequence)."""
         self.migrations = 0
         """Times the request moved to another replica after it had produced tokens."""
-        self.resumed_at: list[float] = []
-        """``time.monotonic()`` of each loss of the serving replica that was migrated."""
 
     async def start(self) -> None:
         """Send the request; return once a replica accepted it.
@@ -123,17 +121,19 @@ class Dispatch:
         while True:
             self.attempts += 1
             self.streams.register(self.request_id)
-            params, resume = self.params, ()
+            params, resume, shape = self.params, (), self.shape
             if self.output_ids:
                 resume = tuple(self.output_ids)
                 params = {**self.params, "prompt_logprobs": None}
                 if params.get("seed") is not None:
                     params["seed"] = migrated_seed(params["seed"], len(resume))
+                # The router predicts the prefill of the prompt and the resumed tokens.
+                shape = replace(shape, prompt_tokens=shape.prompt_tokens + len(resume))
             self.gen = self.handle.generate.remote(
                 self.request_id,
                 self.prompt_token_ids,
                 params,
-                shape=self.shape,
+                shape=shape,
                 ingress=self.streams.ingress_id,
                 resume=resume,
             )
@@ -233,7 +233,6 @@ class Dispatch:
             )
         if self.produced:
             self.migrations += 1
-            self.resumed_at.append(time.monotonic())
         try:
             async with asyncio.timeout(MIGRATE_TIMEOUT_S):
                 await self.start()

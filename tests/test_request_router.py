@@ -223,3 +223,20 @@ async def test_a_burst_on_one_prompt_uses_both_replicas_within_the_tpot_slo(rout
         decodes = snap.total_running + sum(snap.waiting_requests.values())
         assert snap.step_time(0, decodes) <= slo, chosen
     assert min(chosen.values()) >= 16 // 4, chosen
+
+
+async def test_a_replica_found_dead_is_out_of_routing_and_of_the_view_at_once(router):
+    # A call found replica a's actor dead: Serve's controller still lists a for seconds,
+    # but nothing is routed to it, and /health (the view) lists and counts only b.
+    a, b = FakeReplica("a", _stats(0.01)), FakeReplica("b", _stats(0.05, waiting=4))
+    router._replicas = {a.replica_id: a, b.replica_id: b}
+    assert router.replica_ids() == {"a", "b"} and router.num_replicas() == 2
+    router.replica_died("a")
+    assert router.replica_ids() == {"b"} and router.num_replicas() == 1
+    assert set(router.unique_snapshots()) == {"b"} and set(router.replica_stats()) == {"b"}
+    for _ in range(5):
+        ranks = await router.choose_replicas([a, b], _pending(100))
+        assert [r.replica_id for rank in ranks for r in rank] == ["b"]
+    assert await router.choose_replicas([a], _pending(100)) == []
+    router._dead["a"] -= 1000  # long ago: a replica that only stalled and recovered
+    assert router.replica_ids() == {"a", "b"}

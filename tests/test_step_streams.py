@@ -253,3 +253,19 @@ async def test_streams_to_retired_replicas_close_once_no_request_is_on_them():
     streams.close_all()  # the ingress is stopping
     await asyncio.sleep(0)
     assert handle.streams["r2"].cancelled
+
+
+async def test_a_stopping_server_ends_open_requests_without_moving_them():
+    handle = FakeReplicas(["r1", "r2"])
+    streams = StepStreams(handle)
+    d = Dispatch(handle, "req", [1], {}, RequestShape(1, "standard", 1), streams)
+    await d.start()
+    await asyncio.sleep(0)
+    got = d.items()
+    handle.streams["r1"].fed.put_nowait([("req", item("t"))])
+    await got.__anext__()
+    assert streams.open_requests == 1
+    streams.end_all("the server is shutting down")
+    with pytest.raises(ReplicaLost, match="shutting down"):
+        await asyncio.wait_for(got.__anext__(), 1)
+    assert len(handle.calls) == 1 and streams.open_requests == 0
