@@ -4,6 +4,8 @@ output exactly: the same tokens and, joined with the text already sent, the same
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import pytest_asyncio
 
@@ -37,21 +39,33 @@ async def _run(engine, prompt, params: dict, resume=(), rid="r") -> tuple[list[i
     return ids, "".join(text), reason
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
-async def test_greedy_resume_at_every_boundary_equals_the_whole_run(engine, prompt):
-    params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+async def _steps(engine, prompt, params: dict, rid: str) -> list[tuple[list[int], str, str]]:
+    """The run's output step by step: ``(token ids, text, finish reason)``."""
     sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
-    steps = [
-        (o.outputs[0].token_ids, o.outputs[0].text)
-        async for o in engine.generate(prompt, sampling, request_id="whole")
+    return [
+        (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+        async for o in engine.generate(prompt, sampling, request_id=rid)
     ]
-    whole_ids = [t for ids, _ in steps for t in ids]
-    whole_text = "".join(t for _, t in steps)
-    for k in (1, 7, 23):
-        sent_text = "".join(t for _, t in steps[:k])  # one token per step
-        ids, text, reason = await _run(engine, prompt, params, whole_ids[:k], rid=f"k{k}")
+
+
+async def test_greedy_resume_at_any_boundary_equals_the_whole_run(engine):
+    # The runs go concurrently, as a replica batches them, to keep the test short.
+    params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    wholes = await asyncio.gather(
+        *(_steps(engine, p, params, f"whole{i}") for i, p in enumerate(PROMPTS))
+    )
+    cases = [(p, steps, k) for p, steps in zip(PROMPTS, wholes) for k in (1, 7, 23)]
+    resumed = await asyncio.gather(
+        *(
+            _run(engine, p, params, [t for ids, _, _ in steps[:k] for t in ids], rid=f"k{i}")
+            for i, (p, steps, k) in enumerate(cases)
+        )
+    )
+    for (_, steps, k), (ids, text, reason) in zip(cases, resumed):
+        whole_ids = [t for s, _, _ in steps for t in s]
+        sent_text = "".join(t for _, t, _ in steps[:k])  # one token per step
         assert whole_ids[:k] + ids == whole_ids, k
-        assert sent_text + text == whole_text, (k, sent_text, text)
+        assert sent_text + text == "".join(t for _, t, _ in steps), (k, sent_text, text)
         assert reason == "length"
 
 
@@ -61,17 +75,16 @@ async def test_resume_honours_stop_strings_and_min_tokens(engine):
     _, whole_text, _ = await _run(engine, prompt, base, rid="count")
     stop = whole_text[20:26]  # a stop string the whole run reaches later
     params = {**base, "stop": [stop], "min_tokens": 2}
-    sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
-    steps = [
-        (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
-        async for o in engine.generate(prompt, sampling, request_id="stopped")
-    ]
+    steps = await _steps(engine, prompt, params, "stopped")
     ids = [t for s, _, _ in steps for t in s]
     text = "".join(t for _, t, _ in steps)
     assert steps[-1][2] == "stop" and stop not in text and len(ids) > 4
-    for k in sorted({1, 2, len(ids) // 2}):
+    ks = sorted({1, 2, len(ids) // 2})
+    resumed = await asyncio.gather(
+        *(_run(engine, prompt, params, ids[:k], rid=f"s{k}") for k in ks)
+    )
+    for k, (more_ids, more_text, reason) in zip(ks, resumed):
         sent = "".join(t for _, t, _ in steps[:k])  # held-back text not sent yet
-        more_ids, more_text, reason = await _run(engine, prompt, params, ids[:k], rid=f"s{k}")
         assert ids[:k] + more_ids == ids and reason == "stop", k
         assert sent + more_text == text, (k, sent, more_text)
 
