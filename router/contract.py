@@ -166,7 +166,8 @@ class ReplicaCall(Protocol):
         """The request's step items, the last one ``finished``.
 
         Raises:
-            router.calls.ReplicaLost: the replica failed after the request produced tokens.
+            router.calls.ReplicaLost: the replica failed and the request could not move to
+                another (:mod:`router.dispatch`).
             ApiError: a request re-sent to another replica was refused.
         """
         ...

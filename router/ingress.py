@@ -14,9 +14,10 @@ response (:mod:`router.openai_format`).
 which sends each batch line through :meth:`Ingress.answer`: the same validation,
 admission, dispatch and response as ``POST /v1/...``).
 
-If a replica dies after the request streamed tokens, the stream ends with an error
-event. A client that disconnects cancels the replica call, which aborts the engine
-request before its next step and frees its KV blocks.
+If a replica dies, its requests move to another (:mod:`router.dispatch`); one that
+cannot move ends its stream with an error event. A client that disconnects cancels the
+replica call, which aborts the engine request before its next step and frees its KV
+blocks.
 """
 
 import asyncio
