@@ -56,7 +56,7 @@ def server(tmp_path_factory):
         replica_num_cpus=1,
         port=free_port(),
         health_check_period_s=1.0,
-        health_check_timeout_s=2.0,
+        health_check_timeout_s=3.0,
         engine={"max_num_seqs": STREAMS, "num_kv_blocks": 256},
     )
     path = tmp / "service.yaml"
