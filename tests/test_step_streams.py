@@ -269,3 +269,11 @@ async def test_a_stopping_server_ends_open_requests_without_moving_them():
     with pytest.raises(ReplicaLost, match="shutting down"):
         await asyncio.wait_for(got.__anext__(), 1)
     assert len(handle.calls) == 1 and streams.open_requests == 0
+
+
+def test_a_request_that_could_not_move_answers_503_with_retry_after():
+    from router.ingress import _lost
+
+    err = _lost(ReplicaLost("no other replica is alive"))
+    assert err.status == 503 and err.body()["error"]["code"] == "replica_lost"
+    assert int(err.headers["Retry-After"]) > 0
