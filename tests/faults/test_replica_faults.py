@@ -25,7 +25,8 @@ import pytest
 import yaml
 
 pytest.importorskip("ray")
-psutil = pytest.importorskip("psutil")
+if not Path("/proc/self/fd").is_dir():
+    pytest.skip("finds the replicas' processes in /proc (Linux)", allow_module_level=True)
 
 from bench.failover import (  # noqa: E402
     FaultRun,
@@ -83,16 +84,30 @@ def server(tmp_path_factory):
             _kill_tree(proc)
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (``/proc``), children first."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        out += kids
+        frontier = kids
+    return out
+
+
 def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the server and every process under it (Ray's are in another session)."""
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in [*tree, psutil.Process(proc.pid)]:
+    for pid in [*_descendants(proc.pid), proc.pid]:
         try:
-            p.kill()
-        except psutil.NoSuchProcess:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
     proc.wait(timeout=30)
 
@@ -100,12 +115,17 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 def replica_pid(proc: subprocess.Popen, unique_id: str) -> int:
     """The pid of the server's Serve replica ``unique_id``: the process under the server
     that holds that replica's log file open (Serve names it after the replica)."""
-    for p in psutil.Process(proc.pid).children(recursive=True):
+    for pid in _descendants(proc.pid):
         try:
-            if any(f"_{unique_id}." in f.path for f in p.open_files()):
-                return p.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:  # gone, or not ours
             continue
+        for fd in fds:
+            try:
+                if f"_{unique_id}." in os.readlink(fd):
+                    return pid
+            except OSError:  # closed meanwhile
+                continue
     raise AssertionError(f"no process of replica {unique_id}")
 
 
