@@ -20,7 +20,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from policies import LoadSnapshot
-from router.calls import ReplicaLost, accepted, record_item
+from router.calls import ReplicaLost, accepted, record_item, request_failed
 from router.contract import Lost, ModelInfo, Refused, RequestShape, StepItem
 from router.errors import ApiError
 from router.metrics import RequestRecord
@@ -125,6 +125,10 @@ class Dispatch:
                     logger.warning("replica lost before the first token; re-sending: %s", why)
                     await self.start()
                     continue
+                if item.error is not None:  # the request alone failed; its engine goes on
+                    self.done = True
+                    self._failed()
+                    raise request_failed(item)
                 if item.outputs:
                     self.produced = True
                 self._observe(item)
