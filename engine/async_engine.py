@@ -363,14 +363,12 @@ class AsyncLLMEngine:
                     # Nothing could run (e.g. the static policy is filling a batch): wait
                     # for news or a short tick instead of spinning on empty steps.
                     self._news.wait(IDLE_TICK_S)
-        except BaseException as e:  # the engine is lost: fail every stream, never hang
+        except BaseException as e:  # the engine is lost (SystemExit too): fail every stream
             logger.exception("engine loop failed")
             # Set here, before the streams hear of it: a generate() on the event loop
             # either sees it and raises, or has its stream in place when _fail runs.
             self._error = e
             self._call_soon(self._fail, e)
-            if not isinstance(e, Exception):
-                raise  # SystemExit and the like: the thread's future holds it
 
     def _deliver_soon(self, items: list, request_id: str | None = None) -> None:
         """Hand ``items`` (outputs, or an error for ``request_id``) to their streams on
