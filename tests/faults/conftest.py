@@ -222,3 +222,19 @@ def stream(server: LocalServer, body: dict, path: str = "/v1/completions") -> St
                 break
             events.append(json.loads(line[len("data: ") :]))
     return Streamed(200, events, done)
+
+
+def raw_head(server: LocalServer, path: str, length: int, key: str | None = KEY) -> bytes:
+    """An HTTP/1.1 POST head for a JSON body of ``length`` bytes (sent apart, by a raw
+    socket: a client that hangs up or dribbles its body)."""
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    host = server.url.removeprefix("http://")
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"{auth}Content-Length: {length}\r\nConnection: close\r\n\r\n"
+    ).encode()
+
+
+def address(server: LocalServer) -> tuple[str, int]:
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
