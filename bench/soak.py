@@ -26,8 +26,8 @@ It fails (exit status 1) on:
 - memory growth beyond noise: over the last :data:`RSS_WINDOW` of the traffic, each process
   alive throughout it gets a least-squares line through its RSS samples; the growth that
   line gives over the window must stay under ``max(RSS_NOISE_MIB, RSS_NOISE_SHARE`` of its
-  RSS). The window starts well after the kill, when the replacement replica is warm, so
-  its start-up growth (weights, first batch shapes) is not read as a leak; the bound is
+  RSS). The window starts no earlier than ``WARM_S`` after the replacement replica is up,
+  so its start-up growth (weights, first batch shapes) is not read as a leak; the bound is
   above what the allocators' arenas and torch's caches move by between samples, and below
   what a leak of a few kB per request adds over thousands of requests.
 
@@ -72,6 +72,8 @@ MAX_TOKENS = (8, 48)
 PROMPT_CHARS = (40, 600)
 RSS_WINDOW = 0.4
 """The share of the traffic phase, at its end, over which memory growth is judged."""
+WARM_S = 30.0
+"""Seconds a replacement replica gets to warm up before its memory is judged."""
 RSS_NOISE_MIB = 24.0
 RSS_NOISE_SHARE = 0.03
 START_TIMEOUT_S = 300.0
@@ -414,12 +416,30 @@ def _idle(s: dict[str, Any]) -> bool:
 # -- verdict --------------------------------------------------------------------------------
 
 
-def rss_growth(run: Run, traffic_s: float) -> dict[str, dict[str, float]]:
-    """Per process alive throughout the last :data:`RSS_WINDOW` of the traffic: its RSS
-    at the window's start, the growth its least-squares line gives over the window (MiB),
-    and the bound."""
+def rss_window(run: Run, traffic_s: float) -> tuple[float, float]:
+    """``(start, end)`` s of the window memory growth is judged over: the last
+    :data:`RSS_WINDOW` of the traffic, but no earlier than :data:`WARM_S` after both
+    replicas were back from the kill (a replacement's start-up is not a leak)."""
     start = traffic_s * (1 - RSS_WINDOW)
-    window = [s for s in run.samples if start <= s["t"] <= traffic_s]
+    if run.kill is not None:
+        back = next(
+            (
+                s["t"]
+                for s in run.samples
+                if s["t"] > run.kill["t"] and len(s.get("replicas", [])) >= 2
+            ),
+            traffic_s,
+        )
+        start = max(start, back + WARM_S)
+    return start, traffic_s
+
+
+def rss_growth(run: Run, traffic_s: float) -> dict[str, dict[str, float]]:
+    """Per process alive throughout :func:`rss_window`: its RSS at the window's start,
+    the growth its least-squares line gives over the window (MiB), and the bound. Empty
+    when the window holds fewer than 3 samples (a short trial)."""
+    start, end = rss_window(run, traffic_s)
+    window = [s for s in run.samples if start <= s["t"] <= end]
     if len(window) < 3:
         return {}
     out = {}
@@ -460,7 +480,10 @@ def verdict(
         why.append(f"{len(last.get('replicas', []))} replicas at the end, not 2")
     if greedy[0] != greedy[1]:
         why.append(f"greedy answer changed: {greedy[0]!r} -> {greedy[1]!r}")
-    for pid, g in rss_growth(run, traffic_s).items():
+    growth = rss_growth(run, traffic_s)
+    if not growth:
+        why.append("memory not judged: the window after the replacement's warm-up is too short")
+    for pid, g in growth.items():
         if g["growth_mib"] > g["bound_mib"]:
             why.append(
                 f"{g['role']} {pid}: RSS grew {g['growth_mib']:.1f} MiB over the window "
@@ -515,7 +538,7 @@ def plot(run: Run, traffic_s: float, path: Path) -> None:
         if run.kill:
             ax.axvline(run.kill["t"], color="r", ls="--", lw=1)
         ax.axvline(traffic_s, color="grey", ls=":", lw=1)
-        ax.axvspan(traffic_s * (1 - RSS_WINDOW), traffic_s, color="grey", alpha=0.08)
+        ax.axvspan(*rss_window(run, traffic_s), color="grey", alpha=0.08)
     fig.suptitle("iterserve soak: 2 replicas on Ray Serve, one killed (red line)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
