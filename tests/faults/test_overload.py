@@ -14,9 +14,9 @@ from tests.faults.conftest import GREEDY, KEY, LocalServer
 
 pytestmark = pytest.mark.slow
 
-STANDARD = 24
+STANDARD = 12
 """Requests of the ``standard`` class (SLOs no host misses: all admitted, in turn)."""
-TIGHT = 72
+TIGHT = 48
 """Requests of the ``tight`` class, whose SLO no queue meets: refused once they wait."""
 
 
