@@ -26,12 +26,16 @@ from engine import (
 )
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import MAX_FAILED_STEPS, EngineBrokenError
-from router.contract import ModelInfo
+from router.contract import ModelInfo, RequestShape, StepItem
+from router.dispatch import Dispatch
+from router.errors import ApiError
 from router.ingress import Ingress, add_routes, make_app
 from router.local import LocalReplicas
+from router.step_streams import StepStreams
 from tests.faults.conftest import GREEDY, LocalServer, Streamed, fault_config, stream
 from tests.serving_app import MODEL
 from tests.test_engine_seams import CostModelRunner, FakeClock, FakeTokenizer
+from tests.test_step_streams import FakeReplicas, item
 
 pytestmark = pytest.mark.slow
 
@@ -321,3 +325,22 @@ async def test_a_worker_thread_gone_without_an_error_is_a_dead_engine():
         assert LocalReplicas(_Replica(engine, None)).count() == 0
     finally:
         await engine.shutdown()
+
+
+async def test_on_ray_serve_a_failed_request_is_a_503_request_failed_not_a_lost_replica():
+    # The replica puts the failed request's last item on its step stream (as any item);
+    # the ingress's call answers 503 request_failed and re-sends nothing.
+    handle = FakeReplicas(["r1", "r2"])
+    call = Dispatch(handle, "req", [1], {}, RequestShape(1, "standard", 1), StepStreams(handle))
+    await call.start()
+    await asyncio.sleep(0)
+    items = call.items()
+    handle.streams["r1"].fed.put_nowait([("req", item("t"))])
+    assert (await items.__anext__()).outputs[0].text == "t"
+    failed = StepItem([], True, error="RuntimeError: injected")
+    handle.streams["r1"].fed.put_nowait([("req", failed)])
+    with pytest.raises(ApiError) as e:
+        await asyncio.wait_for(items.__anext__(), 10)
+    assert (e.value.status, e.value.code) == (503, "request_failed")
+    assert "RuntimeError: injected" in e.value.message
+    assert call.attempts == 1 and call.replica == "r1" and call.done
