@@ -19,6 +19,8 @@ import torch
 from engine import (
     AsyncLLMEngine,
     EngineConfig,
+    RequestFailedError,
+    RequestOutput,
     RequestOutputKind,
     RequestRejectedError,
     SamplingParams,
@@ -189,6 +191,9 @@ async def engine_items(
     ``resume``: the output tokens the request already produced on a replica that died
     (:mod:`router.dispatch` migrates it); the items hold only what follows them.
 
+    A request that fails inside the engine (:class:`engine.RequestFailedError`; the engine
+    goes on) ends with a ``finished`` step item whose ``error`` says why.
+
     Closing or cancelling the iteration aborts the engine request before its next step.
     """
     try:
@@ -202,33 +207,48 @@ async def engine_items(
         return
     yield Accepted(len(ids), replica_id, _load(engine, send_load))
     first = True
-    async for out in engine.generate(
+    outs = engine.generate(
         ids,
         sampling,
         request_id=request_id,
         priority=shape.priority,
         traffic_class=shape.traffic_class,
         resume_token_ids=resume,
-    ):
-        outputs = [
-            SequenceDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
-            for c in out.outputs
-            if c.text or c.token_ids or c.finish_reason
-        ]
-        queue_s = cached = None
-        if first:
-            first, m = False, out.metrics
-            cached = out.num_cached_tokens
-            if m.first_scheduled_time is not None:
-                queue_s = m.first_scheduled_time - m.arrival_time
-        yield StepItem(
-            outputs,
-            out.finished,
-            queue_s=queue_s,
-            cached_tokens=cached,
-            prompt_logprobs=out.prompt_logprobs,
-            load=_load(engine, send_load),
-        )
+    )
+    try:
+        async for out in outs:
+            item = _step_item(engine, out, first, send_load)
+            first = False
+            yield item
+    except RequestFailedError as e:
+        yield StepItem([], True, error=str(e), load=_load(engine, send_load))
+    finally:
+        await outs.aclose()  # an early close aborts the engine request now, not at GC
+
+
+def _step_item(
+    engine: AsyncLLMEngine, out: RequestOutput, first: bool, send_load: bool
+) -> StepItem:
+    """The step item of one engine output (``queue_s`` and ``cached_tokens`` if ``first``)."""
+    outputs = [
+        SequenceDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+        for c in out.outputs
+        if c.text or c.token_ids or c.finish_reason
+    ]
+    queue_s = cached = None
+    if first:
+        m = out.metrics
+        cached = out.num_cached_tokens
+        if m.first_scheduled_time is not None:
+            queue_s = m.first_scheduled_time - m.arrival_time
+    return StepItem(
+        outputs,
+        out.finished,
+        queue_s=queue_s,
+        cached_tokens=cached,
+        prompt_logprobs=out.prompt_logprobs,
+        load=_load(engine, send_load),
+    )
 
 
 def _load(engine: AsyncLLMEngine, send_load: bool) -> LoadSnapshot | None:

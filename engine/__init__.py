@@ -3,7 +3,7 @@
 No Ray import here: the engine runs the same in a script, a test or a Serve replica.
 """
 
-from engine.async_engine import AsyncLLMEngine
+from engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from engine.config import EngineConfig
 from engine.interfaces import ModelRunner, StepRecord
 from engine.llm import LLM
@@ -23,12 +23,14 @@ __all__ = [
     "AsyncLLMEngine",
     "CompletionOutput",
     "EngineConfig",
+    "EngineDeadError",
     "LLMEngine",
     "ModelLoadError",
     "ModelRunner",
     "ParamError",
     "RequestOutput",
     "RequestOutputKind",
+    "RequestFailedError",
     "RequestRejectedError",
     "SamplingParams",
     "StepRecord",

@@ -28,6 +28,12 @@ class EngineDeadError(RuntimeError):
     """The background loop failed; the stream cannot finish."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (an exception in its own work or in the run of
+    a step that held it; :meth:`engine.LLMEngine.step`). The message names the exception;
+    the engine and its other requests go on."""
+
+
 class EngineStoppedError(EngineDeadError):
     """The engine was shut down (:meth:`AsyncLLMEngine.shutdown`) before the stream
     finished, or before the request was queued."""
@@ -56,6 +62,11 @@ class AsyncLLMEngine:
     step, so the engine is only ever touched by one thread. An abort thus takes effect,
     and frees the request's KV blocks, before the next step starts. The worker leaves when
     nothing is unfinished, and the next request starts it again.
+
+    A request that fails inside a step ends its stream with :class:`RequestFailedError`;
+    the loop goes on. Anything else the loop raises (the scheduler, a step hook, steps
+    failing again and again: :class:`engine.llm_engine.EngineBrokenError`) ends it: every
+    stream then raises :class:`EngineDeadError`, and so does every later request.
     """
 
     def __init__(
@@ -137,6 +148,7 @@ class AsyncLLMEngine:
         Raises:
             ValueError, RequestRejectedError: bad prompt, parameters or traffic class,
                 raised before the first output.
+            RequestFailedError: this request failed inside the engine.
             EngineDeadError: the background loop failed.
             EngineStoppedError: the engine was shut down.
         """
@@ -169,9 +181,13 @@ class AsyncLLMEngine:
                 item = await queue.get()
                 if isinstance(item, EngineStoppedError):
                     raise EngineStoppedError(*item.args)
+                if isinstance(item, RequestFailedError):  # its addition failed
+                    raise RequestFailedError(*item.args)
                 if isinstance(item, BaseException):
                     raise EngineDeadError("engine loop failed") from item
                 finished = item.finished
+                if item.error is not None:  # it ended in the engine, blocks freed
+                    raise RequestFailedError(f"the request failed in the engine: {item.error}")
                 yield item
                 if finished:
                     return
@@ -206,8 +222,13 @@ class AsyncLLMEngine:
 
     @property
     def dead(self) -> bool:
-        """The background loop failed; no request can finish (the replica should restart)."""
-        return self._error is not None
+        """The background loop failed, or its worker thread is gone without a word (it
+        left while it still had work: ``_running`` never cleared); no request can
+        finish (the replica should restart). Read on the event loop."""
+        if self._error is not None:
+            return True
+        worker = self._worker
+        return worker is not None and worker.done() and self._running and not self._stopping
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed before the next step."""
@@ -286,7 +307,12 @@ class AsyncLLMEngine:
             start, self._running = not self._running, True
         self._news.set()
         if start and not self._stopping:  # a stream's abort may follow shutdown()
-            self._worker = self._executor.submit(self._run)
+            try:
+                self._worker = self._executor.submit(self._run)
+            except RuntimeError as e:  # the executor is shut down: nothing can step
+                logger.error("the engine's worker thread is gone: %s", e)
+                self._error = e
+                self._fail(e)
 
     def _apply_pending(self) -> None:
         """On the worker: apply the queued aborts and additions. The additions stay in
@@ -310,8 +336,9 @@ class AsyncLLMEngine:
                     arrival_time=p.arrival_time,
                     resume_token_ids=p.resume_token_ids,
                 )
-            except ValueError as e:  # validated in generate(); only a race can land here
-                self._deliver_soon([e], p.request_id)
+            except Exception as e:  # validated in generate(); a bug of its own fails it alone
+                logger.error("request %s failed: %s", p.request_id, e, exc_info=e)
+                self._deliver_soon([RequestFailedError(f"{type(e).__name__}: {e}")], p.request_id)
         snapshot = engine.load_snapshot()
         with self._lock:
             del self._to_add[: len(adds)]  # the event loop only appends
@@ -355,7 +382,7 @@ class AsyncLLMEngine:
                     # Nothing could run (e.g. the static policy is filling a batch): wait
                     # for news or a short tick instead of spinning on empty steps.
                     self._news.wait(IDLE_TICK_S)
-        except Exception as e:  # a bug in the engine: fail every stream instead of hanging
+        except BaseException as e:  # the engine is lost (SystemExit too): fail every stream
             logger.exception("engine loop failed")
             # Set here, before the streams hear of it: a generate() on the event loop
             # either sees it and raises, or has its stream in place when _fail runs.

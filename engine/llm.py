@@ -67,6 +67,10 @@ class LLM:
             traffic_class: one class name per prompt (default ``standard``).
             use_tqdm: show a progress bar of finished requests.
 
+        A request that fails inside the engine (see :meth:`LLMEngine.step`) comes back
+        finished, with finish reason ``error`` and its :attr:`RequestOutput.error` set; the
+        others run on.
+
         Raises:
             ValueError: a list argument's length differs from the prompts', or a prompt is
                 rejected (see :meth:`LLMEngine.add_request`); nothing runs then.

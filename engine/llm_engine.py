@@ -15,7 +15,15 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.interfaces import FinishRecord, ModelRunner, StepRecord
 from engine.kv_cache import BlockManager
 from engine.outputs import RequestGroup, make_output
-from engine.request import FinishReason, ParamError, Request, RequestOutput, SamplingParams
+from engine.request import (
+    CompletionOutput,
+    FinishReason,
+    ParamError,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+)
 from engine.schedule_output import SchedulerOutput
 from engine.scheduler import Scheduler
 from engine.structured import StructuredOutput
@@ -25,9 +33,18 @@ from policies.limits import RequestLimits
 RECENT_STEPS = 8
 """Steps averaged into ``LoadSnapshot.recent_step_s`` (a few, so it follows bursts)."""
 
+MAX_FAILED_STEPS = 3
+"""Consecutive steps whose run may raise before :meth:`LLMEngine.step` gives up
+(:class:`EngineBrokenError`): one failed step fails only its requests, but a run that fails
+again and again, whatever it holds, means the runner itself is broken."""
+
 logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int] | dict
+
+
+class EngineBrokenError(RuntimeError):
+    """:data:`MAX_FAILED_STEPS` steps in a row failed to run: the engine cannot go on."""
 
 
 class LLMEngine:
@@ -95,6 +112,8 @@ class LLMEngine:
         self._recent_step_s: deque[float] = deque(maxlen=RECENT_STEPS)
         self._groups: dict[str, RequestGroup] = {}
         self._num_steps = 0
+        self._failed_steps = 0
+        """Consecutive steps whose run raised (see :data:`MAX_FAILED_STEPS`)."""
         self.last_step_num_tokens = 0
         """Tokens the last ``step()`` ran (0: it had nothing to schedule)."""
 
@@ -352,10 +371,21 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one iteration.
 
+        A failure stays with the requests it concerns. An exception in one request's own
+        work (its logits processors or grammar in the sampler, its grammar's advance, its
+        detokenization, its output) fails that request alone; one in the step's run (the
+        model's forward) fails the step's requests. A failed request ends at once, its KV
+        blocks freed, with a last output whose ``error`` says what was raised (finish
+        reason ``error``); the other requests go on.
+
         Returns:
-            An output for each request that got a token, shaped by its
+            An output for each request that got a token or failed, shaped by its
             ``SamplingParams.output_kind``; a finished request's last output has
             ``finished=True``.
+
+        Raises:
+            EngineBrokenError: the run raised in :data:`MAX_FAILED_STEPS` steps in a row.
+            Whatever the scheduler raises (its state is then unknown: the engine is lost).
         """
         start = self.clock()
         out = self.scheduler.schedule(start)
@@ -366,31 +396,49 @@ class LLMEngine:
         predicted = self._predict(out) if self.on_step is not None else 0.0
         if self.on_scheduled is not None:
             self.on_scheduled(self.load_snapshot(out))
-        samples = self.runner.execute(out)
+        try:
+            samples = self.runner.execute(out)
+        except Exception as e:  # the batch's forward: no request to pin it on
+            return self._step_failed(out, e)
+        self._failed_steps = 0
         got = self.scheduler.update(out, {rid: s.token_id for rid, s in samples.items()})
         now = self.clock()
         deltas: dict[str, tuple[str, int]] = {}
+        failed: dict[str, Exception] = {}
         for req in got:
-            sample = samples[req.request_id]
-            if req.grammar is not None:
-                req.grammar.accept_token(sample.token_id)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if sample.logprobs is not None:
-                req.logprobs.append(sample.logprobs)
-            text, stop_str = req.detokenizer.update(
-                [sample.token_id], len(req.output_token_ids) >= req.params.min_tokens
-            )
-            reason = self._stop_reason(req, sample.token_id, stop_str)
-            if reason is not None:
-                if stop_str is None:
-                    text += req.detokenizer.flush()
-                self.scheduler.finish(req, reason, now)
-            deltas[req.request_id] = (text, 1)
+            # A try costs nothing until it catches (zero-cost exceptions, Python 3.11).
+            try:
+                if req.error is not None:
+                    raise req.error
+                sample = samples[req.request_id]
+                if req.grammar is not None:
+                    req.grammar.accept_token(sample.token_id)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                if sample.logprobs is not None:
+                    req.logprobs.append(sample.logprobs)
+                text, stop_str = req.detokenizer.update(
+                    [sample.token_id], len(req.output_token_ids) >= req.params.min_tokens
+                )
+                reason = self._stop_reason(req, sample.token_id, stop_str)
+                if reason is not None:
+                    if stop_str is None:
+                        text += req.detokenizer.flush()
+                    self.scheduler.finish(req, reason, now)
+                deltas[req.request_id] = (text, 1)
+            except Exception as e:  # this request's own work: it alone fails
+                failed.setdefault(req.parent_id, e)
         outputs = []
         for parent in dict.fromkeys(r.parent_id for r in got):
+            if parent in failed:
+                outputs.append(self._fail(parent, failed[parent], now))
+                continue
             group = self._groups[parent]
-            output = make_output(group, deltas)
+            try:
+                output = make_output(group, deltas)
+            except Exception as e:
+                outputs.append(self._fail(parent, e, now))
+                continue
             if output is not None:
                 outputs.append(output)
             if group.finished:
@@ -402,6 +450,54 @@ class LLMEngine:
         if self.on_step is not None:
             self.on_step(self._record(out, start, seconds, schedule_s, now - start, predicted))
         return outputs
+
+    def _step_failed(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """Fail every request of a step whose run raised ``error``; their KV blocks were
+        allocated for the step and are freed with them, so the scheduler's queues and the
+        block manager stay as if those requests had been aborted.
+
+        Raises:
+            EngineBrokenError: this was the :data:`MAX_FAILED_STEPS`-th failed step in a row.
+        """
+        self._failed_steps += 1
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise EngineBrokenError(
+                f"{self._failed_steps} steps in a row failed to run; the last: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        now = self.clock()
+        parents = dict.fromkeys(s.request.parent_id for s in out.seqs)
+        return [self._fail(p, error, now) for p in parents if p in self._groups]
+
+    def _fail(self, request_id: str, error: Exception, now: float) -> RequestOutput:
+        """End request ``request_id`` (all its sequences) with finish reason ``error``,
+        free its blocks, and make its last output, which carries the error."""
+        message = f"{type(error).__name__}: {error}"
+        logger.error("request %s failed: %s", request_id, message, exc_info=error)
+        group = self._groups.pop(request_id)
+        for req in group.seqs:
+            if not req.is_finished:
+                self.scheduler.finish(req, FinishReason.ERROR, now)
+        self._finished(group)
+        first = group.seqs[0]
+        return RequestOutput(
+            request_id=request_id,
+            prompt=group.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[
+                CompletionOutput(index=r.index, text="", token_ids=[], finish_reason="error")
+                for r in group.seqs
+            ],
+            finished=True,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=RequestMetrics(
+                arrival_time=group.arrival_time,
+                first_scheduled_time=first.first_scheduled_time,
+                first_token_time=first.first_token_time,
+                finish_time=now,
+            ),
+            error=message,
+        )
 
     def also_on_step(self, listener: Callable[[StepRecord], None]) -> None:
         """Call ``listener`` with every step's :class:`StepRecord` too, after whatever

@@ -28,14 +28,19 @@ def apply(
         eos_token_ids: what ``min_tokens`` holds back, with each request's stop token ids.
 
     Returns:
-        ``logits`` itself when no request has a processor, else a processed copy.
+        ``logits`` itself when no request has a processor, else a processed copy. A
+        request whose processors raise keeps its row as far as they got and gets the
+        exception in :attr:`Request.error` (the engine fails it after the step).
     """
     rows = [i for i, r in enumerate(requests) if r.params.penalized]
     if not rows:
         return logits
     out = logits.clone()
     for i in rows:
-        _process_row(out[i], requests[i], eos_token_ids)
+        try:
+            _process_row(out[i], requests[i], eos_token_ids)
+        except Exception as e:  # this request's own processors: it alone fails (Request.error)
+            requests[i].error = e
     return out
 
 

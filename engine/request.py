@@ -203,6 +203,8 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
+    """An exception while running the request's step (:attr:`RequestOutput.error`)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -257,6 +259,9 @@ class Request:
     grammar: Any = None
     """Its xgrammar matcher when it has a ``json_schema`` (:mod:`engine.structured`)."""
     detokenizer: Any = None
+    error: Exception | None = None
+    """What one of its per-request hooks raised in the step being run (a logits processor
+    or its grammar, in the sampler); the engine fails the request when the step ends."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -326,3 +331,6 @@ class RequestOutput:
     asked for; a ``DELTA`` request gets it once, with its first output."""
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache (OpenAI's ``cached_tokens``)."""
+    error: str | None = None
+    """Set on the last output (``finished``, finish reason ``error``) of a request that
+    failed inside the engine: the exception's type and message. Other requests go on."""

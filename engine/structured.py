@@ -73,7 +73,8 @@ def mask(logits: torch.Tensor, raw: torch.Tensor, requests: list[Request]) -> to
     Args:
         logits: ``[S, V]`` float logits after the logits processors.
         raw: the model's logits; never modified (log-probabilities come from them).
-        requests: the ``S`` requests, in row order.
+        requests: the ``S`` requests, in row order; one whose matcher raises gets the
+            exception in :attr:`Request.error` (the engine fails it after the step).
     """
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
@@ -84,6 +85,9 @@ def mask(logits: torch.Tensor, raw: torch.Tensor, requests: list[Request]) -> to
         logits = logits.clone()
     bitmask = xgr.allocate_token_bitmask(len(requests), logits.shape[-1])
     for i in rows:
-        requests[i].grammar.fill_next_token_bitmask(bitmask, i)
+        try:
+            requests[i].grammar.fill_next_token_bitmask(bitmask, i)
+        except Exception as e:  # this request's matcher: it alone fails (Request.error)
+            requests[i].error = e
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
     return logits

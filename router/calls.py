@@ -11,6 +11,7 @@ step that produced tokens), ``cancel()``, and the attributes ``prompt_tokens``,
 from __future__ import annotations
 
 from router.contract import Accepted, FirstItem, Refused, StepItem
+from router.errors import ApiError
 from router.metrics import RequestRecord
 
 RETRY_AFTER_S = 5
@@ -33,6 +34,13 @@ def accepted(first: FirstItem) -> Accepted:
     if isinstance(first, Refused):
         raise first.error()
     return first
+
+
+def request_failed(item: StepItem) -> ApiError:
+    """The answer to a request whose replica reported it failed inside the engine
+    (:attr:`StepItem.error`): 503 ``request_failed``. Not bad input (no 4xx), and not the
+    replica's loss: the engine went on, and a retry may well succeed."""
+    return ApiError(503, f"the request failed in the engine: {item.error}", code="request_failed")
 
 
 def record_item(record: RequestRecord | None, item: StepItem) -> None:

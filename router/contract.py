@@ -6,8 +6,8 @@ A request's path: the ingress (:class:`router.ingress.Ingress`) asks its
 :class:`RequestShape`. The replica answers the call with one :data:`FirstItem`: an
 :class:`Accepted` once its engine queued the request, or a :class:`Refused` (and nothing
 more) when the engine can never run it. Then one :class:`StepItem` per engine step that
-produced tokens, the last with ``finished``; a :class:`Lost` instead when the engine
-serving the request failed.
+produced tokens, the last with ``finished`` (and ``error`` when the request alone failed
+inside the engine); a :class:`Lost` instead when the engine serving the request failed.
 
 Both sides import this module: the ingress (:mod:`router.ingress`, :mod:`router.dispatch`,
 :mod:`router.local`) and the replicas (:mod:`deploy.engine_replica`, :mod:`deploy.replica`).
@@ -127,6 +127,10 @@ class StepItem:
     (``AsyncLLMEngine.load_update``), so that an ingress in another process sees the
     replica's load step by step; always None for an ingress in the engine's process,
     which reads the engine's snapshot itself."""
+    error: str | None = None
+    """The request failed inside the engine (an exception in its step; the engine went
+    on): what was raised. Set on its last item, ``finished``, with no outputs; the
+    ingress answers 503 ``request_failed`` (:func:`router.calls.request_failed`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from policies import LoadSnapshot
-from router.calls import RETRY_AFTER_S, ReplicaLost, accepted, record_item
+from router.calls import RETRY_AFTER_S, ReplicaLost, accepted, record_item, request_failed
 from router.contract import Lost, ModelInfo, Refused, RequestShape, StepItem
 from router.errors import ApiError
 from router.metrics import RequestRecord
@@ -188,6 +188,10 @@ class Dispatch:
                         raise ReplicaLost(f"the replica serving this request failed: {why}")
                     await self._migrate(why)
                     continue
+                if item.error is not None:  # the request alone failed; its engine goes on
+                    self.done = True
+                    self._failed()
+                    raise request_failed(item)
                 if item.outputs:
                     self.produced = True
                     for o in item.outputs:

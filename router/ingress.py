@@ -279,6 +279,8 @@ class Ingress:
             return JSONResponse(body, headers=headers)
         except ReplicaLost as e:
             return self._error(_lost(e))
+        except ApiError as e:  # the request failed in the engine, or a re-send was refused
+            return self._error(e)
         finally:
             self._cancel(reply.calls)
 
@@ -312,6 +314,8 @@ class Ingress:
         except ReplicaLost as e:
             err = _lost(e)
             return Answer(err.status, "", err.body())
+        except ApiError as e:  # the request failed in the engine, or a re-send was refused
+            return Answer(e.status, "", e.body())
         finally:
             self._cancel(reply.calls)
         return Answer(200, reply.rid, out, out["usage"]["completion_tokens"])

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from policies import LoadSnapshot
-from router.calls import ReplicaLost, accepted, record_item
+from router.calls import ReplicaLost, accepted, record_item, request_failed
 from router.contract import FirstItem, ModelInfo, Refused, RequestShape, StepItem
 from router.errors import ApiError
 from router.metrics import RequestRecord
@@ -55,9 +55,15 @@ class LocalCall:
 
         Raises:
             ReplicaLost: the engine failed or was shut down.
+            ApiError: 503 ``request_failed``: this request failed inside the engine.
         """
         try:
             async for item in self.gen:
+                if item.error is not None:
+                    self.done = True
+                    if self.record is not None:
+                        self.record.failed()
+                    raise request_failed(item)
                 if item.cached_tokens is not None:
                     self.cached_tokens = item.cached_tokens
                 record_item(self.record, item)

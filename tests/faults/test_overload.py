@@ -1,0 +1,61 @@
+"""Overload: far more concurrent requests than the engine has seats. Each gets 200 (and a
+whole answer), 429 or 503, and every refusal says when to come back (``Retry-After``);
+afterwards every gauge reads 0 and the greedy answer is unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.faults.conftest import GREEDY, KEY, LocalServer
+
+pytestmark = pytest.mark.slow
+
+STANDARD = 12
+"""Requests of the ``standard`` class (SLOs no host misses: all admitted, in turn)."""
+TIGHT = 48
+"""Requests of the ``tight`` class, whose SLO no queue meets: refused once they wait."""
+
+
+async def _one(client: httpx.AsyncClient, i: int) -> tuple[int, str | None, bool]:
+    """Request ``i``: ``(status, Retry-After, whole answer)``."""
+    tight = i >= STANDARD
+    headers = {"Authorization": f"Bearer {'sk-batch' if tight else KEY}"}
+    if tight:
+        headers["x-iterserve-class"] = "tight"
+    stream = i % 2 == 0
+    body = {**GREEDY, "max_tokens": 4, "stream": stream}
+    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+        text = (await r.aread()).decode()
+    if r.status_code != 200:
+        error = json.loads(text)["error"]
+        assert error["message"] and error["type"], text
+        return r.status_code, r.headers.get("retry-after"), False
+    if not stream:
+        return 200, None, json.loads(text)["choices"][0]["finish_reason"] == "length"
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    whole = events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+    return 200, None, whole and '"finish_reason": "length"' in text
+
+
+async def test_overload_gets_200_429_or_503_and_every_refusal_a_retry_after(
+    fault_server: LocalServer, greedy_text: str
+):
+    limits = httpx.Limits(max_connections=STANDARD + TIGHT)
+    async with httpx.AsyncClient(base_url=fault_server.url, limits=limits, timeout=300) as client:
+        results = await asyncio.gather(*(_one(client, i) for i in range(STANDARD + TIGHT)))
+    statuses = [s for s, _, _ in results]
+    assert set(statuses) <= {200, 429, 503}, statuses
+    assert 200 in statuses and 429 in statuses, statuses  # it was overloaded, and served
+    for status, retry_after, whole in results:
+        if status == 200:
+            assert whole
+        else:
+            assert retry_after is not None and int(retry_after) >= 1, results
+    gauges = await asyncio.to_thread(fault_server.wait_idle)
+    assert gauges == dict.fromkeys(gauges, 0.0)
+    r = await asyncio.to_thread(fault_server.complete)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy_text
