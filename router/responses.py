@@ -117,11 +117,12 @@ class QueueTimeout(Exception):
         self.source = source
 
     def error(self, retry_after_s: int) -> ApiError:
-        """The API's answer: 429, ``rate_limit_exceeded``, with a Retry-After."""
+        """The API's answer: 429 (type ``rate_limit_error``), code ``queue_timeout``,
+        with a Retry-After."""
         return ApiError(
             429,
             str(self),
-            code="rate_limit_exceeded",
+            code="queue_timeout",
             headers={"Retry-After": str(retry_after_s)},
         )
 

@@ -23,6 +23,9 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(map(chr, ids))
 
+    def apply_chat_template(self, messages, tokenize: bool = False, **kwargs) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+
 
 class _Engine:
     dead = False
