@@ -44,7 +44,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from policies import classes_from_fields, policy_from_spec
+from policies import TrafficClass, classes_from_fields, policy_from_spec
 from router import openai_format as fmt
 from router import responses
 from router.admission import AdmissionRejected, IngressAdmission
@@ -485,20 +485,8 @@ class Ingress:
         return refused
 
     def queue_bound(self, traffic_class: str) -> tuple[float, str]:
-        """The longest a request of ``traffic_class`` may wait before it starts, in seconds
-        from its arrival at the ingress, and what set it (for the refusal's message).
-
-        The wait ends with the request's first token (:func:`router.responses.merged`)
-        and covers admission's hold, the replica's queue and the prefill. The bound is the
-        larger of the class's TTFT SLO and ``max_queue_time_s``: a class whose SLO is
-        longer (``batch``) may wait up to it; for the others ``max_queue_time_s`` is the
-        floor, as their SLO is a target that admission already refuses by when it
-        predicts a miss (a request admitted and then late is cut only past the floor).
-        """
-        slo = self.classes[traffic_class].ttft_slo_s
-        if slo > self.settings.max_queue_time_s:
-            return slo, f"the {traffic_class} class's TTFT SLO, ttft_slo_s"
-        return self.settings.max_queue_time_s, "the server's max_queue_time_s"
+        """:func:`queue_bound` of ``traffic_class`` with this server's settings."""
+        return queue_bound(self.classes[traffic_class], self.settings.max_queue_time_s)
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -599,6 +587,22 @@ class Ingress:
     @staticmethod
     def _error(e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def queue_bound(cls: TrafficClass, max_queue_time_s: float) -> tuple[float, str]:
+    """The longest a request of class ``cls`` may wait before it starts, in seconds from
+    its arrival at the ingress, and what set it (for the refusal's message).
+
+    The wait ends with the request's first token (:func:`router.responses.merged`) and
+    covers admission's hold, the replica's queue and the prefill. The bound is the larger
+    of the class's TTFT SLO and ``max_queue_time_s``: a class whose SLO is longer
+    (``batch``) may wait up to it; for the others ``max_queue_time_s`` is the floor, as
+    their SLO is a target that admission already refuses by when it predicts a miss, and
+    a request admitted and then late is cut only past the floor.
+    """
+    if cls.ttft_slo_s > max_queue_time_s:
+        return cls.ttft_slo_s, f"the {cls.name} class's TTFT SLO, ttft_slo_s"
+    return max_queue_time_s, "the server's max_queue_time_s"
 
 
 def _failure(e: Exception) -> ApiError:
