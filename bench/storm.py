@@ -46,6 +46,7 @@ import httpx
 import yaml
 
 from bench.toolkit import report as rp
+from bench.toolkit.cpu_load import cpu_snapshot, foreign_cores
 from bench.toolkit.prompts import prompt_maker
 from bench.toolkit.servers import MODEL_NAME, model_dir
 from bench.toolkit.workload import REPO
@@ -275,7 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     loads = _busy_loops(args.load)
     try:
         with _Serve(config.model_dump(mode="json", exclude_none=True)) as server:
+            cpu0 = cpu_snapshot()
             records, wall_s = asyncio.run(storm(args, server.url))
+            # Every other process: the server, the busy loops and whatever else ran.
+            others = foreign_cores(cpu0, cpu_snapshot(), wall_s)
             idle_s = _idle_after(server.url, IDLE_WITHIN_S)
             counters = _counters(server.url)
             errors_logged = len(server.log_lines(r"^ERROR|Traceback"))
@@ -307,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "server_counters": counters,
         "server_errors_logged": errors_logged,
         "idle_after_s": idle_s,
+        "other_processes_cores": others,
     }
     rows = [
         ["streams", str(len(records))],
@@ -324,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         *[[f"server: {k}", rp.fmt(v, ".0f")] for k, v in sorted(counters.items())],
         ["server ERROR lines", str(errors_logged)],
         ["replica idle after the storm (s)", rp.fmt(idle_s, ".1f", "not idle")],
+        ["cores busy outside this client (server, load, others)", rp.fmt(others, ".2f")],
     ]
     print(rp.table(["storm", "value"], rows, align="lr"))
     report = {

@@ -5,6 +5,11 @@ across prompts and ``n`` (prompt ``p``, sequence ``i``: ``p * n + i``), as OpenA
 index them. ``echo`` puts each prompt (and, with ``logprobs``, its log-probabilities)
 before its choices' text; a scores-only request (``max_tokens: 0``) drops the one token
 the engine sampled.
+
+A request may carry a deadline for its first step items (:class:`StartBy`, the ingress's
+queue bound): past it, :class:`QueueTimeout` ends the response, as a 429 or, in a stream,
+as an error event. A stream also sends an SSE comment (:data:`KEEPALIVE`) after every
+``keepalive_s`` without a chunk.
 """
 
 from __future__ import annotations
