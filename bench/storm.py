@@ -267,11 +267,39 @@ def _counters(url: str) -> dict[str, float]:
     return {k: v for k, v in out.items() if v}
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """A result file's summary as a markdown table."""
+    s = result["summary"]
+    rows = [
+        ["streams", str(s["requests"])],
+        [f"queue bound of the class (s): {s['class_bound_source']}", f"{s['class_bound_s']:g}"],
+        ["keepalive comment after (s)", f"{s['stream_keepalive_s']:g}"],
+        ["**streams silent longer than the bound**", f"**{s['silent_over_class_bound']}**"],
+        [f"streams silent longer than {LB_IDLE_TIMEOUT_S:g} s", str(s["silent_over_60s"])],
+        [
+            "longest silence of a stream (s): max / median",
+            f"{s['longest_silence_s']:.1f} / {s['longest_silence_p50_s']:.1f}",
+        ],
+        ["streams that got a keepalive comment", str(s["streams_with_comments"])],
+        *[[f"ended: {k}", str(v)] for k, v in sorted(s["ends"].items())],
+        *[[f"server counted: {k}", f"{v:g}"] for k, v in sorted(s["server_counters"].items())],
+        ["ERROR lines in the server's log", str(s["server_errors_logged"])],
+        ["replica idle after the storm within (s)", rp.fmt(s["idle_after_s"], ".1f", "never")],
+        [
+            "cores busy outside the client (server, load, others)",
+            rp.fmt(s["other_processes_cores"], ".2f"),
+        ],
+    ]
+    return rp.table(["storm", "value"], rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print(f"[storm] expected duration: about {EXPECTED_S // 60} minutes", flush=True)
     config = ServiceConfig(port=args.port, **args.service)
-    bound_s, source = queue_bound(config.traffic_classes()[DEFAULT_CLASS], config.max_queue_time_s)
+    bound = queue_bound(config.traffic_classes()[DEFAULT_CLASS], config.max_queue_time_s)
+    assert bound is not None, "the storm's class must be rejectable"
+    bound_s, source = bound
     keepalive_s = config.stream_keepalive_s
     loads = _busy_loops(args.load)
     try:
@@ -313,32 +341,15 @@ def main(argv: list[str] | None = None) -> int:
         "idle_after_s": idle_s,
         "other_processes_cores": others,
     }
-    rows = [
-        ["streams", str(len(records))],
-        ["wall (s)", rp.fmt(wall_s, ".0f")],
-        [f"class bound (s), {source}", rp.fmt(bound_s, ".0f")],
-        ["keepalive (s)", rp.fmt(keepalive_s, ".0f")],
-        ["silent > class bound", str(len(over_bound))],
-        ["silent > 60 s", str(len(over_lb))],
-        [
-            "longest silence (s), max / p50",
-            f"{max(silences):.1f} / {summary['longest_silence_p50_s']:.1f}",
-        ],
-        ["streams that got comments", str(summary["streams_with_comments"])],
-        *[[f"ended: {k}", str(v)] for k, v in sorted(ends.items())],
-        *[[f"server: {k}", rp.fmt(v, ".0f")] for k, v in sorted(counters.items())],
-        ["server ERROR lines", str(errors_logged)],
-        ["replica idle after the storm (s)", rp.fmt(idle_s, ".1f", "not idle")],
-        ["cores busy outside this client (server, load, others)", rp.fmt(others, ".2f")],
-    ]
-    print(rp.table(["storm", "value"], rows, align="lr"))
     report = {
         "run": rp.run_record(),
+        "wall_s": wall_s,
         "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}
         | {"load_processes": args.load},
         "summary": summary,
         "records": [rp.compact_record(r) for r in records],
     }
+    print(markdown(report))
     rp.write_json(report, args.out)
     print(f"[storm] wrote {args.out}")
     return 0 if not over_bound else 1

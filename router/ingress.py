@@ -20,14 +20,14 @@ request before its next step and frees its KV blocks; streamed or not, and on bo
 (the ingress watches the connection itself, :meth:`Ingress._collect`). A client that
 leaves while it sends its body is logged at INFO and answered 499 (:data:`CLIENT_GONE`).
 
-No request waits without bound (:meth:`Ingress.queue_bound`): one that has not started
-(no first token) within its class's bound after its arrival is refused, whether admission
-held it or a replica queued it: 429 with Retry-After while nothing was sent, an error
-event then ``data: [DONE]`` in a stream already open. Its calls are cancelled, which
-frees its place and its KV blocks. ``iterserve:admission_rejections`` counts it with
-reason ``queue_timeout``. A stream sends an SSE comment after every
-``stream_keepalive_s`` of silence, so that a proxy's idle timeout does not cut a request
-that is only waiting.
+No request of a rejectable class waits without bound (:func:`queue_bound`): one that has
+not started (no first token) within its class's bound after its arrival is refused,
+whether admission held it or a replica queued it: 429 with Retry-After while nothing was
+sent, an error event then ``data: [DONE]`` in a stream already open. Its calls are
+cancelled, which frees its place and its KV blocks. ``iterserve:admission_rejections``
+counts it with reason ``queue_timeout``. A stream (of any class) sends an SSE comment
+after every ``stream_keepalive_s`` of silence, so that a proxy's idle timeout does not
+cut a request that is only waiting.
 """
 
 import asyncio
@@ -134,8 +134,10 @@ class Ingress:
         ConfiguredCORS.origins = self.settings.allowed_origins
         self.replicas = replicas
         self.classes = classes_from_fields(self.settings.traffic_classes)
-        self.queue_bounds = {name: self.queue_bound(name) for name in self.classes}
-        """Each class's :meth:`queue_bound`."""
+        self.queue_bounds = {
+            name: queue_bound(c, self.settings.max_queue_time_s) for name, c in self.classes.items()
+        }
+        """Each class's :func:`queue_bound` with this server's ``max_queue_time_s``."""
         self.api_keys = self.settings.all_api_keys()
         check_key_classes(self.api_keys, self.classes)
         self.admission = IngressAdmission(
@@ -316,7 +318,7 @@ class Ingress:
         or ``POST /v1/completions`` with ``headers`` (lower-case names) would: the same
         checks, admission, dispatch and body, and the same status and error body when it
         fails. ``request_id`` is the response's ``x-request-id`` (empty on an error).
-        Unlike ``POST``, no queue bound applies (:meth:`queue_bound`): no client waits on
+        Unlike ``POST``, no queue bound applies (:func:`queue_bound`): no client waits on
         a connection, and a batch line waits for its turn however long that takes.
 
         Raises nothing for the request's own faults; a bug of ours is a 500 (logged).
@@ -356,7 +358,7 @@ class Ingress:
         """Validate ``body``, resolve its caller, tokenize its prompts and send each to a
         replica once admitted; the reply to build once every replica accepted its prompt.
 
-        ``bounded``: hold the request to its class's :meth:`queue_bound` from ``arrival``
+        ``bounded``: hold the request to its class's :func:`queue_bound` from ``arrival``
         (admission's hold included); the reply's ``start_by`` is then its deadline.
 
         Raises:
@@ -376,9 +378,9 @@ class Ingress:
                 req.priority,
             )
             start_by = None
-            if bounded:
-                bound_s, source = self.queue_bounds[caller.traffic_class]
-                start_by = StartBy(arrival + bound_s, bound_s, source)
+            bound = self.queue_bounds[caller.traffic_class]
+            if bounded and bound is not None:
+                start_by = StartBy(arrival + bound[0], *bound)
             info = await self._model_info()
             prompts = fmt.prompts(req, chat, info.tokenizer)
             scores_only = fmt.scores_only(req, chat)
@@ -484,10 +486,6 @@ class Ingress:
 
         return refused
 
-    def queue_bound(self, traffic_class: str) -> tuple[float, str]:
-        """:func:`queue_bound` of ``traffic_class`` with this server's settings."""
-        return queue_bound(self.classes[traffic_class], self.settings.max_queue_time_s)
-
     # -- helpers -----------------------------------------------------------------------
 
     async def _admit(
@@ -589,17 +587,21 @@ class Ingress:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def queue_bound(cls: TrafficClass, max_queue_time_s: float) -> tuple[float, str]:
+def queue_bound(cls: TrafficClass, max_queue_time_s: float) -> tuple[float, str] | None:
     """The longest a request of class ``cls`` may wait before it starts, in seconds from
-    its arrival at the ingress, and what set it (for the refusal's message).
+    its arrival at the ingress, and what set it (for the refusal's message); None for a
+    class that is never refused for its SLO (``rejectable: false``, as ``batch``: work
+    that must run waits its turn however long, its streams kept alive by comments).
 
     The wait ends with the request's first token (:func:`router.responses.merged`) and
     covers admission's hold, the replica's queue and the prefill. The bound is the larger
-    of the class's TTFT SLO and ``max_queue_time_s``: a class whose SLO is longer
-    (``batch``) may wait up to it; for the others ``max_queue_time_s`` is the floor, as
-    their SLO is a target that admission already refuses by when it predicts a miss, and
-    a request admitted and then late is cut only past the floor.
+    of the class's TTFT SLO and ``max_queue_time_s``: a class whose SLO is longer may wait
+    up to it; for the others ``max_queue_time_s`` is the floor, as their SLO is a target
+    that admission already refuses by when it predicts a miss, and a request admitted and
+    then late is cut only past the floor.
     """
+    if not cls.rejectable:
+        return None
     if cls.ttft_slo_s > max_queue_time_s:
         return cls.ttft_slo_s, f"the {cls.name} class's TTFT SLO, ttft_slo_s"
     return max_queue_time_s, "the server's max_queue_time_s"

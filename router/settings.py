@@ -42,7 +42,8 @@ class IngressOptions(BaseModel):
         gt=0,
         description="seconds a request may wait, from its arrival to its first token, "
         "before it is refused (429, or an error event in an open stream); a class whose "
-        "TTFT SLO is longer waits up to that SLO instead",
+        "TTFT SLO is longer waits up to that SLO instead, and a class that is not "
+        "`rejectable` (batch) waits its turn",
     )
     stream_keepalive_s: float = Field(
         15.0,

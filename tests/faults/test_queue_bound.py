@@ -73,17 +73,35 @@ async def test_a_waiting_stream_sends_comments_then_an_error_event_and_done():
 
 
 async def test_a_class_whose_ttft_slo_is_longer_waits_up_to_it():
-    ing, _ = ingress(SlowReplica(), {"batch": {"ttft_slo_s": 90.0}}, max_queue_time_s=20)
-    assert ing.queue_bounds["batch"] == (90.0, "the batch class's TTFT SLO, ttft_slo_s")
+    ing, _ = ingress(SlowReplica(), {"interactive": {"ttft_slo_s": 90.0}}, max_queue_time_s=20)
+    assert ing.queue_bounds["interactive"] == (
+        90.0,
+        "the interactive class's TTFT SLO, ttft_slo_s",
+    )
     assert ing.queue_bounds["standard"] == (20.0, "the server's max_queue_time_s")
 
 
+async def test_a_class_never_refused_for_its_slo_waits_its_turn_kept_alive():
+    """``batch`` (``rejectable: false``) has no queue bound: past ``max_queue_time_s`` and
+    its TTFT SLO, its stream still gets its tokens, with comments while it waits."""
+    replica = SlowReplica(start_s=0.6, step_s=0.0)
+    classes = {"batch": {"ttft_slo_s": 0.1}}
+    ing, app = ingress(replica, classes, max_queue_time_s=0.1, stream_keepalive_s=0.1)
+    assert ing.queue_bounds["batch"] is None
+    async with _client(app) as client:
+        r = await client.post(
+            "/v1/completions", json=_body(True), headers={"x-iterserve-class": "batch"}
+        )
+    assert r.status_code == 200 and ": keepalive" in r.text
+    assert r.text.count('"text": "x"') == 4 and r.text.endswith("data: [DONE]\n\n")
+    assert _refusals(ing, "batch") == 0
+
+
 async def test_admission_holds_no_longer_than_the_bound():
-    """A request admission would hold for ever (``batch`` is never refused for its SLO)
-    is refused at the bound, before its stream opens: a 429 and nothing sent to a
-    replica."""
+    """A request admission would hold for ever is refused at the bound, before its stream
+    opens: a 429 and nothing sent to a replica."""
     replica = SlowReplica()
-    ing, app = ingress(replica, {"batch": {"ttft_slo_s": 0.3}}, max_queue_time_s=0.1)
+    ing, app = ingress(replica, {"standard": {"ttft_slo_s": 0.3}}, max_queue_time_s=0.1)
     ing.admission.enabled = True
 
     async def held_for_ever(*args, **kwargs) -> float:
@@ -92,17 +110,12 @@ async def test_admission_holds_no_longer_than_the_bound():
 
     ing.admission.admit = held_for_ever
     async with _client(app) as client:
-        r = await asyncio.wait_for(
-            client.post(
-                "/v1/completions", json=_body(True), headers={"x-iterserve-class": "batch"}
-            ),
-            30,
-        )
+        r = await asyncio.wait_for(client.post("/v1/completions", json=_body(True)), 30)
     assert r.status_code == 429 and "retry-after" in r.headers, r.text
     err = r.json()["error"]
     assert err["code"] == "queue_timeout" and "ttft_slo_s" in err["message"]
     assert replica.running == replica.aborted == 0
-    assert _refusals(ing, "batch") == 1
+    assert _refusals(ing) == 1
 
 
 @pytest.mark.parametrize("chat", [False, True])
