@@ -186,10 +186,14 @@ async def _events(
                     yield _QUIET
                     continue
                 timeout = quiet if timeout is None else min(timeout, quiet)
-            try:
-                p, item = await asyncio.wait_for(queue.get(), timeout)
-            except TimeoutError:
-                continue
+            if timeout is None:
+                p, item = await queue.get()
+            else:
+                try:  # a timer, no task per item: this runs for every token of every stream
+                    async with asyncio.timeout(timeout):
+                        p, item = await queue.get()
+                except TimeoutError:
+                    continue
             waiting.discard(p)
             if item is None:
                 left -= 1
