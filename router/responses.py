@@ -146,6 +146,9 @@ class StartBy:
 
 _QUIET = None
 """What :func:`_events` yields after ``idle_s`` without an item."""
+_TICK = -1
+"""The prompt index of a timer's entry in :func:`_events`' queue."""
+_DEADLINE, _IDLE = object(), object()
 
 
 async def _events(
@@ -153,11 +156,18 @@ async def _events(
 ) -> AsyncIterator[tuple[int, StepItem] | None]:
     """:func:`merged`'s items, and None after every ``idle_s`` seconds without one.
 
+    The deadline and the quiet spells are timers that drop an entry in the queue the
+    items come through, so that waiting for the next item costs nothing more per item
+    (this runs for every token of every stream).
+
     Raises:
         QueueTimeout: a call has no item at ``start_by.at``.
         ReplicaLost, ApiError: as the call's ``items()`` raises them.
     """
     queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    last = time.monotonic()  # when the consumer last got an item (or a quiet tick)
+    timers: list[asyncio.TimerHandle] = []
 
     async def pump(p: int, call: PromptCall) -> None:
         try:
@@ -167,33 +177,36 @@ async def _events(
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
             await queue.put((p, e))
 
+    def quiet_check() -> None:
+        assert idle_s is not None
+        left = last + idle_s - time.monotonic()
+        if left <= 0:
+            queue.put_nowait((_TICK, _IDLE))
+            left = idle_s
+        timers[-1] = loop.call_later(left, quiet_check)
+
+    if start_by is not None:
+        timers.append(
+            loop.call_later(
+                max(0.0, start_by.at - time.monotonic()), queue.put_nowait, (_TICK, _DEADLINE)
+            )
+        )
+    if idle_s is not None:
+        timers.append(loop.call_later(idle_s, quiet_check))
     tasks = [asyncio.create_task(pump(p, c)) for p, c in enumerate(calls)]
     waiting = set(range(len(calls)))  # calls that have not yielded their first item
-    quiet_since = time.monotonic()
     try:
         left = len(calls)
         while left:
-            now = time.monotonic()
-            timeout = None
-            if start_by is not None and waiting:
-                timeout = start_by.at - now
-                if timeout <= 0:
+            p, item = await queue.get()
+            if p == _TICK:
+                if item is _DEADLINE and waiting:
+                    assert start_by is not None
                     raise QueueTimeout(start_by.bound_s, start_by.source)
-            if idle_s is not None:
-                quiet = quiet_since + idle_s - now
-                if quiet <= 0:
-                    quiet_since = now
+                if item is _IDLE:
+                    last = time.monotonic()
                     yield _QUIET
-                    continue
-                timeout = quiet if timeout is None else min(timeout, quiet)
-            if timeout is None:
-                p, item = await queue.get()
-            else:
-                try:  # a timer, no task per item: this runs for every token of every stream
-                    async with asyncio.timeout(timeout):
-                        p, item = await queue.get()
-                except TimeoutError:
-                    continue
+                continue
             waiting.discard(p)
             if item is None:
                 left -= 1
@@ -202,9 +215,11 @@ async def _events(
                 raise item
             if item.prompt_logprobs is not None:
                 calls[p].prompt_logprobs = item.prompt_logprobs
-            quiet_since = time.monotonic()
+            last = time.monotonic()
             yield p, item
     finally:
+        for timer in timers:
+            timer.cancel()
         for t in tasks:
             t.cancel()
 
