@@ -2,6 +2,7 @@
 
     python -m bench.storm            # about 4 minutes (printed first)
     python -m bench.storm --no-load  # without the CPU-heavy neighbour
+    python -m bench.storm --tree ../before --out /tmp/storm_before.json  # another checkout
 
 ``iterserve serve`` with its defaults (one replica in its own process) gets ``--requests``
 streamed completions, ``--concurrency`` at a time, prompts of 16 to ``--max-prompt``
@@ -82,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default={},
         help="ServiceConfig overrides as JSON, e.g. '{\"max_queue_time_s\": 10}'",
     )
+    p.add_argument(
+        "--tree",
+        type=Path,
+        default=REPO,
+        help="serve this checkout's code (e.g. a tree without the queue bound, to compare)",
+    )
     p.add_argument("--out", type=Path, default=OUT)
     return p.parse_args(argv)
 
@@ -89,7 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class _Serve:
     """``iterserve serve`` (this checkout's code) for a ``with`` block."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], tree: Path = REPO) -> None:
+        self.tree = tree
         self._tmp = tempfile.TemporaryDirectory(prefix="storm-")
         path = Path(self._tmp.name) / "service.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -100,14 +108,14 @@ class _Serve:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> _Serve:
-        env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+        env = {**os.environ, "PYTHONPATH": f"{self.tree}:{os.environ.get('PYTHONPATH', '')}"}
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
                 self.command,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
-                cwd=REPO,
+                cwd=self.tree,
                 start_new_session=True,
             )
         deadline = time.monotonic() + 300
@@ -303,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     keepalive_s = config.stream_keepalive_s
     loads = _busy_loops(args.load)
     try:
-        with _Serve(config.model_dump(mode="json", exclude_none=True)) as server:
+        # Only the fields set: another checkout's config may lack the newer ones.
+        fields = config.model_dump(mode="json", exclude_unset=True)
+        with _Serve(fields, args.tree) as server:
             cpu0 = cpu_snapshot()
             records, wall_s = asyncio.run(storm(args, server.url))
             # Every other process: the server, the busy loops and whatever else ran.
@@ -344,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "run": rp.run_record(),
         "wall_s": wall_s,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "tree")}
+        | {"tree": "this checkout" if args.tree == REPO else str(args.tree)}
         | {"load_processes": args.load},
         "summary": summary,
         "records": [rp.compact_record(r) for r in records],
