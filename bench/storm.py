@@ -16,12 +16,15 @@ the headers to the first byte, the longest silence between bytes (SSE comments c
 bytes: they are what keeps such a stream alive) from sending to the end, the SSE
 comments received, and how it ended: ``done`` (``data: [DONE]`` after its tokens),
 ``error_event`` (an error event, then ``data: [DONE]``), ``refused`` (429 before it
-opened, with Retry-After), ``hung_up`` (the client left), or ``cut`` (the connection
-ended without ``[DONE]``). It reports how many streams were silent longer than their
-class's queue bound (:func:`router.ingress.queue_bound`; none should be) and longer than
-60 s, the server's refusal and abort counters, and whether the replica was idle (no
-request running or waiting, no KV block in use) within ``IDLE_WITHIN_S`` of the end: a
-refused or abandoned request must leave nothing behind.
+opened, with Retry-After), ``hung_up`` (the client left), ``cut_idle`` (silent for
+longer than a load balancer's idle timeout: the client cuts it there, as the balancer
+would), or ``cut`` (the connection ended without ``[DONE]``). It reports how many
+streams were silent longer than their class's queue bound
+(:func:`router.ingress.queue_bound`; none should be) and longer than 60 s, the server's
+refusal and abort counters, and whether the replica was idle (no request running or
+waiting, no KV block in use) within ``IDLE_WITHIN_S`` of the end: a refused or abandoned
+request must leave nothing behind. ``--tree`` serves another checkout's code with the
+same client, to compare (its file goes where ``--out`` says, never committed).
 
 Writes ``bench/results/storm.json``.
 """
@@ -206,6 +209,9 @@ async def _one(
             await read()
         else:
             await asyncio.wait_for(read(), leave_after_s)
+    except aiohttp.ServerTimeoutError:  # (a TimeoutError too) silent past the idle timeout
+        rec["end"] = "cut_idle"
+        byte_arrived()
     except TimeoutError:
         rec["end"] = "hung_up"
         byte_arrived()  # the silence up to the hang-up counts too
@@ -233,7 +239,8 @@ async def storm(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]
         leave = rng.uniform(0.5, 20.0) if rng.random() < args.hang_up else None
         bodies.append((body, n, leave))
     gate = asyncio.Semaphore(args.concurrency)
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
+    # As a load balancer in front would: a connection silent this long is cut.
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=LB_IDLE_TIMEOUT_S)
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=timeout
     ) as session:
@@ -303,6 +310,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # A stop from outside (timeout's SIGTERM) still runs the cleanup below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"[storm] expected duration: about {EXPECTED_S // 60} minutes", flush=True)
     config = ServiceConfig(port=args.port, **args.service)
     bound = queue_bound(config.traffic_classes()[DEFAULT_CLASS], config.max_queue_time_s)
