@@ -144,3 +144,18 @@ async def test_clients_read_a_stream_across_its_comments(chat):
         events = SseTokens({})
         tokens = sum(events.feed(line) for line in raw.split("\n"))
         assert tokens == 5 and events.done
+
+
+def test_serve_flags_set_the_bound_and_the_keepalive(monkeypatch):
+    import deploy.server
+    from deploy.cli import build_parser
+
+    seen = []
+    monkeypatch.setattr(deploy.server, "run_server", lambda config, address: seen.append(config))
+    argv = ["serve", "--max-queue-time-s", "7.5", "--stream-keepalive-s", "2"]
+    args = build_parser().parse_args(argv)
+    args.func(args)
+    (config,) = seen
+    assert (config.max_queue_time_s, config.stream_keepalive_s) == (7.5, 2.0)
+    settings = config.ingress_settings()
+    assert (settings.max_queue_time_s, settings.stream_keepalive_s) == (7.5, 2.0)
