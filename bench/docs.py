@@ -126,6 +126,12 @@ def _engine_throughput(name: str, result: dict) -> list[str]:
     return [*_run_lines(result), *engine_throughput.targets_table(result), ""]
 
 
+def _storm(name: str, result: dict) -> list[str]:
+    from bench import storm
+
+    return [*_run_lines(result), storm.markdown(result), ""]
+
+
 SUITES: tuple[Suite, ...] = (
     Suite(
         "Against vLLM, served",
@@ -270,6 +276,20 @@ SUITES: tuple[Suite, ...] = (
         ),
         ("engine_throughput.json",),
         _engine_throughput,
+    ),
+    Suite(
+        "Storm",
+        "bench.storm",
+        "Whether any stream goes silent: `iterserve serve` with its defaults gets 120 "
+        "streamed completions, 40 at a time, prompts of up to 1,500 tokens, beside a "
+        "busy-loop process (a CPU-heavy neighbour); a quarter of the clients hang up at "
+        "random. Per stream, the longest silence between bytes (keepalive comments count), "
+        "against the class's queue bound and a load balancer's 60 s idle timeout; how each "
+        "stream ended; the server's refusal and abort counters; and whether the replica was "
+        "left idle.",
+        ("python -m bench.storm", "python -m bench.storm --no-load"),
+        ("storm.json",),
+        _storm,
     ),
 )
 

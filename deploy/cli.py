@@ -56,6 +56,8 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         step_log=args.step_log,
+        max_queue_time_s=args.max_queue_time_s,
+        stream_keepalive_s=args.stream_keepalive_s,
     )
     from deploy.server import run_server
 
@@ -122,6 +124,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     srv.add_argument(
         "--config", default=None, help="YAML ServiceConfig; flags given here override it"
+    )
+    srv.add_argument(
+        "--max-queue-time-s",
+        type=float,
+        default=None,
+        help="seconds a request may wait for its first token before it is refused "
+        "(default 30; a class with a longer TTFT SLO waits up to that)",
+    )
+    srv.add_argument(
+        "--stream-keepalive-s",
+        type=float,
+        default=None,
+        help="seconds of silence after which a stream sends an SSE comment (default 15)",
     )
     srv.add_argument(
         "--step-log",

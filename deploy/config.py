@@ -138,8 +138,9 @@ class AutoscalingConfig(BaseModel):
 
 class ServiceConfig(IngressOptions):
     """Everything ``iterserve serve`` and ``build_app`` need (the ingress's own fields,
-    ``api_keys``, ``admission``, ``max_n``, ``max_request_body_bytes`` and
-    ``allowed_origins``, are inherited from :class:`router.settings.IngressOptions`).
+    ``api_keys``, ``admission``, ``max_n``, ``max_request_body_bytes``,
+    ``allowed_origins``, ``max_queue_time_s`` and ``stream_keepalive_s``, are inherited
+    from :class:`router.settings.IngressOptions`).
 
     Raises (at construction):
         pydantic.ValidationError: an unknown key or a value out of range.

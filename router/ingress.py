@@ -17,7 +17,18 @@ admission, dispatch and response as ``POST /v1/...``).
 If a replica dies, its requests move to another (:mod:`router.dispatch`); one that
 cannot move ends its stream with an error event. A client that disconnects cancels the
 replica call, which aborts the engine request before its next step and frees its KV
-blocks.
+blocks; streamed or not, and on both paths (the ingress watches the connection itself,
+:meth:`Ingress._collect`). A client that
+leaves while it sends its body is logged at INFO and answered 499 (:data:`CLIENT_GONE`).
+
+No request of a rejectable class waits without bound (:func:`queue_bound`): one that has
+not started (no first token) within its class's bound after its arrival is refused,
+whether admission held it or a replica queued it: 429 with Retry-After while nothing was
+sent, an error event then ``data: [DONE]`` in a stream already open. Its calls are
+cancelled, which frees its place and its KV blocks. ``iterserve:admission_rejections``
+counts it with reason ``queue_timeout``. A stream (of any class) sends an SSE comment
+after every ``stream_keepalive_s`` of silence, so that a proxy's idle timeout does not
+cut a request that is only waiting.
 """
 
 import asyncio
@@ -25,15 +36,16 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from policies import classes_from_fields, policy_from_spec
+from policies import TrafficClass, classes_from_fields, policy_from_spec
 from router import openai_format as fmt
 from router import responses
 from router.admission import AdmissionRejected, IngressAdmission
@@ -42,9 +54,9 @@ from router.contract import ModelInfo, Replica, ReplicaCall, RequestShape, StepE
 from router.cors import ConfiguredCORS
 from router.errors import ApiError
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from router.metrics import IngressMetrics
+from router.metrics import IngressMetrics, RequestRecord
 from router.prefix import prefix_hashes
-from router.responses import Answer, PromptCall, Reply
+from router.responses import Answer, PromptCall, QueueTimeout, Reply, StartBy, retry_after
 from router.scaling import ScalingRecord, ScalingSignals
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.settings import IngressSettings
@@ -103,8 +115,9 @@ class Ingress:
     Args:
         replicas: the replicas requests are sent to.
         settings: :class:`IngressSettings` fields.
-        watch_disconnects: abort a non-streamed request whose client disconnected. Ray
-            Serve cancels such a handler itself; uvicorn alone does not.
+        watch_disconnects: abort a non-streamed request as soon as its client
+            disconnects (:meth:`_collect`). Neither uvicorn nor Ray Serve stops such a
+            handler itself; False only for tests of what happens without it.
         step_log: where request events are recorded and ``GET /steps`` reads recent
             steps (the one-process server's replica); None: ``GET /steps`` is a 404.
     """
@@ -113,7 +126,7 @@ class Ingress:
         self,
         replicas: Replica,
         settings: dict[str, Any],
-        watch_disconnects: bool = False,
+        watch_disconnects: bool = True,
         step_log: StepEvents | None = None,
     ) -> None:
         self.watch_disconnects = watch_disconnects
@@ -122,6 +135,10 @@ class Ingress:
         ConfiguredCORS.origins = self.settings.allowed_origins
         self.replicas = replicas
         self.classes = classes_from_fields(self.settings.traffic_classes)
+        self.queue_bounds = {
+            name: queue_bound(c, self.settings.max_queue_time_s) for name, c in self.classes.items()
+        }
+        """Each class's :func:`queue_bound` with this server's ``max_queue_time_s``."""
         self.api_keys = self.settings.all_api_keys()
         check_key_classes(self.api_keys, self.classes)
         self.admission = IngressAdmission(
@@ -259,7 +276,14 @@ class Ingress:
             # not even which of its fields are wrong.
             authenticate(self.api_keys, request.headers.get("authorization"))
             body = await self._read_json(request)
-            reply, caller = await self._open(body, chat, request.headers, arrival)
+            reply, caller = await self._open(body, chat, request.headers, arrival, bounded=True)
+        except ClientDisconnect:  # the client's act, not an error of ours
+            logger.info(
+                "%s %s: client disconnected while sending the body",
+                request.method,
+                request.url.path,
+            )
+            return Response(status_code=CLIENT_GONE)
         except Exception as e:  # noqa: BLE001 - answered; a bug of ours is logged
             return self._error(_failure(e))
         headers = {
@@ -268,17 +292,23 @@ class Ingress:
             "x-iterserve-priority": str(caller.priority),
             "x-iterserve-replica": reply.calls[0].dispatch.replica,
         }
+        refused = self._refused(reply, caller.traffic_class)
         if reply.req.stream:
-            return StreamingResponse(
-                responses.stream(reply), media_type="text/event-stream", headers=headers
+            chunks = responses.stream(
+                reply, reply.start_by, self.settings.stream_keepalive_s, refused
             )
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         try:
             body = await self._collect(request, reply)
             if body is None:  # the client left; its calls are aborted below
+                logger.info("%s: client disconnected; request aborted", reply.rid)
                 return Response(status_code=CLIENT_GONE)
             return JSONResponse(body, headers=headers)
         except ReplicaLost as e:
             return self._error(_lost(e))
+        except QueueTimeout as e:
+            refused(e)
+            return self._error(e.error(retry_after(e.bound_s)))
         except ApiError as e:  # the request failed in the engine, or a re-send was refused
             return self._error(e)
         finally:
@@ -291,6 +321,8 @@ class Ingress:
         or ``POST /v1/completions`` with ``headers`` (lower-case names) would: the same
         checks, admission, dispatch and body, and the same status and error body when it
         fails. ``request_id`` is the response's ``x-request-id`` (empty on an error).
+        Unlike ``POST``, no queue bound applies (:func:`queue_bound`): no client waits on
+        a connection, and a batch line waits for its turn however long that takes.
 
         Raises nothing for the request's own faults; a bug of ours is a 500 (logged).
         """
@@ -321,14 +353,23 @@ class Ingress:
         return Answer(200, reply.rid, out, out["usage"]["completion_tokens"])
 
     async def _open(
-        self, body: dict[str, Any], chat: bool, headers: Mapping[str, str], arrival: float
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        headers: Mapping[str, str],
+        arrival: float,
+        bounded: bool = False,
     ) -> tuple[Reply, Caller]:
         """Validate ``body``, resolve its caller, tokenize its prompts and send each to a
         replica once admitted; the reply to build once every replica accepted its prompt.
 
+        ``bounded``: hold the request to its class's :func:`queue_bound` from ``arrival``
+        (admission's hold included); the reply's ``start_by`` is then its deadline.
+
         Raises:
-            ApiError: the request is refused (400, 403, 404, 429, 503); the calls already
-                sent are cancelled, as they are when the client leaves meanwhile.
+            ApiError: the request is refused (400, 403, 404, 429, 503; 429 too when
+                admission held it for all of its bound); the calls already sent are
+                cancelled, as they are when the client leaves meanwhile.
         """
         calls: list[PromptCall] = []
         try:
@@ -341,6 +382,10 @@ class Ingress:
                 headers.get(CLASS_HEADER),
                 req.priority,
             )
+            start_by = None
+            bound = self.queue_bounds[caller.traffic_class]
+            if bounded and bound is not None:
+                start_by = StartBy(arrival + bound[0], *bound)
             info = await self._model_info()
             prompts = fmt.prompts(req, chat, info.tokenizer)
             scores_only = fmt.scores_only(req, chat)
@@ -348,12 +393,16 @@ class Ingress:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             for p, (ids, text) in enumerate(prompts):
                 call_id = rid if len(prompts) == 1 else f"{rid}-{p}"
-                call = await self._dispatch(call_id, ids, params, caller, info, arrival)
-                calls.append(PromptCall(ids, text, call))
+                call, record = await self._dispatch(
+                    call_id, ids, params, caller, info, arrival, start_by
+                )
+                calls.append(PromptCall(ids, text, call, record=record))
         except BaseException:  # refused, a bug of ours, or the client left meanwhile
             self._cancel(calls)
             raise
-        reply = Reply(req, chat, rid, self.settings.model_name, info.tokenizer, calls, scores_only)
+        reply = Reply(
+            req, chat, rid, self.settings.model_name, info.tokenizer, calls, scores_only, start_by
+        )
         return reply, caller
 
     async def _dispatch(
@@ -364,8 +413,10 @@ class Ingress:
         caller: Caller,
         info: ModelInfo,
         arrival: float,
-    ) -> ReplicaCall:
-        """Admit one prompt and send it to a replica; its call once accepted."""
+        start_by: StartBy | None = None,
+    ) -> tuple[ReplicaCall, RequestRecord]:
+        """Admit one prompt (within ``start_by``, if given) and send it to a replica; its
+        call once accepted, and the call's metrics record."""
         bs = self.settings.prefix_block_size
         shape = RequestShape(
             len(ids), caller.traffic_class, caller.priority, prefix_hashes(ids, bs) if bs else ()
@@ -382,7 +433,7 @@ class Ingress:
             self.scaling.arrived(caller.traffic_class, arrival, len(ids), params["max_tokens"] or 0)
         if info.limits.fits(len(ids), params["max_tokens"]):
             try:
-                held_s = await self._admit(caller, shape, params["max_tokens"], arrival)
+                held_s = await self._admit(caller, shape, params["max_tokens"], arrival, start_by)
             except ApiError as e:
                 if log is not None:
                     log.refused(rid, time.monotonic(), e.message)
@@ -398,14 +449,20 @@ class Ingress:
         except BaseException:  # refused, or the client left while it was sent
             dispatch.cancel()
             raise
-        return dispatch
+        return dispatch, record
 
     async def _collect(self, request: Request, reply: Reply) -> dict | None:
         """The whole response; None if the client disconnected first (only watched when
-        ``watch_disconnects``: Ray Serve cancels the handler itself)."""
+        ``watch_disconnects``). The caller then cancels the calls, which aborts their
+        engine requests and frees their KV blocks.
+
+        Raises:
+            QueueTimeout: a prompt had not started by ``reply.start_by``.
+            ReplicaLost: a replica failed after the request produced tokens.
+        """
         if not self.watch_disconnects:
-            return await responses.collect(reply)
-        work = asyncio.ensure_future(responses.collect(reply))
+            return await responses.collect(reply, reply.start_by)
+        work = asyncio.ensure_future(responses.collect(reply, reply.start_by))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -420,22 +477,53 @@ class Ingress:
         for c in calls:
             c.dispatch.cancel()
 
+    def _refused(self, reply: Reply, traffic_class: str) -> Callable[[QueueTimeout], None]:
+        """What to do when ``reply`` times out in a queue (before its calls are
+        cancelled): count the refusal once, and end its calls' records without counting
+        them as aborted."""
+
+        def refused(e: QueueTimeout) -> None:
+            self.metrics.reject(traffic_class, "queue_timeout")
+            for c in reply.calls:
+                if c.record is not None:
+                    c.record.refused()
+            logger.info("%s: refused: %s", reply.rid, e)
+
+        return refused
+
     # -- helpers -----------------------------------------------------------------------
 
     async def _admit(
-        self, caller: Caller, shape: RequestShape, max_tokens: int | None, arrival: float
+        self,
+        caller: Caller,
+        shape: RequestShape,
+        max_tokens: int | None,
+        arrival: float,
+        start_by: StartBy | None = None,
     ) -> float:
-        """Wait for admission; the seconds held. Raises ApiError 429 with Retry-After
-        when refused."""
+        """Wait for admission, until ``start_by`` at most; the seconds held.
+
+        Raises:
+            ApiError: 429 with Retry-After when admission refuses, or still holds the
+                request at ``start_by`` (reason ``queue_timeout``).
+        """
+        admit = self.admission.admit(
+            lambda: self.replicas.loads(shape),
+            caller.traffic_class,
+            shape.prompt_tokens,
+            max_tokens or 0,
+            caller.priority,
+            arrival,
+        )
         try:
-            return await self.admission.admit(
-                lambda: self.replicas.loads(shape),
-                caller.traffic_class,
-                shape.prompt_tokens,
-                max_tokens or 0,
-                caller.priority,
-                arrival,
-            )
+            if start_by is None:
+                return await admit
+            return await asyncio.wait_for(admit, start_by.at - time.monotonic())
+        except TimeoutError:
+            self.metrics.reject(caller.traffic_class, "queue_timeout")
+            assert start_by is not None
+            timeout = QueueTimeout(start_by.bound_s, start_by.source)
+            raise timeout.error(retry_after(start_by.bound_s)) from None
         except AdmissionRejected as e:
             self.metrics.reject(caller.traffic_class, e.kind)
             retry = str(int(e.retry_after_s))
@@ -502,6 +590,26 @@ class Ingress:
     @staticmethod
     def _error(e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def queue_bound(cls: TrafficClass, max_queue_time_s: float) -> tuple[float, str] | None:
+    """The longest a request of class ``cls`` may wait before it starts, in seconds from
+    its arrival at the ingress, and what set it (for the refusal's message); None for a
+    class that is never refused for its SLO (``rejectable: false``, as ``batch``: work
+    that must run waits its turn however long, its streams kept alive by comments).
+
+    The wait ends with the request's first token (:func:`router.responses.merged`) and
+    covers admission's hold, the replica's queue and the prefill. The bound is the larger
+    of the class's TTFT SLO and ``max_queue_time_s``: a class whose SLO is longer may wait
+    up to it; for the others ``max_queue_time_s`` is the floor, as their SLO is a target
+    that admission already refuses by when it predicts a miss, and a request admitted and
+    then late is cut only past the floor.
+    """
+    if not cls.rejectable:
+        return None
+    if cls.ttft_slo_s > max_queue_time_s:
+        return cls.ttft_slo_s, f"the {cls.name} class's TTFT SLO, ttft_slo_s"
+    return max_queue_time_s, "the server's max_queue_time_s"
 
 
 def _failure(e: Exception) -> ApiError:

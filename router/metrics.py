@@ -77,8 +77,10 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300
 ATTAINMENT_WINDOW_S = 60.0
 """The rolling SLO-attainment gauge covers requests ended in this many seconds."""
 
-REJECT_REASONS = ("ttft", "tpot", "seats", "kv_cache", "queue_cap")
-"""Admission's reasons to refuse (``policies.Reject.kind``)."""
+REJECT_REASONS = ("ttft", "tpot", "seats", "kv_cache", "queue_cap", "queue_timeout")
+"""The reasons to refuse a request: admission's (``policies.Reject.kind``), and
+``queue_timeout``: the request could not start within its queue bound (held by
+admission for all of it, or queued on a replica past it; ``router.ingress``)."""
 
 
 def _histogram(
@@ -173,7 +175,10 @@ class IngressMetrics:
         )
         self.aborted = counter("request_aborted", "Requests whose client left before the end.")
         self.rejected = counter(
-            "admission_rejections", "Requests refused by admission (429).", ("reason",)
+            "admission_rejections",
+            "Requests refused: by admission (429), or, reason queue_timeout, not started "
+            "within their queue bound (429, or an error event in an open stream).",
+            ("reason",),
         )
         self.slo_met = counter(
             "slo_met_requests",
@@ -215,7 +220,8 @@ class IngressMetrics:
         return RequestRecord(self, traffic_class, arrival_s, prompt_tokens, held_s)
 
     def reject(self, traffic_class: str, reason: str) -> None:
-        """Count a refusal by admission: a missed SLO, as goodput counts it."""
+        """Count a refusal (one of :data:`REJECT_REASONS`): a missed SLO, as goodput
+        counts it."""
         self.rejected.labels(self.model, traffic_class, reason).inc()
         self._outcome(traffic_class, ttft_met=False, tpot_met=False)
 
@@ -358,7 +364,8 @@ class RequestRecord:
     """One request's (one prompt's) times at the ingress, recorded as they happen.
 
     Call :meth:`tokens` as items arrive, then exactly one of :meth:`finished`,
-    :meth:`aborted` (client gone) or :meth:`failed`; later calls are ignored.
+    :meth:`aborted` (client gone), :meth:`failed` or :meth:`refused`; later calls are
+    ignored.
     """
 
     def __init__(
@@ -430,6 +437,11 @@ class RequestRecord:
             self.m._outcome(self.cls, ttft_met=False, tpot_met=False)
             if self.m.on_end is not None:
                 self.m.on_end(self.cls, False, self.count)
+
+    def refused(self) -> None:
+        """Refused after it was sent (past its queue bound): counted by the caller with
+        :meth:`IngressMetrics.reject`, once per request, so nothing more here."""
+        self._end()
 
     def _end(self) -> bool:
         """Mark ended; True if it already was."""

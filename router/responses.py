@@ -5,14 +5,20 @@ across prompts and ``n`` (prompt ``p``, sequence ``i``: ``p * n + i``), as OpenA
 index them. ``echo`` puts each prompt (and, with ``logprobs``, its log-probabilities)
 before its choices' text; a scores-only request (``max_tokens: 0``) drops the one token
 the engine sampled.
+
+A request may carry a deadline for its first step items (:class:`StartBy`, the ingress's
+queue bound): past it, :class:`QueueTimeout` ends the response, as a 429 or, in a stream,
+as an error event. A stream also sends an SSE comment (:data:`KEEPALIVE`) after every
+``keepalive_s`` without a chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +26,7 @@ from router import openai_format as fmt
 from router.calls import ReplicaLost
 from router.contract import ReplicaCall, SequenceDelta, StepItem
 from router.errors import ApiError
+from router.metrics import RequestRecord
 from router.schemas import ApiRequest
 
 if TYPE_CHECKING:
@@ -45,6 +52,8 @@ class PromptCall:
     text: str
     dispatch: ReplicaCall
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    record: RequestRecord | None = None
+    """The metrics record of the call (None: not measured)."""
 
 
 @dataclass(slots=True)
@@ -58,6 +67,8 @@ class Reply:
     tokenizer: PreTrainedTokenizerBase
     calls: list[PromptCall]
     scores_only: bool = False
+    start_by: StartBy | None = None
+    """The deadline of every prompt's first step item (:func:`merged`); None: none."""
 
     @property
     def echo(self) -> bool:
@@ -88,14 +99,75 @@ class _Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
-async def merged(calls: list[PromptCall]) -> AsyncIterator[tuple[int, StepItem]]:
-    """``(prompt index, step item)`` from every call, as they come; a call's prompt
-    log-probabilities are kept on it.
+KEEPALIVE = ": keepalive\n\n"
+"""The SSE comment a quiet stream sends (a line starting with ``:``, which SSE clients
+skip), so that an idle timeout between client and server does not cut it."""
+
+
+class QueueTimeout(Exception):
+    """A request's prompt did not start (no first step item) by its deadline.
+
+    Args:
+        bound_s: the bound it was held to, seconds from arrival at the ingress.
+        source: what set the bound, for the message (a class's TTFT SLO, or
+            ``max_queue_time_s``).
+    """
+
+    def __init__(self, bound_s: float, source: str) -> None:
+        super().__init__(
+            f"the request could not start within {bound_s:g} s of its arrival ({source}); "
+            "the server is overloaded, retry later"
+        )
+        self.bound_s = bound_s
+        self.source = source
+
+    def error(self, retry_after_s: int) -> ApiError:
+        """The API's answer: 429 (type ``rate_limit_error``), code ``queue_timeout``,
+        with a Retry-After."""
+        return ApiError(
+            429,
+            str(self),
+            code="queue_timeout",
+            headers={"Retry-After": str(retry_after_s)},
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StartBy:
+    """The deadline by which every prompt of a request must have started.
+
+    ``at`` is on ``time.monotonic``; ``bound_s`` and ``source`` name the bound for the
+    refusal's message (:class:`QueueTimeout`)."""
+
+    at: float
+    bound_s: float
+    source: str
+
+
+_QUIET = None
+"""What :func:`_events` yields after ``idle_s`` without an item."""
+_TICK = -1
+"""The prompt index of a timer's entry in :func:`_events`' queue."""
+_DEADLINE, _IDLE = object(), object()
+
+
+async def _events(
+    calls: list[PromptCall], start_by: StartBy | None, idle_s: float | None
+) -> AsyncIterator[tuple[int, StepItem] | None]:
+    """:func:`merged`'s items, and None after every ``idle_s`` seconds without one.
+
+    The deadline and the quiet spells are timers that drop an entry in the queue the
+    items come through, so that waiting for the next item costs nothing more per item
+    (this runs for every token of every stream).
 
     Raises:
+        QueueTimeout: a call has no item at ``start_by.at``.
         ReplicaLost, ApiError: as the call's ``items()`` raises them.
     """
     queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    last = time.monotonic()  # when the consumer last got an item (or a quiet tick)
+    timers: list[asyncio.TimerHandle] = []
 
     async def pump(p: int, call: PromptCall) -> None:
         try:
@@ -105,11 +177,37 @@ async def merged(calls: list[PromptCall]) -> AsyncIterator[tuple[int, StepItem]]
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
             await queue.put((p, e))
 
+    def quiet_check() -> None:
+        assert idle_s is not None
+        left = last + idle_s - time.monotonic()
+        if left <= 0:
+            queue.put_nowait((_TICK, _IDLE))
+            left = idle_s
+        timers[-1] = loop.call_later(left, quiet_check)
+
+    if start_by is not None:
+        timers.append(
+            loop.call_later(
+                max(0.0, start_by.at - time.monotonic()), queue.put_nowait, (_TICK, _DEADLINE)
+            )
+        )
+    if idle_s is not None:
+        timers.append(loop.call_later(idle_s, quiet_check))
     tasks = [asyncio.create_task(pump(p, c)) for p, c in enumerate(calls)]
+    waiting = set(range(len(calls)))  # calls that have not yielded their first item
     try:
         left = len(calls)
         while left:
             p, item = await queue.get()
+            if p == _TICK:
+                if item is _DEADLINE and waiting:
+                    assert start_by is not None
+                    raise QueueTimeout(start_by.bound_s, start_by.source)
+                if item is _IDLE:
+                    last = time.monotonic()
+                    yield _QUIET
+                continue
+            waiting.discard(p)
             if item is None:
                 left -= 1
                 continue
@@ -117,10 +215,33 @@ async def merged(calls: list[PromptCall]) -> AsyncIterator[tuple[int, StepItem]]
                 raise item
             if item.prompt_logprobs is not None:
                 calls[p].prompt_logprobs = item.prompt_logprobs
+            last = time.monotonic()
             yield p, item
     finally:
+        for timer in timers:
+            timer.cancel()
         for t in tasks:
             t.cancel()
+
+
+async def merged(
+    calls: list[PromptCall], start_by: StartBy | None = None
+) -> AsyncIterator[tuple[int, StepItem]]:
+    """``(prompt index, step item)`` from every call, as they come; a call's prompt
+    log-probabilities are kept on it.
+
+    ``start_by``: every call must yield its first item by then. A replica's first step
+    item comes with the request's first token (the engine reports nothing of a step that
+    only prefilled part of a prompt), so the deadline bounds the time to first token:
+    the wait in queues and the prefill.
+
+    Raises:
+        QueueTimeout: a call had no item at ``start_by``; the caller cancels the calls.
+        ReplicaLost, ApiError: as the call's ``items()`` raises them.
+    """
+    async for event in _events(calls, start_by, None):
+        assert event is not None
+        yield event
 
 
 def _echo_parts(reply: Reply, p: int) -> tuple[str, list[int], list]:
@@ -129,11 +250,16 @@ def _echo_parts(reply: Reply, p: int) -> tuple[str, list[int], list]:
     return call.text, call.ids, entries
 
 
-async def collect(reply: Reply) -> dict:
-    """The non-streamed response body."""
+async def collect(reply: Reply, start_by: StartBy | None = None) -> dict:
+    """The non-streamed response body.
+
+    Raises:
+        QueueTimeout: a prompt had not started at ``start_by`` (:func:`merged`).
+        ReplicaLost, ApiError: as the calls' ``items()`` raise them.
+    """
     n = reply.req.n
     choices = [_Choice() for _ in range(len(reply.calls) * n)]
-    async for p, item in merged(reply.calls):
+    async for p, item in merged(reply.calls, start_by):
         for o in item.outputs:
             c = choices[p * n + o.index]
             if not reply.scores_only:
@@ -191,8 +317,22 @@ def _stream_choice(reply: Reply, k: int, o: SequenceDelta, first: bool) -> dict:
     return choice
 
 
-async def stream(reply: Reply) -> AsyncIterator[str]:
-    """The SSE chunks of a streamed response, ending with ``data: [DONE]``."""
+async def stream(
+    reply: Reply,
+    start_by: StartBy | None = None,
+    keepalive_s: float | None = None,
+    timed_out: Callable[[QueueTimeout], None] | None = None,
+) -> AsyncIterator[str]:
+    """The SSE chunks of a streamed response, ending with ``data: [DONE]``.
+
+    Args:
+        start_by: the deadline of every prompt's first step item (:func:`merged`); past
+            it the stream sends an error event (:meth:`QueueTimeout.error`'s body), then
+            ``data: [DONE]``, and its calls are cancelled.
+        keepalive_s: after this many seconds without a chunk, send :data:`KEEPALIVE`
+            (again after as many more); None: never.
+        timed_out: told of the :class:`QueueTimeout` before the error event is sent.
+    """
     created = int(time.time())
     obj = "chat.completion.chunk" if reply.chat else "text_completion"
     opts = reply.req.stream_options
@@ -224,7 +364,11 @@ async def stream(reply: Reply) -> AsyncIterator[str]:
                         }
                     ]
                 )
-        async for p, item in merged(reply.calls):
+        async for event in _events(reply.calls, start_by, keepalive_s):
+            if event is _QUIET:
+                yield KEEPALIVE
+                continue
+            p, item = event
             for o in item.outputs:
                 k = p * reply.req.n + o.index
                 completion += 0 if reply.scores_only else len(o.token_ids)
@@ -232,10 +376,23 @@ async def stream(reply: Reply) -> AsyncIterator[str]:
                 seen.add(k)
         if include_usage:
             yield chunk([], reply.usage(completion))
-    except (ReplicaLost, ApiError) as e:
-        err = e if isinstance(e, ApiError) else ApiError(503, str(e), code="replica_lost")
+    except (ReplicaLost, ApiError, QueueTimeout) as e:
+        if isinstance(e, QueueTimeout):
+            if timed_out is not None:
+                timed_out(e)
+            err = e.error(retry_after(e.bound_s))
+        elif isinstance(e, ApiError):
+            err = e
+        else:
+            err = ApiError(503, str(e), code="replica_lost")
         yield f"data: {json.dumps(err.body())}\n\n"
     finally:
         for c in reply.calls:
             c.dispatch.cancel()
     yield "data: [DONE]\n\n"
+
+
+def retry_after(bound_s: float) -> int:
+    """Retry-After seconds for a request refused past its queue bound of ``bound_s``: as
+    long as it waited, so that retries back off as the overload does."""
+    return max(1, math.ceil(bound_s))

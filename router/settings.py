@@ -37,6 +37,20 @@ class IngressOptions(BaseModel):
         default_factory=lambda: ["*"],
         description="origins browsers may call the API from (CORS); ['*']: any",
     )
+    max_queue_time_s: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a request may wait, from its arrival to its first token, "
+        "before it is refused (429, or an error event in an open stream); a class whose "
+        "TTFT SLO is longer waits up to that SLO instead, and a class that is not "
+        "`rejectable` (batch) waits its turn",
+    )
+    stream_keepalive_s: float = Field(
+        15.0,
+        gt=0,
+        description="seconds of silence after which a stream sends an SSE comment "
+        "(`: keepalive`), so that a proxy's idle timeout does not cut a waiting request",
+    )
 
     def all_api_keys(self) -> dict[str, ApiKeyConfig]:
         """``api_keys`` together with those in ``api_keys_file``.

@@ -185,6 +185,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server, stream):
         "stream": stream,
     }
     headers = {"Authorization": "Bearer sk-standard"}
+    aborted = _aborted(server)
     start = time.monotonic()
     if stream:
         with httpx.stream(
@@ -200,3 +201,15 @@ def test_client_disconnect_aborts_and_frees_blocks(server, stream):
     # 2000 tokens would take minutes: idle within seconds means the request was aborted.
     freed_s = app.wait_idle(server, timeout_s=15)
     assert time.monotonic() - start < 30, freed_s
+    assert _aborted(server) == aborted + 1  # counted as aborted, neither finished nor failed
+
+
+def _aborted(url: str) -> float:
+    """``iterserve:request_aborted_total`` of the standard class."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("iterserve:request_aborted_total{")
+        and 'traffic_class="standard"' in line
+    )
