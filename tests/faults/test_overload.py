@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from tests.faults.conftest import GREEDY, KEY, LocalServer
+from tests.faults.conftest import GREEDY, KEY, MAX_NUM_SEQS, LocalServer
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,9 @@ async def _one(client: httpx.AsyncClient, i: int) -> tuple[int, str | None, bool
     if tight:
         headers["x-iterserve-class"] = "tight"
     stream = i % 2 == 0
-    body = {**GREEDY, "max_tokens": 4, "stream": stream}
+    # Long enough that the first requests hold every seat past the tight class's hold of
+    # 0.3 s on the fastest host: the later tight ones are then refused.
+    body = {**GREEDY, "max_tokens": 48, "stream": stream}
     async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
         text = (await r.aread()).decode()
     if r.status_code != 200:
@@ -46,7 +48,14 @@ async def test_overload_gets_200_429_or_503_and_every_refusal_a_retry_after(
 ):
     limits = httpx.Limits(max_connections=STANDARD + TIGHT)
     async with httpx.AsyncClient(base_url=fault_server.url, limits=limits, timeout=300) as client:
-        results = await asyncio.gather(*(_one(client, i) for i in range(STANDARD + TIGHT)))
+        # The standard requests first, and the tight ones once they hold every seat: a
+        # burst that arrives at once is admitted before any of it reaches the engine.
+        standard = [asyncio.ensure_future(_one(client, i)) for i in range(STANDARD)]
+        while fault_server.engine.load_snapshot().total_running < MAX_NUM_SEQS:
+            assert not any(t.done() for t in standard), [t.result() for t in standard]
+            await asyncio.sleep(0.01)
+        tight = await asyncio.gather(*(_one(client, i) for i in range(STANDARD, STANDARD + TIGHT)))
+        results = [*await asyncio.gather(*standard), *tight]
     statuses = [s for s, _, _ in results]
     assert set(statuses) <= {200, 429, 503}, statuses
     assert 200 in statuses and 429 in statuses, statuses  # it was overloaded, and served
