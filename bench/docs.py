@@ -132,6 +132,30 @@ def _storm(name: str, result: dict) -> list[str]:
     return [*_run_lines(result), storm.markdown(result), ""]
 
 
+def _failover(name: str, result: dict) -> list[str]:
+    # failover.md holds the summary table first, then one table per fault: the summary.
+    md = (RESULTS / "failover.md").read_text().split("\n\n")[0]
+    return [*_run_lines(result), md, ""]
+
+
+def _soak(name: str, result: dict) -> list[str]:
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(result["outcomes"].items()))
+    lines = [
+        *_run_lines(result),
+        f"Verdict: {'passed' if result['passed'] else 'FAILED: ' + '; '.join(result['failures'])}.",
+        "",
+        f"Requests by outcome: {counts}.",
+        "",
+        "| process | RSS MiB | growth MiB (fit over the window) | bound MiB |",
+        "|---|---:|---:|---:|",
+    ]
+    for g in sorted(result["rss_growth"].values(), key=lambda g: g["role"]):
+        lines.append(
+            f"| {g['role']} | {g['rss_mib']:.0f} | {g['growth_mib']:.1f} | {g['bound_mib']:.0f} |"
+        )
+    return [*lines, "", "RSS, KV usage and the gauges over time: `bench/results/soak.png`.", ""]
+
+
 SUITES: tuple[Suite, ...] = (
     Suite(
         "Against vLLM, served",
@@ -290,6 +314,31 @@ SUITES: tuple[Suite, ...] = (
         ("python -m bench.storm", "python -m bench.storm --no-load"),
         ("storm.json",),
         _storm,
+    ),
+    Suite(
+        "Failover",
+        "bench.failover",
+        "A replica SIGKILLed, then one SIGSTOPped, under 16 live greedy streams on a "
+        "2-replica Ray Serve application: whether every stream completes with the text and "
+        "usage of an uninterrupted run, the pause the moved streams saw against their usual "
+        "gap between tokens, and how soon the replica left `/health`. Per-stream tables: "
+        "`bench/results/failover.md`.",
+        ("python -m bench.failover",),
+        ("failover.json",),
+        _failover,
+    ),
+    Suite(
+        "Soak",
+        "bench.soak",
+        "A 2-replica Ray Serve application under mixed traffic (streamed and not, "
+        "completions and chat, clients hanging up, malformed requests) with one replica "
+        "SIGKILLed halfway; the RSS of every server process, KV usage and the gauges "
+        "sampled throughout. It fails on a lost request, on gauges or KV not back to idle, "
+        "on a changed greedy answer, or on RSS growth beyond noise over the last part of "
+        "the run.",
+        ("python -m bench.soak --minutes 10",),
+        ("soak.json",),
+        _soak,
     ),
 )
 
