@@ -40,6 +40,8 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
 between PyTorch's own kernels) and decode attention's ``expf`` (glibc's vector math, which
 assumes finite inputs: its softmax starts from -FLT_MAX, and prefill attention masks with
 -1e30, not -inf)."""
+FAST_MATH_FLAGS = ("-ffast-math",)
+"""Flags for compiling only, never for linking (:func:`_build`)."""
 OPENMP_FLAG = "-fopenmp"
 """The attention kernels share their work among OpenMP threads. The library then needs
 ``libgomp.so.1``; loaded after torch, whose CPU wheels ship their own libgomp under that
@@ -300,7 +302,8 @@ def build(out_dir: Path) -> tuple[Path, bool]:
 
 def _build(out_dir: Path, flags: tuple[str, ...]) -> Path:
     code = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
-    h = hashlib.sha256(code + " ".join(flags).encode() + _cpu_key().encode())
+    recipe = " ".join(flags) + " | linked without " + " ".join(FAST_MATH_FLAGS)
+    h = hashlib.sha256(code + recipe.encode() + _cpu_key().encode())
     target = out_dir / f"cpu_kernels-{h.hexdigest()[:16]}.so"
     if target.is_file():
         return target
@@ -308,16 +311,26 @@ def _build(out_dir: Path, flags: tuple[str, ...]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".build.", dir=out_dir))
     try:
         so = tmp / target.name
-        subprocess.run(
-            ["cc", *flags, *map(str, SOURCES), "-o", str(so), "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
+        # Compiled with ``flags``, linked without ``-ffast-math``: linked with it, GCC (before
+        # 13, even with -shared) adds crtfastmath.o, whose constructor turns on flush-to-zero
+        # and denormals-are-zero in the loading thread, changing every float operation of the
+        # process (numpy's, torch's, the caller's) on subnormals.
+        objects = []
+        for src in SOURCES:
+            obj = tmp / f"{src.stem}.o"
+            compile_flags = [f for f in flags if f != "-shared"]
+            _cc([*compile_flags, "-c", str(src), "-o", str(obj)])
+            objects.append(str(obj))
+        link_flags = [f for f in flags if f not in FAST_MATH_FLAGS]
+        _cc([*link_flags, *objects, "-o", str(so), "-lm"])
         os.replace(so, target)  # atomic: a concurrent build of the same key is identical
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _cc(args: list[str]) -> None:
+    subprocess.run(["cc", *args], check=True, capture_output=True, text=True)
 
 
 @functools.cache

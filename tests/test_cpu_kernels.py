@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -304,3 +306,17 @@ def test_without_openmp_the_kernels_build_and_run_on_one_thread(monkeypatch, tmp
     single.prefill_attention(q, *args, out)
     kernels.prefill_attention(q, *args, want)
     close(out, want)
+
+
+def test_loading_the_kernels_leaves_the_process_floating_point_mode_alone():
+    # A library linked with -ffast-math turns on flush-to-zero in the thread that loads it:
+    # every subnormal result of the process (its own Python floats included) becomes 0.
+    code = (
+        "from engine import cpu_kernels\n"
+        "assert cpu_kernels.load() is not None\n"
+        "print(2.2250738585072014e-308 / 2 > 0)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "True", out.stderr
