@@ -105,27 +105,48 @@ def running_app(config: ServiceConfig, replicas: int) -> Iterator[str]:
         ray.shutdown()
 
 
+def start_serve(config: ServiceConfig | list[str], tmp: Path) -> subprocess.Popen:
+    """``iterserve serve`` in a session of its own, its output in ``tmp/serve.log`` (the
+    process's ``log``): with ``config`` written to ``tmp/service.yaml``, or with the flags
+    ``config``. Returns at once (see :func:`wait_ready`)."""
+    args = config
+    if isinstance(config, ServiceConfig):
+        path = tmp / "service.yaml"
+        path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+        args = ["--config", str(path)]
+    log = tmp / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "iterserve"), "serve", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    proc.log = log
+    return proc
+
+
+def wait_ready(proc: subprocess.Popen, timeout_s: float = 180) -> None:
+    """Wait until :func:`start_serve`'s server printed that it is ready.
+
+    Raises:
+        AssertionError: it exited, or was not ready within ``timeout_s`` (the log's tail).
+    """
+    deadline = time.monotonic() + timeout_s
+    while "is ready" not in proc.log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
 @contextmanager
 def running_command(config: ServiceConfig, tmp: Path) -> Iterator[subprocess.Popen]:
     """``iterserve serve --config`` with ``config``, in its own session; yields the process
     once it printed that it is ready, and stops it with Ctrl-C's SIGINT after, which must
     end it with status 0 within 30 s."""
-    path = tmp / "service.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
-    log = tmp / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "iterserve"), "serve", "--config", str(path)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = start_serve(config, tmp)
+    log = proc.log
     try:
-        deadline = time.monotonic() + 180
-        while "is ready" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
-        proc.log = log
+        wait_ready(proc)
         yield proc
     finally:
         proc.send_signal(signal.SIGINT)

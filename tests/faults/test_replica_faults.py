@@ -15,14 +15,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 pytest.importorskip("ray")
 if not Path("/proc/self/fd").is_dir():
@@ -37,7 +35,7 @@ from bench.failover import (  # noqa: E402
     wait_replicas,
 )
 from deploy.config import ServiceConfig  # noqa: E402
-from tests.serving_app import MODEL, free_port  # noqa: E402
+from tests.serving_app import MODEL, free_port, start_serve, wait_ready  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -60,22 +58,9 @@ def server(tmp_path_factory):
         health_check_timeout_s=3.0,
         engine={"max_num_seqs": STREAMS, "num_kv_blocks": 256},
     )
-    path = tmp / "service.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
-    log = tmp / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "iterserve"), "serve", "--config", str(path)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    proc.log = log
+    proc = start_serve(config, tmp)
     try:
-        deadline = time.monotonic() + 240
-        while "is ready" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_ready(proc, timeout_s=240)
         url = f"http://{config.host}:{config.port}"
         wait_replicas(url, 2, timeout_s=60)
         yield url, proc

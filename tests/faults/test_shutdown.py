@@ -11,36 +11,24 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from deploy.local_server import CUT_MARGIN_S, GRACEFUL_SHUTDOWN_S
-from tests.serving_app import MODEL, free_port
+from tests.serving_app import MODEL, free_port, start_serve, wait_ready
 
 pytestmark = pytest.mark.slow
 
 
 def test_sigterm_to_the_group_of_the_one_process_server(tmp_path):
     port = free_port()
-    log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "iterserve"), "serve", "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = start_serve(["--port", str(port)], tmp_path)
+    log = proc.log
     try:
-        deadline = time.monotonic() + 180
-        while "is ready" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
+        wait_ready(proc)
         events: list[str] = []
         body = {
             "model": MODEL,
@@ -59,6 +47,7 @@ def test_sigterm_to_the_group_of_the_one_process_server(tmp_path):
 
         reader = threading.Thread(target=read)
         reader.start()
+        deadline = time.monotonic() + 180
         while len(events) < 3:
             assert reader.is_alive() and time.monotonic() < deadline, events
             time.sleep(0.05)
