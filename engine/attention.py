@@ -7,24 +7,25 @@ function writes the new K/V into the paged cache through the slot mapping, then 
 each query to its sequence's cached context. The step's metadata arrives as the keyword
 argument ``attn_metadata``, passed to the model's forward: no global state.
 
-Backends:
-* flash-attn (CUDA, ``block_size`` a multiple of 256): ``flash_attn_varlen_func`` with a
-  block table reads the paged cache in place (Dao, FlashAttention-2, 2023).
-* PyTorch SDPA elsewhere: decodes are batched into padded SDPA calls, one per group of
+Backends (chosen by :mod:`engine.attention_backend`):
+* flash-attn (``block_size`` a multiple of 256): ``flash_attn_varlen_func`` with a block
+  table reads the paged cache in place (Dao, FlashAttention-2, 2023). The function comes
+  with the metadata, so a test can run this path on CPU with a reference implementation.
+* PyTorch SDPA otherwise: decodes are batched into padded SDPA calls, one per group of
   similar context lengths (:func:`decode_groups`); each prefill chunk is one SDPA call. On
   CPU SDPA runs PyTorch's flash-attention kernel.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from engine.attention_backend import FlashAttnVarlenFunc
+
 ATTN_IMPLEMENTATION = "iterserve_paged"
-FLASH_BLOCK_MULTIPLE = 256
 DECODE_SPLIT_SLOTS = 512
 """Padded context slots that one more decode SDPA call per layer must save to be worth it.
 
@@ -32,11 +33,6 @@ A padded slot costs a gather and an attention read of its K and V in every layer
 gather and SDPA call per layer costs a fixed dispatch in every layer. The balance was
 estimated, not swept: ``bench/results/experiments/decode_attention.json`` times decode
 steps with the groups against one padded call."""
-
-
-def flash_attn_available() -> bool:
-    """True when flash-attn is importable and CUDA is present."""
-    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
 @dataclass(slots=True)
@@ -104,6 +100,8 @@ class AttentionMetadata:
         query_start_loc: ``[B + 1]`` int32, offsets of each sequence's tokens.
         context_lens: ``[B]`` int32, tokens in each sequence's context after this step.
         block_tables: ``[B, max_blocks]`` int32, padded with 0.
+        flash_attn: the flash-attn backend's function, or None for SDPA and the CPU kernels.
+        cu_seqlens_k: ``[B + 1]`` int32, running sums of ``context_lens`` (flash-attn only).
         decode_groups: the decodes' padded SDPA calls (SDPA backend; :class:`DecodeGroup`).
     """
 
@@ -115,7 +113,8 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     num_decodes: int
-    use_flash: bool
+    flash_attn: FlashAttnVarlenFunc | None = None
+    cu_seqlens_k: torch.Tensor | None = None
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -160,15 +159,13 @@ def paged_attention(
     v_flat.index_copy_(0, md.slot_mapping, v_new)
     q = query[0].transpose(0, 1)  # [T, H, D]
 
-    if md.use_flash:
-        from flash_attn import flash_attn_varlen_func
-
-        out = flash_attn_varlen_func(
+    if md.flash_attn is not None:
+        out = md.flash_attn(
             q.contiguous(),
             k_cache,
             v_cache,
             cu_seqlens_q=md.query_start_loc,
-            cu_seqlens_k=_cumsum0(md.context_lens),
+            cu_seqlens_k=md.cu_seqlens_k,
             max_seqlen_q=md.max_query_len,
             max_seqlen_k=md.max_context_len,
             softmax_scale=scaling,
@@ -244,7 +241,3 @@ def attend_prefills(
             enable_gqa=True,
         )
         out[p.start : p.end] = o[0].transpose(0, 1)
-
-
-def _cumsum0(x: torch.Tensor) -> torch.Tensor:
-    return F.pad(torch.cumsum(x, 0, dtype=torch.int32), (1, 0))

@@ -87,6 +87,12 @@ class EngineConfig(BaseModel):
     traffic_classes: dict[str, dict[str, Any]] | None = Field(
         None, description="overrides of policies.DEFAULT_CLASSES fields, by class name"
     )
+    attention_backend: Literal["auto", "sdpa", "cpu_kernels", "flash_attn"] = Field(
+        "auto",
+        description="auto: flash_attn on CUDA where flash-attn imports and block_size is a "
+        "multiple of 256, cpu_kernels in fp32 on the CPU where they build, else sdpa; a "
+        "named backend that cannot run here is an error",
+    )
     cpu_weight_prepack: bool = Field(
         True,
         description="fp32 on CPU: run linear layers through oneDNN on weights "
@@ -100,6 +106,11 @@ class EngineConfig(BaseModel):
     def _check(self) -> EngineConfig:
         if not self.enable_chunked_prefill and self.long_prefill_token_threshold is not None:
             raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
+        if self.attention_backend == "flash_attn" and self.block_size % 256:
+            raise ValueError(
+                f"attention_backend flash_attn needs block_size a multiple of 256, "
+                f"not {self.block_size}"
+            )
         return self
 
     def policy_spec(self) -> dict[str, Any]:

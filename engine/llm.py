@@ -5,12 +5,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.request import RequestOutput, RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.attention_backend import FlashAttnVarlenFunc
 
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
 """The offline token budget where none is given. Offline, no step has a TPOT to keep, so
@@ -37,13 +41,23 @@ class LLM:
 
     ``LLM(model=None, **config)``: ``model`` None means the embedded SmolLM2-135M-Instruct;
     ``config`` holds :class:`EngineConfig` fields (``max_num_seqs``, ``num_kv_blocks``, ...);
-    ``max_num_batched_tokens`` and ``max_num_seqs`` default to :data:`OFFLINE_DEFAULTS`. The
+    ``max_num_batched_tokens`` and ``max_num_seqs`` default to :data:`OFFLINE_DEFAULTS`.
+    ``flash_attn_varlen_func`` replaces flash-attn's own function on the ``flash_attn``
+    attention backend (see :func:`engine.attention_backend.select_attention_backend`). The
     underlying :class:`LLMEngine` is ``llm.llm_engine``.
     """
 
-    def __init__(self, model: str | None = None, **config) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        flash_attn_varlen_func: FlashAttnVarlenFunc | None = None,
+        **config,
+    ) -> None:
         config = {**OFFLINE_DEFAULTS, **config}
-        self.llm_engine = LLMEngine.from_config(EngineConfig(model=model, **config))
+        self.llm_engine = LLMEngine.from_config(
+            EngineConfig(model=model, **config), flash_attn_varlen_func=flash_attn_varlen_func
+        )
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -9,6 +9,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -29,6 +30,9 @@ from engine.scheduler import Scheduler
 from engine.structured import StructuredOutput
 from policies import DEFAULT_CLASS, LoadSnapshot, make_classes
 from policies.limits import RequestLimits
+
+if TYPE_CHECKING:
+    from engine.attention_backend import FlashAttnVarlenFunc
 
 RECENT_STEPS = 8
 """Steps averaged into ``LoadSnapshot.recent_step_s`` (a few, so it follows bursts)."""
@@ -119,28 +123,34 @@ class LLMEngine:
 
     @classmethod
     def from_config(
-        cls, config: EngineConfig, clock: Callable[[], float] = time.monotonic
+        cls,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+        flash_attn_varlen_func: FlashAttnVarlenFunc | None = None,
     ) -> LLMEngine:
         """Load ``config.model`` onto a :class:`engine.runner.TorchModelRunner` and
-        build the engine around it.
+        build the engine around it. ``flash_attn_varlen_func`` replaces flash-attn's own
+        function on the ``flash_attn`` attention backend (a test's reference kernel).
 
         Raises:
             ModelLoadError: missing model or unsupported architecture.
-            ValueError: the KV cache budget holds no block.
+            ValueError: the KV cache budget holds no block, or the attention backend
+                cannot run here.
         """
         from engine.runner import TorchModelRunner
 
-        runner, tokenizer, model_dir = TorchModelRunner.load(config)
+        runner, tokenizer, model_dir = TorchModelRunner.load(config, flash_attn_varlen_func)
         engine = cls(
             config, runner=runner, tokenizer=tokenizer, clock=clock, model_dir=str(model_dir)
         )
         logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s",
+            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s, %s attention",
             model_dir,
             runner.num_kv_blocks,
             config.block_size,
             engine.max_model_len,
             runner.device,
+            runner.attention.name,
         )
         return engine
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.cache import cache_dir
-from engine.cpu_kernels import load as load_kernels
+from engine.cpu_kernels import CpuKernels
 from engine.cpu_linear import prepack_linears, prepack_supported
 from engine.fused_layers import fuse_layers
 from engine.kernel_layers import use_kernel_layers
@@ -154,6 +154,7 @@ def load_model(
     device: torch.device,
     attn_implementation: str,
     prepack: bool = True,
+    cpu_kernels: CpuKernels | None = None,
 ):
     """Load ``(model, tokenizer, model_dir)`` for serving.
 
@@ -165,9 +166,8 @@ def load_model(
             ``AttentionInterface``.
         prepack: replace the linear layers by oneDNN-prepacked ones where that applies
             (fp32 on CPU; :mod:`engine.cpu_linear`).
-
-    fp32 models on CPU run their decoder layers through :mod:`engine.cpu_kernels` where
-    those build (:mod:`engine.kernel_layers`; ``ITERSERVE_CPU_KERNELS=0`` turns them off).
+        cpu_kernels: run the decoder layers through these kernels
+            (:mod:`engine.kernel_layers`), as the ``cpu_kernels`` attention backend does.
 
     Raises:
         ModelLoadError: missing path, or an architecture the engine cannot run.
@@ -190,6 +190,6 @@ def load_model(
     fuse_layers(hf_model)
     if prepack and prepack_supported(device, dtype):
         prepack_linears(hf_model)
-    if device.type == "cpu" and dtype == torch.float32 and (kernels := load_kernels()):
-        use_kernel_layers(hf_model, kernels)
+    if cpu_kernels is not None:
+        use_kernel_layers(hf_model, cpu_kernels)
     return hf_model, tokenizer, model_dir

@@ -11,13 +11,16 @@ from transformers import AttentionInterface
 
 from engine.attention import (
     ATTN_IMPLEMENTATION,
-    FLASH_BLOCK_MULTIPLE,
     AttentionMetadata,
     DecodeGroup,
     PrefillChunk,
     decode_groups,
-    flash_attn_available,
     paged_attention,
+)
+from engine.attention_backend import (
+    AttentionBackend,
+    FlashAttnVarlenFunc,
+    select_attention_backend,
 )
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.kernel_layers import KernelDecoderLayer
@@ -58,6 +61,16 @@ class TorchModelRunner:
     :class:`engine.interfaces.ModelRunner`).
 
     The KV cache is one ``(k, v)`` pair per layer, each ``[num_blocks, block_size, KVH, D]``.
+
+    ``attention`` is the backend (:mod:`engine.attention_backend`); None picks it as
+    ``auto`` does, seeing the CPU kernels as chosen when the model's layers are
+    :class:`KernelDecoderLayer`. Every branch here runs on CPU, the flash-attn one with an
+    injected ``flash_attn_varlen_func``; on CUDA only the device of the step's tensors
+    differs, and the forward's time (``last_phases``) counts launches, not kernels.
+
+    Raises:
+        ValueError: ``attention`` disagrees with the model's layers (kernel layers without
+            the ``cpu_kernels`` backend, or that backend without them).
     """
 
     def __init__(
@@ -69,6 +82,7 @@ class TorchModelRunner:
         dtype: torch.dtype,
         seed: int,
         max_model_len: int | None = None,
+        attention: AttentionBackend | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -79,21 +93,26 @@ class TorchModelRunner:
         self.vocab_size = cfg.vocab_size
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos]) - {None}
-        self.use_flash = (
-            device.type == "cuda"
-            and flash_attn_available()
-            and block_size % FLASH_BLOCK_MULTIPLE == 0
-        )
         kernel_layers = [m for m in model.modules() if isinstance(m, KernelDecoderLayer)]
+        if attention is None:
+            attention = (
+                AttentionBackend("cpu_kernels", cpu_kernels=kernel_layers[0].kernels)
+                if kernel_layers
+                else select_attention_backend("auto", device, dtype, block_size)
+            )
+            if attention.name == "cpu_kernels" and not kernel_layers:
+                attention = AttentionBackend("sdpa")
+        if (attention.name == "cpu_kernels") != bool(kernel_layers):
+            raise ValueError(
+                f"attention backend {attention.name!r} with "
+                f"{'kernel' if kernel_layers else 'transformers'} decoder layers"
+            )
+        self.attention = attention
+        """The attention backend (:class:`engine.attention_backend.AttentionBackend`)."""
         self.kernel_decode = bool(kernel_layers)
         """Decodes are attended by :mod:`engine.cpu_kernels` (no SDPA decode groups)."""
         self.kernel_prefill = self.kernel_decode and all(m.prefill_kernel for m in kernel_layers)
         """Prefill chunks too (no SDPA gather indices or masks)."""
-        if device.type == "cuda" and not self.use_flash:
-            logger.warning(
-                "flash-attn path off (needs flash-attn and block_size %% %d == 0); using SDPA",
-                FLASH_BLOCK_MULTIPLE,
-            )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim)
         self.kv_caches = [
@@ -110,20 +129,38 @@ class TorchModelRunner:
         On CUDA the forward is asynchronous: its time is the launches', and the sampler's
         includes waiting for the logits."""
 
+    @property
+    def use_flash(self) -> bool:
+        """The step attends through flash-attn's ``flash_attn_varlen_func``."""
+        return self.attention.name == "flash_attn"
+
     @classmethod
-    def load(cls, config: EngineConfig) -> tuple[TorchModelRunner, Any, str]:
+    def load(
+        cls, config: EngineConfig, flash_attn_varlen_func: FlashAttnVarlenFunc | None = None
+    ) -> tuple[TorchModelRunner, Any, str]:
         """Load ``config.model`` and size its KV cache: ``(runner, tokenizer, model dir)``.
 
         The cache holds ``config.num_kv_blocks`` blocks, else as many as
-        ``config.kv_cache_memory_bytes`` (default 1 GiB) holds.
+        ``config.kv_cache_memory_bytes`` (default 1 GiB) holds. The attention backend is
+        ``config.attention_backend``; ``flash_attn_varlen_func`` replaces flash-attn's own
+        function (see :func:`engine.attention_backend.select_attention_backend`).
 
         Raises:
             ModelLoadError: missing model or unsupported architecture.
-            ValueError: the memory budget holds no KV block.
+            ValueError: the memory budget holds no KV block, or the attention backend
+                cannot run here.
         """
         device, dtype = config.torch_device(), config.torch_dtype()
+        attention = select_attention_backend(
+            config.attention_backend, device, dtype, config.block_size, flash_attn_varlen_func
+        )
         model, tokenizer, model_dir = load_model(
-            config.model, dtype, device, ATTN_IMPLEMENTATION, config.cpu_weight_prepack
+            config.model,
+            dtype,
+            device,
+            ATTN_IMPLEMENTATION,
+            config.cpu_weight_prepack,
+            cpu_kernels=attention.cpu_kernels,
         )
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
@@ -133,7 +170,14 @@ class TorchModelRunner:
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block")
         runner = cls(
-            model, num_blocks, config.block_size, device, dtype, config.seed, config.max_model_len
+            model,
+            num_blocks,
+            config.block_size,
+            device,
+            dtype,
+            config.seed,
+            config.max_model_len,
+            attention,
         )
         if not runner.eos_token_ids and tokenizer.eos_token_id is not None:
             runner.eos_token_ids = frozenset([tokenizer.eos_token_id])
@@ -207,6 +251,7 @@ class TorchModelRunner:
             block_tables[seq_of_token, positions // bs].to(torch.int64) * bs + positions % bs
         )
         context_lens = torch.tensor(ctx, dtype=torch.int32)
+        flash = self.attention.flash_attn_varlen_func
         md = AttentionMetadata(
             kv_caches=self.kv_caches,
             slot_mapping=slot_mapping.to(self.device),
@@ -216,9 +261,14 @@ class TorchModelRunner:
             max_query_len=max(s.num_tokens for s in seqs),
             max_context_len=max(ctx),
             num_decodes=nd,
-            use_flash=self.use_flash,
+            flash_attn=flash,
         )
-        if not self.use_flash:
+        if flash is not None:
+            cu_seqlens_k = [0]
+            for c in ctx:
+                cu_seqlens_k.append(cu_seqlens_k[-1] + c)
+            md.cu_seqlens_k = torch.tensor(cu_seqlens_k, dtype=torch.int32, device=self.device)
+        else:
             self._prepare_sdpa(md, seqs, nd, block_tables, ctx, qsl)
         spans, rows = prompt_logprob_rows(seqs, qsl)
         return (

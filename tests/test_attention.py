@@ -65,7 +65,6 @@ def test_grouped_decodes_match_dense_attention_per_sequence():
         max_query_len=1,
         max_context_len=max(contexts),
         num_decodes=len(contexts),
-        use_flash=False,
     )
     for start, end in groups:
         width = contexts[start]

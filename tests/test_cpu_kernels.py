@@ -187,7 +187,6 @@ def step_metadata(caches, decodes, prefills, tables) -> AttentionMetadata:
         max_query_len=max(prefills, default=1),
         max_context_len=max(ctx),
         num_decodes=len(decodes),
-        use_flash=False,
         prefills=[
             PrefillChunk(qsl[len(decodes) + j], qsl[len(decodes) + j + 1], None, None)
             for j in range(len(prefills))

@@ -57,7 +57,6 @@ def prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
         max_query_len=t,
         max_context_len=t,
         num_decodes=0,
-        use_flash=False,
         prefills=[PrefillChunk(0, t, None, None)],
     )
     with torch.inference_mode():
