@@ -94,6 +94,14 @@ def test_flash_path_greedy_equals_the_default_path(name, held, default_out):
     assert_blocks_free(llm)
 
 
+def test_sdpa_backend_at_block_256_equals_the_default_path(held, default_out):
+    """The backend a GPU without flash-attn runs (``auto`` on CUDA picks SDPA then)."""
+    llm = LLM(attention_backend="sdpa", block_size=256, max_num_batched_tokens=256)
+    assert llm.llm_engine.runner.attention.name == "sdpa"
+    assert_same_greedy(greedy(llm, held), default_out)
+    assert_blocks_free(llm)
+
+
 def test_flash_path_preemption_and_recompute_at_chunk_64(held, default_llm):
     """Three blocks hold a 250- and a 505-token prompt; the shorter one's decode needs a
     fourth block within a few tokens, so the other is preempted and recomputed."""
