@@ -94,6 +94,23 @@ def test_flash_path_greedy_equals_the_default_path(name, held, default_out):
     assert_blocks_free(llm)
 
 
+def test_flash_path_in_bfloat16_passes_the_kernels_dtype_contract(held):
+    """The GPU's dtype: the reference refuses fp32 here, as flash-attn does, so the
+    queries and the cache must reach it in bfloat16."""
+    ref = ReferenceFlashAttn(allow_fp32=False)
+    llm = LLM(
+        attention_backend="flash_attn",
+        block_size=256,
+        dtype="bfloat16",
+        flash_attn_varlen_func=ref,
+        cpu_weight_prepack=False,
+    )
+    out = greedy(llm, held[:3], max_tokens=4)
+    assert ref.calls > 0
+    assert all(o.outputs[0].finish_reason in ("length", "stop") for o in out)
+    assert_blocks_free(llm)
+
+
 def test_sdpa_backend_at_block_256_equals_the_default_path(held, default_out):
     """The backend a GPU without flash-attn runs (``auto`` on CUDA picks SDPA then)."""
     llm = LLM(attention_backend="sdpa", block_size=256, max_num_batched_tokens=256)
