@@ -202,6 +202,9 @@ class Plan:
     reference_max_tokens: int
     dispatch_reps: int
     run_pytest: bool = True
+    torch_threads: int | None = None
+    """None: torch's default. The dry run uses 1: on a shared CPU, two threads that wait on
+    each other at every op make host timings swing several-fold."""
     expected_s: float = 0.0
 
     @property
@@ -251,7 +254,8 @@ DRY_PLAN = Plan(
     reference_prompts=(0, 8),
     reference_max_tokens=3,
     dispatch_reps=2000,
-    expected_s=120.0,
+    torch_threads=1,
+    expected_s=150.0,
 )
 """``--dry-run``: every step on the CPU in fp32, tiny sizes, the SDPA backend."""
 
@@ -653,8 +657,13 @@ def step_profile(check: Check) -> dict[str, Any]:
         if "kernel_ms_per_step" in prof:
             point["host_share"] = max(0.0, 1 - prof["kernel_ms_per_step"] / run["step_ms"])
         points.append(point)
+    from engine.runner import kv_bytes_per_token
+
+    model = check.llm.llm_engine.runner.model
     return {
         "points": points,
+        "model_params": sum(p.numel() for p in model.parameters()),
+        "kv_bytes_per_token_bf16": kv_bytes_per_token(model.config, _torch().bfloat16),
         "dispatch": dispatch_cost(check.plan.device, check.plan.dispatch_reps),
         "note": "host_share: 1 - GPU kernel time / unprofiled step time (CUDA only)"
         if check.plan.device == "cuda"
@@ -928,6 +937,84 @@ def resolve_model(model: str | None, random_weights: bool, dtype: str, tmp: Path
     return resolve_model_dir(model), label
 
 
+# The estimate on paper: an eager decode step's host time against the GPU's weight read.
+HBM_BYTES_PER_S = 3.35e12
+"""H100 SXM memory bandwidth, 3.35 TB/s (NVIDIA H100 Tensor Core GPU datasheet; the PCIe
+card has 2 TB/s, the NVL 3.9 TB/s)."""
+HBM_SOURCE = "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: 3.35 TB/s"
+
+
+def paper_estimate(result: dict[str, Any]) -> dict[str, Any] | None:
+    """Where an eager decode step should stand on an H100, from a run's own figures.
+
+    The GPU's floor for one decode step, ``gpu_floor_ms``: the bf16 weights read once plus
+    the streams' K and V at the real run's context, over :data:`HBM_BYTES_PER_S`. The host's
+    time, between two bounds, per stream count (eager PyTorch issues the forward's kernels
+    one by one, so a step takes about the larger of host and GPU time):
+
+    * ``host_low_ms``: the step's host work outside the forward (schedule, prepare, other:
+      :func:`_split_ms`; the sample is left out, it runs on the GPU) plus the forward's
+      kernel ops times the cost of one tiny op (``dispatch``: :func:`dispatch_cost`, no
+      Python module code, no CUDA launch);
+    * ``host_high_ms``: the same plus the sample, with the forward's host time read by the
+      profiler (its Python between ops plus its kernel ops times their median self time,
+      profiler overhead included).
+
+    The forward's host time does not depend on the batch on a GPU, so both take it from the
+    fewest streams. ``share_of_floor_*`` = ``gpu_floor_ms / max(host, gpu_floor_ms)``: the
+    part of the bandwidth-bound throughput an eager step reaches, which is also its ratio to
+    an engine running at that bound. ``graphed_share_of_floor``: the same with the forward
+    replayed as one CUDA graph (its host time gone, the rest of the step as now), and
+    ``vs_graphed_*``: the eager step's throughput against that graphed step's, the ratio to
+    a peer that graphs its decode forward and spends as long as this engine outside it
+    (vLLM's way). None when the decode or profile step did not run.
+    """
+    steps = {s["name"]: s for s in result["steps"]}
+    decode, prof = steps.get("decode"), steps.get("profile")
+    if not decode or not prof or "ok" != decode["status"] or "ok" != prof["status"]:
+        return None
+    f = prof["figures"]
+    weights = 2 * f["model_params"]
+    context = (
+        CUDA_PLAN.decode_prompt_len + CUDA_PLAN.decode_warm_steps + CUDA_PLAN.decode_steps // 2
+    )
+    fewest = min(f["points"], key=lambda q: q["streams"])
+    ops = fewest["kernel_ops_per_forward"]
+    forward_low = ops * f["dispatch"]["launch_us"] / 1000
+    forward_high = fewest["forward_python_ms"] + ops * fewest["small_op_self_cpu_us_median"] / 1000
+    rows = []
+    for p in decode["figures"]["points"]:
+        n, split = p["streams"], p["split_ms"]
+        outside = split["schedule"] + split["prepare"] + split["other"]
+        low, high = outside + forward_low, outside + split["sample"] + forward_high
+        floor = 1000 * (weights + n * context * f["kv_bytes_per_token_bf16"]) / HBM_BYTES_PER_S
+        rows.append(
+            {
+                "streams": n,
+                "outside_forward_ms": outside,
+                "host_low_ms": low,
+                "host_high_ms": high,
+                "gpu_floor_ms": floor,
+                "share_of_floor_high": floor / max(low, floor),
+                "share_of_floor_low": floor / max(high, floor),
+                "graphed_share_of_floor": floor / max(outside, floor),
+                "vs_graphed_low": max(outside, floor) / max(high, floor),
+                "vs_graphed_high": max(outside, floor) / max(low, floor),
+                "floor_tokens_per_s": n / floor * 1000,
+            }
+        )
+    return {
+        "kernel_ops_per_forward": ops,
+        "forward_host_low_ms": forward_low,
+        "forward_host_high_ms": forward_high,
+        "weights_bytes_bf16": weights,
+        "context_tokens": context,
+        "hbm_bytes_per_s": HBM_BYTES_PER_S,
+        "hbm_source": HBM_SOURCE,
+        "points": rows,
+    }
+
+
 # The report.
 def _figure(o: StepOutcome) -> str:
     f = o.figures
@@ -1005,6 +1092,23 @@ def table(result: dict[str, Any]) -> str:
         header += ["sample", "other", "kernel ops/fwd", "GPU kernel ms", "launches/step"]
         header += ["host share"]
         lines += ["", rp.table(header, rows)]
+    est = result.get("estimate")
+    if est:
+        header = ["streams", "host ms (est.)", "GPU floor ms", "floor tok/s"]
+        header += ["eager share of floor", "graphed share of floor", "eager vs graphed"]
+        rows = [
+            [
+                str(p["streams"]),
+                f"{p['host_low_ms']:.1f}-{p['host_high_ms']:.1f}",
+                f"{p['gpu_floor_ms']:.3f}",
+                f"{p['floor_tokens_per_s']:.0f}",
+                f"{100 * p['share_of_floor_low']:.1f}-{100 * p['share_of_floor_high']:.1f}%",
+                f"{100 * p['graphed_share_of_floor']:.1f}%",
+                f"{100 * p['vs_graphed_low']:.0f}-{100 * p['vs_graphed_high']:.0f}%",
+            ]
+            for p in est["points"]
+        ]
+        lines += ["", rp.table(header, rows)]
     return "\n".join(lines)
 
 
@@ -1016,6 +1120,8 @@ def run_check(
 ) -> dict[str, Any]:
     """Run ``steps`` of ``plan``; the result (without the run record)."""
     t0 = time.perf_counter()
+    if plan.torch_threads:
+        _torch().set_num_threads(plan.torch_threads)
     load0 = cpu_snapshot()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         try:
@@ -1066,6 +1172,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = run_check(plan, args.model, args.random_weights)
     result = {"run": rp.run_record(), **result}
+    result["estimate"] = paper_estimate(result)
     rp.write_json(result, out)
     print()
     print(table(result))
