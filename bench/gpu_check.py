@@ -591,7 +591,9 @@ def _kernel_ops(event, out: list, fused: bool = True) -> bool:
 
 
 def _profile_figures(events, steps: int, cuda: bool, torch) -> dict[str, Any]:
-    forwards = [e for e in events if e.name == FORWARD_RANGE]
+    cpu_type = torch.autograd.DeviceType.CPU
+    # With CUDA on, a range is also recorded on the GPU's timeline: the host's one counts.
+    forwards = [e for e in events if e.name == FORWARD_RANGE and e.device_type == cpu_type]
     kernel_ops: list = []
     unfused: list = []
     launches_in_forward = syncs = 0
@@ -629,7 +631,13 @@ def _profile_figures(events, steps: int, cuda: bool, torch) -> dict[str, Any]:
     }
     if cuda:
         device_type = torch.autograd.DeviceType.CUDA
-        on_gpu = [e for e in events if e.device_type == device_type]
+        on_gpu = [
+            e
+            for e in events
+            if e.device_type == device_type
+            and e.name != FORWARD_RANGE
+            and not getattr(e, "is_user_annotation", False)
+        ]
         copies = [e for e in on_gpu if e.name.lower().startswith(("memcpy", "memset"))]
         kernels = [e for e in on_gpu if e not in copies]
         out.update(

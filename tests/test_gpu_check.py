@@ -44,6 +44,8 @@ def test_profile_counts_the_ops_that_launch_kernels_and_the_gpu_time():
         _event("ampere_sgemm", device="cuda", elapsed_us=50),
         _event("rms_norm_kernel", device="cuda", elapsed_us=10),
         _event("Memcpy HtoD", device="cuda", elapsed_us=4),
+        # The forward's range on the GPU's timeline: neither a forward nor a kernel.
+        _event(gpu_check.FORWARD_RANGE, device="cuda", elapsed_us=70),
     ]
     events = [forward, launch, _event("cudaMemcpyAsync"), *gpu]
 
