@@ -31,10 +31,11 @@ failed step does not stop the others:
     ``torch.profiler`` over ``profile_steps`` further decode steps at each stream count. On
     CUDA: GPU kernel time per step (the sum of the kernels' durations), kernel launches per
     step and per forward, and ``host_share``: the part of the unprofiled mean step that is
-    not GPU kernel time (Python, dispatch and launch overhead). Everywhere: leaf aten ops per
-    forward, and those of them that launch a kernel on CUDA (views and other metadata-only
-    ops left out, :data:`NO_KERNEL_OPS`), with the forward's CPU time per op. Beside it, the
-    host cost of one tiny op (:func:`dispatch_cost`) on the run's device.
+    not GPU kernel time (Python, dispatch and launch overhead). Everywhere: the aten ops per
+    forward that launch a kernel on CUDA (:func:`_kernel_ops`), the forward's Python time
+    between ops and the median self time of its small ops. Beside it, the host cost of one
+    tiny op (:func:`dispatch_cost`) on the run's device, the model's parameter count and
+    its KV bytes per token, which :func:`paper_estimate` reads.
 ``prefill``
     Prefill tokens/s of one request of each length in :attr:`Plan.prefill_lengths`, one step
     each (``max_num_batched_tokens`` covers the longest), after one warm-up of each length;
@@ -62,7 +63,9 @@ the same steps on the CPU in fp32 with tiny sizes and the SDPA backend (its aten
 ones an eager CUDA forward launches), and marks what needs CUDA.
 
 Output: a table on stdout and ``bench/results/gpu_check.json`` (``gpu_check_dry_run.json``
-with ``--dry-run``; ``--out`` to change), with the run record under ``"run"``. It imports
+with ``--dry-run``; ``--out`` to change), with the run record under ``"run"``, the cores
+other processes kept busy meanwhile (``foreign_cores``) and the estimate on paper
+(``estimate``, :func:`paper_estimate`). It imports
 the engine, torch, transformers and ``tests`` helpers only: no Ray, no FastAPI.
 """
 
@@ -82,10 +85,13 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.toolkit import report as rp
 from bench.toolkit.cpu_load import cpu_snapshot, foreign_cores
+
+if TYPE_CHECKING:
+    from engine import LLM, LLMEngine, StepRecord
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -235,7 +241,8 @@ CUDA_PLAN = Plan(
     dispatch_reps=2000,
     expected_s=240.0,
 )
-"""The real run (under 8 minutes on one H100, model conversion included)."""
+"""The real run, planned at about 4 minutes on one H100 with the model's conversion (the
+bound is 8); the result's ``wall_s`` is the reading."""
 
 DRY_PLAN = Plan(
     device="cpu",
@@ -286,7 +293,7 @@ class Check:
     model_dir: Path
     model_label: str
     random_weights: bool
-    llm: Any = None
+    llm: LLM | None = None
     after_load_bytes: int | None = None
     references: dict[int, dict[str, Any]] = field(default_factory=dict)
     flash_missing_on_cuda: bool = False
@@ -369,7 +376,7 @@ def _engine_config(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _load_llm(check: Check):
+def _load_llm(check: Check) -> LLM:
     if check.llm is None:
         from engine import LLM
 
@@ -385,9 +392,9 @@ def _load_llm(check: Check):
 class _Steps:
     """Collects the engine's step records while installed as its ``on_step``."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.records: list = []
+        self.records: list[StepRecord] = []
 
     def __enter__(self) -> _Steps:
         self.saved = self.engine.on_step
@@ -397,14 +404,14 @@ class _Steps:
     def __exit__(self, *exc) -> None:
         self.engine.on_step = self.saved
 
-    def step(self):
+    def step(self) -> StepRecord | None:
         """One engine step; its record (None when it had nothing to run)."""
         n = len(self.records)
         self.engine.step()
         return self.records[-1] if len(self.records) > n else None
 
 
-def _split_ms(records: list) -> dict[str, float]:
+def _split_ms(records: list[StepRecord]) -> dict[str, float]:
     """Mean milliseconds per step: schedule, the runner's phases, the rest, the whole."""
     n = len(records)
     out = {"schedule": 1000 * sum(r.schedule_s for r in records) / n}
