@@ -271,6 +271,10 @@ class Skip(Exception):
     """A step that cannot run here; the message is the reason recorded."""
 
 
+class StepFailed(Exception):
+    """A step ran and its check failed; the message says how."""
+
+
 @dataclass
 class StepOutcome:
     """One step's record in the result: ``status`` ``ok`` / ``failed`` / ``skipped``."""
@@ -485,10 +489,6 @@ def step_tests_gpu(check: Check) -> dict[str, Any]:
         reasons = re.findall(r"SKIPPED \[\d+\] [^:\s]+(?::\d+)?: (.+)", text)
         raise Skip(f"pytest skipped every test: {'; '.join(sorted(set(reasons))) or text[-200:]}")
     return figures
-
-
-class StepFailed(Exception):
-    """A step ran and its check failed; the message says how."""
 
 
 def _decode_run(check: Check, n: int, rng: random.Random, profile: bool) -> dict[str, Any]:
@@ -795,7 +795,7 @@ def _references(check: Check, indices: tuple[int, ...], max_tokens: int) -> None
             torch.cuda.empty_cache()
 
 
-def _compare(check: Check, llm, indices: tuple[int, ...], max_tokens: int) -> dict[str, Any]:
+def _compare(check: Check, llm: LLM, indices: tuple[int, ...], max_tokens: int) -> dict[str, Any]:
     """Greedy tokens of ``llm`` against the references: exact, near ties, mismatches."""
     from engine import SamplingParams
 
