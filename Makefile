@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 VLLM_VENV := .venv-vllm
 VLLM_VERSION ?= 0.32.0
 
-.PHONY: serve test check lint docs bench bench-peers venv clean
+.PHONY: serve test check lint docs bench bench-peers gpu-carry venv clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,30 @@ $(VLLM_VENV)/.installed:
 
 bench-peers: venv $(VLLM_VENV)/.installed
 	$(PY) -m bench.peers
+
+# What a GPU machine without network needs beside its own torch and transformers, in the
+# ignored folder .gpu-carry/ (docs/gpu.md says how to bring it over and run bench.gpu_check):
+# wheels of the engine's dependencies it lacks, for CPython 3.12 on manylinux x86_64; the
+# embedded model's config and tokenizer (for --random-weights); and the model's GGUF file in
+# GGUF_PARTS pieces, each small enough for one 64 MiB transfer, with its checksum.
+GPU_CARRY := .gpu-carry
+GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 typing-extensions==4.16.0 gguf==0.19.0
+GGUF_PARTS ?= 2
+
+gpu-carry: venv
+	rm -rf $(GPU_CARRY)
+	mkdir -p $(GPU_CARRY)/wheels $(GPU_CARRY)/model $(GPU_CARRY)/gguf
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d $(GPU_CARRY)/wheels $(GPU_WHEELS)
+	$(PY) -c 'import shutil, sys; from engine.model_loader import resolve_model_dir; \
+		[shutil.copy(f, sys.argv[1]) for f in resolve_model_dir(None).iterdir() \
+		if f.suffix != ".safetensors"]' $(GPU_CARRY)/model
+	gguf="$$($(PY) -c 'from engine.model_loader import default_gguf_path as p; print(p())')" && \
+		split -n $(GGUF_PARTS) -d "$$gguf" $(GPU_CARRY)/gguf/part- && \
+		(cd "$$(dirname "$$gguf")" && sha256sum "$$(basename "$$gguf")") > $(GPU_CARRY)/gguf/SHA256
+	du -sh $(GPU_CARRY)/*
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)

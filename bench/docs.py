@@ -126,6 +126,12 @@ def _engine_throughput(name: str, result: dict) -> list[str]:
     return [*_run_lines(result), *engine_throughput.targets_table(result), ""]
 
 
+def _gpu_check(name: str, result: dict) -> list[str]:
+    from bench import gpu_check
+
+    return [*_run_lines(result), gpu_check.table(result), ""]
+
+
 def _storm(name: str, result: dict) -> list[str]:
     from bench import storm
 
@@ -300,6 +306,23 @@ SUITES: tuple[Suite, ...] = (
         ),
         ("engine_throughput.json",),
         _engine_throughput,
+    ),
+    Suite(
+        "GPU check",
+        "bench.gpu_check",
+        "The first thing to run on a GPU: `tests/test_gpu.py`, greedy equality against "
+        "transformers in bf16, decode tokens/s at 1, 8 and 64 streams, prefill tokens/s at "
+        "512 and 2048 tokens, each decode step split into schedule, prepare, forward and "
+        "sample with its GPU kernel time and launches, and peak GPU memory. `--dry-run` walks "
+        "the same steps on the CPU in fp32 with tiny sizes and counts the ops an eager CUDA "
+        "forward launches. What a GPU machine needs, and the estimate the dry run feeds: "
+        "[gpu.md](gpu.md).",
+        (
+            "python -m bench.gpu_check              # on a GPU",
+            "python -m bench.gpu_check --dry-run    # on the CPU",
+        ),
+        ("gpu_check_dry_run.json",),
+        _gpu_check,
     ),
     Suite(
         "Storm",
