@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,10 +18,13 @@ from pathlib import Path
 import httpx
 import openai
 import ray
+import uvicorn
 import yaml
 from ray import serve
 
 from deploy.config import ServiceConfig
+from deploy.engine_replica import EngineReplica
+from deploy.local_server import build_local
 from deploy.server import deploy, embedded_serve_env, spare_port
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -103,6 +108,31 @@ def running_app(config: ServiceConfig, replicas: int) -> Iterator[str]:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@contextmanager
+def running_local(config: ServiceConfig) -> Iterator[tuple[str, EngineReplica]]:
+    """``config`` served as ``iterserve serve`` serves one replica, from a thread of this
+    process; yields ``(base URL, replica)`` once the port answers, and stops the server and
+    the engine after."""
+    server, replica = build_local(config)
+    # uvicorn's own server: build_local's handles signals, which only the main thread may.
+    plain = uvicorn.Server(server.config)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(plain.serve(),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not plain.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://{config.host}:{config.port}", replica
+    finally:
+        plain.should_exit = True
+        thread.join(timeout=30)
+        # The loop has left serve(): stop the engine's thread on it, as the server does.
+        loop.run_until_complete(replica.engine.shutdown())
+        loop.close()
 
 
 def start_serve(config: ServiceConfig | list[str], tmp: Path) -> subprocess.Popen:

@@ -22,7 +22,7 @@ import pytest
 
 from deploy.config import ServiceConfig
 from tests.ray_head import ray, ray_env, start_head, stop_head
-from tests.serving_app import free_port, running_app
+from tests.serving_app import free_port, running_local
 
 pytestmark = pytest.mark.slow  # real batch commands, a Ray head and ray job submit
 
@@ -172,7 +172,9 @@ def test_batch_answers_equal_the_apis_and_via_service(resumed, tmp_path):
         if t.startswith('{"custom_id": "req-')
     }
     config = ServiceConfig(port=free_port())
-    with running_app(config, replicas=1) as url:
+    # The one-process server: the same ingress and engine as on Ray Serve, without a Ray
+    # start (test_serving.py covers the Ray path's answers).
+    with running_local(config) as (url, _):
         for cid in good:
             resp = httpx.post(url + lines[cid]["url"], json=lines[cid]["body"], timeout=120)
             assert resp.status_code == 200, resp.text

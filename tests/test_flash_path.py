@@ -17,6 +17,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention_backend import select_attention_backend
+from engine.cpu_linear import PackedLinear
 from engine.runner import TorchModelRunner
 from tests.flash_reference import ContractError, ReferenceFlashAttn
 
@@ -112,9 +113,17 @@ def test_flash_path_in_bfloat16_passes_the_kernels_dtype_contract(held):
 
 
 def test_sdpa_backend_at_block_256_equals_the_default_path(held, default_out):
-    """The backend a GPU without flash-attn runs (``auto`` on CUDA picks SDPA then)."""
-    llm = LLM(attention_backend="sdpa", block_size=256, max_num_batched_tokens=256)
-    assert llm.llm_engine.runner.attention.name == "sdpa"
+    """What a GPU without flash-attn runs: SDPA (``auto`` on CUDA picks it then) and
+    torch's own ``nn.Linear`` (no oneDNN prepacking)."""
+    llm = LLM(
+        attention_backend="sdpa",
+        block_size=256,
+        max_num_batched_tokens=256,
+        cpu_weight_prepack=False,
+    )
+    runner = llm.llm_engine.runner
+    assert runner.attention.name == "sdpa"
+    assert not any(isinstance(m, PackedLinear) for m in runner.model.modules())
     assert_same_greedy(greedy(llm, held), default_out)
     assert_blocks_free(llm)
 

@@ -69,11 +69,8 @@ def assert_matches_reference(outputs, reference):
 CONFIGS = {
     "offline-defaults": dict(),  # LLM's own: 128 requests, a 2048-token step
     "server-step": dict(max_num_seqs=64, max_num_batched_tokens=512),  # EngineConfig's
-    "max_num_seqs-1": dict(max_num_seqs=1),
     # 60 blocks of 16 tokens: the 720-token request fits alone, the whole batch does not.
     "small-kv-preemption": dict(num_kv_blocks=60, max_num_batched_tokens=256),
-    # torch's own nn.Linear (MKL), the path of GPUs and of builds without oneDNN.
-    "no-weight-prepack": dict(cpu_weight_prepack=False),
 }
 
 

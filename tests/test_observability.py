@@ -1,7 +1,8 @@
-"""Metrics end to end: the real application under a short mixed load, scraped by a real
-Prometheus (Debian's package, installed here when missing) with the shipped rules; every
-PromQL expression of the dashboard and the rules returns data; `iterserve top --once`
-shows the same figures as `/metrics`."""
+"""Metrics end to end: the one-process server (the same ingress, replica and metrics as
+on Ray Serve, whose /metrics test_serving.py and test_autoscale_live.py read) under a short
+mixed load, scraped by a real Prometheus (Debian's package, installed here when missing)
+with the shipped rules; every PromQL expression of the dashboard and the rules returns
+data; `iterserve top --once` shows the same figures as `/metrics`."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def server(tmp_path_factory):
             },
         },
     )
-    with app.running_app(config, replicas=1) as url:
+    with app.running_local(config) as (url, _):
         yield url
 
 

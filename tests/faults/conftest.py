@@ -8,9 +8,7 @@ needs a fresh engine (one it kills) builds its own with :func:`local_server`.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,14 +16,12 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.config import ServiceConfig
 from deploy.engine_replica import EngineReplica
-from deploy.local_server import build_local
 from engine import AsyncLLMEngine
-from tests.serving_app import MODEL, free_port
+from tests.serving_app import MODEL, free_port, running_local
 
 KEY = "sk-standard"
 """The API key every fault test sends (class ``standard``)."""
@@ -136,25 +132,9 @@ class LocalServer:
 @contextmanager
 def local_server(config: ServiceConfig) -> Iterator[LocalServer]:
     """``config`` served as ``iterserve serve`` serves one replica, from a thread of this
-    process; yields once the port answers, and stops the server and the engine after."""
-    server, replica = build_local(config)
-    # uvicorn's own server: build_local's handles signals, which only the main thread may.
-    plain = uvicorn.Server(server.config)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(plain.serve(),), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not plain.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield LocalServer(f"http://{config.host}:{config.port}", replica)
-    finally:
-        plain.should_exit = True
-        thread.join(timeout=30)
-        # The loop has left serve(): stop the engine's thread on it, as the server does.
-        loop.run_until_complete(replica.engine.shutdown())
-        loop.close()
+    process (:func:`tests.serving_app.running_local`)."""
+    with running_local(config) as (url, replica):
+        yield LocalServer(url, replica)
 
 
 @pytest.fixture(scope="session")
