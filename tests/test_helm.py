@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import shutil
 import tempfile
@@ -81,10 +82,17 @@ def by_kind(objs: list[dict], kind: str) -> list[dict]:
     return [o for o in objs if o["kind"] == kind]
 
 
-def crd_schema(kind: str) -> dict:
-    crd = yaml.safe_load((CRDS / f"ray.io_{kind.lower()}s.yaml").read_text())
+@functools.cache
+def crd_validator(kind: str) -> jsonschema.protocols.Validator:
+    """The v1 schema of KubeRay's CRD for ``kind``, as a validator: parsed and checked once
+    (the CRD files are large; parsing one takes seconds)."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where PyYAML has it
+    crd = yaml.load((CRDS / f"ray.io_{kind.lower()}s.yaml").read_text(), Loader=loader)
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return v1["schema"]["openAPIV3Schema"]
+    schema = v1["schema"]["openAPIV3Schema"]
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
@@ -117,14 +125,14 @@ def test_ray_objects_pass_kuberay_crds(example):
     objs = render({**EXAMPLES[example], **EVERYTHING_ON})
     assert len(by_kind(objs, "RayService")) == len(by_kind(objs, "RayJob")) == 1
     for obj in by_kind(objs, "RayService") + by_kind(objs, "RayJob"):
-        jsonschema.validate(obj, crd_schema(obj["kind"]))
+        crd_validator(obj["kind"]).validate(obj)
 
 
 def test_crd_check_catches_a_broken_manifest():
     (svc,) = by_kind(render({}), "RayService")
     svc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "two"
     with pytest.raises(jsonschema.ValidationError, match="two"):
-        jsonschema.validate(svc, crd_schema("RayService"))
+        crd_validator("RayService").validate(svc)
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
