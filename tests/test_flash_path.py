@@ -88,10 +88,11 @@ FLASH_CONFIGS = {
 
 @pytest.mark.parametrize("name", list(FLASH_CONFIGS))
 def test_flash_path_greedy_equals_the_default_path(name, held, default_out):
+    # Up to 440 tokens: two blocks, and 16-token chunks that cross a block boundary.
     llm, ref = flash_llm(**FLASH_CONFIGS[name])
-    out = greedy(llm, held)
+    out = greedy(llm, held[:4])
     assert ref.calls > 0
-    assert_same_greedy(out, default_out)
+    assert_same_greedy(out, default_out[:4])
     assert_blocks_free(llm)
 
 
@@ -158,7 +159,7 @@ def test_flash_path_prefix_hits_share_a_block_at_a_chunk_boundary(held, default_
 
 
 def test_flash_path_prompt_logprobs_across_chunks(held, default_llm):
-    prompts = [held[-1], held[-3]]
+    prompts = [held[-2]]  # 440 tokens: seven chunks of 64 over two blocks
     llm, _ = flash_llm(max_num_batched_tokens=128, long_prefill_token_threshold=64)
     got = greedy(llm, prompts, prompt_logprobs=1, max_tokens=1)
     expected = greedy(default_llm, prompts, prompt_logprobs=1, max_tokens=1)
