@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import platform
 import random
 import re
@@ -473,7 +474,10 @@ def step_tests_gpu(check: Check) -> dict[str, Any]:
         raise Skip("left out by the plan")
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
     cmd.append("tests/test_gpu.py")
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420)
+    # The tests' model_dir fixture reads ITERSERVE_TEST_MODEL: the check's model, not
+    # necessarily the embedded one.
+    env = {**os.environ, "ITERSERVE_TEST_MODEL": str(check.model_dir)}
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420, env=env)
     text = done.stdout + done.stderr
     last = [ln for ln in text.strip().splitlines() if PYTEST_COUNT.search(ln)]
     counts = {k.rstrip("s"): int(n) for n, k in PYTEST_COUNT.findall(last[-1] if last else "")}

@@ -16,7 +16,9 @@ BF16_NEAR_TIE = 0.1
 def test_flash_attn_greedy_matches_transformers_on_cuda(model_dir, prompts):
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(device="cuda", dtype="bfloat16", block_size=256, max_num_batched_tokens=256)
+    llm = LLM(
+        str(model_dir), device="cuda", dtype="bfloat16", block_size=256, max_num_batched_tokens=256
+    )
     assert llm.llm_engine.runner.use_flash
     params = SamplingParams(max_tokens=16, temperature=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
