@@ -52,11 +52,11 @@ from typing import Any
 import httpx
 import psutil
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.toolkit import report as rp
 from bench.toolkit.prompts import corpus_text
 from bench.toolkit.servers import MODEL_NAME
+from deploy.top import scrape, totals
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CORPUS = corpus_text()
@@ -349,13 +349,7 @@ async def _client(url: str, run: Run, stop_at: float, seed: int) -> None:
 
 
 def _gauges(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    sums = dict.fromkeys(GAUGES, 0.0)
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in sums:
-                sums[s.name] += s.value
-    return sums
+    return totals(scrape(url, timeout_s=10), GAUGES)
 
 
 def _sample(server: SoakServer, run: Run) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import httpx
@@ -46,6 +47,16 @@ def scrape(url: str, timeout_s: float = 5.0) -> Samples:
     for fam in text_string_to_metric_families(r.text):
         for s in fam.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def totals(samples: Samples, names: Iterable[str]) -> dict[str, float]:
+    """Each of ``names`` (full sample names, ``iterserve:...``) summed over its labels; 0
+    for a name with no sample."""
+    out = dict.fromkeys(names, 0.0)
+    for (n, _), v in samples.items():
+        if n in out:
+            out[n] += v
     return out
 
 

@@ -7,6 +7,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.attention_backend import FLASH_BLOCK_MULTIPLE, BackendChoice
 from policies import SchedulingPolicy, policy_from_spec
 from policies.slo_guard import RULES
 
@@ -87,7 +88,7 @@ class EngineConfig(BaseModel):
     traffic_classes: dict[str, dict[str, Any]] | None = Field(
         None, description="overrides of policies.DEFAULT_CLASSES fields, by class name"
     )
-    attention_backend: Literal["auto", "sdpa", "cpu_kernels", "flash_attn"] = Field(
+    attention_backend: BackendChoice = Field(
         "auto",
         description="auto: flash_attn on CUDA where flash-attn imports and block_size is a "
         "multiple of 256, cpu_kernels in fp32 on the CPU where they build, else sdpa; a "
@@ -106,10 +107,10 @@ class EngineConfig(BaseModel):
     def _check(self) -> EngineConfig:
         if not self.enable_chunked_prefill and self.long_prefill_token_threshold is not None:
             raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
-        if self.attention_backend == "flash_attn" and self.block_size % 256:
+        if self.attention_backend == "flash_attn" and self.block_size % FLASH_BLOCK_MULTIPLE:
             raise ValueError(
-                f"attention_backend flash_attn needs block_size a multiple of 256, "
-                f"not {self.block_size}"
+                f"attention_backend flash_attn needs block_size a multiple of "
+                f"{FLASH_BLOCK_MULTIPLE}, not {self.block_size}"
             )
         return self
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Any
@@ -62,11 +63,12 @@ class TorchModelRunner:
 
     The KV cache is one ``(k, v)`` pair per layer, each ``[num_blocks, block_size, KVH, D]``.
 
-    ``attention`` is the backend (:mod:`engine.attention_backend`); None picks it as
-    ``auto`` does, seeing the CPU kernels as chosen when the model's layers are
-    :class:`KernelDecoderLayer`. Every branch here runs on CPU, the flash-attn one with an
-    injected ``flash_attn_varlen_func``; on CUDA only the device of the step's tensors
-    differs, and the forward's time (``last_phases``) counts launches, not kernels.
+    ``attention`` is the backend (:func:`engine.attention_backend.select_attention_backend`;
+    :meth:`load` resolves it before it loads the model, whose decoder layers are then
+    :class:`KernelDecoderLayer` exactly when it is ``cpu_kernels``). Every branch here runs
+    on CPU, the flash-attn one with an injected ``flash_attn_varlen_func``; on CUDA only
+    the device of the step's tensors differs, and the forward's time (``last_phases``)
+    counts launches, not kernels.
 
     Raises:
         ValueError: ``attention`` disagrees with the model's layers (kernel layers without
@@ -82,7 +84,8 @@ class TorchModelRunner:
         dtype: torch.dtype,
         seed: int,
         max_model_len: int | None = None,
-        attention: AttentionBackend | None = None,
+        *,
+        attention: AttentionBackend,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -94,14 +97,6 @@ class TorchModelRunner:
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos]) - {None}
         kernel_layers = [m for m in model.modules() if isinstance(m, KernelDecoderLayer)]
-        if attention is None:
-            attention = (
-                AttentionBackend("cpu_kernels", cpu_kernels=kernel_layers[0].kernels)
-                if kernel_layers
-                else select_attention_backend("auto", device, dtype, block_size)
-            )
-            if attention.name == "cpu_kernels" and not kernel_layers:
-                attention = AttentionBackend("sdpa")
         if (attention.name == "cpu_kernels") != bool(kernel_layers):
             raise ValueError(
                 f"attention backend {attention.name!r} with "
@@ -177,7 +172,7 @@ class TorchModelRunner:
             dtype,
             config.seed,
             config.max_model_len,
-            attention,
+            attention=attention,
         )
         if not runner.eos_token_ids and tokenizer.eos_token_id is not None:
             runner.eos_token_ids = frozenset([tokenizer.eos_token_id])
@@ -264,10 +259,9 @@ class TorchModelRunner:
             flash_attn=flash,
         )
         if flash is not None:
-            cu_seqlens_k = [0]
-            for c in ctx:
-                cu_seqlens_k.append(cu_seqlens_k[-1] + c)
-            md.cu_seqlens_k = torch.tensor(cu_seqlens_k, dtype=torch.int32, device=self.device)
+            md.cu_seqlens_k = torch.tensor(
+                list(itertools.accumulate(ctx, initial=0)), dtype=torch.int32, device=self.device
+            )
         else:
             self._prepare_sdpa(md, seqs, nd, block_tables, ctx, qsl)
         spans, rows = prompt_logprob_rows(seqs, qsl)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.config import ServiceConfig
 from deploy.engine_replica import EngineReplica
+from deploy.top import scrape, totals
 from engine import AsyncLLMEngine
 from tests.serving_app import MODEL, free_port, running_local
 
@@ -89,13 +89,7 @@ class LocalServer:
 
     def gauges(self) -> dict[str, float]:
         """Each of :data:`GAUGES` from ``/metrics``, summed over its labels."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        sums = dict.fromkeys(GAUGES, 0.0)
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name in sums:
-                    sums[s.name] += s.value
-        return sums
+        return totals(scrape(self.url, timeout_s=10), GAUGES)
 
     def free_blocks(self) -> int:
         return self.engine.engine.block_manager.num_free_blocks
