@@ -94,6 +94,14 @@ class EngineConfig(BaseModel):
         "multiple of 256, cpu_kernels in fp32 on the CPU where they build, else sdpa; a "
         "named backend that cannot run here is an error",
     )
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto",
+        description="auto: a GGUF's quantized weights stay packed as stored (fp32 on the CPU, "
+        "where the packed-weight kernels build; else de-quantized to dtype), a transformers "
+        "directory loads as stored; none: de-quantize a GGUF to dtype; int8 / int4: quantize "
+        "a transformers directory's linear layers weight-only at load (per-channel int8, or "
+        "group-32 int4 with scale and minimum)",
+    )
     cpu_weight_prepack: bool = Field(
         True,
         description="fp32 on CPU: run linear layers through oneDNN on weights "

@@ -25,6 +25,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ between PyTorch's own kernels) and decode attention's ``expf`` (glibc's vector m
 assumes finite inputs: its softmax starts from -FLT_MAX, and prefill attention masks with
 -1e30, not -inf)."""
 FAST_MATH_FLAGS = ("-ffast-math",)
-"""Flags for compiling only, never for linking (:func:`_build`)."""
+"""Flags for compiling only, never for linking (:func:`compile_library`)."""
 OPENMP_FLAG = "-fopenmp"
 """The attention kernels share their work among OpenMP threads. The library then needs
 ``libgomp.so.1``; loaded after torch, whose CPU wheels ship their own libgomp under that
@@ -293,18 +294,41 @@ def build(out_dir: Path) -> tuple[Path, bool]:
     Raises:
         OSError, subprocess.CalledProcessError: no compiler, or compilation failed.
     """
+    units = [CompileUnit(src) for src in SOURCES]
     try:
-        return _build(out_dir, (*FLAGS, OPENMP_FLAG)), True
+        return compile_library(out_dir, "cpu_kernels", units, HEADERS, (*FLAGS, OPENMP_FLAG)), True
     except subprocess.CalledProcessError as e:
         logger.warning("CPU kernels without OpenMP (attention on one thread): %s", e.stderr)
-        return _build(out_dir, FLAGS), False
+        return compile_library(out_dir, "cpu_kernels", units, HEADERS, FLAGS), False
 
 
-def _build(out_dir: Path, flags: tuple[str, ...]) -> Path:
-    code = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+@dataclass(frozen=True)
+class CompileUnit:
+    """One object of a library: a C source and the flags it alone is compiled with (an
+    instruction set and a symbol suffix, where one source is compiled once per target)."""
+
+    source: Path
+    flags: tuple[str, ...] = ()
+
+
+def compile_library(
+    out_dir: Path,
+    name: str,
+    units: list[CompileUnit],
+    headers: tuple[Path, ...],
+    flags: tuple[str, ...],
+) -> Path:
+    """Compile ``units`` with ``flags`` (plus each unit's own) and link them into
+    ``out_dir/<name>-<key>.so``, once per sources, flags, compiler and CPU.
+
+    Raises:
+        OSError, subprocess.CalledProcessError: no compiler, or compilation failed.
+    """
+    code = b"".join(p.read_bytes() for p in (*{u.source for u in units}, *headers))
     recipe = " ".join(flags) + " | linked without " + " ".join(FAST_MATH_FLAGS)
+    recipe += "".join(f" | {u.source.name}: {' '.join(u.flags)}" for u in units)
     h = hashlib.sha256(code + recipe.encode() + _cpu_key().encode())
-    target = out_dir / f"cpu_kernels-{h.hexdigest()[:16]}.so"
+    target = out_dir / f"{name}-{h.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -316,10 +340,10 @@ def _build(out_dir: Path, flags: tuple[str, ...]) -> Path:
         # and denormals-are-zero in the loading thread, changing every float operation of the
         # process (numpy's, torch's, the caller's) on subnormals.
         objects = []
-        for src in SOURCES:
-            obj = tmp / f"{src.stem}.o"
-            compile_flags = [f for f in flags if f != "-shared"]
-            _cc([*compile_flags, "-c", str(src), "-o", str(obj)])
+        compile_flags = [f for f in flags if f != "-shared"]
+        for i, unit in enumerate(units):
+            obj = tmp / f"{i}-{unit.source.stem}.o"
+            _cc([*compile_flags, *unit.flags, "-c", str(unit.source), "-o", str(obj)])
             objects.append(str(obj))
         link_flags = [f for f in flags if f not in FAST_MATH_FLAGS]
         _cc([*link_flags, *objects, "-o", str(so), "-lm"])

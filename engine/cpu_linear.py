@@ -66,14 +66,14 @@ class PackedLinear(nn.Module):
         )
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, copy_rest: bool = True) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear`, in place.
 
-    A replaced layer's plain weight is freed unless another module shares it. The
-    tensors left (embedding, norms, biases) are then copied: weights loaded from
-    safetensors are views of one memory-mapped file, which packing has read whole, so
-    the mapping would stay resident beside the packed copies for as long as any view
-    lives.
+    A replaced layer's plain weight is freed unless another module shares it. With
+    ``copy_rest``, the tensors left (embedding, norms, biases) are then copied: weights
+    loaded from safetensors are views of one memory-mapped file, which packing has read
+    whole, so the mapping would stay resident beside the packed copies for as long as any
+    view lives. (Weights read from a GGUF file are copies already.)
 
     Returns:
         The number of layers replaced.
@@ -89,6 +89,9 @@ def prepack_linears(model: nn.Module) -> int:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, PackedLinear(lin, tied=id(lin.weight) in others))
+    if not copy_rest:
+        logger.info("prepacked %d linear layers for oneDNN", len(linears))
+        return len(linears)
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()

@@ -19,10 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from collections.abc import Callable
+
 from engine.attention import paged_attention
 
 
-def _concat_linear(parts: list[nn.Linear]) -> nn.Linear:
+Concat = Callable[[list[nn.Module]], "nn.Module | None"]
+"""Joins linear layers whose outputs go side by side into one layer, or declines (None) for
+:func:`concat_linear` to do it: the loader's hook for layers that are not ``nn.Linear``
+(:func:`engine.quant.linear.concat_linears` for packed weights)."""
+
+
+def concat_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One ``nn.Linear`` whose output is the parts' outputs side by side."""
     has_bias = parts[0].bias is not None
     if any((p.bias is not None) != has_bias for p in parts):
@@ -58,10 +66,10 @@ class RMSNorm(nn.Module):
 class FusedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up as one GEMM; ``[..., hidden]`` in and out."""
 
-    def __init__(self, mlp: nn.Module) -> None:
+    def __init__(self, mlp: nn.Module, concat: Concat | None = None) -> None:
         super().__init__()
         self.intermediate = mlp.gate_proj.out_features
-        self.gate_up_proj = _concat_linear([mlp.gate_proj, mlp.up_proj])
+        self.gate_up_proj = _join([mlp.gate_proj, mlp.up_proj], concat)
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn
 
@@ -79,14 +87,14 @@ class FusedAttention(nn.Module):
     ``attn_metadata`` keyword, as for transformers' attention interface.
     """
 
-    def __init__(self, attn: nn.Module, apply_rotary) -> None:
+    def __init__(self, attn: nn.Module, apply_rotary, concat: Concat | None = None) -> None:
         super().__init__()
         self.layer_idx = attn.layer_idx
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.q_size = attn.q_proj.out_features
         self.kv_size = attn.k_proj.out_features
-        self.qkv_proj = _concat_linear([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv_proj = _join([attn.q_proj, attn.k_proj, attn.v_proj], concat)
         self.o_proj = attn.o_proj
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
@@ -115,11 +123,17 @@ class FusedAttention(nn.Module):
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
 
-def fuse_layers(model: nn.Module) -> int:
+def _join(parts: list[nn.Module], concat: Concat | None) -> nn.Module:
+    joined = concat(parts) if concat is not None else None
+    return joined if joined is not None else concat_linear(parts)
+
+
+def fuse_layers(model: nn.Module, concat: Concat | None = None) -> int:
     """Swap each decoder layer's attention, MLP and RMSNorms for the fused modules, in place.
 
     Applies to the Llama-family layout (``model.model.layers[i].self_attn / .mlp /
     .input_layernorm / .post_attention_layernorm``) shared by the supported architectures.
+    ``concat`` joins projections that are not all ``nn.Linear`` (see :data:`Concat`).
 
     Returns:
         The number of layers swapped.
@@ -133,10 +147,10 @@ def fuse_layers(model: nn.Module) -> int:
     rope = importlib.import_module(type(layers[0].self_attn).__module__).apply_rotary_pos_emb
     for layer in layers:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if not isinstance(getattr(layer.self_attn, name, None), nn.Linear):
-                raise ValueError(f"attention layer has no nn.Linear {name}")
-        layer.self_attn = FusedAttention(layer.self_attn, rope)
-        layer.mlp = FusedMLP(layer.mlp)
+            if not hasattr(getattr(layer.self_attn, name, None), "out_features"):
+                raise ValueError(f"attention layer has no linear {name}")
+        layer.self_attn = FusedAttention(layer.self_attn, rope, concat)
+        layer.mlp = FusedMLP(layer.mlp, concat)
         for name in ("input_layernorm", "post_attention_layernorm"):
             setattr(layer, name, _rms_norm(getattr(layer, name)))
     model.model.norm = _rms_norm(model.model.norm)

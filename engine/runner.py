@@ -25,7 +25,7 @@ from engine.attention_backend import (
 )
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.kernel_layers import KernelDecoderLayer
-from engine.model_loader import load_model
+from engine.model_loader import WeightInfo, load_model
 from engine.request import Request
 from engine.sampler import Sampler, SampleResult, prompt_logprob_rows, record_prompt_logprobs
 from engine.schedule_output import ScheduledSeq, SchedulerOutput
@@ -118,6 +118,8 @@ class TorchModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(device, seed)
+        self.weights: WeightInfo | None = None
+        """How the model holds its weights (set by :meth:`load`)."""
         self.last_phases: tuple[tuple[str, float], ...] = ()
         """Seconds (``time.perf_counter``) the last :meth:`execute` spent in each part:
         ``(("prepare", s), ("forward", s), ("sample", s))``; the engine's ``StepRecord.phases``.
@@ -149,14 +151,16 @@ class TorchModelRunner:
         attention = select_attention_backend(
             config.attention_backend, device, dtype, config.block_size, flash_attn_varlen_func
         )
-        model, tokenizer, model_dir = load_model(
+        loaded = load_model(
             config.model,
             dtype,
             device,
             ATTN_IMPLEMENTATION,
             config.cpu_weight_prepack,
             cpu_kernels=attention.cpu_kernels,
+            quantization=config.quantization,
         )
+        model, tokenizer, model_dir = loaded.model, loaded.tokenizer, loaded.model_dir
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
@@ -174,6 +178,7 @@ class TorchModelRunner:
             config.max_model_len,
             attention=attention,
         )
+        runner.weights = loaded.weights
         if not runner.eos_token_ids and tokenizer.eos_token_id is not None:
             runner.eos_token_ids = frozenset([tokenizer.eos_token_id])
         return runner, tokenizer, model_dir
