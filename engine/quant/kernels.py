@@ -112,6 +112,15 @@ class QuantKernels:
         if rc:
             raise KernelError(f"q_matmul({w.fmt.name}) failed: {rc}")
 
+    def matmul_call(self):
+        """``(fn, threads)`` for callers that bind a weight once: ``fn(type_id, w_ptr,
+        row_bytes, rows, k, x_ptr, x_stride, m, out_ptr, out_stride, bias_ptr, threads())``
+        is :meth:`matmul` without its checks (a nonzero result is an error)."""
+        fn = self._matmul
+        if self.parallel:
+            return _checked(fn), torch.get_num_threads
+        return _checked(fn), _one
+
     def expand(self, w: PackedTensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``ids`` (int64, any shape; all rows when None) of ``w`` de-quantized:
         ``[*ids.shape, k]`` fp32 (``[rows, k]`` when None). Equal bit for bit to ggml's
@@ -137,6 +146,18 @@ class QuantKernels:
         if rc:
             raise KernelError(f"q_expand({w.fmt.name}) failed: {rc}")
         return out if ids is None else out.view(*ids.shape, w.k)
+
+
+def _one() -> int:
+    return 1
+
+
+def _checked(fn):
+    def call(*args) -> None:
+        if fn(*args):
+            raise KernelError(f"q_matmul(type {args[0]}) failed")
+
+    return call
 
 
 def _units() -> list[CompileUnit]:

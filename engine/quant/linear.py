@@ -61,6 +61,11 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.contiguous(), persistent=False)
         self.kernels = kernels
         self._single = parts[0] if len(parts) == 1 and isinstance(parts[0], PackedTensor) else None
+        if self._single is not None:
+            self._call, self._threads = kernels.matmul_call()
+            w = self._single
+            self._args = (w.fmt.type_id, w.data.data_ptr(), w.data.shape[1], w.rows, w.k)
+            self._bias_ptr = None if bias is None else self.bias.data_ptr()
         # The packed bytes are buffers, so that the module's memory is counted with the rest.
         for i, p in enumerate(parts):
             self.register_buffer(
@@ -74,14 +79,17 @@ class QuantLinear(nn.Module):
         return sum(part_bytes(p) for p in self.parts) + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._single is not None and x.dim() == 2 and x.stride(1) == 1:
+            # The decoder layers' case, kept short: this call runs some 120 times a step.
+            out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
+            self._call(*self._args, x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(),
+                       self.out_features, self._bias_ptr, self._threads())
+            return out
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
-        if self._single is not None:
-            self.kernels.matmul(self._single, x2, out, self.bias)
-            return out.view(*lead, self.out_features)
         col = 0
         for p in self.parts:
             n = part_rows(p)
