@@ -216,6 +216,11 @@ class CpuKernels:
     def _threads(self) -> int:
         return torch.get_num_threads() if self.parallel else 1
 
+    def address(self, name: str) -> int:
+        """The address of kernel ``name``, for C code that calls it
+        (``engine/quant/decode.c``)."""
+        return ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value
+
     def prefill_attention(
         self,
         q: torch.Tensor,

@@ -118,6 +118,18 @@ class TorchModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(device, seed)
+        self.decode_stack = None
+        """Runs decode-only steps of a packed model in one C call
+        (:class:`engine.quant.decode_stack.DecodeStack`), where it applies."""
+        if self.kernel_decode:
+            from engine.quant import kernels as quant_kernels
+            from engine.quant.decode_stack import DecodeStack
+
+            quant = quant_kernels.load()
+            if quant is not None:
+                self.decode_stack = DecodeStack.build(
+                    model, self.kv_caches, attention.cpu_kernels, quant
+                )
         self.weights: WeightInfo | None = None
         """How the model holds its weights (set by :meth:`load`)."""
         self.last_phases: tuple[tuple[str, float], ...] = ()
@@ -194,13 +206,16 @@ class TorchModelRunner:
         t0 = time.perf_counter()
         input_ids, positions, md, keep_idx, sampling_reqs, spans = self._prepare(out)
         t1 = time.perf_counter()
-        logits = self.model(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            use_cache=False,
-            logits_to_keep=keep_idx,
-            attn_metadata=md,
-        ).logits[0]
+        if self.decode_stack is not None and out.num_decodes == len(out.seqs):
+            logits = self.decode_stack(input_ids, positions, md, keep_idx)
+        else:
+            logits = self.model(
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                use_cache=False,
+                logits_to_keep=keep_idx,
+                attn_metadata=md,
+            ).logits[0]
         t2 = time.perf_counter()
         ns = len(sampling_reqs)
         if spans:

@@ -31,7 +31,7 @@ from engine.quant.formats import PackedTensor
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-KERNELS_C, DISPATCH_C = HERE / "kernels.c", HERE / "qdispatch.c"
+KERNELS_C, DISPATCH_C, DECODE_C = HERE / "kernels.c", HERE / "qdispatch.c", HERE / "decode.c"
 FLAGS = ("-O3", "-ffast-math", "-fPIC", "-shared")
 X86_LEVELS = (("v4", "-march=x86-64-v4"), ("v3", "-march=x86-64-v3"))
 LEVEL_ENV = "ITERSERVE_QUANT_LEVEL"
@@ -44,6 +44,7 @@ _SIGNATURES = {
     "q_set_level": (_C, [_C]),
     "q_level": (_C, []),
     "q_cpu_level": (_C, []),
+    "q_decode_layers": (_C, [_P, _I, _P, _P, _P]),
 }
 
 
@@ -64,6 +65,9 @@ class QuantKernels:
             fn.restype, fn.argtypes = restype, argtypes
         self._lib = lib
         self._matmul = lib.q_matmul
+        self.decode_layers = lib.q_decode_layers
+        """``q_decode_layers`` of ``engine/quant/decode.c`` (see
+        :mod:`engine.quant.decode_stack`)."""
         self.parallel = parallel
         """Products share their rows among ``torch.get_num_threads()`` threads, else run on
         one."""
@@ -164,8 +168,8 @@ def _units() -> list[CompileUnit]:
     units = [CompileUnit(KERNELS_C, ("-DVARIANT=generic",))]
     if platform.machine() in ("x86_64", "AMD64"):
         units += [CompileUnit(KERNELS_C, (march, f"-DVARIANT={v}")) for v, march in X86_LEVELS]
-        return [*units, CompileUnit(DISPATCH_C)]
-    return [*units, CompileUnit(DISPATCH_C, ("-DQ_GENERIC_ONLY",))]
+        return [*units, CompileUnit(DISPATCH_C), CompileUnit(DECODE_C)]
+    return [*units, CompileUnit(DISPATCH_C, ("-DQ_GENERIC_ONLY",)), CompileUnit(DECODE_C)]
 
 
 def build(out_dir: Path) -> tuple[Path, bool]:
@@ -185,7 +189,7 @@ def build(out_dir: Path) -> tuple[Path, bool]:
         # A compiler without the x86-64 levels: the baseline alone.
         logger.warning("packed-weight kernels for the baseline only: %s", e.stderr)
         units = [CompileUnit(KERNELS_C, ("-DVARIANT=generic",))]
-        units.append(CompileUnit(DISPATCH_C, ("-DQ_GENERIC_ONLY",)))
+        units += [CompileUnit(DISPATCH_C, ("-DQ_GENERIC_ONLY",)), CompileUnit(DECODE_C)]
         return compile_library(out_dir, "quant", units, (), FLAGS), False
 
 
