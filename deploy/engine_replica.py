@@ -126,7 +126,10 @@ class EngineReplica:
     def info(self) -> ModelInfo:
         """What the ingress needs once: the tokenizer and the limits."""
         engine = self.engine.engine
-        return ModelInfo(engine.tokenizer, engine.limits)
+        w = engine.weights
+        if w is None:
+            return ModelInfo(engine.tokenizer, engine.limits)
+        return ModelInfo(engine.tokenizer, engine.limits, w.format, w.bytes)
 
     def items(
         self,

@@ -21,7 +21,7 @@ import math
 import os
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 import uvloop
@@ -162,8 +162,9 @@ async def _stop_engine_after_grace(server: _Server, replica: EngineReplica) -> N
     await replica.engine.shutdown()
 
 
-def run_local(config: ServiceConfig, banner: str) -> int:
-    """Load the model, then serve ``config`` in this process (see the module docstring).
+def run_local(config: ServiceConfig, banner: Callable[[str | None], str]) -> int:
+    """Load the model, then serve ``config`` in this process (see the module docstring);
+    ``banner(weights)`` is what to print once it accepts requests.
 
     Raises:
         PortInUse: ``config.port`` is taken (checked before the model loads).
@@ -171,7 +172,9 @@ def run_local(config: ServiceConfig, banner: str) -> int:
     check_port(config.host, config.port)
     server, replica = build_local(config)
     logger.info("serving in this process (pid %d), without Ray", os.getpid())
+    weights = replica.engine.engine.weights
+    ready = banner(None if weights is None else weights.describe())
     # uvloop, which `uvicorn.run` and vLLM's API server pick too: its event loop spends less
     # CPU per streamed chunk than asyncio's, CPU that the engine's threads share.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(serve_until_stopped(server, replica, banner))
+        return runner.run(serve_until_stopped(server, replica, ready))

@@ -189,8 +189,9 @@ def uses_ray(config: ServiceConfig, address: str | None) -> bool:
     )
 
 
-def banner(config: ServiceConfig, url: str, where: str) -> str:
-    """What ``iterserve serve`` prints once it accepts requests."""
+def banner(config: ServiceConfig, url: str, where: str, weights: str | None = None) -> str:
+    """What ``iterserve serve`` prints once it accepts requests; ``weights``: how a replica
+    holds the model's weights, in words (``WeightInfo.describe``)."""
     name = config.model_name()
     # A placeholder, not a configured key: the banner goes to logs.
     auth = (
@@ -202,7 +203,9 @@ def banner(config: ServiceConfig, url: str, where: str) -> str:
     scaling = config.autoscaling_settings()
     bounds = f", autoscaling {scaling.min_replicas}-{scaling.max_replicas}" if scaling else ""
     return (
-        f"\niterserve is ready: {url}/v1 (model {name!r}, {n} replica{'s' * (n != 1)} "
+        f"\niterserve is ready: {url}/v1 (model {name!r}"
+        + (f", weights {weights}" if weights else "")
+        + f", {n} replica{'s' * (n != 1)} "
         f"{where}{bounds}, pid {os.getpid()})\n"
         f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
         f'    -d \'{{"model": "{name}", "prompt": "The capital of France is", '
@@ -245,9 +248,8 @@ def run_server(config: ServiceConfig, address: str | None = None) -> int:
 
         try:
             check_api_keys(config)
-            return run_local(
-                config, banner(config, f"http://{config.host}:{config.port}", "in this process")
-            )
+            url = f"http://{config.host}:{config.port}"
+            return run_local(config, lambda w: banner(config, url, "in this process", w))
         except (ServeError, PortInUse) as e:
             print(f"iterserve: error: {e}", flush=True)
             return 1

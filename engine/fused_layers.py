@@ -15,14 +15,13 @@ then prepacks the fused weights like any other.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from collections.abc import Callable
-
 from engine.attention import paged_attention
-
 
 Concat = Callable[[list[nn.Module]], "nn.Module | None"]
 """Joins linear layers whose outputs go side by side into one layer, or declines (None) for

@@ -159,6 +159,12 @@ class LLMEngine:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
     @property
+    def weights(self):
+        """How the model holds its weights (:class:`engine.model_loader.WeightInfo`), or None
+        for a runner that does not say (a test's fake)."""
+        return getattr(self.runner, "weights", None)
+
+    @property
     def limits(self) -> RequestLimits:
         """What this engine can ever run; the replica hands it to the ingress."""
         return RequestLimits(

@@ -30,9 +30,8 @@ import logging
 import os
 import shutil
 import tempfile
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -237,7 +236,9 @@ def load_model(
     kernels = _quant_kernels(quantization, gguf_path, dtype, device)
     from_gguf = kernels is not None and gguf_path is not None
     if from_gguf:
-        hf_model, fmt = _load_packed_gguf(gguf_path, model_dir, config, attn_implementation, kernels)
+        hf_model, fmt = _load_packed_gguf(
+            gguf_path, model_dir, config, attn_implementation, kernels
+        )
     else:
         hf_model, fmt = _load_directory(model_dir, dtype, device, attn_implementation)
         fuse_layers(hf_model)

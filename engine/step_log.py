@@ -40,7 +40,7 @@ import math
 import threading
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -206,6 +206,7 @@ def engine_info(engine) -> dict[str, Any]:
         "block_size": engine.config.block_size,
         "max_model_len": engine.max_model_len,
         "vocab_size": engine.vocab_size,
+        "weights": None if engine.weights is None else asdict(engine.weights),
         "config": engine.config.model_dump(mode="json"),
     }
 

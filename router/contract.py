@@ -57,6 +57,11 @@ class ModelInfo:
     tokenizer: PreTrainedTokenizerBase
     limits: RequestLimits
     """The replicas' limits, the engine's own (the replica re-checks with them)."""
+    weight_format: str = ""
+    """How the replicas hold the model's weights (``"gguf Q4_1+Q8_0"``, ``"float32"``);
+    empty where unknown."""
+    weight_bytes: int = 0
+    """Bytes the weights occupy in one replica (0 where unknown)."""
 
 
 @dataclass(frozen=True, slots=True)

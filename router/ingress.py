@@ -176,7 +176,7 @@ class Ingress:
     async def health(self) -> Response:
         """200 once a replica is up (the body lists replicas' load); else 503."""
         try:
-            await asyncio.wait_for(self._model_info(), timeout=5)
+            info = await asyncio.wait_for(self._model_info(), timeout=5)
         except (ApiError, TimeoutError):
             return self._error(ApiError(503, "no model replica is ready yet", code="not_ready"))
         replicas = [
@@ -197,6 +197,7 @@ class Ingress:
             "num_replicas": num,
             "replicas": replicas,
             "held": self.admission.held,
+            "weights": {"format": info.weight_format, "bytes": info.weight_bytes},
         }
         if self.scaling_decision is not None:
             body["autoscaling"] = asdict(self.scaling_decision)
@@ -222,6 +223,8 @@ class Ingress:
                         "created": self._created,
                         "owned_by": "iterserve",
                         "max_model_len": info.limits.max_model_len,
+                        "weight_format": info.weight_format,
+                        "weight_bytes": info.weight_bytes,
                     }
                 ],
             }

@@ -82,8 +82,16 @@ class QuantLinear(nn.Module):
         if self._single is not None and x.dim() == 2 and x.stride(1) == 1:
             # The decoder layers' case, kept short: this call runs some 120 times a step.
             out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
-            self._call(*self._args, x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(),
-                       self.out_features, self._bias_ptr, self._threads())
+            self._call(
+                *self._args,
+                x.data_ptr(),
+                x.stride(0),
+                x.shape[0],
+                out.data_ptr(),
+                self.out_features,
+                self._bias_ptr,
+                self._threads(),
+            )
             return out
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
@@ -170,7 +178,7 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Raises:
-            IndexError: an id outside the table (the kernel would read past it)."""
+        IndexError: an id outside the table (the kernel would read past it)."""
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise IndexError(f"token id outside the embedding of {self.num_embeddings} rows")
         return self.kernels.expand(self.table, ids)
