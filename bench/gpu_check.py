@@ -6,6 +6,7 @@ Run from the repository root::
     python -m bench.gpu_check --dry-run          # every step on the CPU (fp32, tiny sizes, SDPA)
     python -m bench.gpu_check --model DIR        # a transformers directory or a .gguf file
     python -m bench.gpu_check --random-weights   # the model's config and tokenizer, random init
+    python -m bench.gpu_check --int4             # and the int4 step (below)
 
 What a GPU machine must have, and the estimate the dry run feeds: ``docs/gpu.md``.
 
@@ -58,6 +59,17 @@ failed step does not stop the others:
     runs on CUDA tensors without the real kernel; skipped where flash-attn is installed (the
     ``greedy`` step ran the real kernel). The dry run runs it on the CPU in fp32.
 
+``int4`` (with ``--int4`` only)
+    Whether GGUF weights should be served on CUDA through torch's int4 weight-only kernel
+    (``torch.ops.aten._weight_int4pack_mm``, bf16 activations, groups of 32 with a scale and
+    a zero point) rather than de-quantized to bf16 at load, as they are now. For each of the
+    model's linear shapes (q/k/v, o, gate/up, down, LM head) and each row count of
+    :attr:`Plan.decode_streams` plus the longest prefill: the bf16 product's and the int4
+    product's time (CUDA events, median of ``INT4_REPS``), their ratio, and the int4
+    product's largest error relative to the bf16 product on the same de-quantized weights.
+    Per row count, the sum over one forward's products (30 layers' four, the LM head once).
+    Skipped on the CPU (the CPU serves packed weights through ``engine.quant``).
+
 The real run uses CUDA, bf16, block 256 and ``attention_backend="auto"``; ``--dry-run`` runs
 the same steps on the CPU in fp32 with tiny sizes and the SDPA backend (its aten ops are the
 ones an eager CUDA forward launches), and marks what needs CUDA.
@@ -72,6 +84,7 @@ the engine, torch, transformers and ``tests`` helpers only: no Ray, no FastAPI.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import os
 import platform
@@ -753,6 +766,94 @@ def step_memory(check: Check) -> dict[str, Any]:
     }
 
 
+INT4_GROUP = 32
+INT4_REPS = 20
+
+
+def int4_pack(w, group: int = INT4_GROUP):
+    """``w`` (``[n, k]``) for ``_weight_int4pack_mm``: ``(q, scale_and_zero, dequantized)``.
+
+    Per group of ``group`` weights along ``k``: ``scale = (max - min) / 15`` and
+    ``zero = min + 8 scale``, so that ``(q - 8) scale + zero`` (the kernel's de-quantization)
+    is ``q scale + min``, as Q4_1 stores it; ``q`` in [0, 15], two to a byte (``[n, k / 2]``
+    uint8, the even column in the high nibble); ``scale_and_zero`` ``[k / group, n, 2]`` in
+    ``w``'s dtype."""
+    torch = _torch()
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    deq = (q.float() * scale[..., None] + lo[..., None]).view(n, k).to(w.dtype)
+    q = q.view(n, k)
+    packed = (q[:, ::2] << 4) | q[:, 1::2]
+    zero = lo + 8 * scale
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(w.dtype)
+    return packed.contiguous(), sz, deq
+
+
+def _int4_shapes(config) -> dict[str, tuple[int, int]]:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    h, i = config.hidden_size, config.intermediate_size
+    return {
+        "qkv": (q + 2 * kv, h),
+        "o": (h, q),
+        "gate_up": (2 * i, h),
+        "down": (h, i),
+        "lm_head": (config.vocab_size, h),
+    }
+
+
+def _cuda_ms(fn, reps: int) -> float:
+    torch = _torch()
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def step_int4(check: Check) -> dict[str, Any]:
+    torch = _torch()
+    if check.plan.device != "cuda":
+        raise Skip("torch's int4 weight-only kernel is CUDA's (the CPU serves packed weights)")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(check.model_dir)
+    layers = config.num_hidden_layers
+    rows = (*check.plan.decode_streams, max(check.plan.prefill_lengths))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes, totals = {}, {m: {"bf16_ms": 0.0, "int4_ms": 0.0} for m in rows}
+    for name, (n, k) in _int4_shapes(config).items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        packed, sz, deq = int4_pack(w)
+        tiles = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+        per = {}
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ref = x @ deq.T
+            got = torch.ops.aten._weight_int4pack_mm(x, tiles, INT4_GROUP, sz)
+            err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+            bf = _cuda_ms(functools.partial(torch.matmul, x, deq.T), INT4_REPS)
+            i4 = _cuda_ms(
+                functools.partial(torch.ops.aten._weight_int4pack_mm, x, tiles, INT4_GROUP, sz),
+                INT4_REPS,
+            )
+            per[str(m)] = {"bf16_ms": bf, "int4_ms": i4, "speedup": bf / i4, "rel_error": err}
+            times = 1 if name == "lm_head" else layers
+            totals[m]["bf16_ms"] += bf * times
+            totals[m]["int4_ms"] += i4 * times
+        shapes[f"{name} {n}x{k}"] = per
+    forward = {str(m): {**t, "speedup": t["bf16_ms"] / t["int4_ms"]} for m, t in totals.items()}
+    return {"group": INT4_GROUP, "shapes": shapes, "per_forward": forward}
+
+
 def _tie_tolerance() -> float:
     from tests.test_gpu import BF16_NEAR_TIE
 
@@ -903,6 +1004,7 @@ STEP_FUNCTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {
     "memory": step_memory,
     "greedy": step_greedy,
     "reference_flash": step_reference_flash,
+    "int4": step_int4,
 }
 
 
@@ -1058,6 +1160,10 @@ def _figure(o: StepOutcome) -> str:
         return ", ".join(f"{p['tokens']}: {p['tokens_per_s']:.0f} tok/s" for p in f["points"])
     if o.name == "memory":
         return f"peak {f['peak_allocated_bytes'] / 2**20:.0f} MiB"
+    if o.name == "int4":
+        return ", ".join(
+            f"{m} rows: int4 {p['speedup']:.2f}x bf16" for m, p in f["per_forward"].items()
+        )
     if o.name in ("greedy", "reference_flash"):
         return (
             f"{f['exact']}/{f['prompts']} exact, {f['near_ties']} near ties, "
@@ -1178,18 +1284,24 @@ def main(argv: list[str] | None = None) -> int:
         help="the model's config and tokenizer with random weights (throughput and memory "
         "hold; greedy equality becomes a plumbing check)",
     )
+    p.add_argument(
+        "--int4",
+        action="store_true",
+        help="also the int4 step: torch's CUDA int4 weight-only products against bf16",
+    )
     p.add_argument("--out", help="the result file (default: bench/results/gpu_check*.json)")
     args = p.parse_args(argv)
+    steps = (*STEPS, "int4") if args.int4 else STEPS
     plan = DRY_PLAN if args.dry_run else CUDA_PLAN
     out = Path(
         args.out or RESULTS / ("gpu_check_dry_run.json" if args.dry_run else "gpu_check.json")
     )
     print(
         f"gpu_check: {'dry run on the CPU' if args.dry_run else 'CUDA'}, expected about "
-        f"{plan.expected_s / 60:.0f} min ({', '.join(STEPS)}); writes {out}",
+        f"{plan.expected_s / 60:.0f} min ({', '.join(steps)}); writes {out}",
         flush=True,
     )
-    result = run_check(plan, args.model, args.random_weights)
+    result = run_check(plan, args.model, args.random_weights, steps)
     result = {"run": rp.run_record(), **result}
     result["estimate"] = paper_estimate(result)
     rp.write_json(result, out)

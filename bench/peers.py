@@ -470,6 +470,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="no offline phase: no offline rows, no overhead, host factor 1",
     )
     p.add_argument("--vllm-venv", default=str(REPO / ".venv-vllm"))
+    p.add_argument(
+        "--phases",
+        default="vllm,llamacpp",
+        help="vllm: the windows against vLLM (fp32, the de-quantized directory); llamacpp: "
+        "packed weights against llama.cpp and iterserve's fp32 path on the GGUF "
+        "(bench.peers_packed). A phase left out keeps its last result in the report",
+    )
+    p.add_argument(
+        "--packed-rounds",
+        type=int,
+        default=3,
+        help="llamacpp phase: rounds of its measures, alternating the systems' order",
+    )
+    p.add_argument(
+        "--packed-extend-rates",
+        type=int,
+        default=5,
+        help="llamacpp phase: rates past the grid's top (x1.25 each) while a system passes",
+    )
     p.add_argument("--out", default=str(RESULTS / "peers"), help="stem of .md/.json/.png")
     return _checked(p, p.parse_args(argv))
 
@@ -485,7 +504,11 @@ def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.N
     if args.quick:
         args.num_requests, args.rates, args.mix_rates = 8, "2", "2"
         args.extend_rates, args.probe_rounds, args.offline_rounds = 0, 2, 2
+        args.packed_rounds, args.packed_extend_rates = 2, 0
         args.out = str(RESULTS / "peers_quick")
+    args.phases = args.phases.split(",")
+    if not args.phases or set(args.phases) - {"vllm", "llamacpp"}:
+        p.error(f"--phases {','.join(args.phases)}: vllm, llamacpp or both")
     args.windows = [int(x) for x in args.windows.split(",")]
     if args.quick:
         args.windows = args.windows[:1]
@@ -755,12 +778,16 @@ def run_window(args: argparse.Namespace, model_dir: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench import peers_packed
+
     args = parse_args(argv)
-    n = len(args.windows)
+    n = len(args.windows) if "vllm" in args.phases else 0
+    packed_s = peers_packed.expected_s(args) if "llamacpp" in args.phases else 0
     print(
-        f"[peers] expected duration ~{n * expected_s(args) / 60:.0f} min at host factor 1 "
-        f"({n} window{'s' * (n > 1)}; at most ~{n * expected_s(args, extend=True) / 60:.0f} "
-        f"if every grid extends), ~{n * expected_s(args, 2.5) / 60:.0f} min at 2.5 "
+        f"[peers] expected duration ~{(n * expected_s(args) + packed_s) / 60:.0f} min at host "
+        f"factor 1 ({n} window{'s' * (n != 1)} against vLLM; at most "
+        f"~{(n * expected_s(args, extend=True) + packed_s) / 60:.0f} if every grid extends), "
+        f"~{(n * expected_s(args, 2.5) + 2.5 * packed_s) / 60:.0f} min at 2.5 "
         "(printed again once measured)",
         flush=True,
     )
@@ -768,20 +795,80 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ps.model_dir()
     stem = Path(args.out)
     stem.parent.mkdir(parents=True, exist_ok=True)
-    windows = []
-    for window in args.windows:
-        args.window_start = window
-        windows.append(run_window(args, model_dir))
-        # Written after each window, so that a later window's failure keeps the earlier.
-        stem.with_suffix(".json").write_text(
-            json.dumps({"windows": windows}, separators=(",", ":"))
-        )
-        plot(windows[-1], stem.parent / f"{stem.name}_window{window}.png")
-    md = "\n\n".join(markdown(r) for r in windows)
+    old = (
+        json.loads(stem.with_suffix(".json").read_text())
+        if stem.with_suffix(".json").is_file()
+        else {}
+    )
+    result = {"windows": old.get("windows", []), "llamacpp": old.get("llamacpp")}
+    if "vllm" in args.phases:
+        result["windows"] = []
+        for window in args.windows:
+            args.window_start = window
+            result["windows"].append(run_window(args, model_dir))
+            # Written after each window, so that a later window's failure keeps the earlier.
+            stem.with_suffix(".json").write_text(json.dumps(result, separators=(",", ":")))
+            plot(result["windows"][-1], stem.parent / f"{stem.name}_window{window}.png")
+    if "llamacpp" in args.phases:
+        ran = result["windows"] if "vllm" in args.phases else []
+        k = ran[0]["host_factor"] if ran else host_factor(args, None)
+        packed_args = scaled(args, k["k"])
+        packed_args.window_start = args.windows[0]
+        result["llamacpp"] = peers_packed.run(packed_args)
+        result["llamacpp"]["host_factor"] = k
+        result["llamacpp"]["args"] = {
+            key: getattr(packed_args, key)
+            for key in (
+                "slo_ttft_s",
+                "slo_tpot_s",
+                "rates",
+                "num_requests",
+                "window_start",
+                "length_scale",
+                "packed_rounds",
+                "packed_extend_rates",
+            )
+        }
+        stem.with_suffix(".json").write_text(json.dumps(result, separators=(",", ":")))
+    md = full_markdown(result)
     stem.with_suffix(".md").write_text(md)
     print(md)
     print(f"[peers] done in {(time.monotonic() - t0) / 60:.1f} min: {stem}.md/.json/_window*.png")
     return 0
+
+
+def full_markdown(result: dict) -> str:
+    """Every window's report against vLLM, then the packed-weights phase's."""
+    from bench import peers_packed
+
+    parts = [markdown(r) for r in result.get("windows", [])]
+    packed = result.get("llamacpp")
+    if packed:
+        lines, targets = peers_packed.section(packed)
+        parts.append("\n".join(packed_header(packed) + targets_lines(targets) + [""] + lines))
+    return "\n\n".join(parts)
+
+
+def packed_header(packed: dict) -> list[str]:
+    run, a, k = packed["run"], packed["args"], packed["host_factor"]
+    return [
+        f"# iterserve vs llama.cpp on the GGUF, served side by side (commit {run['commit']})",
+        "",
+        f"{run['date']}, {run['host']}: `{run['command']}`; took {packed['wall_s'] / 60:.1f} "
+        f"min. Host factor k = {k['k']:.2f} ({k['source']}): SLO TTFT <= {a['slo_ttft_s']:.2f} "
+        f"s, TPOT <= {a['slo_tpot_s']:.3f} s; trace rows {a['window_start']}+"
+        f"{a['num_requests']}, lengths /{a['length_scale']:g}.",
+        "",
+        "## Targets",
+        "",
+    ]
+
+
+def targets_lines(targets: list[dict]) -> list[str]:
+    return ["| target | measured | bar | met |", "|---|---|---|---|"] + [
+        f"| {t['target']} | {t['value']} | {t['bar']} | {'yes' if t['met'] else 'no'} |"
+        for t in targets
+    ]
 
 
 if __name__ == "__main__":

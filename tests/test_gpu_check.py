@@ -118,3 +118,25 @@ def test_the_committed_dry_run_names_every_step_and_none_failed():
         assert s["status"] == "ok" or s["reason"], name
     assert result["plan"]["device"] == "cpu"
     assert "needs CUDA" in steps["tests_gpu"]["reason"]  # pytest ran, and skipped
+
+
+def test_int4_packing_is_what_the_cuda_kernel_de_quantizes():
+    """``_weight_int4pack_mm`` de-quantizes ``(q - 8) scale + zero``, two values a byte, the
+    even column in the high nibble: the packing's own de-quantization must be that."""
+    import torch
+
+    w = torch.randn(6, 96)
+    packed, sz, deq = gpu_check.int4_pack(w)
+    assert packed.shape == (6, 48) and packed.dtype == torch.uint8 and sz.shape == (3, 6, 2)
+    q = torch.stack([packed >> 4, packed & 15], dim=-1).view(6, 96).float()
+    scale, zero = sz[..., 0].T, sz[..., 1].T
+    kernel = ((q.view(6, 3, 32) - 8) * scale[..., None] + zero[..., None]).view(6, 96)
+    torch.testing.assert_close(kernel, deq, rtol=0, atol=1e-6)
+    step = (w.view(6, 3, 32).amax(2) - w.view(6, 3, 32).amin(2)) / 15
+    assert ((deq - w).view(6, 3, 32).abs() <= step[..., None] / 2 + 1e-6).all()
+
+
+def test_the_int4_step_is_skipped_on_the_cpu():
+    check = gpu_check.Check(gpu_check.DRY_PLAN, None, "none", False)
+    outcome = gpu_check.run_step("int4", check)
+    assert outcome.status == "skipped" and "CUDA" in outcome.reason
