@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 VLLM_VENV := .venv-vllm
 VLLM_VERSION ?= 0.32.0
 
-.PHONY: serve test check lint docs bench bench-peers gpu-carry venv clean
+.PHONY: serve test check lint docs bench bench-peers llamacpp gpu-carry venv clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,7 +56,12 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-bench-peers: venv $(VLLM_VENV)/.installed
+# llama.cpp's llama-server and llama-quantize, built from the llama-cpp-python sdist into the
+# ignored folder .llamacpp/ (once; about 5 minutes on 2 cores): the packed-weights peer.
+llamacpp: venv
+	$(PY) -m bench.toolkit.llamacpp
+
+bench-peers: venv $(VLLM_VENV)/.installed llamacpp
 	$(PY) -m bench.peers
 
 # What a GPU machine without network needs beside its own torch and transformers, in the
@@ -84,4 +89,4 @@ gpu-carry: venv
 	du -sh $(GPU_CARRY)/*
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) .llamacpp
