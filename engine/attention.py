@@ -155,8 +155,9 @@ def paged_attention(
     v_flat = v_cache.view(num_slots, *v_cache.shape[2:])
     k_new = key[0].transpose(0, 1)  # [T, KVH, D]
     v_new = value[0].transpose(0, 1)
-    k_flat.index_copy_(0, md.slot_mapping, k_new)
-    v_flat.index_copy_(0, md.slot_mapping, v_new)
+    # A cache of another dtype (kv_cache_dtype) stores the values rounded to it.
+    k_flat.index_copy_(0, md.slot_mapping, k_new.to(k_flat.dtype))
+    v_flat.index_copy_(0, md.slot_mapping, v_new.to(v_flat.dtype))
     q = query[0].transpose(0, 1)  # [T, H, D]
 
     if md.flash_attn is not None:
@@ -194,8 +195,8 @@ def _attend_decodes(
         # index_select on flat slots is much faster than advanced indexing on CPU.
         shape = (*g.slots.shape, *k_flat.shape[1:])
         flat_slots = g.slots.view(-1)
-        kd = k_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)
-        vd = v_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)
+        kd = k_flat.index_select(0, flat_slots).to(q.dtype).view(shape).transpose(1, 2)
+        vd = v_flat.index_select(0, flat_slots).to(q.dtype).view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[g.start : g.end].unsqueeze(2),
             kd,
@@ -229,8 +230,8 @@ def attend_prefills(
         if p.context_slots is None:
             kp, vp = k_new[p.start : p.end], v_new[p.start : p.end]
         else:
-            kp = k_flat.index_select(0, p.context_slots)
-            vp = v_flat.index_select(0, p.context_slots)
+            kp = k_flat.index_select(0, p.context_slots).to(q.dtype)
+            vp = v_flat.index_select(0, p.context_slots).to(q.dtype)
         o = F.scaled_dot_product_attention(
             qp,
             kp.transpose(0, 1).unsqueeze(0),

@@ -94,6 +94,12 @@ class EngineConfig(BaseModel):
         "multiple of 256, cpu_kernels in fp32 on the CPU where they build, else sdpa; a "
         "named backend that cannot run here is an error",
     )
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto",
+        description="the KV cache's element type; auto: dtype. float16 and bfloat16 halve "
+        "the bytes that decode attention reads (the CPU kernels convert in registers); "
+        "flash_attn needs it equal to dtype",
+    )
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         "auto",
         description="auto: a GGUF's quantized weights stay packed as stored (fp32 on the CPU, "
@@ -148,6 +154,12 @@ class EngineConfig(BaseModel):
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def torch_kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: ``kv_cache_dtype``, or the model dtype for ``auto``."""
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype()
+        return getattr(torch, self.kv_cache_dtype)
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

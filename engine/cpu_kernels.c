@@ -83,25 +83,38 @@ void rope(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t d,
   }
 }
 
-/* cache[slots[r]] = src[r] for K and V: caches [num_slots, width], sources row-strided. */
+/* cache[slots[r]] = src[r] for K and V: caches [num_slots, width] of element type kv_type
+ * (cpu_vec.h), sources fp32 and row-strided. */
 void cache_write(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                 const int64_t *slots, int64_t rows, int64_t width, float *k_cache,
-                 float *v_cache, int64_t threads) {
+                 const int64_t *slots, int64_t rows, int64_t width, void *k_cache,
+                 void *v_cache, int64_t threads, int64_t kv_type) {
+  const int t = (int)kv_type;
+  const int64_t es = kv_size(t);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t r = 0; r < rows; r++) {
-    memcpy(k_cache + slots[r] * width, k + r * k_stride, width * sizeof(float));
-    memcpy(v_cache + slots[r] * width, v + r * v_stride, width * sizeof(float));
+    f32_to_kv(k + r * k_stride, (char *)k_cache + slots[r] * width * es, t, width);
+    f32_to_kv(v + r * v_stride, (char *)v_cache + slots[r] * width * es, t, width);
   }
 }
 
+/* Row `slot` of a cache of element type t (cpu_vec.h) as fp32: in place for fp32, else
+ * converted into buf (`row` floats). */
+static inline const float *kv_row(const void *cache, int t, int64_t slot, int64_t row,
+                                  float *buf) {
+  if (t == KV_F32) return (const float *)cache + slot * row;
+  kv_to_f32((const char *)cache + slot * row * 2, t, buf, row);
+  return buf;
+}
+
 /* Decode attention of one sequence: query q ([H, D]) against its L context tokens, read
- * through its block table; scores: [H, L] scratch. */
-static void decode_one(const float *q, const float *k_cache, const float *v_cache,
+ * through its block table; scores: [H, L] scratch, buf: KVH * D floats (a 16-bit cache's
+ * row, converted). */
+static void decode_one(const float *q, const void *k_cache, const void *v_cache, int t,
                        const int32_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D,
-                       int64_t bs, float scale, float *scores, float *o) {
+                       int64_t bs, float scale, float *scores, float *buf, float *o) {
   const int64_t G = H / KVH, row = KVH * D;
   for (int64_t j = 0; j < L; j++) {
-    const float *k = k_cache + ((int64_t)table[j / bs] * bs + j % bs) * row;
+    const float *k = kv_row(k_cache, t, (int64_t)table[j / bs] * bs + j % bs, row, buf);
     for (int64_t h = 0; h < H; h++) {
       const float *qh = q + h * D, *kh = k + (h / G) * D;
       float dot = 0.f;
@@ -121,7 +134,7 @@ static void decode_one(const float *q, const float *k_cache, const float *v_cach
   }
   memset(o, 0, sizeof(float) * H * D);
   for (int64_t j = 0; j < L; j++) {
-    const float *v = v_cache + ((int64_t)table[j / bs] * bs + j % bs) * row;
+    const float *v = kv_row(v_cache, t, (int64_t)table[j / bs] * bs + j % bs, row, buf);
     for (int64_t h = 0; h < H; h++) {
       const float p = scores[h * L + j], *vh = v + (h / G) * D;
       float *oh = o + h * D;
@@ -133,17 +146,18 @@ static void decode_one(const float *q, const float *k_cache, const float *v_cach
 /* One query token per sequence against its paged context (softmax(q K^T * scale) V).
  * q: [n, H, D], row stride q_stride; caches: [num_blocks * bs, KVH, D]; tables: [n,
  * table_stride] block ids; lens: [n] context tokens (>= 1); out: [n, H, D], row stride
- * out_stride. Query head h reads KV head h / (H / KVH) (grouped-query attention). Each
+ * out_stride; kv_type: the caches' element type (cpu_vec.h). Query head h reads KV head h / (H / KVH) (grouped-query attention). Each
  * token's K and V rows (all KV heads, contiguous, and a block's tokens contiguous) are
  * read once, in cache order, for every head: the cache streams from memory at long
  * contexts, so its order of access sets the speed. Sequences are shared among `threads`
  * OpenMP threads once the step holds DECODE_PARALLEL_MIN context tokens. Returns 0, or -1
  * without memory. */
-int decode_attention(const float *q, int64_t q_stride, const float *k_cache,
-                     const float *v_cache, const int32_t *tables, int64_t table_stride,
+int decode_attention(const float *q, int64_t q_stride, const void *k_cache,
+                     const void *v_cache, const int32_t *tables, int64_t table_stride,
                      const int32_t *lens, int64_t n, int64_t H, int64_t KVH, int64_t D,
-                     int64_t bs, float scale, float *out, int64_t out_stride,
-                     int64_t threads) {
+                     int64_t bs, float scale, float *out, int64_t out_stride, int64_t threads,
+                     int64_t kv_type) {
+
   int64_t max_len = 1, total = 0;
   int err = 0;
   for (int64_t s = 0; s < n; s++) {
@@ -152,13 +166,14 @@ int decode_attention(const float *q, int64_t q_stride, const float *k_cache,
   }
 #pragma omp parallel num_threads(total >= DECODE_PARALLEL_MIN ? threads : 1)
   {
-    float *scores = malloc(sizeof(float) * H * max_len);
+    float *scores = malloc(sizeof(float) * (H * max_len + KVH * D));
     if (!scores) __atomic_store_n(&err, 1, __ATOMIC_RELAXED);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t s = 0; s < n; s++)
       if (scores)
-        decode_one(q + s * q_stride, k_cache, v_cache, tables + s * table_stride, lens[s], H,
-                   KVH, D, bs, scale, scores, out + s * out_stride);
+        decode_one(q + s * q_stride, k_cache, v_cache, (int)kv_type, tables + s * table_stride,
+                   lens[s], H, KVH, D, bs, scale, scores, scores + H * max_len,
+                   out + s * out_stride);
     free(scores);
   }
   return err ? -1 : 0;

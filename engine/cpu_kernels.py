@@ -56,16 +56,19 @@ _SIGNATURES = {
     "add_rms_norm": (None, [_P, _I, _P, _I, _P, _P, _I, _I, _F, _I]),
     "silu_mul": (None, [_P, _P, _I, _I, _I]),
     "rope": (None, [_P, _I, _I, _I, _I, _P, _P, _I]),
-    "cache_write": (None, [_P, _I, _P, _I, _P, _I, _I, _P, _P, _I]),
+    "cache_write": (None, [_P, _I, _P, _I, _P, _I, _I, _P, _P, _I, _I]),
     "decode_attention": (
         ctypes.c_int,
-        [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I],
+        [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, _I],
     ),
     "prefill_attention": (
         ctypes.c_int,
-        [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I],
+        [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, _I],
     ),
 }
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""The KV cache element types the attention kernels read and write (``cpu_vec.h``), by
+dtype."""
 
 
 class CpuKernels:
@@ -151,9 +154,10 @@ class CpuKernels:
         v_cache: torch.Tensor,
         parallel: bool = False,
     ) -> None:
-        """Write ``k``, ``v`` (``[T, width]``, rows contiguous) to the flat caches
-        (``[num_slots, width]`` contiguous) at ``slots`` (``[T]`` int64). ``parallel``: rows
-        shared among the attention kernels' threads."""
+        """Write ``k``, ``v`` (``[T, width]`` fp32, rows contiguous) to the flat caches
+        (``[num_slots, width]`` contiguous, any dtype of :data:`KV_TYPES`: rounded to
+        nearest) at ``slots`` (``[T]`` int64). ``parallel``: rows shared among the attention
+        kernels' threads."""
         rows, width = k.shape
         self._lib.cache_write(
             k.data_ptr(),
@@ -166,6 +170,7 @@ class CpuKernels:
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             self._threads() if parallel else 1,
+            KV_TYPES[k_cache.dtype],
         )
 
     def decode_attention(
@@ -182,7 +187,8 @@ class CpuKernels:
 
         Args:
             q: ``[n, H, D]``, heads contiguous within a row.
-            k_cache, v_cache: ``[num_blocks, block_size, KVH, D]`` contiguous.
+            k_cache, v_cache: ``[num_blocks, block_size, KVH, D]`` contiguous, a dtype of
+                :data:`KV_TYPES`.
             block_tables: ``[n, max_blocks]`` int32, row-contiguous.
             context_lens: ``[n]`` int32 contiguous, each >= 1.
             out: ``[n, H, D]``, heads contiguous within a row.
@@ -209,6 +215,7 @@ class CpuKernels:
             out.data_ptr(),
             out.stride(0),
             self._threads(),
+            KV_TYPES[k_cache.dtype],
         )
         if rc:
             raise MemoryError("decode_attention: no memory for the attention scores")
@@ -238,7 +245,8 @@ class CpuKernels:
 
         Args:
             q, out: ``[T, H, D]``, heads contiguous within a row; ``D`` a multiple of 64.
-            k_cache, v_cache: ``[num_blocks, block_size, KVH, D]`` contiguous.
+            k_cache, v_cache: ``[num_blocks, block_size, KVH, D]`` contiguous, a dtype of
+                :data:`KV_TYPES`.
             block_tables: ``[B, max_blocks]`` int32, row-contiguous.
             query_start_loc: ``[B + 1]`` int32, each sequence's first row in ``q``.
             context_lens: ``[B]`` int32, each sequence's tokens after this step.
@@ -268,6 +276,7 @@ class CpuKernels:
             out.data_ptr(),
             out.stride(0),
             self._threads(),
+            KV_TYPES[k_cache.dtype],
         )
         if rc == -2:
             raise ValueError(f"prefill_attention: head_dim {d} is not a multiple of 64")

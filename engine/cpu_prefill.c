@@ -19,7 +19,8 @@
 #define MASKED (-1e30f) /* a finite -inf: -ffast-math assumes no infinities */
 
 struct prefill_job {
-  const float *q, *k_cache, *v_cache;
+  const float *q;
+  const void *k_cache, *v_cache; /* element type kv_type (cpu_vec.h) */
   const int32_t *tables, *qsl, *lens;
   float *out;
   int64_t q_stride, table_stride, out_stride, H, KVH, D, bs, s0, n_units;
@@ -27,6 +28,7 @@ struct prefill_job {
   float scale;
   int64_t next; /* next work unit, taken atomically */
   int err;
+  int kv_type;
 };
 
 /* St[kk][r] = K_kk . Qt[:, r] for KEYS_QK keys (rows kp[kk], each D floats) and the rv row
@@ -59,7 +61,7 @@ static void qk_scores(const struct prefill_job *j, const float *qt, int64_t rp,
   for (int64_t kb = 0; kb < nk; kb += KEYS_QK) {
     const float *kp[KEYS_QK];
     for (int kk = 0; kk < KEYS_QK; kk++)
-      kp[kk] = kb + kk < nk ? j->k_cache + slots[kb + kk] * row + g * D : zeros;
+      kp[kk] = kb + kk < nk ? (const float *)j->k_cache + slots[kb + kk] * row + g * D : zeros;
     float *st_b = st + kb * rp;
     int64_t r0 = 0;
     for (; r0 + RV_QK * VL <= rp; r0 += RV_QK * VL) qk_tile(qt, rp, r0, RV_QK, kp, D, st_b);
@@ -104,7 +106,7 @@ static inline __attribute__((always_inline)) void pv_tile(
     vf acc[ROWS_PV][4];
     memset(acc, 0, sizeof acc);
     for (int64_t k = 0; k < nk; k++) {
-      const float *v = j->v_cache + slots[k] * row + g * D + dc;
+      const float *v = (const float *)j->v_cache + slots[k] * row + g * D + dc;
       const vf v0 = vload(v), v1 = vload(v + VL), v2 = vload(v + 2 * VL), v3 = vload(v + 3 * VL);
       for (int r = 0; r < nr; r++) {
         const float pr = p[k * rp + r0 + r];
@@ -136,6 +138,8 @@ struct prefill_scratch {
   float *qt, *zeros, *st, *inv;
   int64_t *slots, *valid;
   float **dst;
+  float *k32, *v32; /* a 16-bit cache's K and V rows of one unit, as fp32 [keys][D] */
+  int64_t *ident;   /* 0, 1, 2, ...: the slots of those rows */
 };
 
 /* One work unit: TILE_Q query tokens of sequence s, the G query heads of KV head g. */
@@ -163,6 +167,23 @@ static void prefill_unit(const struct prefill_job *j, struct prefill_scratch *w,
     w->valid[r] = ctx0 + t0 + r / G + 1;
     w->dst[r] = j->out + t * j->out_stride + h * D;
   }
+  if (j->kv_type != KV_F32) {
+    /* The unit's K and V rows of KV head g, converted once: the scores and the output
+     * then run the fp32 loops on them, as one KV head of D-wide rows. The conversion is
+     * one pass over rows that G * TILE_Q query rows read. */
+    const int64_t es = kv_size(j->kv_type), row = j->KVH * D;
+    for (int64_t k = 0; k < nk; k++) {
+      const int64_t off = (w->slots[k] * row + g * D) * es;
+      kv_to_f32((const char *)j->k_cache + off, j->kv_type, w->k32 + k * D, D);
+      kv_to_f32((const char *)j->v_cache + off, j->kv_type, w->v32 + k * D, D);
+    }
+    struct prefill_job one = *j;
+    one.k_cache = w->k32, one.v_cache = w->v32, one.KVH = 1;
+    qk_scores(&one, w->qt, rp, w->ident, nk, 0, w->zeros, w->st);
+    softmax_cols(w->st, nk, rp, w->valid, nt, w->inv);
+    pv_rows(&one, w->st, rp, nk, w->ident, 0, w->inv, w->dst);
+    return;
+  }
   qk_scores(j, w->qt, rp, w->slots, nk, g, w->zeros, w->st);
   softmax_cols(w->st, nk, rp, w->valid, nt, w->inv);
   pv_rows(j, w->st, rp, nk, w->slots, g, w->inv, w->dst);
@@ -172,13 +193,20 @@ static void prefill_unit(const struct prefill_job *j, struct prefill_scratch *w,
 static void prefill_worker(struct prefill_job *j) {
   const int64_t G = j->H / j->KVH, D = j->D;
   const int64_t rmax = (TILE_Q * G + VL - 1) / VL * VL;
+  const int wide = j->kv_type != KV_F32;
   struct prefill_scratch w = {
       malloc(sizeof(float) * rmax * D), calloc(D, sizeof(float)),
       malloc(sizeof(float) * rmax * j->max_keys), malloc(sizeof(float) * rmax),
       malloc(sizeof(int64_t) * j->max_keys),
-      malloc(sizeof(int64_t) * rmax), malloc(sizeof(float *) * rmax)};
+      malloc(sizeof(int64_t) * rmax), malloc(sizeof(float *) * rmax),
+      wide ? malloc(sizeof(float) * j->max_keys * D) : NULL,
+      wide ? malloc(sizeof(float) * j->max_keys * D) : NULL,
+      wide ? malloc(sizeof(int64_t) * j->max_keys) : NULL};
   int64_t u;
-  if (!(w.qt && w.zeros && w.st && w.inv && w.slots && w.valid && w.dst)) {
+  if (wide && w.ident)
+    for (int64_t k = 0; k < j->max_keys; k++) w.ident[k] = k;
+  if (!(w.qt && w.zeros && w.st && w.inv && w.slots && w.valid && w.dst) ||
+      (wide && !(w.k32 && w.v32 && w.ident))) {
     __atomic_store_n(&j->err, 1, __ATOMIC_RELAXED);
   } else {
     while ((u = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED)) < j->n_units) {
@@ -196,6 +224,7 @@ static void prefill_worker(struct prefill_job *j) {
   }
   free(w.qt), free(w.zeros), free(w.st), free(w.inv);
   free(w.slots), free(w.valid), free(w.dst);
+  free(w.k32), free(w.v32), free(w.ident);
 }
 
 /* Causal attention of sequences [s0, s0 + n_seqs) of a step, each query token against its
@@ -205,16 +234,18 @@ static void prefill_worker(struct prefill_job *j) {
  * tokens after the step. Query token t of sequence s sits at position
  * lens[s] - (qsl[s+1] - qsl[s]) + t. D must be a multiple of 64. Exact softmax per row
  * (scores in memory, not online), so no rescaling. Work units (16 query tokens x one KV
- * head) are shared among `threads` OpenMP threads.
+ * head) are shared among `threads` OpenMP threads. kv_type: the caches' element type
+ * (cpu_vec.h).
  * Returns 0, -1 without memory, -2 for an unsupported D. */
-int prefill_attention(const float *q, int64_t q_stride, const float *k_cache,
-                      const float *v_cache, const int32_t *tables, int64_t table_stride,
+int prefill_attention(const float *q, int64_t q_stride, const void *k_cache,
+                      const void *v_cache, const int32_t *tables, int64_t table_stride,
                       const int32_t *qsl, const int32_t *lens, int64_t s0, int64_t n_seqs,
                       int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, float *out,
-                      int64_t out_stride, int64_t threads) {
+                      int64_t out_stride, int64_t threads, int64_t kv_type) {
   if (D % (4 * VL) != 0) return -2;
-  struct prefill_job j = {q, k_cache, v_cache, tables, qsl, lens, out, q_stride, table_stride,
-                          out_stride, H, KVH, D, bs, s0, 0, 0, scale, 0, 0};
+  struct prefill_job j = {q,   k_cache, v_cache, tables, qsl,   lens, out, q_stride,
+                          table_stride, out_stride, H, KVH,   D,     bs,   s0,  0,
+                          0,   scale,   0,       0,      (int)kv_type};
   for (int64_t s = s0; s < s0 + n_seqs; s++) {
     j.n_units += (qsl[s + 1] - qsl[s] + TILE_Q - 1) / TILE_Q * KVH;
     j.max_keys = lens[s] > j.max_keys ? lens[s] : j.max_keys;

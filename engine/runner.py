@@ -81,7 +81,7 @@ class TorchModelRunner:
         num_blocks: int,
         block_size: int,
         device: torch.device,
-        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
         seed: int,
         max_model_len: int | None = None,
         *,
@@ -112,8 +112,8 @@ class TorchModelRunner:
         shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=kv_dtype, device=device),
+                torch.zeros(shape, dtype=kv_dtype, device=device),
             )
             for _ in range(cfg.num_hidden_layers)
         ]
@@ -160,9 +160,15 @@ class TorchModelRunner:
                 cannot run here.
         """
         device, dtype = config.torch_device(), config.torch_dtype()
+        kv_dtype = config.torch_kv_dtype()
         attention = select_attention_backend(
             config.attention_backend, device, dtype, config.block_size, flash_attn_varlen_func
         )
+        if attention.name == "flash_attn" and kv_dtype != dtype:
+            raise ValueError(
+                f"attention_backend flash_attn reads the cache in the model dtype ({dtype}): "
+                f"kv_cache_dtype {config.kv_cache_dtype} needs another backend"
+            )
         loaded = load_model(
             config.model,
             dtype,
@@ -177,7 +183,8 @@ class TorchModelRunner:
             num_blocks = config.num_kv_blocks
         else:
             budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-            num_blocks = budget // (config.block_size * kv_bytes_per_token(model.config, dtype))
+            per_token = kv_bytes_per_token(model.config, kv_dtype)
+            num_blocks = budget // (config.block_size * per_token)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block")
         runner = cls(
@@ -185,7 +192,7 @@ class TorchModelRunner:
             num_blocks,
             config.block_size,
             device,
-            dtype,
+            kv_dtype,
             config.seed,
             config.max_model_len,
             attention=attention,

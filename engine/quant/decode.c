@@ -28,7 +28,7 @@ struct dlayer {
   struct qlin qkv, o, gate_up, down;
   const float *norm1, *norm2; /* [hidden] */
   float eps1, eps2;
-  float *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
+  void *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim], kv_type */
 };
 
 typedef void (*rms_fn)(float *, int64_t, const float *, int64_t, const float *, float *, int64_t,
@@ -37,10 +37,10 @@ typedef void (*silu_fn)(const float *, float *, int64_t, int64_t, int64_t);
 typedef void (*rope_fn)(float *, int64_t, int64_t, int64_t, int64_t, const float *,
                         const float *, int64_t);
 typedef void (*cache_fn)(const float *, int64_t, const float *, int64_t, const int64_t *, int64_t,
-                         int64_t, float *, float *, int64_t);
-typedef int (*attn_fn)(const float *, int64_t, const float *, const float *, const int32_t *,
+                         int64_t, void *, void *, int64_t, int64_t);
+typedef int (*attn_fn)(const float *, int64_t, const void *, const void *, const int32_t *,
                        int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                       float, float *, int64_t, int64_t);
+                       float, float *, int64_t, int64_t, int64_t);
 
 struct dstep {
   int64_t rows;                  /* decodes in the step, one row each */
@@ -52,6 +52,7 @@ struct dstep {
   int64_t hidden, heads, kv_heads, head_dim, block_size, intermediate;
   float scale;
   int64_t threads;               /* for the products and the attention */
+  int64_t kv_type;               /* the caches' element type (engine/cpu_vec.h) */
   rms_fn rms_norm;
   silu_fn silu_mul;
   rope_fn rope;
@@ -84,10 +85,10 @@ int q_decode_layers(const struct dlayer *layers, int64_t n, const struct dstep *
     st->rope(qkv, qkv_w, t, st->heads, d, st->cos, st->sin, 1);
     st->rope(qkv + q_size, qkv_w, t, st->kv_heads, d, st->cos, st->sin, 1);
     st->cache_write(qkv + q_size, qkv_w, qkv + q_size + kv_size, qkv_w, st->slots, t, kv_size,
-                    L->k_cache, L->v_cache, 1);
+                    L->k_cache, L->v_cache, 1, st->kv_type);
     rc = st->decode_attention(qkv, qkv_w, L->k_cache, L->v_cache, st->tables, st->table_stride,
                               st->lens, t, st->heads, st->kv_heads, d, st->block_size, st->scale,
-                              att, q_size, st->threads);
+                              att, q_size, st->threads, st->kv_type);
     if (rc) return rc;
     if ((rc = product(&L->o, att, q_size, t, y, st->threads))) return rc;
     st->rms_norm(h, hid, y, hid, L->norm2, x, t, hid, L->eps2, 1);

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from engine.cpu_kernels import CpuKernels
+from engine.cpu_kernels import KV_TYPES, CpuKernels
 from engine.kernel_layers import KernelDecoderLayer
 from engine.quant.kernels import QuantKernels
 from engine.quant.linear import QuantLinear
@@ -66,6 +66,7 @@ class _DStep(ctypes.Structure):
         ("intermediate", _I),
         ("scale", _F),
         ("threads", _I),
+        ("kv_type", _I),
         ("rms_norm", _P),
         ("silu_mul", _P),
         ("rope", _P),
@@ -141,6 +142,7 @@ class DecodeStack:
             block_size=block_size,
             intermediate=layers[0].mlp.intermediate,
             scale=a.scaling,
+            kv_type=KV_TYPES[kv_caches[0][0].dtype],
             rms_norm=kernels.address("add_rms_norm"),
             silu_mul=kernels.address("silu_mul"),
             rope=kernels.address("rope"),
