@@ -123,9 +123,18 @@ class Proc:
         self.log.close()
 
 
-def iterserve_proc(label: str, port: int, engine: dict, slo: tuple[float, float], tmp: Path):
+def iterserve_proc(
+    label: str,
+    port: int,
+    engine: dict,
+    slo: tuple[float, float],
+    tmp: Path,
+    model: Path | None = None,
+):
     cfg = ps.iterserve_config(ps.SystemSpec(label, "iterserve", engine), slo, mix=False)
     cfg["port"] = port
+    if model is not None:
+        cfg["model"] = str(model)
     path = tmp / f"{label}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     weights = "GGUF Q4_1 + Q8_0, packed" if engine.get("quantization") != "none" else "fp32"
@@ -334,9 +343,7 @@ def k_quant_row(args, gguf: Path, slo: tuple[float, float]) -> dict:
     kq = llamacpp.quantize(gguf, llamacpp.HOME / f"{gguf.stem}.{K_QUANT}.gguf", K_QUANT)
     out: dict = {"file": kq.name, "rounds": []}
     with tempfile.TemporaryDirectory(prefix="packed-kq-") as tmp, _Stack() as stack:
-        it = stack.enter(
-            iterserve_proc("iterserve", BASE_PORT + 30, {"model": str(kq)}, slo, Path(tmp))
-        )
+        it = stack.enter(iterserve_proc("iterserve", BASE_PORT + 30, {}, slo, Path(tmp), model=kq))
         ll = stack.enter(llama_proc("llama.cpp", kq, BASE_PORT + 31, 1, K_QUANT))
         info = httpx.get(f"{it.url}/v1/models", timeout=10).json()["data"][0]
         out["iterserve_weights"] = info.get("weight_format")

@@ -328,17 +328,46 @@ INLINE void ex_I8R(const uint8_t *row, const uint8_t *p, int g, vf *lo, vf *hi) 
 #define GEMM_MIN_M 20
 #endif
 
-/* Panels p0..p1 of GP rows of x, transposed: xp[p][kk][j] = x[p GP + j][kk] (0 past row m). */
+/* In place: t[i][j] <- t[j][i] for 16 vectors of 16 floats; four rounds of two-source
+ * shuffles (one vpermt2ps each on AVX-512), each swapping the off-diagonal s x s blocks of
+ * the vector pairs (i, i + s). */
+INLINE void transpose16(vf t[16]) {
+#define T1(s, hi, j)                                                                          \
+  ((hi) ? (((j) & (s)) ? 16 + (j) : (j) + (s)) : (((j) & (s)) ? 16 + (j) - (s) : (j)))
+#define TMASK(s, hi)                                                                          \
+  (vi) {                                                                                      \
+    T1(s, hi, 0), T1(s, hi, 1), T1(s, hi, 2), T1(s, hi, 3), T1(s, hi, 4), T1(s, hi, 5),       \
+        T1(s, hi, 6), T1(s, hi, 7), T1(s, hi, 8), T1(s, hi, 9), T1(s, hi, 10),                \
+        T1(s, hi, 11), T1(s, hi, 12), T1(s, hi, 13), T1(s, hi, 14), T1(s, hi, 15)             \
+  }
+#define ROUND(s)                                                                              \
+  for (int i = 0; i < 16; i++)                                                                \
+    if (!(i & (s))) {                                                                         \
+      const vf a = t[i], b = t[i + (s)];                                                      \
+      t[i] = __builtin_shuffle(a, b, TMASK(s, 0));                                            \
+      t[i + (s)] = __builtin_shuffle(a, b, TMASK(s, 1));                                      \
+    }
+  ROUND(1) ROUND(2) ROUND(4) ROUND(8)
+#undef ROUND
+#undef TMASK
+#undef T1
+}
+
+/* Panels p0..p1 of GP rows of x, transposed: xp[p][kk][j] = x[p GP + j][kk] (0 past row m),
+ * 16 rows by 16 columns at a time through transpose16 (k is a multiple of 32). */
 static void pack_x(const float *x, int64_t xs, int64_t m, int64_t k, float *xp, int64_t p0,
                    int64_t p1) {
-  for (int64_t p = p0; p < p1; p++) {
-    float *dst = xp + p * k * GP;
-    for (int64_t j = 0; j < GP; j++) {
-      const int64_t i = p * GP + j;
-      const float *src = x + i * xs;
-      for (int64_t kk = 0; kk < k; kk++) dst[kk * GP + j] = i < m ? src[kk] : 0.f;
-    }
-  }
+  for (int64_t p = p0; p < p1; p++)
+    for (int h = 0; h < GV; h++)
+      for (int64_t k0 = 0; k0 < k; k0 += VL) {
+        vf t[16];
+        for (int j = 0; j < 16; j++) {
+          const int64_t i = p * GP + h * VL + j;
+          t[j] = i < m ? vload(x + i * xs + k0) : (vf){0};
+        }
+        transpose16(t);
+        for (int kk = 0; kk < 16; kk++) vstore(xp + p * k * GP + (k0 + kk) * GP + h * VL, t[kk]);
+      }
 }
 
 /* y[i][n + r] for r < rc, i < mc, from we (GM rows of k expanded weights) and one panel. */
@@ -355,11 +384,15 @@ static void gemm_tile(const float *we, int rc, const float *xp, int mc, int64_t 
       for (int v = 0; v < GV; v++) acc[r][v] += a * b[v];
     }
   }
-  float t[GM][GP];
-  for (int r = 0; r < GM; r++)
-    for (int v = 0; v < GV; v++) vstore(&t[r][v * VL], acc[r][v]);
-  for (int i = 0; i < mc; i++)
-    for (int r = 0; r < rc; r++) y[i * ys + n + r] = t[r][i];
+  /* Lanes are activation rows, registers weight rows: transposed 16 x 16 at a time, each
+   * activation row's rc outputs are then one contiguous copy. */
+  for (int v = 0; v < GV && v * VL < mc; v++) {
+    vf t[16];
+    for (int r = 0; r < 16; r++) t[r] = r < GM ? acc[r][v] : (vf){0};
+    transpose16(t);
+    for (int l = 0; l < VL && v * VL + l < mc; l++)
+      memcpy(y + (v * VL + l) * ys + n, &t[l], sizeof(float) * (size_t)rc);
+  }
 }
 
 /* Panels that a group shares while each weight tile is expanded once per group: as many
