@@ -134,7 +134,7 @@ def iterserve_proc(
     cfg = ps.iterserve_config(ps.SystemSpec(label, "iterserve", engine), slo, mix=False)
     cfg["port"] = port
     if model is not None:
-        cfg["model"] = str(model)
+        cfg["model"], cfg["served_model_name"] = str(model), ps.MODEL_NAME
     path = tmp / f"{label}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     weights = "GGUF Q4_1 + Q8_0, packed" if engine.get("quantization") != "none" else "fp32"
@@ -173,8 +173,14 @@ def _bench_config(args, server: Proc, num_requests: int, rates: list[float]) -> 
 
 
 async def _open_loop(server: Proc, requests: list[LoadRequest]) -> loadgen.OpenLoopRun:
+    """Every request to the end: iterserve gets them in its ``batch`` class, which admission
+    never refuses (a throughput measure, not a latency one; llama.cpp queues them all)."""
+    cls = "batch" if server.label.startswith("iterserve") else None
+    requests = [replace(r, cls=cls) for r in requests]
     async with aiohttp_session() as client:
-        target = AiohttpTarget(client, server.url, server.model_name, class_header=None)
+        target = AiohttpTarget(
+            client, server.url, server.model_name, class_header=ps.CLASS_HEADER if cls else None
+        )
         run = await loadgen.open_loop(target, requests)
     bad = [r["error"] for r in run.records if r["status"] != "finished"]
     if bad:

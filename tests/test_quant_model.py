@@ -236,3 +236,26 @@ def test_quantizing_a_gguf_or_without_kernels_is_refused(model_dir, monkeypatch)
         LLM(quantization="int8", num_kv_blocks=16)
     with pytest.raises(ModelLoadError, match="fp32 on the CPU"):
         LLM(str(model_dir), quantization="int4", dtype="bfloat16", num_kv_blocks=16)
+
+
+def test_a_mix_of_formats_runs_packed_as_its_fp32_path(tmp_path_factory, prompts):
+    """Q5_0, Q8_0, Q4_0, Q5_1 and Q4_1 in one file (``tests/gguf_mixed.py``): the q/k/v
+    projection joins two formats, and decode steps still run in one C call."""
+    from tests.gguf_mixed import write_mixed_gguf
+
+    path = write_mixed_gguf(default_gguf_path(), tmp_path_factory.mktemp("mix") / "mixed.gguf")
+    runs = {}
+    for q in ("none", "auto"):
+        llm = LLM(str(path), quantization=q, num_kv_blocks=KV_BLOCKS, max_num_batched_tokens=97)
+        runs[q] = run(llm, prompts[:12], logprobs=2)
+        if q == "auto":
+            runner = llm.llm_engine.runner
+            assert runner.weights.format.startswith("gguf ")
+            assert {"Q5_0", "Q8_0", "Q4_0", "Q5_1", "Q4_1"} <= set(
+                runner.weights.format[5:].split("+")
+            )
+            qkv = runner.model.model.layers[0].self_attn.qkv_proj
+            assert qkv.formats() == ["Q5_0", "Q8_0"]
+            assert runner.decode_stack is not None
+        free(llm)
+    assert_same_greedy(runs["auto"], runs["none"])

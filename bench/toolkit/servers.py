@@ -30,6 +30,7 @@ STOP_TIMEOUT_S = 40.0
 MIX_API_KEY = "peers-bench"
 """With the class mix, iterserve gets a key whose ceiling is the interactive class: without
 keys every request is `standard`, and a header asking for a more urgent class gets 403."""
+CLASS_HEADER = "x-iterserve-class"
 PROBE_PROMPT = "The history of the city of Paris began in the third century BC, when"
 
 

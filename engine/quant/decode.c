@@ -16,11 +16,19 @@
 int q_matmul(int type, const uint8_t *w, int64_t rb, int64_t nrows, int64_t k, const float *x,
              int64_t xs, int64_t m, float *y, int64_t ys, const float *bias, int64_t threads);
 
-/* One packed weight [rows, k] (engine/quant/formats.py). */
-struct qlin {
+/* A row block of a packed weight [rows, k] (engine/quant/formats.py). */
+struct qpart {
   int64_t type;
   const uint8_t *w;
   int64_t row_bytes, rows, k;
+};
+
+/* A projection: up to QLIN_PARTS row blocks stacked (a fused q/k/v whose parts differ in
+ * format), each writing its own columns of the output. */
+#define QLIN_PARTS 3
+struct qlin {
+  int64_t nparts, rows; /* rows: all the parts' */
+  struct qpart parts[QLIN_PARTS];
   const float *bias; /* [rows] or NULL */
 };
 
@@ -62,8 +70,15 @@ struct dstep {
 
 static int product(const struct qlin *l, const float *x, int64_t xs, int64_t m, float *y,
                    int64_t threads) {
-  return q_matmul((int)l->type, l->w, l->row_bytes, l->rows, l->k, x, xs, m, y, l->rows, l->bias,
-                  threads);
+  int64_t col = 0;
+  for (int64_t i = 0; i < l->nparts; i++) {
+    const struct qpart *p = &l->parts[i];
+    const int rc = q_matmul((int)p->type, p->w, p->row_bytes, p->rows, p->k, x, xs, m, y + col,
+                            l->rows, l->bias ? l->bias + col : NULL, threads);
+    if (rc) return rc;
+    col += p->rows;
+  }
+  return 0;
 }
 
 /* Run layers[0..n) on the residual stream h ([rows, hidden], updated in place). scratch

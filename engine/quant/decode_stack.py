@@ -9,9 +9,10 @@ multiply, down, add), with the same kernels in the same order, from C; the embed
 final norm and the LM head stay the model's own modules. The logits are therefore the same
 bit for bit as the model's forward gives (``tests/test_quant_model.py`` holds them equal).
 
-It applies to models loaded with packed weights on the ``cpu_kernels`` backend whose layers
-have one packed part per projection and no per-head q/k norms (Qwen3's); :meth:`build`
-returns None otherwise, and such models run their forward as before.
+It applies to models loaded with packed weights on the ``cpu_kernels`` backend whose
+projections are packed (up to :data:`QLIN_PARTS` parts of any formats each) and whose layers
+have no per-head q/k norms (Qwen3's); :meth:`build` returns None otherwise, and such models
+run their forward as before.
 """
 
 from __future__ import annotations
@@ -24,14 +25,28 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.cpu_kernels import KV_TYPES, CpuKernels
 from engine.kernel_layers import KernelDecoderLayer
+from engine.quant.formats import PackedTensor
 from engine.quant.kernels import QuantKernels
 from engine.quant.linear import QuantLinear
 
 _I, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
+class _QPart(ctypes.Structure):
+    _fields_ = [("type", _I), ("w", _P), ("row_bytes", _I), ("rows", _I), ("k", _I)]
+
+
+QLIN_PARTS = 3
+"""Row blocks a projection may have (``QLIN_PARTS`` in ``engine/quant/decode.c``)."""
+
+
 class _QLin(ctypes.Structure):
-    _fields_ = [("type", _I), ("w", _P), ("row_bytes", _I), ("rows", _I), ("k", _I), ("bias", _P)]
+    _fields_ = [
+        ("nparts", _I),
+        ("rows", _I),
+        ("parts", _QPart * QLIN_PARTS),
+        ("bias", _P),
+    ]
 
 
 class _DLayer(ctypes.Structure):
@@ -76,11 +91,16 @@ class _DStep(ctypes.Structure):
 
 
 def _qlin(m: nn.Module) -> _QLin | None:
-    if not isinstance(m, QuantLinear) or m._single is None:
+    """The projection for C, or None where it has a float part or too many parts."""
+    if not isinstance(m, QuantLinear) or len(m.parts) > QLIN_PARTS:
         return None
-    w = m._single
+    if not all(isinstance(p, PackedTensor) for p in m.parts):
+        return None
+    parts = [
+        _QPart(p.fmt.type_id, p.data.data_ptr(), p.data.shape[1], p.rows, p.k) for p in m.parts
+    ]
     bias = None if m.bias is None else m.bias.data_ptr()
-    return _QLin(w.fmt.type_id, w.data.data_ptr(), w.data.shape[1], w.rows, w.k, bias)
+    return _QLin(len(parts), m.out_features, (_QPart * QLIN_PARTS)(*parts), bias)
 
 
 class DecodeStack:

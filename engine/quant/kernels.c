@@ -84,7 +84,7 @@ INLINE float hsum(vf v) {
 /* Q4_0: fp16 d, 16 bytes; byte j: weight j (low nibble), j + 16 (high). w = (q - 8) d. */
 #define Q4_0_QK 32
 #define Q4_0_BYTES 18
-static const vf IOTAF = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const vf IOTAF __attribute__((unused)) = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -96,6 +96,20 @@ INLINE void nibble_lookup(const uint8_t *q, vf table, vf *lo, vf *hi) {
   const __m512 t = (__m512)table;
   *lo = (vf)_mm512_permutexvar_ps(idx, t);
   *hi = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), t);
+}
+
+/* 16 bytes at q as 16 int32 lanes. */
+INLINE __m512i u8x16(const uint8_t *q) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+}
+
+/* The 5-bit formats: table[q | h << 4] for 16 lanes of 4-bit q (low 4 bits of idx used) and
+ * the 16 fifth bits in `bits` (bit l: lane l), t0 = values 0..15, t1 = 16..31. */
+INLINE vf lookup32(__m512i idx, __mmask16 bits, vf t0, vf t1) {
+  const __m512i i5 = _mm512_mask_or_epi32(_mm512_and_si512(idx, _mm512_set1_epi32(15)), bits,
+                                          idx, _mm512_set1_epi32(16));
+  return (vf)_mm512_permutex2var_ps((__m512)t0, _mm512_and_si512(i5, _mm512_set1_epi32(31)),
+                                    (__m512)t1);
 }
 #endif
 INLINE void ex_Q4_0(const uint8_t *row, const uint8_t *p, int g, vf *lo, vf *hi) {
@@ -146,11 +160,20 @@ INLINE void fifth_bits(const uint8_t *qhp, vf *lo, vf *hi) {
 INLINE void ex_Q5_0(const uint8_t *row, const uint8_t *p, int g, vf *lo, vf *hi) {
   (void)row, (void)g;
   const float d = h2f(p);
+#ifdef __AVX512F__
+  uint32_t qh;
+  memcpy(&qh, p + 2, 4);
+  const __m512i q = u8x16(p + 6);
+  const vf t0 = (IOTAF - 16.0f) * d, t1 = IOTAF * d;
+  *lo = lookup32(q, (__mmask16)qh, t0, t1);
+  *hi = lookup32(_mm512_srli_epi32(q, 4), (__mmask16)(qh >> 16), t0, t1);
+#else
   vf hl, hh;
   fifth_bits(p + 2, &hl, &hh);
   const vb q = bload(p + 6);
   *lo = (u8f(q & 15) + hl - 16.0f) * d;
   *hi = (u8f(q >> 4) + hh - 16.0f) * d;
+#endif
 }
 
 /* Q5_1: fp16 d, fp16 m, 4 bytes qh, 16 bytes ql. w = (ql | h << 4) d + m. */
@@ -159,11 +182,20 @@ INLINE void ex_Q5_0(const uint8_t *row, const uint8_t *p, int g, vf *lo, vf *hi)
 INLINE void ex_Q5_1(const uint8_t *row, const uint8_t *p, int g, vf *lo, vf *hi) {
   (void)row, (void)g;
   const float d = h2f(p), m = h2f(p + 2);
+#ifdef __AVX512F__
+  uint32_t qh;
+  memcpy(&qh, p + 4, 4);
+  const __m512i q = u8x16(p + 8);
+  const vf t0 = IOTAF * d + m, t1 = (IOTAF + 16.0f) * d + m;
+  *lo = lookup32(q, (__mmask16)qh, t0, t1);
+  *hi = lookup32(_mm512_srli_epi32(q, 4), (__mmask16)(qh >> 16), t0, t1);
+#else
   vf hl, hh;
   fifth_bits(p + 4, &hl, &hh);
   const vb q = bload(p + 8);
   *lo = (u8f(q & 15) + hl) * d + m;
   *hi = (u8f(q >> 4) + hh) * d + m;
+#endif
 }
 
 /* Q8_0: fp16 d, 32 int8. w = q d. */
@@ -200,8 +232,17 @@ INLINE void ex_Q4_K(const uint8_t *row, const uint8_t *p, int g, vf *lo, vf *hi)
   const float d = h2f(p) * sc, m = h2f(p + 2) * mn;
   const uint8_t *q = p + 16 + 32 * (g >> 1);
   const int shift = 4 * (g & 1);
+#ifdef __AVX512F__
+  /* The 16 values of the group's nibbles, one permute per 16 weights (vpermps reads the
+   * low 4 bits of each index). */
+  const vf table = IOTAF * d - m;
+  const __m128i n = _mm_cvtsi32_si128(shift);
+  *lo = (vf)_mm512_permutexvar_ps(_mm512_srl_epi32(u8x16(q), n), (__m512)table);
+  *hi = (vf)_mm512_permutexvar_ps(_mm512_srl_epi32(u8x16(q + 16), n), (__m512)table);
+#else
   *lo = u8f((bload(q) >> shift) & 15) * d - m;
   *hi = u8f((bload(q + 16) >> shift) & 15) * d - m;
+#endif
 }
 
 /* Q5_K: Q4_K with a fifth bit per weight: d, dmin, 12 scale bytes, 32 bytes qh (bit g of
@@ -215,9 +256,19 @@ INLINE void ex_Q5_K(const uint8_t *row, const uint8_t *p, int g, vf *lo, vf *hi)
   const float d = h2f(p) * sc, m = h2f(p + 2) * mn;
   const uint8_t *qh = p + 16, *q = p + 48 + 32 * (g >> 1);
   const int shift = 4 * (g & 1);
+#ifdef __AVX512F__
+  const vf t0 = IOTAF * d - m, t1 = (IOTAF + 16.0f) * d - m;
+  const __m128i n = _mm_cvtsi32_si128(shift);
+  const __m512i bit = _mm512_set1_epi32(1 << g);
+  const __mmask16 bl = _mm512_test_epi32_mask(u8x16(qh), bit);
+  const __mmask16 bh = _mm512_test_epi32_mask(u8x16(qh + 16), bit);
+  *lo = lookup32(_mm512_srl_epi32(u8x16(q), n), bl, t0, t1);
+  *hi = lookup32(_mm512_srl_epi32(u8x16(q + 16), n), bh, t0, t1);
+#else
   const vb hl = ((bload(qh) >> g) & 1) << 4, hh = ((bload(qh + 16) >> g) & 1) << 4;
   *lo = u8f(((bload(q) >> shift) & 15) | hl) * d - m;
   *hi = u8f(((bload(q + 16) >> shift) & 15) | hh) * d - m;
+#endif
 }
 
 /* Q6_K: 256 weights. 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8
@@ -233,10 +284,24 @@ INLINE void ex_Q6_K(const uint8_t *row, const uint8_t *p, int g, vf *lo, vf *hi)
   const int8_t *sc = (const int8_t *)(p + 192) + 8 * half + 2 * r;
   const float d = h2f(p + 208);
   const int nib = 4 * (r >> 1), hs = 2 * r;
+#ifdef __AVX512F__
+  /* In 32-bit lanes (shifts by a count in a register), then converted: q - 32 in [-32, 31]. */
+  const __m128i n = _mm_cvtsi32_si128(nib), h = _mm_cvtsi32_si128(hs);
+  const __m512i f = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3);
+  const __m512i a = _mm512_or_si512(
+      _mm512_and_si512(_mm512_srl_epi32(u8x16(ql), n), f),
+      _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(u8x16(qh), h), three), 4));
+  const __m512i b = _mm512_or_si512(
+      _mm512_and_si512(_mm512_srl_epi32(u8x16(ql + 16), n), f),
+      _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(u8x16(qh + 16), h), three), 4));
+  *lo = ((vf)_mm512_cvtepi32_ps(a) - 32.0f) * (d * (float)sc[0]);
+  *hi = ((vf)_mm512_cvtepi32_ps(b) - 32.0f) * (d * (float)sc[1]);
+#else
   const vb a = ((bload(ql) >> nib) & 15) | (((bload(qh) >> hs) & 3) << 4);
   const vb b = ((bload(ql + 16) >> nib) & 15) | (((bload(qh + 16) >> hs) & 3) << 4);
   *lo = (u8f(a) - 32.0f) * (d * (float)sc[0]);
   *hi = (u8f(b) - 32.0f) * (d * (float)sc[1]);
+#endif
 }
 
 /* I8R: fp32 scale s, then the row's k int8; p points 4 bytes before its block (so that
