@@ -70,6 +70,12 @@ def _peers(name: str, result: dict) -> list[str]:
     return out
 
 
+def _step_profile(name: str, result: dict) -> list[str]:
+    from bench import step_profile
+
+    return [*_run_lines(result), *step_profile.table(result), ""]
+
+
 def _scheduling(name: str, result: dict) -> list[str]:
     from bench import scheduling
 
@@ -318,6 +324,19 @@ SUITES: tuple[Suite, ...] = (
         ),
         ("engine_throughput.json",),
         _engine_throughput,
+    ),
+    Suite(
+        "Step profile",
+        "bench.step_profile",
+        "Where one engine step's time goes, with the embedded GGUF's weights packed "
+        "(`quantization: auto`) and de-quantized to fp32 (`none`): one, 8 and 32 sequences "
+        "decoding and one 512-token prefill chunk, each step split into the scheduler, the "
+        "runner's prepare, forward and sample, and the rest; the forward split further by "
+        "timing its products (every linear layer) and its attention kernels alone on the same "
+        "shapes. See [weights.md](weights.md).",
+        ("python -m bench.step_profile",),
+        ("step_profile.json",),
+        _step_profile,
     ),
     Suite(
         "GPU check",

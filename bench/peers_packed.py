@@ -50,6 +50,8 @@ from bench.toolkit.prompts import prompt_maker
 from bench.toolkit.targets import AiohttpTarget, aiohttp_session
 
 BASE_PORT = 8140
+PACKED = {"quantization": "auto"}
+"""iterserve's own default (the suites' servers default to fp32: ``servers.FP32_ENGINE``)."""
 STREAM_TOKENS = 128
 PREFILL_TOKENS = 512
 TRACE32 = 32
@@ -137,7 +139,7 @@ def iterserve_proc(
         cfg["model"], cfg["served_model_name"] = str(model), ps.MODEL_NAME
     path = tmp / f"{label}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    weights = "GGUF Q4_1 + Q8_0, packed" if engine.get("quantization") != "none" else "fp32"
+    weights = "packed" if engine.get("quantization") != "none" else "float32"
     return Proc(
         label, [str(ps.REPO / ".venv/bin/iterserve"), "serve", "--config", str(path)], port, weights
     )
@@ -304,7 +306,7 @@ def run(args: argparse.Namespace) -> dict:
         port = iter(range(BASE_PORT, BASE_PORT + 20))
         systems = {
             "iterserve": {
-                0: stack.enter(iterserve_proc("iterserve", next(port), {}, slo, Path(tmp)))
+                0: stack.enter(iterserve_proc("iterserve", next(port), PACKED, slo, Path(tmp)))
             },
             "iterserve-fp32": {
                 0: stack.enter(
@@ -315,13 +317,18 @@ def run(args: argparse.Namespace) -> dict:
             },
             "llama.cpp": {
                 n: stack.enter(
-                    llama_proc(f"llama.cpp-p{n}", gguf, next(port), n, "GGUF Q4_1 + Q8_0")
+                    llama_proc(f"llama.cpp-p{n}", gguf, next(port), n, "the GGUF as stored")
                 )
                 for n in LLAMA_SLOTS
             },
         }
         for name, by in systems.items():
-            report["weights"][name] = by[min(by)].weights
+            server = by[min(by)]
+            report["weights"][name] = server.weights
+            if name.startswith("iterserve"):  # as the server itself says
+                info = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
+                mib = info["weight_bytes"] / 2**20
+                report["weights"][name] = f"{info['weight_format']}, {mib:.0f} MiB"
         asyncio.run(_warm(systems))
         rounds = [asyncio.run(measure_round(args, systems, r)) for r in range(args.packed_rounds)]
         report["rounds"] = rounds
@@ -349,7 +356,9 @@ def k_quant_row(args, gguf: Path, slo: tuple[float, float]) -> dict:
     kq = llamacpp.quantize(gguf, llamacpp.HOME / f"{gguf.stem}.{K_QUANT}.gguf", K_QUANT)
     out: dict = {"file": kq.name, "rounds": []}
     with tempfile.TemporaryDirectory(prefix="packed-kq-") as tmp, _Stack() as stack:
-        it = stack.enter(iterserve_proc("iterserve", BASE_PORT + 30, {}, slo, Path(tmp), model=kq))
+        it = stack.enter(
+            iterserve_proc("iterserve", BASE_PORT + 30, PACKED, slo, Path(tmp), model=kq)
+        )
         ll = stack.enter(llama_proc("llama.cpp", kq, BASE_PORT + 31, 1, K_QUANT))
         info = httpx.get(f"{it.url}/v1/models", timeout=10).json()["data"][0]
         out["iterserve_weights"] = info.get("weight_format")

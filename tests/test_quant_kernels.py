@@ -49,6 +49,11 @@ def level(request):
     KERNELS.set_level(before)
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)
+
+
 def random_rows(name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
     """``rows`` rows of random ``name`` blocks with finite fp16 scales of either sign."""
     rng = np.random.default_rng(seed)
@@ -95,7 +100,10 @@ def test_a_product_writes_only_its_columns_of_a_wider_output(level):
         x = torch.randn(m, 64)
         out = torch.full((m, 40), 7.0)
         KERNELS.matmul(w, x, out[:, 10:34])
-        torch.testing.assert_close(out[:, 10:34], x @ ref.T, rtol=1e-5, atol=1e-4)
+        want = x @ ref.T
+        torch.testing.assert_close(
+            out[:, 10:34], want, rtol=1e-5, atol=1e-5 * float(want.abs().max())
+        )
         assert (out[:, :10] == 7).all() and (out[:, 34:] == 7).all()
 
 
@@ -137,7 +145,8 @@ def test_quant_linear_joins_packed_and_float_parts():
     assert joined.formats() == ["Q4_K", "Q6_K", "F32"] and joined.out_features == 17
     x = torch.randn(3, 2, 256)
     want = F.linear(x, torch.cat([ra, rb, c.weight.detach()]))
-    torch.testing.assert_close(joined(x), want, rtol=1e-5, atol=1e-4)
+    # Only the order of the sums differs: within fp32's rounding of the largest output.
+    torch.testing.assert_close(joined(x), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     # Adjacent parts of one format become one part (one kernel call).
     same = concat_linears([qa, QuantLinear([packed("Q4_K", 3, 256, 4)[0]], 256, KERNELS)], KERNELS)
     assert same.formats() == ["Q4_K"] and same.out_features == 11

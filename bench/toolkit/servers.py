@@ -92,8 +92,15 @@ def engine_env() -> dict[str, str]:
     return env
 
 
+FP32_ENGINE = {"quantization": "none"}
+"""iterserve's weights in these suites unless a spec says otherwise: the embedded GGUF
+de-quantized to fp32, as vLLM serves it (the converted directory). The packed weights are
+compared with llama.cpp by :mod:`bench.peers_packed`."""
+
+
 def iterserve_config(spec: SystemSpec, slo: tuple[float, float], mix: bool) -> dict:
-    """``iterserve serve --config`` content: defaults plus the benchmark's SLOs declared."""
+    """``iterserve serve --config`` content: defaults plus the benchmark's SLOs declared,
+    the weights in fp32 (:data:`FP32_ENGINE`) unless the spec's ``engine`` says otherwise."""
     ttft, tpot = slo
     classes = {"standard": {"ttft_slo_s": ttft, "tpot_slo_s": tpot}}
     keys = {}
@@ -104,7 +111,7 @@ def iterserve_config(spec: SystemSpec, slo: tuple[float, float], mix: bool) -> d
         "port": PORT,
         **(spec.service or {}),
         "api_keys": keys,
-        "engine": {**(spec.engine or {}), "traffic_classes": classes},
+        "engine": {**FP32_ENGINE, **(spec.engine or {}), "traffic_classes": classes},
     }
 
 
