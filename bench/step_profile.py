@@ -1,24 +1,26 @@
 """Where one engine step's time goes, packed weights against the fp32 path (``python -m
 bench.step_profile``; about 3 minutes).
 
-For each engine (the embedded GGUF with ``quantization: auto``, packed, and ``none``, fp32)
-and each step shape, the mean of ``--steps`` steps driven through ``LLMEngine.step``, split
+For each engine (the embedded GGUF with ``quantization: auto``, packed, and ``none``, fp32;
+both loaded, measured in ``--rounds`` rounds that alternate them, each figure the median of
+the rounds) and each step shape, the mean of ``--steps`` steps driven through
+``LLMEngine.step``, split
 by the engine's own step record (:class:`engine.StepRecord`): the scheduler, the runner's
 ``prepare`` / ``forward`` / ``sample``, and the rest (request updates, detokenizing,
-outputs). The forward is then split by timing its parts alone, back to back on the same
-shapes, right after:
+outputs). The forward is split further in place, by timing its calls as they run:
 
-* ``products``: every linear layer of the model at the step's row count (the LM head at the
-  rows it samples);
-* ``attention``: the CPU kernels' decode or prefill attention of every layer on the
-  step's context;
+* ``products``: every linear layer's call (packed or fp32, the LM head included);
+* ``attention``: the CPU kernels' decode and prefill attention calls;
 * ``rest of forward``: the forward minus those two: norms, RoPE, the cache writes, the
   embedding, and the dispatch between them (Python, ctypes).
 
-Shapes: one sequence decoding (128 tokens of context), 8 sequences decoding, 32 decoding,
-and one 512-token prefill chunk. Output: a table and ``bench/results/step_profile.json``
-with the run record. Streaming is not in these steps: ``bench.peers``' packed-weights
-phase measures the same decode served over HTTP.
+A decode step of a packed model runs all its layers in one C call
+(:mod:`engine.quant.decode_stack`), which cannot be split from Python: the split is
+measured with the model's Python layers, and ``one-call step`` is the same shape's step
+with the C call, as the engine runs it. Shapes: one sequence decoding (128 tokens of
+context), 8 sequences decoding, 32 decoding, and one 512-token prefill chunk. Output: a
+table and ``bench/results/step_profile.json`` with the run record. Streaming is not in these
+steps: ``bench.peers``' packed-weights phase measures the same decode served over HTTP.
 """
 
 from __future__ import annotations
@@ -43,106 +45,114 @@ SHAPES = (
 """(name, sequences, context tokens each, prefill tokens of the one chunk)."""
 
 
-def _linears(model):
-    from engine.cpu_linear import PackedLinear
-    from engine.quant.linear import QuantLinear
-
-    return [
-        m for m in model.modules() if isinstance(m, (QuantLinear, PackedLinear, torch.nn.Linear))
-    ]
+OFFSETS = {"py": 0, "c": 5003}
+"""Token-id offsets of the two runs of a shape (and the round's ``salt`` another): other
+prompts each time, so that no prefix is cached."""
 
 
-def products_ms(model, rows: int, sampled: int, reps: int) -> float:
-    """Every linear layer once on ``rows`` rows (the LM head on ``sampled``), back to back."""
-    lins = _linears(model)
-    head = model.lm_head
-    inputs = [torch.randn(sampled if m is head else rows, m.in_features) for m in lins]
-    times = []
-    with torch.inference_mode():
-        for _ in range(reps + 1):
+class _Timers:
+    """Sums the wall time of the linear layers' and the attention kernels' calls while
+    installed (in situ: the step's own calls, on its own tensors)."""
+
+    def __init__(self, runner) -> None:
+        from engine.cpu_linear import PackedLinear
+        from engine.quant.linear import QuantLinear
+
+        self.products = self.attention = 0.0
+        self._patched = []
+        for cls in (QuantLinear, PackedLinear, torch.nn.Linear):
+            self._wrap(cls, "forward", "products")
+        kernels = runner.attention.cpu_kernels
+        if kernels is not None:
+            for name in ("decode_attention", "prefill_attention"):
+                self._wrap(type(kernels), name, "attention")
+
+    def _wrap(self, cls, name: str, bucket: str) -> None:
+        orig = cls.__dict__[name]
+
+        def timed(*args, **kwargs):
             t0 = time.perf_counter()
-            for m, x in zip(lins, inputs):
-                m(x)
-            times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times[1:])
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                setattr(self, bucket, getattr(self, bucket) + time.perf_counter() - t0)
+
+        setattr(cls, name, timed)
+        self._patched.append((cls, name, orig))
+
+    def remove(self) -> None:
+        for cls, name, orig in self._patched:
+            setattr(cls, name, orig)
 
 
-def attention_ms(runner, seqs: int, context: int, chunk: int, reps: int) -> float:
-    """The attention kernel of every layer for the shape, on a cache of the runner's
-    geometry (decodes: one query per sequence on ``context`` tokens; prefill: one chunk of
-    ``chunk`` tokens)."""
-    kernels = runner.attention.cpu_kernels
-    if kernels is None:
-        return float("nan")
-    k_cache, v_cache = runner.kv_caches[0]
-    _, bs, kvh, d = k_cache.shape
-    heads = runner.model.config.num_attention_heads
-    tokens = max(context + 1, chunk)
-    blocks = -(-tokens // bs)
-    tables = torch.arange(seqs * blocks, dtype=torch.int32).view(seqs, blocks) % len(k_cache)
-    layers = len(runner.kv_caches)
-    scale = d**-0.5
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        for k, v in runner.kv_caches:
-            if chunk:
-                q = torch.randn(chunk, heads, d)
-                out = torch.empty_like(q)
-                qsl = torch.tensor([0, chunk], dtype=torch.int32)
-                lens = torch.tensor([chunk], dtype=torch.int32)
-                kernels.prefill_attention(q, k, v, tables, qsl, lens, 0, scale, out)
-            else:
-                q = torch.randn(seqs, heads, d)
-                out = torch.empty_like(q)
-                lens = torch.full((seqs,), context + 1, dtype=torch.int32)
-                kernels.decode_attention(q, k, v, tables, lens, scale, out)
-        times.append(time.perf_counter() - t0)
-    assert layers == len(runner.kv_caches)
-    return 1000 * statistics.median(times[1:])
-
-
-def profile_shape(llm, name: str, seqs: int, context: int, chunk: int, steps: int) -> dict:
+def _run_shape(llm, seqs, context, chunk, steps, tag, timers=None, salt=0):
+    """``(record, products s, attention s)`` of ``steps`` steps of the shape (after warm-up
+    steps); the seconds are ``timers``' for that step (0 without timers)."""
     from engine import SamplingParams
 
     engine = llm.llm_engine
-    runner = engine.runner
     records = []
     saved = engine.on_step
-    engine.on_step = records.append
+    last = [0.0, 0.0]
+
+    def record(r) -> None:
+        now = [timers.products, timers.attention] if timers else [0.0, 0.0]
+        records.append((r, now[0] - last[0], now[1] - last[1]))
+        last[:] = now
+
+    engine.on_step = record
     try:
         if chunk:
-            rounds = []
+            used = []
             for r in range(steps + 1):
-                prompt = [1000 + (r * 7919 + j * 13) % 30000 for j in range(chunk)]
-                engine.add_request(
-                    f"p{r}",
-                    {"prompt_token_ids": prompt},
-                    SamplingParams(max_tokens=1, temperature=0),
-                )
+                prompt = [
+                    1000 + (r * 7919 + j * 13 + OFFSETS[tag] + salt * 10007) % 30000
+                    for j in range(chunk)
+                ]
+                sp = SamplingParams(max_tokens=1, temperature=0)
+                engine.add_request(f"{tag}p{r}", {"prompt_token_ids": prompt}, sp)
                 n = len(records)
                 while engine.has_unfinished_requests():
                     engine.step()
-                rounds.append(records[n:])
-            steps_used = [rs[0] for rs in rounds[1:]]
-        else:
-            sp = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-            for i in range(seqs):
-                prompt = [1000 + (i * 7919 + j * 13) % 30000 for j in range(context)]
-                engine.add_request(f"d{i}", {"prompt_token_ids": prompt}, sp)
-            while engine.has_unfinished_requests():
-                engine.step()
-            steps_used = [r for r in records if r.num_decodes == seqs and r.num_prefill_tokens == 0]
-            steps_used = steps_used[4 : 4 + steps]
+                used.append(records[n])
+            return used[1:]
+        sp = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+        for i in range(seqs):
+            prompt = [
+                1000 + (i * 7919 + j * 13 + OFFSETS[tag] + salt * 10007) % 30000
+                for j in range(context)
+            ]
+            engine.add_request(f"{tag}d{i}", {"prompt_token_ids": prompt}, sp)
+        while engine.has_unfinished_requests():
+            engine.step()
+        decode = [x for x in records if x[0].num_decodes == seqs and x[0].num_prefill_tokens == 0]
+        return decode[4 : 4 + steps]
     finally:
         engine.on_step = saved
-    split = _split(steps_used)
-    rows = chunk or seqs
-    sampled = 1 if chunk else seqs
-    split["products"] = products_ms(runner.model, rows, sampled, 5)
-    split["attention"] = attention_ms(runner, seqs, context, chunk, 5)
+
+
+def profile_shape(llm, seqs: int, context: int, chunk: int, steps: int, salt: int = 0) -> dict:
+    """The shape's step split; the products and attention measured in situ on the Python
+    layers (a decode step's one C call cannot be split), and the step with the one-call
+    decode stack beside it where the model has one."""
+    runner = llm.llm_engine.runner
+    stack, runner.decode_stack = runner.decode_stack, None
+    timers = _Timers(runner)
+    try:
+        rows = _run_shape(llm, seqs, context, chunk, steps, "py", timers, salt)
+    finally:
+        timers.remove()
+        runner.decode_stack = stack
+    records = [r for r, _, _ in rows]
+    split = _split(records)
+    split["products"] = 1000 * sum(p for _, p, _ in rows) / len(rows)
+    split["attention"] = 1000 * sum(a for _, _, a in rows) / len(rows)
     split["rest of forward"] = split["forward"] - split["products"] - split["attention"]
-    split["steps"] = len(steps_used)
+    split["steps"] = len(records)
+    split["one-call step"] = None
+    if stack is not None and not chunk:
+        rows = _run_shape(llm, seqs, context, chunk, steps, "c", None, salt)
+        split["one-call step"] = _split([r for r, _, _ in rows])["step"]
     return split
 
 
@@ -158,24 +168,40 @@ def _split(records) -> dict:
 
 
 def run(args) -> dict:
+    """Both engines loaded together; each shape measured in ``--rounds`` rounds that
+    alternate the engines' order (this host's speed drifts by more than the differences);
+    each figure the median over the rounds."""
     from engine import LLM
 
-    result: dict = {"engines": {}}
-    for q in ("auto", "none"):
-        llm = LLM(quantization=q, num_kv_blocks=1024, max_num_seqs=64)
-        w = llm.llm_engine.runner.weights
-        shapes = {
-            name: profile_shape(llm, name, seqs, ctx, chunk, args.steps)
-            for name, seqs, ctx, chunk in SHAPES
+    llms = {q: LLM(quantization=q, num_kv_blocks=1024, max_num_seqs=64) for q in ENGINES}
+    result: dict = {
+        "engines": {
+            q: {"weights": llms[q].llm_engine.runner.weights.describe(), "shapes": {}}
+            for q in ENGINES
         }
-        result["engines"][q] = {"weights": w.describe(), "shapes": shapes}
-        print(f"[step_profile] {q}: {w.describe()}", flush=True)
-        del llm
-        gc.collect()
+    }
+    for name, seqs, ctx, chunk in SHAPES:
+        rounds: dict[str, list[dict]] = {q: [] for q in ENGINES}
+        for r in range(args.rounds):
+            for q in ENGINES[:: 1 if r % 2 == 0 else -1]:
+                rounds[q].append(profile_shape(llms[q], seqs, ctx, chunk, args.steps, salt=r))
+        for q in ENGINES:
+            runs = rounds[q]
+            result["engines"][q]["shapes"][name] = {
+                k: None if runs[0][k] is None else statistics.median(x[k] for x in runs)
+                for k in runs[0]
+            } | {"rounds": runs}
+        print(f"[step_profile] {name} done", flush=True)
+    del llms
+    gc.collect()
     return result
 
 
+ENGINES = ("auto", "none")
+
+
 COLUMNS = (
+    "one-call step",
     "step",
     "schedule",
     "prepare",
@@ -194,14 +220,20 @@ def table(result: dict) -> list[str]:
     ]
     for e in result["engines"].values():
         for name, s in e["shapes"].items():
-            cells = [f"{s[c]:.2f}" for c in COLUMNS]
+            cells = ["-" if s[c] is None else f"{s[c]:.2f}" for c in COLUMNS]
             lines.append(f"| {e['weights']} | {name} | " + " | ".join(cells) + " |")
-    return lines + ["", "Milliseconds per step (means); products and attention timed alone."]
+    return lines + [
+        "",
+        "Milliseconds per step (means). `step` and its split run the model's Python layers, "
+        "the products and attention timed in place; `one-call step` is the same decode with "
+        "all layers in one C call (the default where the model has it).",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=24, help="steps averaged per shape")
+    p.add_argument("--steps", type=int, default=16, help="steps averaged per shape and round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds alternating the engines")
     p.add_argument("--out", default=str(RESULTS / "step_profile.json"))
     args = p.parse_args(argv)
     print("[step_profile] expected duration ~3 min", flush=True)
