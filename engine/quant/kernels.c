@@ -103,13 +103,12 @@ INLINE __m512i u8x16(const uint8_t *q) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
 }
 
-/* The 5-bit formats: table[q | h << 4] for 16 lanes of 4-bit q (low 4 bits of idx used) and
- * the 16 fifth bits in `bits` (bit l: lane l), t0 = values 0..15, t1 = 16..31. */
+/* The 5-bit formats: table[q | h << 4] for 16 lanes of 4-bit q (idx: nothing above bit 3)
+ * and the 16 fifth bits in `bits` (bit l: lane l), t0 = values 0..15, t1 = 16..31
+ * (vpermt2ps reads the low 5 bits of each index). */
 INLINE vf lookup32(__m512i idx, __mmask16 bits, vf t0, vf t1) {
-  const __m512i i5 = _mm512_mask_or_epi32(_mm512_and_si512(idx, _mm512_set1_epi32(15)), bits,
-                                          idx, _mm512_set1_epi32(16));
-  return (vf)_mm512_permutex2var_ps((__m512)t0, _mm512_and_si512(i5, _mm512_set1_epi32(31)),
-                                    (__m512)t1);
+  const __m512i i5 = _mm512_mask_or_epi32(idx, bits, idx, _mm512_set1_epi32(16));
+  return (vf)_mm512_permutex2var_ps((__m512)t0, i5, (__m512)t1);
 }
 #endif
 INLINE void ex_Q4_0(const uint8_t *row, const uint8_t *p, int g, vf *lo, vf *hi) {
@@ -165,7 +164,7 @@ INLINE void ex_Q5_0(const uint8_t *row, const uint8_t *p, int g, vf *lo, vf *hi)
   memcpy(&qh, p + 2, 4);
   const __m512i q = u8x16(p + 6);
   const vf t0 = (IOTAF - 16.0f) * d, t1 = IOTAF * d;
-  *lo = lookup32(q, (__mmask16)qh, t0, t1);
+  *lo = lookup32(_mm512_and_si512(q, _mm512_set1_epi32(15)), (__mmask16)qh, t0, t1);
   *hi = lookup32(_mm512_srli_epi32(q, 4), (__mmask16)(qh >> 16), t0, t1);
 #else
   vf hl, hh;
@@ -187,7 +186,7 @@ INLINE void ex_Q5_1(const uint8_t *row, const uint8_t *p, int g, vf *lo, vf *hi)
   memcpy(&qh, p + 4, 4);
   const __m512i q = u8x16(p + 8);
   const vf t0 = IOTAF * d + m, t1 = (IOTAF + 16.0f) * d + m;
-  *lo = lookup32(q, (__mmask16)qh, t0, t1);
+  *lo = lookup32(_mm512_and_si512(q, _mm512_set1_epi32(15)), (__mmask16)qh, t0, t1);
   *hi = lookup32(_mm512_srli_epi32(q, 4), (__mmask16)(qh >> 16), t0, t1);
 #else
   vf hl, hh;
@@ -262,8 +261,9 @@ INLINE void ex_Q5_K(const uint8_t *row, const uint8_t *p, int g, vf *lo, vf *hi)
   const __m512i bit = _mm512_set1_epi32(1 << g);
   const __mmask16 bl = _mm512_test_epi32_mask(u8x16(qh), bit);
   const __mmask16 bh = _mm512_test_epi32_mask(u8x16(qh + 16), bit);
-  *lo = lookup32(_mm512_srl_epi32(u8x16(q), n), bl, t0, t1);
-  *hi = lookup32(_mm512_srl_epi32(u8x16(q + 16), n), bh, t0, t1);
+  const __m512i f = _mm512_set1_epi32(15);
+  *lo = lookup32(_mm512_and_si512(_mm512_srl_epi32(u8x16(q), n), f), bl, t0, t1);
+  *hi = lookup32(_mm512_and_si512(_mm512_srl_epi32(u8x16(q + 16), n), f), bh, t0, t1);
 #else
   const vb hl = ((bload(qh) >> g) & 1) << 4, hh = ((bload(qh + 16) >> g) & 1) << 4;
   *lo = u8f(((bload(q) >> shift) & 15) | hl) * d - m;
