@@ -58,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         step_log=args.step_log,
         max_queue_time_s=args.max_queue_time_s,
         stream_keepalive_s=args.stream_keepalive_s,
+        engine={"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype},
     )
     from deploy.server import run_server
 
@@ -137,6 +138,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         help="seconds of silence after which a stream sends an SSE comment (default 15)",
+    )
+    srv.add_argument(
+        "--quantization",
+        choices=("auto", "none", "int8", "int4"),
+        default=None,
+        help="the engine's weights (engine.quantization): auto keeps a GGUF's quantized "
+        "weights packed (default); none de-quantizes them; int8 / int4 quantize a "
+        "transformers directory at load",
+    )
+    srv.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        default=None,
+        help="the KV cache's element type (engine.kv_cache_dtype; default auto: the model dtype)",
     )
     srv.add_argument(
         "--step-log",

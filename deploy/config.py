@@ -365,8 +365,14 @@ class ServiceConfig(IngressOptions):
         return Path(self.model.rstrip("/")).name.removesuffix(".gguf")
 
     @classmethod
-    def load(cls, path: str | Path | None = None, **overrides: Any) -> ServiceConfig:
-        """Read a YAML file (optional), then apply non-None ``overrides`` (CLI flags).
+    def load(
+        cls,
+        path: str | Path | None = None,
+        engine: dict[str, Any] | None = None,
+        **overrides: Any,
+    ) -> ServiceConfig:
+        """Read a YAML file (optional), then apply non-None ``overrides`` (CLI flags) and the
+        non-None keys of ``engine`` over the file's ``engine:`` section.
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
@@ -383,4 +389,10 @@ class ServiceConfig(IngressOptions):
                 raise ValueError(f"{path}: expected a YAML mapping at the top level")
             data = dict(loaded or {})
         data.update({k: v for k, v in overrides.items() if v is not None})
+        engine_flags = {k: v for k, v in (engine or {}).items() if v is not None}
+        if engine_flags:
+            section = data.get("engine") or {}
+            if not isinstance(section, dict):
+                raise ValueError("engine: expected a mapping")
+            data["engine"] = {**section, **engine_flags}
         return cls(**data)

@@ -209,6 +209,21 @@ def test_service_config_yaml_and_flags(tmp_path):
         ServiceConfig(engine={"max_num_seqs": 0})
     with pytest.raises(ValueError, match="top level"):
         ServiceConfig(engine={"model": "x"})
+    # Engine flags (--quantization, --kv-cache-dtype) merge over the file's engine section.
+    c = ServiceConfig.load(f, engine={"quantization": "none", "kv_cache_dtype": None})
+    assert c.engine.quantization == "none" and c.engine.max_num_seqs == 8
+    assert c.engine.kv_cache_dtype == "auto"
+
+
+def test_serve_takes_the_engines_weight_flags():
+    from deploy.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--quantization", "int4", "--kv-cache-dtype", "float16"]
+    )
+    assert (args.quantization, args.kv_cache_dtype) == ("int4", "float16")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "fp8"])
 
 
 def test_api_keys_file_adds_keys_and_refuses_bad_files(tmp_path):
