@@ -25,6 +25,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -371,18 +372,30 @@ def _cc(args: list[str]) -> None:
     subprocess.run(["cc", *args], check=True, capture_output=True, text=True)
 
 
-@functools.cache
-def load() -> CpuKernels | None:
-    """The kernels, or None where they are disabled or cannot be built (logged once)."""
+def open_library(
+    build_fn: Callable[[Path], tuple[Path, bool]], unavailable: str
+) -> tuple[ctypes.CDLL, bool] | None:
+    """``build_fn(out_dir)`` into ``$ITERSERVE_CACHE/kernels``, then the library loaded:
+    ``(library, with OpenMP)``; None where the kernels are turned off (``DISABLE_ENV``) or
+    cannot be built (logged as ``unavailable``)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     try:
-        path, openmp = build(cache_dir() / "kernels")
-        lib = ctypes.CDLL(str(path))
+        path, openmp = build_fn(cache_dir() / "kernels")
+        return ctypes.CDLL(str(path)), openmp
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or e
-        logger.warning("CPU kernels unavailable, using PyTorch ops instead: %s", detail)
+        logger.warning("%s: %s", unavailable, detail)
         return None
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The kernels, or None where they are disabled or cannot be built (logged once)."""
+    opened = open_library(build, "CPU kernels unavailable, using PyTorch ops instead")
+    if opened is None:
+        return None
+    lib, openmp = opened
     runtimes = openmp_runtimes()
     if openmp and len(runtimes) > 1:
         logger.warning(

@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cache import cache_dir
-from engine.cpu_kernels import DISABLE_ENV, OPENMP_FLAG, CompileUnit, compile_library
+from engine.cpu_kernels import OPENMP_FLAG, CompileUnit, compile_library, open_library
 from engine.quant.formats import PackedTensor
 
 logger = logging.getLogger(__name__)
@@ -200,15 +199,10 @@ def load() -> QuantKernels | None:
     Raises:
         ValueError: ``ITERSERVE_QUANT_LEVEL`` names a level this CPU cannot run.
     """
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    opened = open_library(build, "packed-weight kernels unavailable")
+    if opened is None:
         return None
-    try:
-        path, openmp = build(cache_dir() / "kernels")
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        logger.warning("packed-weight kernels unavailable: %s", detail)
-        return None
+    lib, openmp = opened
     kernels = QuantKernels(lib, parallel=openmp)
     if LEVEL_ENV in os.environ:
         kernels.set_level(int(os.environ[LEVEL_ENV]))
