@@ -66,13 +66,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _dashboard_push(args: argparse.Namespace) -> int:
-    from grafana_client.client import GrafanaException
-
+    from deploy.dashboard import GrafanaError
     from deploy.dashboard import main as push
 
     try:
         return push(args)
-    except GrafanaException as e:
+    except GrafanaError as e:
         print(f"iterserve: Grafana at {args.grafana_url} refused: {e}", file=sys.stderr)
         return 1
 

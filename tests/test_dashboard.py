@@ -9,19 +9,23 @@ renders in a real Grafana is not tested here.
 
 from __future__ import annotations
 
+import base64
 import json
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from deploy.cli import main
-from deploy.dashboard import DATASOURCE_NAME, load_dashboard
+from deploy.dashboard import DATASOURCE_NAME, GrafanaError, _client, load_dashboard, push
 
 
 class StandIn(BaseHTTPRequestHandler):
     requests: list[tuple[str, str, str, dict | None]] = []
     datasource_exists = False
+    # When set: every request is answered with this status and ``{"message": ...}``.
+    refuse: tuple[int, str] | None = None
 
     def _answer(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -39,11 +43,13 @@ class StandIn(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
         self._record()
+        if self.refuse:
+            return self._answer(self.refuse[0], {"message": self.refuse[1]})
         if self.path == "/api/datasources":
             if self.datasource_exists:
                 return self._answer(409, {"message": "data source with the same name exists"})
             return self._answer(200, {"id": 1, "message": "Datasource added"})
-        if self.path == "/api/dashboards/db":
+        if self.path in ("/api/dashboards/db", "/grafana/api/dashboards/db"):
             return self._answer(
                 200,
                 {
@@ -73,7 +79,7 @@ class StandIn(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def grafana():
-    StandIn.requests, StandIn.datasource_exists = [], False
+    StandIn.requests, StandIn.datasource_exists, StandIn.refuse = [], False, None
     srv = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
@@ -143,6 +149,59 @@ def test_push_updates_an_existing_datasource_and_needs_the_key(grafana, monkeypa
         main(["dashboard", "push", "--grafana-url", grafana, "--api-key-env", "GRAFANA_TOKEN"]) == 2
     )
     assert "GRAFANA_TOKEN" in capsys.readouterr().err and not StandIn.requests
+
+
+@pytest.mark.parametrize(
+    ("status", "said"),
+    [
+        (401, "Unauthorized"),
+        (403, "Client Error 403: Permissions needed"),
+        (400, "Bad Input: `{'message': 'Permissions needed'}`"),
+        (500, "Server Error 500: Permissions needed"),
+    ],
+)
+def test_a_refusal_is_one_clear_line(grafana, monkeypatch, capsys, status, said):
+    StandIn.refuse = (status, "Permissions needed")
+    monkeypatch.setenv("GRAFANA_TOKEN", "t")
+    argv = ["dashboard", "push", "--grafana-url", grafana, "--api-key-env", "GRAFANA_TOKEN"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err == f"iterserve: Grafana at {grafana} refused: {said}\n"
+    with pytest.raises(GrafanaError) as e:
+        push(grafana, "t")
+    assert e.value.status_code == status and e.value.response == {"message": "Permissions needed"}
+
+
+def test_an_unreachable_grafana_is_reported_not_raised(monkeypatch, capsys):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)  # a port nothing listens on, once
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.server_close()
+    monkeypatch.setenv("GRAFANA_TOKEN", "t")
+    assert main(["dashboard", "push", "--grafana-url", url, "--api-key-env", "GRAFANA_TOKEN"]) == 1
+    assert capsys.readouterr().err.startswith(f"iterserve: Grafana at {url} refused: ")
+
+
+def test_basic_auth_and_a_path_prefix(grafana):
+    """A ``(user, password)`` pair is sent as basic auth, and a Grafana served under a path
+    (``root_url`` with a sub-path) is reached under it."""
+    out = push(f"{grafana}/grafana/", ("admin", "pw"))
+    assert out == {"dashboard": out["dashboard"], "datasource": None}
+    assert out["dashboard"]["uid"] == "iterserve"
+    ((method, path, auth, _),) = StandIn.requests
+    assert (method, path) == ("POST", "/grafana/api/dashboards/db")
+    assert auth == "Basic " + base64.b64encode(b"admin:pw").decode()
+
+
+def test_the_url_gives_the_api_root_and_tls_verification():
+    """User info in the URL is dropped (the credential authenticates); ``?verify=false``
+    turns TLS verification off, and it stays on otherwise."""
+    with _client("https://u:p@grafana.example:3000/grafana/?verify=false", "t") as c:
+        assert str(c.base_url) == "https://grafana.example:3000/grafana/api/"
+        assert c.headers["Authorization"] == "Bearer t"
+        assert c._transport._pool._ssl_context.verify_mode == ssl.CERT_NONE
+    with _client("https://grafana.example", "t") as c:
+        assert str(c.base_url) == "https://grafana.example/api/"
+        assert c._transport._pool._ssl_context.verify_mode == ssl.CERT_REQUIRED
 
 
 def test_replicas_panel_shows_running_and_target_replicas():
