@@ -40,8 +40,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -55,6 +56,7 @@ from router.cors import ConfiguredCORS
 from router.errors import ApiError
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import IngressMetrics, RequestRecord
+from router.openapi_doc import ApiApp
 from router.prefix import prefix_hashes
 from router.responses import Answer, PromptCall, QueueTimeout, Reply, StartBy, retry_after
 from router.scaling import ScalingRecord, ScalingSignals
@@ -70,22 +72,23 @@ from router.tenants import (
 
 logger = logging.getLogger(__name__)
 
-ROUTES = (
-    ("GET", "/health", "health"),
-    ("GET", "/metrics", "prometheus_metrics"),
-    ("GET", "/v1/models", "models"),
-    ("GET", "/steps", "steps"),
-    ("POST", "/v1/completions", "completions"),
-    ("POST", "/v1/chat/completions", "chat_completions"),
+ROUTES: tuple[tuple[str, str, str, type[BaseModel] | None], ...] = (
+    ("GET", "/health", "health", None),
+    ("GET", "/metrics", "prometheus_metrics", None),
+    ("GET", "/v1/models", "models", None),
+    ("GET", "/steps", "steps", None),
+    ("POST", "/v1/completions", "completions", CompletionRequest),
+    ("POST", "/v1/chat/completions", "chat_completions", ChatCompletionRequest),
 )
-"""(method, path, :class:`Ingress` method name) of every route."""
+"""(method, path, :class:`Ingress` method name, the model that validates the JSON body or
+None) of every route; every POST route has a body."""
 CLIENT_GONE = 499
 """Status of a response nobody reads: its client disconnected (nginx's code for it)."""
 
 
-def make_app() -> FastAPI:
+def make_app() -> ApiApp:
     """A FastAPI app with the API's error format and CORS, and no routes yet."""
-    app = FastAPI(title="iterserve", summary="OpenAI-compatible LLM serving")
+    app = ApiApp(title="iterserve", summary="OpenAI-compatible LLM serving")
     app.add_middleware(ConfiguredCORS)
 
     @app.exception_handler(StarletteHTTPException)
@@ -96,11 +99,17 @@ def make_app() -> FastAPI:
     return app
 
 
-def add_routes(app: FastAPI, ingress: "Ingress | type[Ingress]") -> None:
+def add_routes(app: ApiApp, ingress: "Ingress | type[Ingress]") -> None:
     """Route :data:`ROUTES` to ``ingress``'s methods: an :class:`Ingress` instance (bound
-    methods), or a subclass that Ray Serve's ``serve.ingress`` binds per replica."""
-    for method, path, name in ROUTES:
-        app.add_api_route(path, getattr(ingress, name), methods=[method])
+    methods), or a subclass that Ray Serve's ``serve.ingress`` binds per replica. The
+    served document declares each POST route's body (:mod:`router.openapi_doc`); the
+    handler still reads and validates it itself."""
+    for method, path, name, body in ROUTES:
+        endpoint = getattr(ingress, name)
+        if body is None:
+            app.add_api_route(path, endpoint, methods=[method])
+        else:
+            app.add_body_route(path, endpoint, body)
 
 
 async def _disconnected(request: Request) -> None:

@@ -567,3 +567,36 @@ async def test_answer_is_what_the_api_answers():
     }
     streamed = await ingress.answer(False, {**bodies["ok"], "stream": True}, headers)
     assert streamed.status == 400 and streamed.body["error"]["param"] == "stream"
+
+
+async def test_both_apps_declare_the_bodies_their_handlers_validate():
+    """The in-process server's app and Ray Serve's ingress app serve one document, which
+    declares every POST body from the model that validates it; a body against it is still
+    the handler's 400 in OpenAI's format, not FastAPI's 422."""
+    import httpx
+
+    import router.api
+    from router.ingress import ROUTES, Ingress, add_routes, make_app
+    from router.local import LocalReplicas
+    from router.openapi_doc import REF, body_schemas
+
+    ingress = Ingress(LocalReplicas(_Replica()), {"model_name": "m", "admission": False})
+    app = make_app()
+    add_routes(app, ingress)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        doc = (await client.get("/openapi.json")).json()
+        bad = await client.post("/v1/chat/completions", json=["not", "an", "object"])
+        wrong = await client.post("/v1/completions", json={"model": "m", "prompt": 3.5})
+    assert doc == router.api.app.openapi()
+    bodies = {path: model for method, path, _, model in ROUTES if method == "POST"}
+    assert {path for path, ops in doc["paths"].items() if "post" in ops} == set(bodies)
+    for path, model in bodies.items():
+        body = doc["paths"][path]["post"]["requestBody"]
+        assert body["required"] and "parameters" not in doc["paths"][path]["post"]
+        assert body["content"]["application/json"]["schema"] == {
+            "$ref": REF.format(model=model.__name__)
+        }
+    assert body_schemas(bodies.values()).items() <= doc["components"]["schemas"].items()
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "prompt"

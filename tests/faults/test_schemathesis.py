@@ -1,11 +1,12 @@
 """Schemathesis over the live server's ``/openapi.json`` (as vLLM's CI runs it over its
-own): generated requests, valid and not, to every operation. None may get a 5xx, and an
-error must come in OpenAI's format.
+own): generated requests, valid and not, to every operation. None may get a 5xx or hang,
+and an error must come in OpenAI's format.
 
-The served document lists the routes; the handlers read their bodies themselves, so it
-declares no request body. The test adds the API's own body schemas
-(:class:`router.schemas.CompletionRequest`, :class:`router.schemas.ChatCompletionRequest`)
-to the document it loads, so that the bodies are generated from them.
+The document is read as the server serves it. It declares the JSON request body of every
+POST route with the schema of the pydantic model that validates it
+(:mod:`router.openapi_doc`); the test checks that, and that the generated bodies reach
+the handlers: each POST operation counts its cases sent with a JSON body that the
+handler answered (not a rejection by the framework), prints the count, and needs one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
-from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.ingress import ROUTES
+from router.openapi_doc import REF
 from tests.faults.conftest import KEY, LocalServer
 from tests.serving_app import MODEL
 
@@ -29,29 +31,36 @@ EXAMPLES = 8
 """Generated cases per operation: a few, so the folder stays short on a slow host."""
 MAX_TOKENS = 2
 """The cap on every generated request's output, for the same reason."""
-BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
-REF = "#/components/schemas/{model}"
-
-
-def with_bodies(doc: dict[str, Any]) -> dict[str, Any]:
-    """``doc`` with the JSON request bodies of the generating routes declared."""
-    components = doc.setdefault("components", {}).setdefault("schemas", {})
-    for path, model in BODIES.items():
-        schema = model.model_json_schema(ref_template=REF)
-        components.update(schema.pop("$defs", {}))
-        components[model.__name__] = schema
-        doc["paths"][path]["post"]["requestBody"] = {
-            "required": True,
-            "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},
-        }
-    return doc
+BODIES = {path: body for method, path, _, body in ROUTES if method == "POST"}
+"""Each POST route's body model (:data:`router.ingress.ROUTES`)."""
 
 
 @pytest.fixture(scope="module")
-def api_schema(fault_server: LocalServer):
-    doc = httpx.get(f"{fault_server.url}/openapi.json", timeout=10).json()
-    assert set(BODIES) <= set(doc["paths"]), doc["paths"]
-    return schemathesis.openapi.from_dict(with_bodies(doc))
+def served_doc(fault_server: LocalServer) -> dict[str, Any]:
+    """The server's ``/openapi.json``."""
+    r = httpx.get(f"{fault_server.url}/openapi.json", timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def api_schema(served_doc: dict[str, Any]):
+    return schemathesis.openapi.from_dict(served_doc)
+
+
+def test_the_served_document_declares_every_post_body(served_doc: dict[str, Any]):
+    posts = {path for path, ops in served_doc["paths"].items() if "post" in ops}
+    assert posts == set(BODIES), posts
+    components = served_doc["components"]["schemas"]
+    for path, model in BODIES.items():
+        body = served_doc["paths"][path]["post"]["requestBody"]
+        assert body["required"] is True, path
+        assert set(body["content"]) == {"application/json"}, path
+        ref = body["content"]["application/json"]["schema"]["$ref"]
+        assert ref == REF.format(model=model.__name__), path
+        schema = model.model_json_schema(ref_template=REF)
+        for name, sub in [*schema.pop("$defs", {}).items(), (model.__name__, schema)]:
+            assert components[name] == sub, (path, name)
 
 
 def _bounded(body: Any) -> None:
@@ -70,16 +79,17 @@ def _bounded(body: Any) -> None:
         body["min_tokens"] = min(body["min_tokens"], MAX_TOKENS)
 
 
-def _send(case, base_url: str) -> httpx.Response:
+def _send(case, base_url: str) -> tuple[httpx.Response, bool]:
     """Send ``case`` with httpx (schemathesis' own ``call`` goes through requests, which
-    this environment's urllib3 replacement breaks)."""
+    this environment's urllib3 replacement breaks); the response, and whether the case
+    had a JSON body."""
     kw = case.as_transport_kwargs(base_url, {"Authorization": f"Bearer {KEY}"})
     body = kw.get("json", _NONE)
     if body is _NONE:
         content = kw.get("data")
     else:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.request(
+    response = httpx.request(
         kw["method"],
         kw["url"],
         params=kw.get("params"),
@@ -87,29 +97,41 @@ def _send(case, base_url: str) -> httpx.Response:
         content=content,
         timeout=120,
     )
+    return response, body is not _NONE
 
 
 _NONE = object()
 
 
+def _framework_rejection(case, response: httpx.Response) -> bool:
+    """``response`` came from FastAPI, not the route's handler: its request validation
+    (422), or an HTTP error of the routing, which :func:`router.ingress.make_app` words as
+    ``"<METHOD> <path>: <detail>"``."""
+    if response.status_code == 422:
+        return True
+    if response.status_code < 400:
+        return False
+    message = response.json().get("error", {}).get("message", "")
+    return message.startswith(f"{case.method} {case.formatted_path}: ")
+
+
 @pytest.mark.parametrize(
     ("method", "path", "mode"),
     [
-        ("GET", "/health", GenerationMode.POSITIVE),
-        ("GET", "/metrics", GenerationMode.POSITIVE),
-        ("GET", "/v1/models", GenerationMode.POSITIVE),
-        ("GET", "/steps", GenerationMode.POSITIVE),
-        *(
-            ("POST", path, mode)
-            for path in BODIES
-            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
-        ),
+        (method, path, mode)
+        for method, path, _, _ in ROUTES
+        for mode in (
+            (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+            if method == "POST"
+            else (GenerationMode.POSITIVE,)
+        )
     ],
 )
 def test_no_generated_request_gets_a_5xx(
     api_schema, fault_server: LocalServer, method: str, path: str, mode: GenerationMode
 ):
     seen: list[int] = []
+    reached: list[int] = []  # the statuses of cases with a JSON body the handler answered
 
     @given(case=api_schema[path][method].as_strategy(mode))
     @settings(
@@ -122,16 +144,24 @@ def test_no_generated_request_gets_a_5xx(
     )
     def check(case) -> None:
         _bounded(case.body)
-        response = _send(case, fault_server.url)
+        response, with_json = _send(case, fault_server.url)
         seen.append(response.status_code)
         assert response.status_code < 500, (case.method, case.path, case.body, response.text)
         if response.status_code >= 400:
             error = response.json()["error"]
             assert isinstance(error["message"], str) and error["message"], response.text
             assert isinstance(error["type"], str), response.text
+        if with_json and not _framework_rejection(case, response):
+            reached.append(response.status_code)
 
     check()
     assert seen  # the strategy generated requests, and they were sent
+    print(
+        f"\n{method} {path} {mode.value}: {len(seen)} cases sent, {len(reached)} reached "
+        f"the handler with a JSON body ({reached.count(200)} answered 200)"
+    )
+    if method == "POST":
+        assert reached, seen
     if mode is GenerationMode.NEGATIVE:
         assert all(400 <= s < 500 for s in seen), seen
     fault_server.wait_idle()
