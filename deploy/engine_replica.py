@@ -201,24 +201,25 @@ async def engine_items(
     """
     try:
         sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
-        ids = engine.validate(prompt_token_ids, sampling, shape.traffic_class, resume)
+        # Queued before Accepted: admission reads the engine's load, and a burst of
+        # requests admitted before any of their streams is read must each count in it.
+        outs = engine.submit(
+            prompt_token_ids,
+            sampling,
+            request_id=request_id,
+            priority=shape.priority,
+            traffic_class=shape.traffic_class,
+            resume_token_ids=resume,
+        )
     except RequestRejectedError as e:
         yield Refused(str(e), "context_length_exceeded", param="prompt")
         return
     except ValueError as e:  # ParamError names the request field
         yield Refused(str(e), "invalid_value", param=getattr(e, "param", None))
         return
-    yield Accepted(len(ids), replica_id, _load(engine, send_load))
     first = True
-    outs = engine.generate(
-        ids,
-        sampling,
-        request_id=request_id,
-        priority=shape.priority,
-        traffic_class=shape.traffic_class,
-        resume_token_ids=resume,
-    )
     try:
+        yield Accepted(len(outs.prompt_token_ids), replica_id, _load(engine, send_load))
         async for out in outs:
             item = _step_item(engine, out, first, send_load)
             first = False
@@ -226,7 +227,7 @@ async def engine_items(
     except RequestFailedError as e:
         yield StepItem([], True, error=str(e), load=_load(engine, send_load))
     finally:
-        await outs.aclose()  # an early close aborts the engine request now, not at GC
+        outs.close()  # an early close aborts the engine request now, not at GC
 
 
 def _step_item(

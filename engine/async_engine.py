@@ -137,18 +137,45 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens arrive; the last has ``finished=True``.
 
-        Each output is shaped by ``sampling_params.output_kind`` (all so far, by
-        default; a streaming caller asks for ``DELTA``). Leaving the iterator early (or
-        cancelling the task that iterates) aborts the request.
+        :meth:`submit` run when iteration starts. Leaving the iterator early (or cancelling
+        the task that iterates) aborts the request.
+
+        Raises:
+            What :meth:`submit` and :meth:`RequestStream.__anext__` raise.
+        """
+        stream = self.submit(
+            prompt, sampling_params, request_id, priority, traffic_class, resume_token_ids
+        )
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            stream.close()
+
+    def submit(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int | None = None,
+        traffic_class: str | None = None,
+        resume_token_ids: Sequence[int] = (),
+    ) -> RequestStream:
+        """Queue a request for the next step now; its stream of outputs.
+
+        From this call on, :meth:`load_snapshot` counts the request as waiting, so that
+        admission decisions made before its stream is first read see it. Each output is
+        shaped by ``sampling_params.output_kind`` (all so far, by default; a streaming
+        caller asks for ``DELTA``). :meth:`RequestStream.close` before the last output,
+        read or not, aborts the request.
 
         ``priority`` None means the traffic class's default; ``resume_token_ids``: the
         output the request already produced on a replica that died (see
         :meth:`LLMEngine.add_request`).
 
         Raises:
-            ValueError, RequestRejectedError: bad prompt, parameters or traffic class,
-                raised before the first output.
-            RequestFailedError: this request failed inside the engine.
+            ValueError, RequestRejectedError: bad prompt, parameters or traffic class;
+                nothing is queued.
             EngineDeadError: the background loop failed.
             EngineStoppedError: the engine was shut down.
         """
@@ -160,7 +187,6 @@ class AsyncLLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
-        # Validate now so the caller gets the error before any stream starts.
         ids = self.validate(prompt, params, traffic_class, resume_token_ids)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
@@ -175,26 +201,12 @@ class AsyncLLMEngine:
                 tuple(resume_token_ids),
             )
         )
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, EngineStoppedError):
-                    raise EngineStoppedError(*item.args)
-                if isinstance(item, RequestFailedError):  # its addition failed
-                    raise RequestFailedError(*item.args)
-                if isinstance(item, BaseException):
-                    raise EngineDeadError("engine loop failed") from item
-                finished = item.finished
-                if item.error is not None:  # it ended in the engine, blocks freed
-                    raise RequestFailedError(f"the request failed in the engine: {item.error}")
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(rid, None)
-            if not finished:
-                self._queue_news(abort=rid)
+        return RequestStream(self, rid, ids, queue)
+
+    def _stream_closed(self, rid: str, finished: bool) -> None:
+        self._streams.pop(rid, None)
+        if not finished:
+            self._queue_news(abort=rid)
 
     def validate(
         self,
@@ -420,3 +432,66 @@ class AsyncLLMEngine:
             await asyncio.wrap_future(self._worker)
         self._executor.shutdown(wait=True)
         self._fail(EngineStoppedError("the engine was shut down"))
+
+
+class RequestStream:
+    """One queued request's outputs (:meth:`AsyncLLMEngine.submit`), an async iterator.
+
+    :meth:`close` (or leaving an ``async for`` over :meth:`AsyncLLMEngine.generate`)
+    before the last output aborts the request, whether or not its stream was read.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        request_id: str,
+        prompt_token_ids: list[int],
+        queue: asyncio.Queue[RequestOutput | BaseException],
+    ) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        """The prompt as queued (its tokens, with any resumed output not included)."""
+        self._queue = queue
+        self._finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        """The next output.
+
+        Raises:
+            StopAsyncIteration: after the last output, or once closed.
+            RequestFailedError: this request failed inside the engine.
+            EngineDeadError: the background loop failed.
+            EngineStoppedError: the engine was shut down.
+        """
+        if self._finished or self._closed:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+            if isinstance(item, EngineStoppedError):
+                raise EngineStoppedError(*item.args)
+            if isinstance(item, RequestFailedError):  # its addition failed
+                raise RequestFailedError(*item.args)
+            if isinstance(item, BaseException):
+                raise EngineDeadError("engine loop failed") from item
+            if item.error is not None:  # it ended in the engine, blocks freed
+                self._finished = True
+                raise RequestFailedError(f"the request failed in the engine: {item.error}")
+        except BaseException:
+            self.close()
+            raise
+        self._finished = item.finished
+        if self._finished:
+            self.close()
+        return item
+
+    def close(self) -> None:
+        """Stop reading; abort the request if its last output has not arrived."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._stream_closed(self.request_id, self._finished)

@@ -100,6 +100,7 @@ class IngressAdmission:
         max_tokens: int,
         priority: int,
         arrival_s: float,
+        token: int | None = None,
     ) -> float:
         """Return once the request may go to a replica; the seconds it was held.
 
@@ -109,13 +110,18 @@ class IngressAdmission:
                 cache (they are not computed again); empty when none has reported yet,
                 which admits (the router then balances on queue lengths).
             arrival_s: when the request arrived, on ``clock``.
+            token: the request's hold (:meth:`hold`), which the caller releases once the
+                replica has queued the request, so that the decisions made meanwhile count
+                it; None: held here and released on return.
 
         Raises:
             AdmissionRejected: refuse with 429 and ``retry_after_s``.
         """
         if not self.enabled:
             return 0.0
-        token = self.hold(traffic_class, arrival_s, prompt_tokens)
+        own = token is None
+        if token is None:
+            token = self.hold(traffic_class, arrival_s, prompt_tokens)
         held_for: str | None = None  # why it was first held, for the 429 message
         try:
             while True:
@@ -142,7 +148,8 @@ class IngressAdmission:
                     held_for = d.reason
                 await asyncio.sleep(POLL_S)
         finally:
-            self.release(token)
+            if own:
+                self.release(token)
         return max(0.0, self.clock() - arrival_s)
 
     def hold(self, traffic_class: str, arrival_s: float, prompt_tokens: int) -> int:
@@ -164,7 +171,9 @@ class IngressAdmission:
         return True
 
     def release(self, token: int) -> None:
-        del self._held[token]
+        """End hold ``token``; releasing it again does nothing."""
+        if self._held.pop(token, None) is None:
+            return
         self._index = None
 
     def decide(

@@ -436,6 +436,7 @@ class Ingress:
         # A request that can never fit skips admission: the replica answers it with a
         # 400 that has the numbers, not a 429.
         held_s = 0.0
+        hold: int | None = None
         log = self.step_log
         if log is not None:
             log.arrival(
@@ -443,24 +444,34 @@ class Ingress:
             )
         if self.scaling is not None:
             self.scaling.arrived(caller.traffic_class, arrival, len(ids), params["max_tokens"] or 0)
-        if info.limits.fits(len(ids), params["max_tokens"]):
-            try:
-                held_s = await self._admit(caller, shape, params["max_tokens"], arrival, start_by)
-            except ApiError as e:
-                if log is not None:
-                    log.refused(rid, time.monotonic(), e.message)
-                if self.scaling is not None:
-                    self.scaling.refused(caller.traffic_class)
-                raise
-            if log is not None:
-                log.admitted(rid, time.monotonic(), held_s)
-        record = self.metrics.request(caller.traffic_class, arrival, len(ids), held_s)
-        dispatch = self.replicas.call(rid, ids, params, shape, record)
         try:
-            await dispatch.start()
-        except BaseException:  # refused, or the client left while it was sent
-            dispatch.cancel()
-            raise
+            if info.limits.fits(len(ids), params["max_tokens"]):
+                if self.admission.enabled:
+                    # Counted as held, ahead of later arrivals, until the replica has queued
+                    # it: a burst admitted before any of it is queued must not all pass.
+                    hold = self.admission.hold(caller.traffic_class, arrival, len(ids))
+                try:
+                    held_s = await self._admit(
+                        caller, shape, params["max_tokens"], arrival, start_by, hold
+                    )
+                except ApiError as e:
+                    if log is not None:
+                        log.refused(rid, time.monotonic(), e.message)
+                    if self.scaling is not None:
+                        self.scaling.refused(caller.traffic_class)
+                    raise
+                if log is not None:
+                    log.admitted(rid, time.monotonic(), held_s)
+            record = self.metrics.request(caller.traffic_class, arrival, len(ids), held_s)
+            dispatch = self.replicas.call(rid, ids, params, shape, record)
+            try:
+                await dispatch.start()
+            except BaseException:  # refused, or the client left while it was sent
+                dispatch.cancel()
+                raise
+        finally:
+            if hold is not None:
+                self.admission.release(hold)
         return dispatch, record
 
     async def _collect(self, request: Request, reply: Reply) -> dict | None:
@@ -512,8 +523,11 @@ class Ingress:
         max_tokens: int | None,
         arrival: float,
         start_by: StartBy | None = None,
+        hold: int | None = None,
     ) -> float:
-        """Wait for admission, until ``start_by`` at most; the seconds held.
+        """Wait for admission, until ``start_by`` at most; the seconds held. ``hold``: the
+        request's hold (:meth:`router.admission.IngressAdmission.hold`), which the caller
+        releases.
 
         Raises:
             ApiError: 429 with Retry-After when admission refuses, or still holds the
@@ -526,6 +540,7 @@ class Ingress:
             max_tokens or 0,
             caller.priority,
             arrival,
+            hold,
         )
         try:
             if start_by is None:

@@ -27,6 +27,8 @@ KEY = "sk-standard"
 """The API key every fault test sends (class ``standard``)."""
 NUM_KV_BLOCKS = 256
 MAX_NUM_SEQS = 8
+QUEUE_CAP = 12
+"""The ``capped`` class's ``hard_queue_cap``."""
 PROMPT = "The capital of France is"
 GREEDY = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 """A short greedy request whose answer a fault must not change."""
@@ -42,7 +44,8 @@ GAUGES = (
 def fault_config(**engine) -> ServiceConfig:
     """The fault suite's service: one replica, two keys, a ``standard`` class whose SLOs
     no host misses, a ``tight`` class that admission refuses under any queue (it waits at
-    most 0.3 s), and the engine's ``engine`` fields."""
+    most 0.3 s), a ``capped`` class like ``standard`` but refused once :data:`QUEUE_CAP`
+    of its requests wait, and the engine's ``engine`` fields."""
     return ServiceConfig(
         num_replicas=1,
         port=free_port(),
@@ -57,6 +60,13 @@ def fault_config(**engine) -> ServiceConfig:
             "traffic_classes": {
                 # Admission must not refuse the tests' own requests on a slow, loaded host.
                 "standard": {"ttft_slo_s": 300.0, "tpot_slo_s": 30.0, "max_queue_wait_s": 300.0},
+                "capped": {
+                    "ttft_slo_s": 300.0,
+                    "tpot_slo_s": 30.0,
+                    "default_priority": 3,
+                    "max_queue_wait_s": 300.0,
+                    "hard_queue_cap": QUEUE_CAP,
+                },
                 "tight": {
                     "ttft_slo_s": 0.01,
                     "tpot_slo_s": 0.01,

@@ -48,8 +48,8 @@ async def test_overload_gets_200_429_or_503_and_every_refusal_a_retry_after(
 ):
     limits = httpx.Limits(max_connections=STANDARD + TIGHT)
     async with httpx.AsyncClient(base_url=fault_server.url, limits=limits, timeout=300) as client:
-        # The standard requests first, and the tight ones once they hold every seat: a
-        # burst that arrives at once is admitted before any of it reaches the engine.
+        # The standard requests first, and the tight ones once they hold every seat, so
+        # that the tight ones meet a full engine whatever order the host serves them in.
         standard = [asyncio.ensure_future(_one(client, i)) for i in range(STANDARD)]
         while fault_server.engine.load_snapshot().total_running < MAX_NUM_SEQS:
             assert not any(t.done() for t in standard), [t.result() for t in standard]
