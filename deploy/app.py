@@ -96,7 +96,8 @@ def autoscaling_config(
     (:class:`deploy.autoscale.ServePolicy`) within the settings' bounds, and none of
     Serve's own damping.
 
-    Serve's delays are 0, so the policy's hysteresis and cooldown are the only ones.
+    Serve's delays are 0, so the policy's own (its ``upscale_delay_s``, hysteresis and
+    cooldown) are the only ones.
     Replicas record and push their numbers every ``decision_period_s``
     (``metrics_interval_s``), so each decision reads counts at most a few periods old;
     Serve keeps them ``look_back_period_s``, which must exceed that interval.

@@ -109,6 +109,14 @@ class AutoscalingConfig(BaseModel):
         description="seconds the demand must fit fewer replicas, and seconds since the last "
         "scale-up, before the fleet shrinks (cooldown)",
     )
+    upscale_delay_s: float = Field(
+        _POLICY.upscale_delay_s,
+        ge=0,
+        description="seconds the demand must ask for more replicas, at every decision, "
+        "before they start (Ray Serve's upscale_delay_s); they start only once the counts "
+        "cover window_s and a replica's step-time fit is warm (its window of steps full). "
+        "A class at risk (SLO misses, refusals, long holds) adds a replica at once",
+    )
     replica_start_s: float = Field(
         _POLICY.replica_start_s,
         ge=0,

@@ -638,6 +638,7 @@ class LLMEngine:
             prefix_cache_hit_rate=bm.hit_rate,
             num_cached_blocks=bm.num_cached_blocks,
             step_coefficients=self.step_time_model.coefficients(),
+            step_fit_warm=self.step_time_model.warm,
             tpot_slo_guard=self.config.tpot_slo_guard,
             tpot_slo_guard_target=self.config.tpot_slo_guard_target,
             owed_step_s=self._owed_step_s(),

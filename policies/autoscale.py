@@ -19,10 +19,17 @@ How it decides, once per ``decision_period_s``:
   ``target_attainment``, when admission refused some of its requests, or when a request
   of it has been held past half its ``max_queue_wait_s``; the fleet is at risk when the
   replicas' KV cache is nearly full or their measured steps outrun the TPOT target.
-* **Up** at once, to the replicas the demand needs (several at a time), or by one when a
-  class is at risk and the demand model says the fleet suffices (the model was wrong).
-  Not for a burst shorter than a replica's start: when the demand fits the fleet and the
-  backlog it holds drains within ``replica_start_s``, a new replica would come too late.
+* **Up** on the demand, to the replicas it needs (several at a time), once its evidence
+  lasts: the counts cover a whole ``window_s``, some replica's step-time fit is warm
+  (:attr:`policies.step_time.StepTimeModel.warm`), and the demand has asked for more
+  replicas at every decision for ``upscale_delay_s``. A start on less holds, for
+  ``scale_down_delay_s``, a replica that a passing reading asked for: a first window a
+  moment long, a fit on a new replica's first steps. Ray Serve's default policy waits its
+  ``upscale_delay_s`` for the same reason.
+* **Up** by one at once when a class is at risk and the demand model says the fleet
+  suffices, or has not asked for long enough: the risk is harm seen now. Not for a burst
+  shorter than a replica's start: when the demand fits the fleet and the backlog it
+  holds drains within ``replica_start_s``, a new replica would come too late.
 * **Down** only after the demand has fitted in fewer replicas, at
   ``scale_down_utilization`` of the target, with no class at risk, for
   ``scale_down_delay_s`` seconds on end, and no sooner than that after the last scale-up
@@ -104,6 +111,9 @@ class ReplicaLoad:
     """Prompt tokens it still has to compute."""
     step_coefficients: tuple[float, float, float] = DEFAULT_STEP_COEFFICIENTS
     """Its step-time fit ``(a s, b s/prefill token, c s/decode sequence)``."""
+    step_fit_warm: bool = False
+    """Its fit's window of steps is full (:attr:`policies.step_time.StepTimeModel.warm`);
+    until some replica's is, the demand does not scale the fleet up."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +161,7 @@ class AutoscalingSettings:
     target_utilization: float = 0.85
     scale_down_utilization: float = 0.8
     scale_down_delay_s: float = 120.0
+    upscale_delay_s: float = 30.0
     replica_start_s: float = 20.0
 
     def __post_init__(self) -> None:
@@ -163,6 +174,7 @@ class AutoscalingSettings:
             ("target_utilization", 0 < self.target_utilization <= 1, "in (0, 1]"),
             ("scale_down_utilization", 0 < self.scale_down_utilization <= 1, "in (0, 1]"),
             ("scale_down_delay_s", self.scale_down_delay_s >= 0, ">= 0"),
+            ("upscale_delay_s", self.upscale_delay_s >= 0, ">= 0"),
             ("replica_start_s", self.replica_start_s >= 0, ">= 0"),
         ]
         for name, ok, rule in rules:
@@ -179,23 +191,28 @@ class SloAutoscaler:
             ``max_queue_wait_s``); a class in a :class:`FleetState` but not here counts
             with the defaults of an unshared class.
 
-    Keeps two times between calls (the last scale-up, and since when the demand has fit
-    fewer replicas), so one instance serves one deployment.
+    Keeps three times between calls (the last scale-up, since when the demand has asked
+    for more replicas, and since when it has fit fewer), so one instance serves one
+    deployment.
     """
 
     def __init__(self, settings: AutoscalingSettings, classes: Mapping[str, TrafficClass]) -> None:
         self.settings = settings
         self.classes = dict(classes)
         self._last_up_s: float | None = None
+        self._wanting_since: float | None = None
         self._surplus_since: float | None = None
 
     # -- the demand model ------------------------------------------------------------------
 
     def _coefficients(self, state: FleetState) -> tuple[float, float, float]:
-        """The median of the replicas' fits, the prior for a coefficient that is 0 (a
-        fit over steps that never vary it, all the same decode count say, cannot identify
-        it, and its non-negativity bound leaves it at 0); the prior when none published."""
-        fits = [r.step_coefficients for r in state.replicas]
+        """The median of the replicas' fits (the warm ones', where any is: a new replica's
+        first steps would skew it), the prior for a coefficient that is 0 (a fit over
+        steps that never vary it, all the same decode count say, cannot identify it, and
+        its non-negativity bound leaves it at 0); the prior when none published."""
+        fits = [r.step_coefficients for r in state.replicas if r.step_fit_warm] or [
+            r.step_coefficients for r in state.replicas
+        ]
         if not fits:
             return DEFAULT_STEP_COEFFICIENTS
         med = [statistics.median(f[i] for f in fits) for i in range(3)]
@@ -326,6 +343,13 @@ class SloAutoscaler:
         )
         demand_words = f"demand needs {need:.2f} replicas{cap}"
         wanted = math.ceil(need - 1e-9)
+        if wanted <= current or current >= s.max_replicas:
+            self._wanting_since = None
+        else:
+            wait = self._demand_wait(state)
+            if wait:
+                demand_words += f" ({wait})"
+                wanted = current
         growing = [w for who, w in risks if self._may_grow_for(who, current)]
         starting = state.target - state.running
         if growing and wanted <= current:
@@ -357,6 +381,7 @@ class SloAutoscaler:
                 why = "; ".join(growing + [demand_words])
                 return self._keep(current, f"{why}; at max_replicas", need, words)
             self._last_up_s = state.now_s
+            self._wanting_since = None
             why = "; ".join(growing + [demand_words])
             return ScalingDecision(target, f"{why}: +{target - current}", need, tuple(words))
         # Scale down: the demand must fit fewer replicas with margin, for a while.
@@ -385,6 +410,23 @@ class SloAutoscaler:
             f"{demand_words}, {fewer} fit for {since:.0f} s: -{current - fewer}",
             need,
         )
+
+    def _demand_wait(self, state: FleetState) -> str:
+        """Why the demand, which asks for more replicas now, may not add them yet ("" when
+        it may): the counts cover less than ``window_s``, no replica's fit is warm, or it
+        has not asked at every decision for ``upscale_delay_s`` (the time it has asked
+        since starts with its first ask)."""
+        s = self.settings
+        if self._wanting_since is None:
+            self._wanting_since = state.now_s
+        since = state.now_s - self._wanting_since
+        if state.window_s < s.window_s - 1e-9:
+            return f"window {state.window_s:.0f} s of {s.window_s:.0f} s"
+        if not any(r.step_fit_warm for r in state.replicas):
+            return "step-time fit cold"
+        if since < s.upscale_delay_s:
+            return f"for {since:.0f} s of {s.upscale_delay_s:.0f} s"
+        return ""
 
     def _keep(self, current: int, reason: str, need: float, risks: list[str]) -> ScalingDecision:
         return ScalingDecision(current, reason, need, tuple(risks))

@@ -45,6 +45,8 @@ class LoadSnapshot:
     """KV blocks holding a cached prefix, held or free."""
     step_coefficients: tuple[float, float, float] = DEFAULT_STEP_COEFFICIENTS
     """The replica's :meth:`StepTimeModel.coefficients`."""
+    step_fit_warm: bool = False
+    """The replica's :attr:`StepTimeModel.warm`: its fit's window of steps is full."""
     tpot_slo_guard: bool = False
     """The replica sheds less urgent decodes to hold the tightest TPOT SLO running."""
     tpot_slo_guard_target: float = 1.0

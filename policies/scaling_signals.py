@@ -11,7 +11,8 @@ returns it with its own load (:func:`encode_replica`), and the controller's poli
 Keys: ``ingress_at`` (when the ingress took the counts, Unix seconds: the clocks of
 other processes compare with it), ``ingress_window_s`` (the seconds the counts cover),
 ``class:NAME:FIELD`` for each :class:`policies.autoscale.ClassLoad` field of each class,
-and ``replica:FIELD`` for the replica's own :class:`policies.autoscale.ReplicaLoad`.
+and ``replica:FIELD`` for the replica's own :class:`policies.autoscale.ReplicaLoad` (a
+flag as 0 or 1).
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ _INT_CLASS_FIELDS = frozenset(
     f.name for f in dataclasses.fields(ClassLoad) if f.type in ("int", int)
 )
 _COEFFICIENTS = ("step_a", "step_b", "step_c")
-_REPLICA_FIELDS = ("running", "waiting", "kv_usage", "step_s", "waiting_prefill_tokens")
+_REPLICA_FIELDS = (
+    "running",
+    "waiting",
+    "kv_usage",
+    "step_s",
+    "waiting_prefill_tokens",
+    "step_fit_warm",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +93,7 @@ def replica_load(snap: LoadSnapshot) -> ReplicaLoad:
         step_s=snap.recent_step_s,
         waiting_prefill_tokens=sum(snap.waiting_prefill_tokens.values()),
         step_coefficients=snap.step_coefficients,
+        step_fit_warm=snap.step_fit_warm,
     )
 
 
@@ -109,6 +118,7 @@ def decode_replica(values: Mapping[str, float]) -> ReplicaLoad | None:
         step_s=get["step_s"],
         waiting_prefill_tokens=int(get["waiting_prefill_tokens"]),
         step_coefficients=(get["step_a"], get["step_b"], get["step_c"]),
+        step_fit_warm=get["step_fit_warm"] > 0,
     )
 
 

@@ -45,7 +45,10 @@ class StepTimeModel:
       (penalised) least squares on each subset of free coefficients, the others held at
       0, and keeping the best feasible one (8 subsets of 3 coefficients).
 
-    Before ``min_samples`` observations the prior is used as is.
+    Before ``min_samples`` observations the prior is used as is. Until the window is full
+    the fit is not :attr:`warm`: it rests on fewer steps than it will, and a new process's
+    first steps, which pay one-off costs (kernels built, caches filled on first use), weigh
+    more on it.
 
     The fit is global, and a step's time is not linear in its tokens (small GEMMs cost
     more per row), so in the regime the scheduler currently runs in it can be off by tens
@@ -97,6 +100,11 @@ class StepTimeModel:
     def num_samples(self) -> int:
         """Observations in the window."""
         return len(self._obs)
+
+    @property
+    def warm(self) -> bool:
+        """Whether the fit's window is full: it rests on as many steps as it ever will."""
+        return len(self._obs) == self._obs.maxlen
 
     def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
         """Record one executed step: its prefill tokens, decode sequences and wall time.

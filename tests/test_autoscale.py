@@ -20,6 +20,7 @@ from policies.autoscale import (
     SloAutoscaler,
 )
 from policies.scaling_window import ClassWindow
+from policies.step_time import StepTimeModel
 
 COEF = (0.03, 0.001, 0.002)
 """a, b, c of every test replica: capacity 1 - 0.03 / 0.5 = 0.94 of a second per second
@@ -27,10 +28,12 @@ under the interactive TPOT SLO."""
 
 
 def _policy(**settings) -> SloAutoscaler:
+    # No upscale delay unless a test sets one: the tests of the delay set it.
     base = {
         "min_replicas": 1,
         "max_replicas": 8,
         "scale_down_delay_s": 60.0,
+        "upscale_delay_s": 0.0,
         "target_utilization": 0.7,
     }
     return SloAutoscaler(AutoscalingSettings(**(base | settings)), DEFAULT_CLASSES)
@@ -46,10 +49,12 @@ def _state(
     output: int = 50,
     cls: str = "interactive",
     window: float = 30.0,
+    warm: bool = True,
     **load,
 ) -> FleetState:
     """``rps`` requests per second of ``cls`` over the window; each costs
-    ``0.001 * prompt + 0.002 * output`` seconds of step time."""
+    ``0.001 * prompt + 0.002 * output`` seconds of step time; ``warm``: the replicas'
+    step-time fits are."""
     n = round(rps * window)
     loads = {cls: ClassLoad(arrived=n, prompt_tokens=n * prompt, output_tokens=output, **load)}
     return FleetState(
@@ -57,7 +62,7 @@ def _state(
         running=running,
         target=running if target is None else target,
         classes=loads,
-        replicas=[ReplicaLoad(step_coefficients=COEF) for _ in range(running)],
+        replicas=[ReplicaLoad(step_coefficients=COEF, step_fit_warm=warm) for _ in range(running)],
         window_s=window,
     )
 
@@ -186,6 +191,104 @@ def test_window_counts_the_last_window_seconds():
     assert w.span_s(3.0) == 3.0 and w.span_s(30.0) == 10.0
 
 
+# -- the first minute (issue "endure", section 6) ----------------------------------------------
+
+COLD_START_STEPS = ((0.5, 120.0), (8.0, 60.0))
+"""The cold-start schedule, live and simulated: (requests per second, seconds), from the
+first request; prompts of about ``COLD_START_PROMPT`` tokens, ``COLD_START_OUTPUT`` out."""
+COLD_START_PROMPT, COLD_START_OUTPUT = 200, 48
+STEP_SCALES_UP_WITHIN_S = 60.0
+
+
+def _light(now: float, window: float, coef: tuple[float, float, float], warm: bool) -> FleetState:
+    """0.5 requests/s of ``standard`` (200 prompt, 48 output tokens) for ``window`` seconds
+    on one replica whose fit is ``coef``."""
+    n = round(0.5 * window)
+    return FleetState(
+        now_s=now,
+        running=1,
+        target=1,
+        classes={"standard": ClassLoad(arrived=n, prompt_tokens=200 * n, output_tokens=48)},
+        replicas=[ReplicaLoad(step_coefficients=coef, step_fit_warm=warm)],
+        window_s=window,
+    )
+
+
+COLD = (0.0, 0.006, 0.03)
+"""A fit that still holds a new process's first steps (one-off costs on the slopes)."""
+
+
+def test_a_first_window_not_yet_full_does_not_scale_up():
+    # 20 s after the first request, with a fit that prices the light load at more than one
+    # replica, as a fit on a new replica's first steps can (reported warm here, so that
+    # the window alone holds the fleet): the policy once added a replica here.
+    p = _policy(max_replicas=2)
+    d = p.decide(_light(20.0, 20.0, COLD, warm=True))
+    assert d.demand_replicas > 1.0
+    assert d.target == 1 and "(window 20 s of 30 s): hold at 1" in d.reason
+    # Ten seconds later the window is full and a warm fit prices the same load.
+    later = p.decide(_light(30.0, 30.0, COEF, warm=True))
+    assert later.target == 1 and later.demand_replicas < 0.3
+
+
+def test_a_cold_step_time_fit_does_not_scale_up():
+    p = _policy(max_replicas=2)
+    d = p.decide(_light(30.0, 30.0, COLD, warm=False))
+    assert d.demand_replicas > 1.0
+    assert d.target == 1 and "(step-time fit cold): hold at 1" in d.reason
+
+
+def test_a_new_replicas_cold_fit_does_not_price_the_demand():
+    s = _state(0, 2, rps=10)
+    joined = FleetState(
+        now_s=0,
+        running=2,
+        target=2,
+        classes=s.classes,
+        replicas=[*s.replicas, ReplicaLoad(step_coefficients=COLD)],
+        window_s=30.0,
+    )
+    assert _policy()._coefficients(joined) == COEF
+
+
+def test_the_demand_adds_replicas_once_it_has_asked_for_upscale_delay_s():
+    p = _policy(upscale_delay_s=30.0)
+    for t in range(0, 30, 5):
+        d = p.decide(_state(t, 1, rps=10))
+        assert d.target == 1 and f"(for {t} s of 30 s): hold at 1" in d.reason
+    assert p.decide(_state(30, 1, rps=10)).target == 5
+    # A reading that fits the fleet starts the count over.
+    p = _policy(upscale_delay_s=30.0)
+    assert p.decide(_state(0, 1, rps=10)).target == 1
+    assert p.decide(_state(20, 1, rps=1)).target == 1
+    assert p.decide(_state(30, 1, rps=10)).target == 1
+    assert p.decide(_state(60, 1, rps=10)).target == 5
+    # The count runs from the first ask, while the window fills and the fit warms; the
+    # demand adds replicas once all three hold.
+    p = _policy(upscale_delay_s=30.0)
+    assert "(window 20 s of 30 s)" in p.decide(_state(0, 1, rps=10, window=20.0)).reason
+    assert "(step-time fit cold)" in p.decide(_state(20, 1, rps=10, warm=False)).reason
+    assert "(for 25 s of 30 s)" in p.decide(_state(25, 1, rps=10)).reason
+    assert p.decide(_state(30, 1, rps=10)).target == 5
+
+
+def test_a_class_at_risk_adds_a_replica_at_once_while_the_demand_waits():
+    p = _policy(upscale_delay_s=30.0)
+    d = p.decide(_state(0, 1, rps=10, window=10.0, finished=30, met=20))
+    assert d.target == 2 and "(window 10 s of 30 s)" in d.reason and d.reason.endswith(": +1")
+    d = p.decide(_state(0, 1, rps=10, warm=False, finished=30, met=20))
+    assert d.target == 2 and d.reason.endswith(": +1")
+
+
+def test_a_step_time_fit_is_warm_once_its_window_is_full():
+    m = StepTimeModel(window=8, min_samples=4)
+    for k in range(7):
+        m.observe(100 if k % 3 == 0 else 0, 1 + k % 2, 0.05)
+        assert not m.warm
+    m.observe(0, 1, 0.05)
+    assert m.warm
+
+
 def test_ray_default_applies_its_upscale_delay():
     settings = AutoscalingSettings(min_replicas=1, max_replicas=4)
     q = QueueLengthScaler(settings, target_ongoing_requests=2, upscale_delay_s=30.0)
@@ -221,6 +324,35 @@ def test_a_simulated_load_step_scales_up_then_back_down_and_loses_nothing():
     assert all(o.status in ("ok", "refused") for o in run.outcomes)
     # Replica-seconds: at least one replica all along, less than the peak all along.
     assert run.end_s <= run.replica_s < max(targets) * run.end_s
+
+
+def cold_start_requests() -> list[SimRequest]:
+    """:data:`COLD_START_STEPS` as arrivals at even intervals."""
+    reqs, t, end = [], 0.0, 0.0
+    for rate, span in COLD_START_STEPS:
+        end += span
+        while t < end - 1e-9:
+            reqs.append(
+                SimRequest(f"r{len(reqs)}", t, COLD_START_PROMPT, COLD_START_OUTPUT, "standard")
+            )
+            t += 1 / rate
+    return reqs
+
+
+def test_a_simulated_cold_start_holds_at_a_light_load_and_scales_up_after_a_step():
+    # As the live test (test_autoscale_live.py) runs it: 1 to 2 replicas, the defaults.
+    config, make = autoscaling_for(
+        ServiceConfig(num_replicas="auto", replica_num_cpus=1, autoscaling={"max_replicas": 2}),
+        None,
+        None,
+    )
+    fleet = Fleet(config, _cost(), autoscaling=make())
+    run = fleet.run(cold_start_requests())
+    step_s = COLD_START_STEPS[0][1]
+    assert not [d for d in run.decisions if d.t < step_s], run.decisions
+    up = run.decisions[0]
+    assert up.target == 2 and up.t <= step_s + STEP_SCALES_UP_WITHIN_S, run.decisions
+    assert fleet.fleet_state().replicas[0].step_fit_warm  # the engine reports its fit's
 
 
 def test_diurnal_thinning_follows_the_envelope():

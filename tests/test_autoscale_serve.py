@@ -24,7 +24,12 @@ from router.scaling import ScalingRecord, ScalingSignals
 
 CLASSES = {name: asdict(c) for name, c in DEFAULT_CLASSES.items()}
 SETTINGS = AutoscalingSettings(
-    min_replicas=1, max_replicas=3, decision_period_s=1.0, window_s=10.0, scale_down_delay_s=5.0
+    min_replicas=1,
+    max_replicas=3,
+    decision_period_s=1.0,
+    window_s=10.0,
+    scale_down_delay_s=5.0,
+    upscale_delay_s=0.0,
 )
 
 
@@ -58,6 +63,7 @@ BUSY = ReplicaLoad(
     step_s=0.2,
     waiting_prefill_tokens=300,
     step_coefficients=(0.02, 0.0005, 0.004),
+    step_fit_warm=True,
 )
 
 
