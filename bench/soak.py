@@ -29,7 +29,11 @@ It fails (exit status 1) on:
   RSS). The window starts no earlier than ``WARM_S`` after the replacement replica is up,
   so its start-up growth (weights, first batch shapes) is not read as a leak; the bound is
   above what the allocators' arenas and torch's caches move by between samples, and below
-  what a leak of a few kB per request adds over thousands of requests.
+  what a leak of a few kB per request adds over thousands of requests. Each process is
+  also judged, with the same bound, from :data:`SETTLE_S` after it was first seen to the
+  traffic's end: a slow leak over a long run does not hide in its last part.
+
+Prints the RSS of every process at every :data:`TABLE_EVERY_S` of the run.
 
 Writes ``bench/results/soak.json`` and ``soak.png`` (``--out`` elsewhere).
 """
@@ -76,6 +80,11 @@ WARM_S = 30.0
 """Seconds a replacement replica gets to warm up before its memory is judged."""
 RSS_NOISE_MIB = 24.0
 RSS_NOISE_SHARE = 0.03
+SETTLE_S = 180.0
+"""Seconds from a process's first sample (or the traffic's start) after which its whole
+remaining run is also judged (:func:`rss_since_settled`), with the same bound."""
+TABLE_EVERY_S = 600.0
+"""The spacing of the per-process RSS table (:func:`rss_every`)."""
 START_TIMEOUT_S = 300.0
 DRAIN_TIMEOUT_S = 120.0
 GAUGES = (
@@ -440,12 +449,7 @@ def rss_growth(run: Run, traffic_s: float) -> dict[str, dict[str, float]]:
     for pid, first in window[0]["rss"].items():
         if not all(pid in s["rss"] for s in window):
             continue
-        ts = [s["t"] for s in window]
-        ys = [s["rss"][pid]["rss_mib"] for s in window]
-        tm, ym = sum(ts) / len(ts), sum(ys) / len(ys)
-        var = sum((t - tm) ** 2 for t in ts)
-        slope = sum((t - tm) * (y - ym) for t, y in zip(ts, ys)) / var if var else 0.0
-        growth = slope * (ts[-1] - ts[0])
+        growth = _growth(window, pid)
         bound = max(RSS_NOISE_MIB, RSS_NOISE_SHARE * first["rss_mib"])
         out[pid] = {
             "role": first["role"],
@@ -454,6 +458,59 @@ def rss_growth(run: Run, traffic_s: float) -> dict[str, dict[str, float]]:
             "bound_mib": bound,
         }
     return out
+
+
+def _growth(samples: list[dict[str, Any]], pid: str) -> float:
+    """The growth (MiB) that a least-squares line through ``pid``'s RSS gives over
+    ``samples``."""
+    ts = [s["t"] for s in samples]
+    ys = [s["rss"][pid]["rss_mib"] for s in samples]
+    tm, ym = sum(ts) / len(ts), sum(ys) / len(ys)
+    var = sum((t - tm) ** 2 for t in ts)
+    slope = sum((t - tm) * (y - ym) for t, y in zip(ts, ys)) / var if var else 0.0
+    return slope * (ts[-1] - ts[0])
+
+
+def rss_since_settled(run: Run, traffic_s: float) -> dict[str, dict[str, float]]:
+    """Per process: the growth its least-squares line gives from :data:`SETTLE_S` after
+    it was first seen (or after the traffic started) to the traffic's end, and the bound
+    (as :func:`rss_growth`'s). Processes with fewer than 3 samples there are left out."""
+    out = {}
+    pids = {pid for s in run.samples for pid in s["rss"]}
+    for pid in pids:
+        seen = [s for s in run.samples if pid in s["rss"] and s["t"] <= traffic_s]
+        if not seen:
+            continue
+        start = max(seen[0]["t"], 0.0) + SETTLE_S
+        window = [s for s in seen if s["t"] >= start]
+        if len(window) < 3 or window[-1]["t"] < traffic_s - 2 * SAMPLE_S:
+            continue  # too short, or gone before the end (the killed replica)
+        first = window[0]["rss"][pid]
+        out[pid] = {
+            "role": first["role"],
+            "from_s": window[0]["t"],
+            "rss_mib": first["rss_mib"],
+            "growth_mib": _growth(window, pid),
+            "bound_mib": max(RSS_NOISE_MIB, RSS_NOISE_SHARE * first["rss_mib"]),
+        }
+    return out
+
+
+def rss_every(run: Run) -> list[dict[str, Any]]:
+    """Each process's RSS (MiB) at every :data:`TABLE_EVERY_S` of the run (the sample
+    nearest each mark), and at its last sample."""
+    marks, t = [], 0.0
+    end = run.samples[-1]["t"] if run.samples else 0.0
+    while t <= end:
+        marks.append(t)
+        t += TABLE_EVERY_S
+    picks = [min(run.samples, key=lambda s, m=m: abs(s["t"] - m)) for m in marks]
+    if run.samples and picks[-1] is not run.samples[-1]:
+        picks.append(run.samples[-1])
+    return [
+        {"t": p["t"], "rss": {pid: (v["role"], v["rss_mib"]) for pid, v in p["rss"].items()}}
+        for p in picks
+    ]
 
 
 def verdict(
@@ -482,6 +539,12 @@ def verdict(
             why.append(
                 f"{g['role']} {pid}: RSS grew {g['growth_mib']:.1f} MiB over the window "
                 f"(bound {g['bound_mib']:.1f})"
+            )
+    for pid, g in rss_since_settled(run, traffic_s).items():
+        if g["growth_mib"] > g["bound_mib"]:
+            why.append(
+                f"{g['role']} {pid}: RSS grew {g['growth_mib']:.1f} MiB from "
+                f"{g['from_s']:.0f} s to the traffic's end (bound {g['bound_mib']:.1f})"
             )
     if not run.outcomes or not any(o.kind == "ok" for o in run.outcomes):
         why.append("no request succeeded")
@@ -604,6 +667,38 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     )
+    settled = rss_since_settled(run, traffic_s)
+    print(
+        rp.table(
+            ["pid", "role", "from s", "RSS MiB", "growth to the end MiB", "bound MiB"],
+            [
+                [
+                    pid,
+                    g["role"],
+                    f"{g['from_s']:.0f}",
+                    f"{g['rss_mib']:.0f}",
+                    f"{g['growth_mib']:.1f}",
+                    f"{g['bound_mib']:.0f}",
+                ]
+                for pid, g in sorted(settled.items(), key=lambda x: x[1]["role"])
+            ],
+        )
+    )
+    every = rss_every(run)
+    pids = sorted({pid for row in every for pid in row["rss"]})
+    roles = {pid: role for row in every for pid, (role, _) in row["rss"].items()}
+    print(
+        rp.table(
+            ["t s", *(f"{roles[p]} {p}" for p in pids)],
+            [
+                [
+                    f"{row['t']:.0f}",
+                    *(f"{row['rss'][p][1]:.0f}" if p in row["rss"] else "-" for p in pids),
+                ]
+                for row in every
+            ],
+        )
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     plot(run, traffic_s, args.out / "soak.png")
     rp.write_json(
@@ -632,6 +727,9 @@ def main(argv: list[str] | None = None) -> int:
             "greedy": {"before": greedy[0], "after": greedy[1]},
             "kv_blocks_free_at_start": kv_free,
             "rss_growth": growth,
+            "rss_since_settled": settled,
+            "settle_s": SETTLE_S,
+            "rss_every": every,
             "samples": run.samples,
         },
         args.out / "soak.json",
