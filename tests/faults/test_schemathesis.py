@@ -80,9 +80,8 @@ def _bounded(body: Any) -> None:
 
 
 def _send(case, base_url: str) -> tuple[httpx.Response, bool]:
-    """Send ``case`` with httpx (schemathesis' own ``call`` goes through requests, which
-    this environment's urllib3 replacement breaks); the response, and whether the case
-    had a JSON body."""
+    """Send ``case`` with httpx, the client the rest of the suite uses; the response, and
+    whether the case had a JSON body."""
     kw = case.as_transport_kwargs(base_url, {"Authorization": f"Bearer {KEY}"})
     body = kw.get("json", _NONE)
     if body is _NONE:
