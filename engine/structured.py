@@ -11,6 +11,7 @@ advances each matcher with the token it kept.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -21,8 +22,14 @@ FIELD = "response_format"
 """The API field a schema comes from, named in errors."""
 
 
+GRAMMAR_CACHE = 64
+"""Compiled grammars kept, the most recently used: clients that send a new schema with
+each request must not grow the replica's memory without bound."""
+
+
 class StructuredOutput:
-    """Compiles schemas for one tokenizer (cached by schema) and makes matchers.
+    """Compiles schemas for one tokenizer (the last :data:`GRAMMAR_CACHE` used are kept)
+    and makes matchers.
 
     Args:
         tokenizer: the served transformers tokenizer.
@@ -33,7 +40,7 @@ class StructuredOutput:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compiler = None
-        self._cache: dict[str, Any] = {}
+        self._cache: OrderedDict[str, Any] = OrderedDict()
 
     def compile(self, schema: dict[str, Any]) -> Any:
         """The compiled grammar of a JSON schema (no whitespace beyond one space, so a
@@ -43,14 +50,23 @@ class StructuredOutput:
             ParamError: the schema is not one xgrammar can compile.
         """
         key = json.dumps(schema, sort_keys=True)
-        if key not in self._cache:
-            try:
-                self._cache[key] = self._get_compiler().compile_json_schema(
-                    key, any_whitespace=False
-                )
-            except (RuntimeError, ValueError, TypeError) as e:
-                raise ParamError(FIELD, f"{FIELD}: cannot compile the JSON schema: {e}") from e
-        return self._cache[key]
+        grammar = self._cache.get(key)
+        if grammar is not None:
+            self._cache.move_to_end(key)
+            return grammar
+        try:
+            grammar = self._get_compiler().compile_json_schema(key, any_whitespace=False)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ParamError(FIELD, f"{FIELD}: cannot compile the JSON schema: {e}") from e
+        self._cache[key] = grammar
+        while len(self._cache) > GRAMMAR_CACHE:
+            self._cache.popitem(last=False)
+        return grammar
+
+    @property
+    def cached(self) -> int:
+        """Compiled grammars held now (at most :data:`GRAMMAR_CACHE`)."""
+        return len(self._cache)
 
     def matcher(self, schema: dict[str, Any]) -> Any:
         """A fresh matcher (one sequence's grammar state) for ``schema``."""

@@ -9,6 +9,7 @@ import jsonschema
 import pytest
 
 from engine import LLM, ParamError, SamplingParams
+from engine.structured import GRAMMAR_CACHE
 
 PERSON = {
     "type": "object",
@@ -91,3 +92,15 @@ def test_bad_schemas_are_refused_by_name(llm):
     assert e.value.param == "response_format"
     with pytest.raises(ParamError, match="ignore_eos"):
         SamplingParams(json_schema=COLOUR, ignore_eos=True)
+
+
+def test_compiled_grammars_are_kept_to_a_bound(llm):
+    """A client that sends a new schema with every request does not grow the cache without
+    bound; the schemas used last stay compiled."""
+    structured = llm.llm_engine.structured
+    for i in range(GRAMMAR_CACHE + 10):
+        structured.compile({"type": "object", "properties": {f"k{i}": {"type": "integer"}}})
+    assert structured.cached == GRAMMAR_CACHE
+    recent = {"type": "object", "properties": {f"k{GRAMMAR_CACHE + 9}": {"type": "integer"}}}
+    assert structured.compile(recent) is structured.compile(recent)
+    assert structured.cached == GRAMMAR_CACHE
