@@ -229,14 +229,15 @@ class IngressMetrics:
         for slo, met in (("ttft", ttft_met), ("tpot", tpot_met), ("both", ttft_met and tpot_met)):
             (self.slo_met if met else self.slo_missed).labels(self.model, traffic_class, slo).inc()
         window = self._outcomes.setdefault(traffic_class, deque())
-        window.append((self.clock(), ttft_met and tpot_met))
+        now = self.clock()
+        window.append((now, ttft_met and tpot_met))
+        _expire(window, now)  # bounded where nothing scrapes /metrics
 
     def attainment(self, traffic_class: str) -> float:
         """Share of the class's requests ended in the last minute that met both SLOs
         (NaN when none ended)."""
-        window, horizon = self._outcomes.get(traffic_class, deque()), self.clock()
-        while window and window[0][0] < horizon - ATTAINMENT_WINDOW_S:
-            window.popleft()
+        window = self._outcomes.get(traffic_class, deque())
+        _expire(window, self.clock())
         return sum(met for _, met in window) / len(window) if window else math.nan
 
     def render(self) -> bytes:
@@ -447,3 +448,9 @@ class RequestRecord:
         """Mark ended; True if it already was."""
         was, self.ended = self.ended, True
         return was
+
+
+def _expire(window: deque[tuple[float, bool]], now: float) -> None:
+    """Drop the outcomes older than :data:`ATTAINMENT_WINDOW_S` from ``window``."""
+    while window and window[0][0] < now - ATTAINMENT_WINDOW_S:
+        window.popleft()

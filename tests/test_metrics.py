@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.step_metrics import StepMetrics
-from router.metrics import IngressMetrics
+from router.metrics import ATTAINMENT_WINDOW_S, IngressMetrics
 
 
 class Clock:
@@ -152,3 +152,14 @@ def test_replica_series_come_from_routing_stats_and_gauges_track_them():
     assert value(s, "iterserve:num_requests_running", **rep, traffic_class="interactive") == 0
     assert value(s, "iterserve:num_requests_waiting", **rep, traffic_class="batch") == 0
     assert value(s, "iterserve:kv_cache_usage_perc", **rep) == 0.0
+
+
+def test_the_attainment_window_stays_bounded_unscraped():
+    """Outcomes older than the window are dropped as new ones arrive, whether or not
+    anything reads ``/metrics``."""
+    clock = Clock()
+    m = make(clock)
+    for _ in range(1000):
+        clock.t += 1.0
+        m.reject("interactive", "ttft")
+    assert len(m._outcomes["interactive"]) <= ATTAINMENT_WINDOW_S + 1
