@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from engine.allocator import IdleRelease
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.request import RequestOutput, SamplingParams
@@ -102,6 +103,7 @@ class AsyncLLMEngine:
         self._worker: concurrent.futures.Future | None = None
         self._ids = itertools.count()
         self._error: BaseException | None = None
+        self._idle_release = IdleRelease()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -385,7 +387,7 @@ class AsyncLLMEngine:
                     with self._lock:
                         if not self._has_news():
                             self._running = False
-                            return
+                            break
                     continue
                 outputs = self._step()
                 if outputs:
@@ -400,6 +402,11 @@ class AsyncLLMEngine:
             # either sees it and raises, or has its stream in place when _fail runs.
             self._error = e
             self._call_soon(self._fail, e)
+            return
+        if not self._stopping:
+            # Idle: the free holes a run of varied requests left in the C heap go back
+            # to the system, rather than stay resident until the next run reuses them.
+            self._idle_release.idle()
 
     def _deliver_soon(self, items: list, request_id: str | None = None) -> None:
         """Hand ``items`` (outputs, or an error for ``request_id``) to their streams on

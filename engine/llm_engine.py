@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from engine.allocator import release_free_memory
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.interfaces import FinishRecord, ModelRunner, StepRecord
@@ -143,6 +144,7 @@ class LLMEngine:
         engine = cls(
             config, runner=runner, tokenizer=tokenizer, clock=clock, model_dir=str(model_dir)
         )
+        release_free_memory()  # the load's temporaries, freed, would stay resident
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s, %s attention",
             model_dir,
