@@ -10,6 +10,14 @@ CPU weight freezing also emits where the row count varies, as it does here from 
 step), so the layout work is done once, not in every call.
 The results equal ``F.linear``'s up to float summation order (``tests/test_cpu_linear.py``
 holds them to its tolerance).
+
+oneDNN builds and caches a primitive, with its scratch memory, for every input shape it
+meets, and PyTorch's ideep layer keeps another cache keyed by shape (``LRU_CACHE_CAPACITY``,
+1024 entries by default). A batching loop gives a linear a new row count at almost every
+step, so the caches grow with the row counts seen: the replica's memory rises for hours.
+:class:`PackedLinear` therefore runs each product at a row count rounded up to a bucket
+(:func:`row_bucket`), padding the rows with zeros, which bounds the shapes, and the
+memory, to a few per octave.
 """
 
 from __future__ import annotations
@@ -25,6 +33,27 @@ logger = logging.getLogger(__name__)
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """True where prepacking applies: fp32 on a CPU build with oneDNN."""
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+BUCKETS_PER_OCTAVE = 8
+"""Row-count buckets between two powers of two (above 16): rounding up adds at most an
+eighth of the rows."""
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a product of ``rows`` rows runs at: ``rows`` itself up to 16, then
+    rounded up to a multiple of an eighth of the power of two below it (17 -> 18,
+    100 -> 104, 513 -> 576).
+
+    Raises:
+        ValueError: ``rows`` < 1.
+    """
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    if rows <= 2 * BUCKETS_PER_OCTAVE:
+        return rows
+    step = (1 << (rows.bit_length() - 1)) // BUCKETS_PER_OCTAVE
+    return -(-rows // step) * step
 
 
 class PackedLinear(nn.Module):
@@ -57,6 +86,16 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        padded = row_bucket(rows) if rows else 0
+        if padded == rows:
+            return self._product(x)
+        # Zero rows beyond the input's: their outputs are computed and dropped.
+        full = x.new_zeros((padded, self.in_features))
+        full[:rows] = x.reshape(rows, self.in_features)
+        return self._product(full)[:rows].reshape(*x.shape[:-1], self.out_features)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
