@@ -310,6 +310,8 @@ class AdmissionController:
         Admit when the predicted TTFT fits ``slo_margin`` of the class's TTFT SLO less
         ``waited_s``, the predicted TPOT fits ``slo_margin`` of the tightest TPOT SLO
         involved, and seats and KV suffice.
+        A class that is not rejectable, once even an idle replica would miss its TTFT
+        SLO, is admitted on seats, KV and TPOT alone.
         Otherwise, at the class's ``hard_queue_cap``: Reject. Else, before
         ``max_queue_wait_s`` and while its TTFT SLO is still within reach
         (:meth:`_lost`): Wait for the rest of it. Else Reject a rejectable class,
@@ -337,6 +339,11 @@ class AdmissionController:
         load = self._load(s, priority)
         pred = self._predict_at(s, cls, load, load.tokens_ahead, prompt_tokens)
         failed = self._failures(s, pred, prompt_tokens, cls.ttft_slo_s - waited_s)
+        if failed and not cls.rejectable and self._out_of_reach(s, cls, prompt_tokens, waited_s):
+            # Work that must run, whose TTFT SLO even an idle replica would now miss: the
+            # TTFT test would admit it only at an idle replica, starving it under steady
+            # load. It goes as soon as seats, KV and the running decodes' TPOT allow.
+            failed = [f for f in failed if f[0] != "ttft"]
         if not failed:
             return Admit()
         reason = f"{cls.name}: " + "; ".join(text for _, text in failed)
@@ -354,6 +361,13 @@ class AdmissionController:
         # Held again and re-decided as loads change: a drain estimate would only bound the
         # hold, and its search cost grew with every held request's every re-decision.
         return Wait(cls.max_queue_wait_s, reason)
+
+    def _out_of_reach(
+        self, s: LoadSnapshot, cls: TrafficClass, prompt_tokens: int, waited_s: float
+    ) -> bool:
+        """Even an idle replica would now miss the margin of what is left of the TTFT SLO."""
+        idle_ttft, _ = self._ttft(s, prompt_tokens, 0)
+        return idle_ttft > self.slo_margin * (cls.ttft_slo_s - waited_s)
 
     def _lost(
         self, s: LoadSnapshot, cls: TrafficClass, prompt_tokens: int, waited_s: float

@@ -97,6 +97,12 @@ class LoadSnapshot:
         return out
 
     @property
+    def num_kv_blocks(self) -> int:
+        """KV blocks the replica holds: the free ones and those its requests use (as far as
+        ``kv_blocks_used`` reports them)."""
+        return self.num_kv_blocks_free + sum(self.kv_blocks_used.values())
+
+    @property
     def total_running(self) -> int:
         return sum(self.running_seqs.values())
 

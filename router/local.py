@@ -183,6 +183,7 @@ class LocalReplicas:
         if not self._alive:
             return []
         snap = self.replica.engine.load_snapshot()
+        self.prefixes.fit(self.replica.replica_id, snap.num_kv_blocks)
         matched = self.prefixes.matched_blocks(shape.prefix_hashes).get(self.replica.replica_id, 0)
         return [(snap, cached_tokens(matched, snap.block_size, shape.prompt_tokens))]
 

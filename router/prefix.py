@@ -23,7 +23,13 @@ MAX_PREFIX_BLOCKS = 256
 """Blocks of a prompt the ingress names (4,096 tokens at 16 per block): enough to tell
 conversations apart and to estimate their cached tokens, few enough to send along."""
 MAX_ENTRIES = 200_000
-"""Prefix names the router remembers (each with its few replicas), about 50 MB at most."""
+"""The most prefix names the router remembers (each with its few replicas), about 50 MB."""
+ENTRIES_PER_KV_BLOCK = 4
+"""Names remembered per KV block the replicas hold (:meth:`PrefixMap.fit`): a name stands
+for a block some replica computed, and the replicas' caches evict least recently used
+blocks first, as the map does, so names far beyond their capacity name blocks long gone."""
+MIN_ENTRIES = 4096
+"""The fewest names the map is bounded to, whatever the replicas' KV capacity."""
 
 
 def prefix_hashes(
@@ -48,14 +54,34 @@ def cached_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> i
 
 
 class PrefixMap:
-    """Prefix name -> the replicas it was last sent to, bounded to ``max_entries`` names.
+    """Prefix name -> the replicas it was last sent to, bounded to ``max_entries`` names
+    (:data:`ENTRIES_PER_KV_BLOCK` per KV block of the replicas once they reported their
+    capacity through :meth:`fit`; ``limit`` before, and at most).
 
     Not thread-safe: the router calls it under its lock.
     """
 
     def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
+        self.limit = max_entries
         self.max_entries = max_entries
         self._replicas: OrderedDict[int, set[Hashable]] = OrderedDict()
+        self._kv_blocks: dict[Hashable, int] = {}
+        """Each replica's KV blocks, as last reported to :meth:`fit`."""
+
+    def fit(self, replica: Hashable, kv_blocks: int) -> None:
+        """``replica`` holds ``kv_blocks`` KV blocks: bound the names to
+        :data:`ENTRIES_PER_KV_BLOCK` per block of all the replicas reported, within
+        ``[MIN_ENTRIES, limit]``."""
+        if self._kv_blocks.get(replica) == kv_blocks:
+            return
+        self._kv_blocks[replica] = kv_blocks
+        self._refit()
+
+    def _refit(self) -> None:
+        wanted = ENTRIES_PER_KV_BLOCK * sum(self._kv_blocks.values())
+        self.max_entries = min(self.limit, max(MIN_ENTRIES, wanted))
+        while len(self._replicas) > self.max_entries:
+            self._replicas.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._replicas)
@@ -86,6 +112,8 @@ class PrefixMap:
 
     def forget(self, replica: Hashable) -> None:
         """Drop a replica (it died: its cache is gone)."""
+        if self._kv_blocks.pop(replica, None) is not None:
+            self._refit()
         for h in [h for h, holders in self._replicas.items() if replica in holders]:
             self._replicas[h].discard(replica)
             if not self._replicas[h]:

@@ -83,6 +83,7 @@ class LoadAwareRouter(RequestRouter):
         sends its load once per change, about once per step."""
         with self._lock:
             self._streamed[replica_unique_id] = snap
+            self.prefixes.fit(replica_unique_id, snap.num_kv_blocks)
 
     def snapshot(self, replica: RunningReplica) -> LoadSnapshot | None:
         """The replica's latest load (published through Serve, or sent with a stream
@@ -97,6 +98,7 @@ class LoadAwareRouter(RequestRouter):
         if snap is None:
             return None
         with self._lock:
+            self.prefixes.fit(replica.replica_id.unique_id, snap.num_kv_blocks)
             return self._routed.adjust(replica.replica_id, snap, time.time())
 
     def _live(self) -> list[tuple[ReplicaID, RunningReplica]]:
@@ -206,4 +208,5 @@ class LoadAwareRouter(RequestRouter):
         with self._lock:
             self._routed.forget(replica_id)
             self.prefixes.forget(replica_id)
+            self.prefixes.fit(replica_id.unique_id, 0)
             self._streamed.pop(replica_id.unique_id, None)

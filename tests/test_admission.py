@@ -161,6 +161,19 @@ def test_batch_under_the_same_load_waits_and_is_rejected_only_at_its_queue_cap()
         assert d.kind == "queue_cap"
 
 
+def test_batch_past_its_ttft_slo_is_admitted_on_seats_not_held_for_an_idle_replica():
+    """A non-rejectable request whose TTFT SLO even an idle replica would now miss goes as
+    soon as a seat is free; held for its TTFT, it would wait for an idle replica."""
+    ac = AdmissionController()
+    slo = DEFAULT_CLASSES["batch"].ttft_slo_s
+    busy = snap(running={"batch": 8})
+    standard = DEFAULT_CLASSES["standard"].ttft_slo_s
+    assert isinstance(ac.decide(busy, "standard", 200, 128, 1, 2 * standard), Reject)
+    assert ac.decide(busy, "batch", 200, 128, 2, 2 * slo) == Admit()
+    full = snap(running={"batch": 64})
+    assert isinstance(ac.decide(full, "batch", 200, 128, 2, 2 * slo), Wait)
+
+
 def test_lower_priority_queue_does_not_block_interactive():
     ac = AdmissionController()
     s = snap({"batch": 500_000, "standard": 50_000}, {"batch": 20}, {"batch": 999, "standard": 100})

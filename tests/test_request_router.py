@@ -14,7 +14,12 @@ from ray.serve.request_router import PendingRequest  # noqa: E402
 
 from policies import DEFAULT_CLASSES, LoadSnapshot  # noqa: E402
 from router.contract import RequestShape  # noqa: E402
-from router.prefix import PrefixMap, prefix_hashes  # noqa: E402
+from router.prefix import (  # noqa: E402
+    ENTRIES_PER_KV_BLOCK,
+    MIN_ENTRIES,
+    PrefixMap,
+    prefix_hashes,
+)
 from router.request_router import LoadAwareRouter  # noqa: E402
 from router.routing import load_view  # noqa: E402
 
@@ -240,3 +245,20 @@ async def test_a_replica_found_dead_is_out_of_routing_and_of_the_view_at_once(ro
     assert await router.choose_replicas([a], _pending(100)) == []
     router._dead["a"] -= 1000  # long ago: a replica that only stalled and recovered
     assert router.replica_ids() == {"a", "b"}
+
+
+def test_prefix_map_is_bounded_by_the_replicas_kv_capacity():
+    """Names beyond what the replicas' caches can hold are forgotten, least recent first;
+    a replica that dies takes its capacity with it."""
+    m = PrefixMap()
+    m.fit("r1", 2000)
+    m.fit("r2", 2000)
+    assert m.max_entries == ENTRIES_PER_KV_BLOCK * 4000
+    for i in range(m.max_entries + 500):
+        m.record((i,), "r1" if i % 2 else "r2")
+    assert len(m) == m.max_entries
+    assert m.matched_blocks((m.max_entries + 499,)) and not m.matched_blocks((0,))
+    m.forget("r2")
+    assert m.max_entries == max(MIN_ENTRIES, ENTRIES_PER_KV_BLOCK * 2000) >= len(m)
+    m.fit("r1", 1)
+    assert m.max_entries == MIN_ENTRIES
