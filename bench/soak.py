@@ -35,7 +35,8 @@ It fails (exit status 1) on:
 
 Prints the RSS of every process at every :data:`TABLE_EVERY_S` of the run.
 
-Writes ``bench/results/soak.json`` and ``soak.png`` (``--out`` elsewhere).
+Writes ``bench/results/soak.json``, ``soak.png`` and ``soak_rss.png`` (each process's
+RSS since it settled) (``--out`` elsewhere).
 """
 
 from __future__ import annotations
@@ -602,6 +603,42 @@ def plot(run: Run, traffic_s: float, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_settled(run: Run, traffic_s: float, path: Path) -> None:
+    """Each replica's and the ingress's RSS from when it settled to the traffic's end, less
+    its RSS then (:func:`rss_since_settled`), against the bound of growth (dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    settled = rss_since_settled(run, traffic_s)
+    for pid, g in sorted(settled.items(), key=lambda x: (x[1]["role"], x[0])):
+        if g["role"] not in ("replica", "ingress", "server"):
+            continue
+        pts = [
+            (s["t"], s["rss"][pid]["rss_mib"])
+            for s in run.samples
+            if pid in s["rss"] and g["from_s"] <= s["t"] <= traffic_s
+        ]
+        ax.plot(
+            [t / 60 for t, _ in pts],
+            [r - g["rss_mib"] for _, r in pts],
+            label=f"{g['role']} {pid} (from {g['rss_mib']:.0f} MiB)",
+        )
+        ax.axhline(g["bound_mib"], ls="--", lw=0.8, color=ax.lines[-1].get_color())
+    if run.kill:
+        ax.axvline(run.kill["t"] / 60, color="r", ls="--", lw=1)
+    ax.axvline(SETTLE_S / 60, color="grey", ls=":", lw=1)
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("RSS since settled (MiB)")
+    ax.legend(fontsize=8)
+    ax.set_title("RSS per process after settling; dashed: the bound on growth")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _table(run: Run, traffic_s: float) -> str:
     rows = []
     step = max(1, len(run.samples) // 12)
@@ -701,6 +738,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     plot(run, traffic_s, args.out / "soak.png")
+    plot_settled(run, traffic_s, args.out / "soak_rss.png")
     rp.write_json(
         {
             "run": rp.run_record(),
