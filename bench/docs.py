@@ -156,7 +156,10 @@ def _failover(name: str, result: dict) -> list[str]:
 
 def _soak(name: str, result: dict) -> list[str]:
     counts = ", ".join(f"{k} {v}" for k, v in sorted(result["outcomes"].items()))
+    minutes = result["config"]["minutes"]
     lines = [
+        f"#### {minutes:g} minutes",
+        "",
         *_run_lines(result),
         f"Verdict: {'passed' if result['passed'] else 'FAILED: ' + '; '.join(result['failures'])}.",
         "",
@@ -169,7 +172,28 @@ def _soak(name: str, result: dict) -> list[str]:
         lines.append(
             f"| {g['role']} | {g['rss_mib']:.0f} | {g['growth_mib']:.1f} | {g['bound_mib']:.0f} |"
         )
-    return [*lines, "", "RSS, KV usage and the gauges over time: `bench/results/soak.png`.", ""]
+    settled = result.get("rss_since_settled", {})
+    if settled:
+        lines += [
+            "",
+            "From each process's settling to the traffic's end:",
+            "",
+            "| process | from s | RSS MiB | growth MiB | bound MiB |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for g in sorted(settled.values(), key=lambda g: (g["role"], g["from_s"])):
+            lines.append(
+                f"| {g['role']} | {g['from_s']:.0f} | {g['rss_mib']:.0f} | "
+                f"{g['growth_mib']:.1f} | {g['bound_mib']:.0f} |"
+            )
+    folder = f"bench/results/{name.rpartition('/')[0] or '.'}".removesuffix("/.")
+    return [
+        *lines,
+        "",
+        f"RSS, KV usage and the gauges over time: `{folder}/soak.png`; each replica's and "
+        f"the ingress's RSS since it settled: `{folder}/soak_rss.png`.",
+        "",
+    ]
 
 
 SUITES: tuple[Suite, ...] = (
@@ -389,9 +413,12 @@ SUITES: tuple[Suite, ...] = (
         "SIGKILLed halfway; the RSS of every server process, KV usage and the gauges "
         "sampled throughout. It fails on a lost request, on gauges or KV not back to idle, "
         "on a changed greedy answer, or on RSS growth beyond noise over the last part of "
-        "the run.",
-        ("python -m bench.soak --minutes 10",),
-        ("soak.json",),
+        "the run or from each process's settling to the end.",
+        (
+            "python -m bench.soak --minutes 30",
+            "python -m bench.soak --minutes 60 --out bench/results/soak_1h",
+        ),
+        ("soak.json", "soak_1h/soak.json"),
         _soak,
     ),
 )

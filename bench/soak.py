@@ -1,7 +1,7 @@
 """Soak: mixed traffic with hang-ups, malformed requests and one replica killed, on a
 2-replica Ray Serve application, watching memory, KV and gauges for growth or loss.
 
-    python -m bench.soak --minutes 10        # about 13 minutes (printed first)
+    python -m bench.soak --minutes 30        # about 33 minutes (printed first)
 
 1. ``iterserve serve`` with two replicas (one CPU each) on an embedded Ray cluster; a
    greedy reference answer is taken once it is up.
