@@ -11,10 +11,10 @@ step), so the layout work is done once, not in every call.
 The results equal ``F.linear``'s up to float summation order (``tests/test_cpu_linear.py``
 holds them to its tolerance).
 
-oneDNN builds and caches a primitive, with its scratch memory, for every input shape it
-meets, and PyTorch's ideep layer keeps another cache keyed by shape (``LRU_CACHE_CAPACITY``,
-1024 entries by default). A batching loop gives a linear a new row count at almost every
-step, so the caches grow with the row counts seen: the replica's memory rises for hours.
+oneDNN builds and caches a primitive, with its memory, for every input shape it meets
+(``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1024 entries by default). A batching loop gives a
+linear a new row count at almost every step, so the cache grows with the row counts seen:
+the replica's memory rises for hours.
 :class:`PackedLinear` therefore runs each product at a row count rounded up to a bucket
 (:func:`row_bucket`), padding the rows with zeros, which bounds the shapes, and the
 memory, to a few per octave.
