@@ -186,7 +186,7 @@ def _soak(name: str, result: dict) -> list[str]:
                 f"| {g['role']} | {g['from_s']:.0f} | {g['rss_mib']:.0f} | "
                 f"{g['growth_mib']:.1f} | {g['bound_mib']:.0f} |"
             )
-    folder = f"bench/results/{name.rpartition('/')[0] or '.'}".removesuffix("/.")
+    folder = Path("bench/results", name).parent
     return [
         *lines,
         "",

@@ -21,6 +21,7 @@ import functools
 import logging
 import platform
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +55,13 @@ class IdleRelease:
     ``every_s`` seconds.
 
     Args:
-        every_s: the least time between two releases.
+        every_s: the least time between two releases, in seconds.
         clock: monotonic seconds, injectable for tests.
     """
 
-    def __init__(self, every_s: float = IDLE_RELEASE_S, clock=time.monotonic) -> None:
+    def __init__(
+        self, every_s: float = IDLE_RELEASE_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.every_s = every_s
         self.clock = clock
         self._last = -float("inf")

@@ -375,9 +375,8 @@ class AdmissionController:
         """A held request past its TTFT SLO's point of no return (even an idle replica
         would miss the margin of what is left): holding it longer only delays the later
         arrivals that count it as queued ahead. One out of reach on arrival keeps its hold."""
-        idle_ttft, _ = self._ttft(s, prompt_tokens, 0)
-        return idle_ttft <= self.slo_margin * cls.ttft_slo_s and idle_ttft > self.slo_margin * (
-            cls.ttft_slo_s - waited_s
+        return self._out_of_reach(s, cls, prompt_tokens, waited_s) and not self._out_of_reach(
+            s, cls, prompt_tokens, 0.0
         )
 
     def _failures(
