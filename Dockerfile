@@ -31,8 +31,8 @@ RUN if [ "$FLASH_ATTN" = 1 ]; then \
       pip install --no-cache-dir --no-build-isolation "flash-attn>=2.8,<3"; fi
 
 # No allocator or MALLOC_* setting is needed: the engine hands the C heap's free pages back
-# to the system itself (engine/allocator.py) and bounds oneDNN's shape-keyed caches
-# (engine/cpu_linear.py); see docs/operations.md, Memory.
+# to the system itself (engine/core/heap_trim.py) and bounds oneDNN's shape-keyed caches
+# (engine/cpu/linear.py); see docs/operations.md, Memory.
 
 # Serve imports deploy.app:app_builder from the installed package; nothing else to start:
 # KubeRay runs `ray start` in every pod.

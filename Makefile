@@ -80,10 +80,10 @@ gpu-carry: venv
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 -d $(GPU_CARRY)/wheels $(GPU_WHEELS)
-	$(PY) -c 'import shutil, sys; from engine.model_loader import resolve_model_dir; \
+	$(PY) -c 'import shutil, sys; from engine.model.loader import resolve_model_dir; \
 		[shutil.copy(f, sys.argv[1]) for f in resolve_model_dir(None).iterdir() \
 		if f.suffix != ".safetensors"]' $(GPU_CARRY)/model
-	gguf="$$($(PY) -c 'from engine.model_loader import default_gguf_path as p; print(p())')" && \
+	gguf="$$($(PY) -c 'from engine.model.loader import default_gguf_path as p; print(p())')" && \
 		split -n $(GGUF_PARTS) -d "$$gguf" $(GPU_CARRY)/gguf/part- && \
 		(cd "$$(dirname "$$gguf")" && sha256sum "$$(basename "$$gguf")") > $(GPU_CARRY)/gguf/SHA256
 	du -sh $(GPU_CARRY)/*

@@ -733,7 +733,7 @@ PHASES = ("schedule", "prepare", "forward", "sample")
 
 def _num_params(model) -> int:
     """Parameters the forward multiplies by (tied embeddings once)."""
-    from engine.cpu_linear import PackedLinear
+    from engine.cpu.linear import PackedLinear
 
     # Prepacked layers hold their weights as buffers; a tied LM head's plain weight is the
     # embedding's, already a parameter.
@@ -821,7 +821,7 @@ def worker_sweep(wl: dict, cfg: dict) -> dict:
     gemm_flops, gemm_times = _gemm_flops(cfg["gemm_size"], cfg["gemm_reps"])
     llm = _make_llm(cfg)
     engine = llm.llm_engine
-    n_params = _num_params(engine.runner.model)
+    n_params = _num_params(engine.model.runner.model)
     roofline = gemm_flops / (2 * n_params)
     steps: list = []
     engine.on_step = steps.append

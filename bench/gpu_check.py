@@ -443,7 +443,7 @@ def _split_ms(records: list[StepRecord]) -> dict[str, float]:
 # Steps.
 def step_environment(check: Check) -> dict[str, Any]:
     torch = _torch()
-    from engine.attention_backend import select_attention_backend
+    from engine.model.attention_backend import select_attention_backend
 
     plan = check.plan
     cuda = torch.cuda.is_available()
@@ -689,7 +689,7 @@ def step_profile(check: Check) -> dict[str, Any]:
         if "kernel_ms_per_step" in prof:
             point["host_share"] = max(0.0, 1 - prof["kernel_ms_per_step"] / run["step_ms"])
         points.append(point)
-    from engine.runner import kv_bytes_per_token
+    from engine.model.runner import kv_bytes_per_token
 
     model = check.llm.llm_engine.runner.model
     return {
@@ -1048,7 +1048,7 @@ def random_weights_dir(source: Path, dtype: str, out: Path) -> Path:
 
 def resolve_model(model: str | None, random_weights: bool, dtype: str, tmp: Path):
     """``(model directory, label)`` for ``--model`` / ``--random-weights``."""
-    from engine.model_loader import DEFAULT_MODEL_NAME, resolve_model_dir
+    from engine.model.loader import DEFAULT_MODEL_NAME, resolve_model_dir
 
     if random_weights:
         source = Path(model) if model and Path(model).is_dir() else resolve_model_dir(model)

@@ -32,7 +32,7 @@ from bench.toolkit import report as rp
 from bench.toolkit.inprocess import run_open, start_engine, stop_engine
 from bench.toolkit.workload import REPO, TRACE, Lengths, Window
 from deploy.config import SERVER_ENGINE_DEFAULTS
-from engine.step_log import StepLog
+from engine.core.step_log import StepLog
 
 OUT = REPO / "bench" / "results" / "guard_probe.jsonl"
 

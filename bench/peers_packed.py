@@ -293,7 +293,7 @@ def expected_s(args) -> float:
 def run(args: argparse.Namespace) -> dict:
     """The whole phase; its report (``"run"``: :func:`bench.toolkit.report.run_record`)."""
     from bench.toolkit import report as rp
-    from engine.model_loader import default_gguf_path
+    from engine.model.loader import default_gguf_path
 
     t0 = time.monotonic()
     print(f"[packed] expected duration ~{expected_s(args) / 60:.0f} min", flush=True)

@@ -1083,7 +1083,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--no-tpot-guard", action="store_true", help="turn the TPOT SLO guard off everywhere")
     add("--tpot-guard-target", type=float, help="EngineConfig.tpot_slo_guard_target")
     add("--threads", type=int, help="torch.set_num_threads")
-    add("--step-log", type=Path, help="append the engine's step log (engine.step_log's format)")
+    add(
+        "--step-log", type=Path, help="append the engine's step log (engine.core.step_log's format)"
+    )
     add("--seed", type=int, default=0)
     add("--trace", type=Path, default=TRACE)
     add("--out", type=Path, help="JSON path (bench/results/scheduling[_quick].json)")

@@ -9,7 +9,7 @@ One ``iterserve serve --step-log`` server (one replica, admission on, a 70% inte
 30% batch mix with the default classes' SLOs) serves everything; each real run is a
 window of the conversation trace (lengths / 8) replayed open loop over HTTP at a
 multiple of the server's capacity, and the runs are cut out of the one step log by time
-(:func:`engine.step_log.window`). Before the runs and after them, the same probe
+(:func:`engine.core.step_log.window`). Before the runs and after them, the same probe
 requests are served, to time the host's own drift.
 
 1. **Decision fidelity.** Each run's log is replayed step for step
@@ -63,8 +63,8 @@ from deploy.sim.fleet import Fleet, SimRun
 from deploy.sim.report import latency
 from deploy.sim.trace import SimRequest
 from deploy.sim.twin import observed
+from engine.core.step_log import STEP_KINDS, StepLog, window
 from engine.sim.calibrate import fit_log, holdout
-from engine.step_log import STEP_KINDS, StepLog, window
 
 MIX = {"interactive": 0.7, "batch": 0.3}
 SLO = (2.0, 0.5)

@@ -55,7 +55,7 @@ class _Timers:
     installed (in situ: the step's own calls, on its own tensors)."""
 
     def __init__(self, runner) -> None:
-        from engine.cpu_linear import PackedLinear
+        from engine.cpu.linear import PackedLinear
         from engine.quant.linear import QuantLinear
 
         self.products = self.attention = 0.0

@@ -46,8 +46,8 @@ from bench.toolkit.targets import HttpTarget, http_client
 from bench.toolkit.workload import ATTRIBUTION, REPO, TRACE
 from deploy.sim import replay as rpl
 from deploy.sim.twin import fetch_log
+from engine.core.step_log import window
 from engine.sim.calibrate import fit_log
-from engine.step_log import window
 
 STATS = ("ttft_mean", "tpot_mean", "ttft_p99", "tpot_p99")
 

@@ -17,8 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
+from engine.core.step_log import HISTORY
 from engine.sim.cost import LinearCost
-from engine.step_log import HISTORY
 from policies import TrafficClass, make_classes
 from policies.autoscale import AutoscalingSettings
 from router.settings import IngressOptions, IngressSettings
@@ -219,7 +219,7 @@ class ServiceConfig(IngressOptions):
         None,
         description="a JSONL file the server appends every engine step and every request's "
         "arrival, admission, refusal and finish to (`iterserve simulate --replay-steps` "
-        "reads it; format: engine/step_log.py); one-process server (num_replicas: 1) only",
+        "reads it; format: engine/core/step_log.py); one-process server (num_replicas: 1) only",
     )
     step_history: int = Field(
         HISTORY,

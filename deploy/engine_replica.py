@@ -25,10 +25,10 @@ from engine import (
     RequestRejectedError,
     SamplingParams,
 )
+from engine.core.step_log import StepRecorder, engine_info
+from engine.core.step_metrics import StepMetrics
 from engine.sim.cost import LinearCost
 from engine.sim.drift import DriftMonitor
-from engine.step_log import StepRecorder, engine_info
-from engine.step_metrics import StepMetrics
 from policies import LoadSnapshot
 from router.contract import (
     Accepted,
@@ -85,7 +85,7 @@ class EngineReplica:
             replicas sharing a machine do not oversubscribe it (oversubscribed OpenMP
             threads wait at barriers for preempted peers: docs/operations.md, "Few cores").
         replica_id: the id the ingress knows this replica by.
-        step_log: a JSONL file to append the step log to (:mod:`engine.step_log`).
+        step_log: a JSONL file to append the step log to (:mod:`engine.core.step_log`).
         step_history: step-log records kept in memory (``GET /steps``); with 0 and no
             ``step_log``, nothing is recorded and :attr:`recorder` is None.
         service: the service config, for the step log's header (a replay of the log
@@ -153,7 +153,7 @@ class EngineReplica:
         )
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """The load snapshot and, under ``"metrics"``, :class:`engine.step_metrics.StepMetrics`
+        """The load snapshot and, under ``"metrics"``, :class:`engine.core.step_metrics.StepMetrics`
         plus the prefix cache's lookups and hits since start, in tokens, and the twin's
         drift (``"step_time_prediction"``: :meth:`engine.sim.drift.DriftMonitor.to_dict`).
         Ray Serve polls it from a served replica; the ingress's admission, routing and

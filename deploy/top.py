@@ -29,7 +29,7 @@ from router.metrics import PREFIX
 
 WINDOW_S = 60.0
 STEP_KINDS = ("decode", "mixed", "prefill")
-"""The step kinds of ``iterserve:step_time_prediction_ratio`` (``engine.step_log``'s)."""
+"""The step kinds of ``iterserve:step_time_prediction_ratio`` (``engine.core.step_log``'s)."""
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 """One scrape: ``{(sample name, sorted labels): value}``."""

@@ -5,17 +5,17 @@ No Ray import here: the engine runs the same in a script, a test or a Serve repl
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from engine.config import EngineConfig
-from engine.interfaces import ModelRunner, StepRecord
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.model_loader import ModelLoadError
-from engine.request import (
+from engine.core.interfaces import ModelRunner, StepRecord
+from engine.core.request import (
     CompletionOutput,
     ParamError,
     RequestOutput,
     RequestOutputKind,
     SamplingParams,
 )
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.model.loader import ModelLoadError
 from policies.limits import RequestRejectedError
 
 __all__ = [

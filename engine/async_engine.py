@@ -13,10 +13,10 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from engine.allocator import IdleRelease
 from engine.config import EngineConfig
+from engine.core.heap_trim import IdleRelease
+from engine.core.request import RequestOutput, SamplingParams
 from engine.llm_engine import LLMEngine, PromptType
-from engine.request import RequestOutput, SamplingParams
 from policies import DEFAULT_CLASS, AdmissionController, Decision, LoadSnapshot
 
 logger = logging.getLogger(__name__)

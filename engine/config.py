@@ -7,7 +7,6 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.attention_backend import FLASH_BLOCK_MULTIPLE, BackendChoice
 from policies import SchedulingPolicy, policy_from_spec
 from policies.slo_guard import RULES
 
@@ -15,6 +14,12 @@ GuardRule = Literal[RULES]
 """A name in ``policies.slo_guard.RULES``."""
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+
+FLASH_BLOCK_MULTIPLE = 256
+"""flash-attn reads a paged cache only in blocks of a multiple of 256 tokens (its
+``mha_varlen_fwd`` refuses others: "Paged KV cache block size must be divisible by 256")."""
+
+BackendChoice = Literal["auto", "sdpa", "cpu_kernels", "flash_attn"]
 
 
 class EngineConfig(BaseModel):
@@ -111,7 +116,7 @@ class EngineConfig(BaseModel):
     cpu_weight_prepack: bool = Field(
         True,
         description="fp32 on CPU: run linear layers through oneDNN on weights "
-        "prepacked once at load (engine.cpu_linear)",
+        "prepacked once at load (engine.cpu.linear)",
     )
     seed: int = Field(
         0, description="seed of the sampling generator shared by requests without a `seed`"

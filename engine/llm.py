@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
+from engine.core.request import RequestOutput, RequestOutputKind, SamplingParams
 from engine.llm_engine import LLMEngine, PromptType
-from engine.request import RequestOutput, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from engine.attention_backend import FlashAttnVarlenFunc
+    from engine.model.attention_backend import FlashAttnVarlenFunc
 
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
 """The offline token budget where none is given. Offline, no step has a TPOT to keep, so
@@ -43,7 +43,7 @@ class LLM:
     ``config`` holds :class:`EngineConfig` fields (``max_num_seqs``, ``num_kv_blocks``, ...);
     ``max_num_batched_tokens`` and ``max_num_seqs`` default to :data:`OFFLINE_DEFAULTS`.
     ``flash_attn_varlen_func`` replaces flash-attn's own function on the ``flash_attn``
-    attention backend (see :func:`engine.attention_backend.select_attention_backend`). The
+    attention backend (see :func:`engine.model.attention_backend.select_attention_backend`). The
     underlying :class:`LLMEngine` is ``llm.llm_engine``.
     """
 

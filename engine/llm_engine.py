@@ -11,13 +11,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from engine.allocator import release_free_memory
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.interfaces import FinishRecord, ModelRunner, StepRecord
-from engine.kv_cache import BlockManager
-from engine.outputs import RequestGroup, make_output
-from engine.request import (
+from engine.core.heap_trim import release_free_memory
+from engine.core.interfaces import FinishRecord, ModelRunner, StepRecord
+from engine.core.kv_cache import BlockManager
+from engine.core.outputs import RequestGroup, make_output
+from engine.core.request import (
     CompletionOutput,
     FinishReason,
     ParamError,
@@ -26,14 +25,15 @@ from engine.request import (
     RequestOutput,
     SamplingParams,
 )
-from engine.schedule_output import SchedulerOutput
-from engine.scheduler import Scheduler
-from engine.structured import StructuredOutput
+from engine.core.schedule_output import SchedulerOutput
+from engine.core.scheduler import Scheduler
+from engine.model.detokenizer import IncrementalDetokenizer
+from engine.model.structured import StructuredOutput
 from policies import DEFAULT_CLASS, LoadSnapshot, make_classes
 from policies.limits import RequestLimits
 
 if TYPE_CHECKING:
-    from engine.attention_backend import FlashAttnVarlenFunc
+    from engine.model.attention_backend import FlashAttnVarlenFunc
 
 RECENT_STEPS = 8
 """Steps averaged into ``LoadSnapshot.recent_step_s`` (a few, so it follows bursts)."""
@@ -72,7 +72,7 @@ class LLMEngine:
         """Assemble an engine from its parts (:meth:`from_config` loads the model).
 
         Args:
-            runner: executes steps (:class:`engine.interfaces.ModelRunner`); its KV cache
+            runner: executes steps (:class:`engine.core.interfaces.ModelRunner`); its KV cache
                 size, context length, vocabulary and EOS ids are the engine's.
             tokenizer: a transformers tokenizer of the runner's model.
             scheduler: None: ``Scheduler.from_config`` over ``runner.num_kv_blocks``
@@ -129,7 +129,7 @@ class LLMEngine:
         clock: Callable[[], float] = time.monotonic,
         flash_attn_varlen_func: FlashAttnVarlenFunc | None = None,
     ) -> LLMEngine:
-        """Load ``config.model`` onto a :class:`engine.runner.TorchModelRunner` and
+        """Load ``config.model`` onto a :class:`engine.model.runner.TorchModelRunner` and
         build the engine around it. ``flash_attn_varlen_func`` replaces flash-attn's own
         function on the ``flash_attn`` attention backend (a test's reference kernel).
 
@@ -138,7 +138,7 @@ class LLMEngine:
             ValueError: the KV cache budget holds no block, or the attention backend
                 cannot run here.
         """
-        from engine.runner import TorchModelRunner
+        from engine.model.runner import TorchModelRunner
 
         runner, tokenizer, model_dir = TorchModelRunner.load(config, flash_attn_varlen_func)
         engine = cls(
@@ -162,7 +162,7 @@ class LLMEngine:
 
     @property
     def weights(self):
-        """How the model holds its weights (:class:`engine.model_loader.WeightInfo`), or None
+        """How the model holds its weights (:class:`engine.model.loader.WeightInfo`), or None
         for a runner that does not say (a test's fake)."""
         return getattr(self.runner, "weights", None)
 

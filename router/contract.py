@@ -238,7 +238,7 @@ class Replica(Protocol):
 
 class StepEvents(Protocol):
     """Where the ingress records each request's arrival, admission or refusal, and reads
-    the replica's recent steps for ``GET /steps`` (:class:`engine.step_log.StepRecorder`;
+    the replica's recent steps for ``GET /steps`` (:class:`engine.core.step_log.StepRecorder`;
     its module gives the records' format). Times are ``time.monotonic`` seconds."""
 
     def arrival(

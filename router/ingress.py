@@ -242,7 +242,7 @@ class Ingress:
     async def steps(self, request: Request) -> Response:
         """``GET /steps[?seconds=S]``: the step log's header and its records of the last
         ``S`` seconds (default: all kept), as ``{"records": [...]}``
-        (:mod:`engine.step_log` gives the format). The API key rules of ``/v1/models``
+        (:mod:`engine.core.step_log` gives the format). The API key rules of ``/v1/models``
         apply. 404 when no step history is kept (``step_history: 0``, or replicas on
         Ray Serve); 400 for a bad ``seconds``."""
         try:

@@ -12,7 +12,7 @@ Two sources feed it:
 * the ingress measures each request as its client sees it (:class:`RequestRecord`): TTFT,
   inter-token latency, TPOT, end-to-end latency, queue time, tokens, finish reasons,
   aborts, admission rejections, SLO outcomes;
-* each replica counts its own steps (:class:`engine.step_metrics.StepMetrics`: step time,
+* each replica counts its own steps (:class:`engine.core.step_metrics.StepMetrics`: step time,
   prefill and decode tokens per step, preemptions, with their buckets) and checks their
   times against the simulator's step-time model (:class:`engine.sim.drift.DriftMonitor`);
   the cumulative counts and the drift travel with the load snapshot Ray Serve already
@@ -89,7 +89,7 @@ def _histogram(
     labels: list[str],
     data: Iterable[tuple[list[str], Mapping[str, Any]]],
 ) -> HistogramMetricFamily:
-    """A histogram family from replicas' ``engine.step_metrics.Buckets.to_dict`` dicts."""
+    """A histogram family from replicas' ``engine.core.step_metrics.Buckets.to_dict`` dicts."""
     fam = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
     for values, h in data:
         counts, running, buckets = h["counts"], 0, []

@@ -71,7 +71,7 @@ def model_dir():
     """The embedded model's directory, or ``$ITERSERVE_TEST_MODEL``'s where it is set (a
     transformers directory or a ``.gguf`` file; ``bench.gpu_check --model`` sets it for
     ``tests/test_gpu.py``)."""
-    from engine.model_loader import resolve_model_dir
+    from engine.model.loader import resolve_model_dir
 
     return resolve_model_dir(os.environ.get("ITERSERVE_TEST_MODEL") or None)
 

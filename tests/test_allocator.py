@@ -1,4 +1,4 @@
-"""engine.allocator: the C heap's free pages go back to the system."""
+"""engine.core.heap_trim: the C heap's free pages go back to the system."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import platform
 import psutil
 import pytest
 
-from engine.allocator import IdleRelease, release_free_memory
+from engine.core.heap_trim import IdleRelease, release_free_memory
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import (
+from engine.layers.attention import (
     DECODE_SPLIT_SLOTS,
     AttentionMetadata,
     DecodeGroup,

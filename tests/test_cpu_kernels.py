@@ -1,5 +1,5 @@
-"""The C kernels (engine.cpu_kernels) and the decoder layers built on them
-(engine.kernel_layers) against PyTorch's ops and the fused PyTorch layers."""
+"""The C kernels (engine.cpu.kernels) and the decoder layers built on them
+(engine.cpu.kernel_layers) against PyTorch's ops and the fused PyTorch layers."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from engine.cpu_kernels import load
-from engine.fused_layers import fuse_layers
-from engine.kernel_layers import KernelDecoderLayer, use_kernel_layers
+from engine.cpu import kernels as cpu_kernels
+from engine.cpu.kernel_layers import KernelDecoderLayer, use_kernel_layers
+from engine.cpu.kernels import load
+from engine.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from engine.layers.fused import fuse_layers
 from tests.test_fused_layers import BLOCK, tiny_model
 
 kernels = load()
-needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler for engine.cpu_kernels")
+needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler for engine.cpu.kernels")
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -311,7 +311,7 @@ def test_loading_the_kernels_leaves_the_process_floating_point_mode_alone():
     # A library linked with -ffast-math turns on flush-to-zero in the thread that loads it:
     # every subnormal result of the process (its own Python floats included) becomes 0.
     code = (
-        "from engine import cpu_kernels\n"
+        "from engine.cpu import kernels as cpu_kernels\n"
         "assert cpu_kernels.load() is not None\n"
         "print(2.2250738585072014e-308 / 2 > 0)\n"
     )

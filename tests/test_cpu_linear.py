@@ -1,4 +1,4 @@
-"""oneDNN-prepacked linear layers (engine.cpu_linear) against torch's own."""
+"""oneDNN-prepacked linear layers (engine.cpu.linear) against torch's own."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_linear import (
+from engine.cpu.linear import (
     BUCKETS_PER_OCTAVE,
     PackedLinear,
     prepack_linears,

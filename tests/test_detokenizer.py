@@ -1,8 +1,8 @@
 import pytest
 from transformers import AutoTokenizer
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_loader import resolve_model_dir
+from engine.model.detokenizer import IncrementalDetokenizer
+from engine.model.loader import resolve_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from engine import (
     SamplingParams,
 )
 from engine.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS, OFFLINE_MAX_NUM_SEQS
-from engine.model_loader import ModelLoadError, load_model
+from engine.model.loader import ModelLoadError, load_model
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams, StepRecord
-from engine.sampler import SampleResult
+from engine.core.interfaces import SampleResult
 
 EOS = 0
 VOCAB = 1000

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention_backend import select_attention_backend
-from engine.cpu_linear import PackedLinear
-from engine.runner import TorchModelRunner
+from engine.cpu.linear import PackedLinear
+from engine.model.attention_backend import select_attention_backend
+from engine.model.runner import TorchModelRunner
 from tests.flash_reference import ContractError, ReferenceFlashAttn
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Fused q/k/v, gate/up and RMSNorm layers (engine.fused_layers) against transformers' own."""
+"""Fused q/k/v, gate/up and RMSNorm layers (engine.layers.fused) against transformers' own."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-import engine.runner  # noqa: F401  (registers the paged attention with transformers)
-from engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, PrefillChunk
-from engine.fused_layers import FusedAttention, FusedMLP, RMSNorm, fuse_layers
+import engine.model.runner  # noqa: F401  (registers the paged attention with transformers)
+from engine.layers.attention import ATTN_IMPLEMENTATION, AttentionMetadata, PrefillChunk
+from engine.layers.fused import FusedAttention, FusedMLP, RMSNorm, fuse_layers
 
 BLOCK = 4
 

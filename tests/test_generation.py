@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cpu_linear import PackedLinear
+from engine.cpu.linear import PackedLinear
 
 # transformers' generate and several engines over every prompt: the suite's correctness check.
 pytestmark = pytest.mark.slow

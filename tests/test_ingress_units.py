@@ -415,7 +415,7 @@ def test_default_values_and_fields_that_change_nothing_are_accepted():
     ]:
         got = fmt.validate({**chat, "response_format": fmt_}, ChatCompletionRequest)
         assert fmt.sampling_params(got, chat=True)["json_schema"] == want
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
 
     SamplingParams(**params)  # every field the ingress sends is one the engine takes
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.cpu_kernels import load
+from engine.cpu.kernels import load
 
 kernels = load()
-needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler for engine.cpu_kernels")
+needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler for engine.cpu.kernels")
 HALF = [torch.float16, torch.bfloat16]
 
 

@@ -1,4 +1,4 @@
-"""router.metrics and engine.step_metrics without a cluster: what the ingress renders from
+"""router.metrics and engine.core.step_metrics without a cluster: what the ingress renders from
 requests and replicas."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.step_metrics import StepMetrics
+from engine.core.step_metrics import StepMetrics
 from router.metrics import ATTAINMENT_WINDOW_S, IngressMetrics
 
 

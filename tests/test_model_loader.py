@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import model_loader
-from engine.model_loader import ModelLoadError, resolve_model_dir
+from engine.model import loader as model_loader
+from engine.model.loader import ModelLoadError, resolve_model_dir
 
 
 def test_default_model_resolves_to_a_transformers_directory(model_dir):

@@ -9,9 +9,9 @@ import random
 import pytest
 
 from engine.config import EngineConfig
-from engine.kv_cache import BlockManager
-from engine.request import FinishReason, Request, SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.kv_cache import BlockManager
+from engine.core.request import FinishReason, Request, SamplingParams
+from engine.core.scheduler import Scheduler
 from policies import FCFSPolicy
 from tests.test_scheduler import FakeClock, fake_step
 

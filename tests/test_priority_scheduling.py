@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 from policies import FCFSPolicy, PriorityPolicy, StaticBatchPolicy
 from tests.test_scheduler import fake_step, make_request, make_scheduler
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model_loader import default_gguf_path, weight_bytes
+from engine.model.loader import default_gguf_path, weight_bytes
 from engine.quant import kernels as quant_kernels
 from engine.quant.decode_stack import DecodeStack
 from engine.quant.formats import PackedTensor
@@ -230,7 +230,7 @@ def test_weight_only_quantization_stays_within_its_bounds(
 
 
 def test_quantizing_a_gguf_or_without_kernels_is_refused(model_dir, monkeypatch):
-    from engine.model_loader import ModelLoadError
+    from engine.model.loader import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="already quantized"):
         LLM(quantization="int8", num_kv_blocks=16)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, ParamError, RequestOutputKind, sampler
+from engine import LLM, ParamError, RequestOutputKind
 from engine import SamplingParams as SP
-from engine.logits_processors import apply
-from engine.request import Request
-from engine.sampler import Sampler
+from engine.core.request import Request
+from engine.model import sampler
+from engine.model.logits_processors import apply
+from engine.model.sampler import Sampler
 
 VOCAB = 10
 
@@ -234,8 +235,8 @@ def test_min_tokens_delays_eos(llm):
 
 
 def test_a_delta_output_reports_a_finished_sequence_once():
-    from engine.outputs import RequestGroup, make_output
-    from engine.request import FinishReason, RequestStatus
+    from engine.core.outputs import RequestGroup, make_output
+    from engine.core.request import FinishReason, RequestStatus
 
     class _Detok:
         text = ""

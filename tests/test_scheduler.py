@@ -6,10 +6,10 @@ import random
 import zlib
 
 from engine.config import EngineConfig
-from engine.kv_cache import BlockManager
-from engine.request import FinishReason, Request, RequestStatus, SamplingParams
-from engine.schedule_output import SchedulerOutput
-from engine.scheduler import Scheduler
+from engine.core.kv_cache import BlockManager
+from engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from engine.core.schedule_output import SchedulerOutput
+from engine.core.scheduler import Scheduler
 from policies import FCFSPolicy
 
 

@@ -1,4 +1,4 @@
-"""The step log (engine/step_log.py): its format, what the real engine records in it,
+"""The step log (engine/core/step_log.py): its format, what the real engine records in it,
 ``GET /steps``, and the replay of a small recorded log through the simulator, matched
 step for step (deploy/sim/replay.py)."""
 
@@ -15,9 +15,9 @@ from pydantic import ValidationError
 from deploy.config import ServiceConfig
 from deploy.sim.replay import BARS, compare, replay, service_config
 from engine import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
-from engine.interfaces import FinishRecord, StepRecord
+from engine.core.interfaces import FinishRecord, StepRecord
+from engine.core.step_log import IDLE_GAP_S, VERSION, StepLog, StepRecorder, engine_info
 from engine.sim.calibrate import fit_log
-from engine.step_log import IDLE_GAP_S, VERSION, StepLog, StepRecorder, engine_info
 
 SMALL_LOG = Path(__file__).parent / "data" / "step_log_small.jsonl"
 INFO = {"model": "m", "num_kv_blocks": 10, "block_size": 16, "max_model_len": 64}

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from engine import LLM, ParamError, SamplingParams
-from engine.structured import GRAMMAR_CACHE
+from engine.model.structured import GRAMMAR_CACHE
 
 PERSON = {
     "type": "object",

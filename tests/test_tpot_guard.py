@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.kv_cache import BlockManager
-from engine.request import FinishReason, RequestStatus
-from engine.scheduler import Scheduler
+from engine.core.kv_cache import BlockManager
+from engine.core.request import FinishReason, RequestStatus
+from engine.core.scheduler import Scheduler
 from policies import PriorityPolicy, StepTimeModel
 from tests.test_scheduler import FakeClock, fake_step, make_request
 

@@ -1,6 +1,6 @@
 """iterserve's engine in this process, for the scheduling experiments: start (warmed up),
 stop, check that a run left no request or KV block behind, and log every step (in the
-server's step-log format, :mod:`engine.step_log`)."""
+server's step-log format, :mod:`engine.core.step_log`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 from bench.toolkit import loadgen
 from bench.toolkit.targets import EngineTarget
 from bench.toolkit.workload import token_ids
-from engine.step_log import StepRecorder, engine_info
+from engine.core.step_log import StepRecorder, engine_info
 
 
 async def start_engine(
@@ -33,7 +33,7 @@ async def start_engine(
     loop = asyncio.get_running_loop()
     t = time.perf_counter()
     aeng = await loop.run_in_executor(None, AsyncLLMEngine.from_config, EngineConfig(**config))
-    if step_log is not None:  # the server's step-log format (engine.step_log)
+    if step_log is not None:  # the server's step-log format (engine.core.step_log)
         StepRecorder(engine_info(aeng.engine), step_log, history=0).attach(aeng.engine)
     # Kernels, the allocator and the step-time model's first fit.
     warm = EngineTarget(aeng)

@@ -127,7 +127,7 @@ def _load_hf(attn: str = "sdpa"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.model_loader import resolve_model_dir
+    from engine.model.loader import resolve_model_dir
 
     model_dir = resolve_model_dir(None)  # the same directory as llm.llm_engine.model_dir
     model = AutoModelForCausalLM.from_pretrained(

@@ -76,7 +76,7 @@ SYSTEMS = {
 
 def model_dir() -> str:
     """The embedded default model's converted transformers directory (converts once)."""
-    from engine.model_loader import resolve_model_dir
+    from engine.model.loader import resolve_model_dir
 
     return str(resolve_model_dir(None))
 

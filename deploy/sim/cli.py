@@ -343,7 +343,7 @@ def run_command(args: argparse.Namespace) -> int:
     check_args(args)
     if args.replay_steps or args.from_url:
         from deploy.sim import twin
-        from engine.step_log import StepLog
+        from engine.core.step_log import StepLog
 
         if args.replay_steps:
             log = StepLog.read(args.replay_steps)

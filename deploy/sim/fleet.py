@@ -28,7 +28,7 @@ from deploy.config import ServiceConfig
 from deploy.sim import ROUTING
 from deploy.sim.trace import SimRequest
 from engine import LLMEngine, RequestOutputKind, SamplingParams
-from engine.interfaces import StepRecord
+from engine.core.interfaces import StepRecord
 from engine.sim import SimClock, sim_engine
 from policies import Admit, LoadSnapshot, Reject, TrafficClass
 from policies.autoscale import (
@@ -186,7 +186,7 @@ class Fleet:
         engine_lag_s: per request id, seconds from its admission until its engine has
             it (a replay's measured hand-over; until then no load shows it, and the TPOT
             guard's TTFT deadlines count from then; default none).
-        record_steps: keep every replica's :class:`engine.interfaces.StepRecord` in
+        record_steps: keep every replica's :class:`engine.core.interfaces.StepRecord` in
             :attr:`steps` (a replay compares them with the real run's).
         autoscaling: scale the fleet in virtual time, starting from
             ``config.num_replicas`` (None: a fixed fleet).

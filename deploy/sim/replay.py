@@ -5,7 +5,7 @@ time, prompt and output tokens, class, priority, ``max_tokens``) through
 :class:`deploy.sim.fleet.Fleet`, whose admission, router, scheduler and TPOT guard are the
 server's own code. A :class:`ReplayRunner` costs each simulated step what the real step
 of the same composition (the same requests, positions and token counts) measured: its
-period (start to the next step's start, :attr:`engine.step_log.LoggedStep.period`), with
+period (start to the next step's start, :attr:`engine.core.step_log.LoggedStep.period`), with
 its tokens stamped and its end at the real offsets; a request that woke the idle engine
 starts its step after the real delay (:func:`wake_delays`), each request reaches
 admission after the real ingress's own delay (:func:`ingress_delays`) and the engine
@@ -30,13 +30,12 @@ from typing import Any
 from deploy.config import ServiceConfig
 from deploy.sim.fleet import Fleet, Outcome, SimRun
 from deploy.sim.trace import SimRequest
-from engine.interfaces import StepRecord
-from engine.sampler import SampleResult
-from engine.schedule_output import SchedulerOutput
+from engine.core.interfaces import SampleResult, StepRecord
+from engine.core.schedule_output import SchedulerOutput
+from engine.core.step_log import IDLE_GAP_S, LoggedStep, StepLog
 from engine.sim.calibrate import fit_log
 from engine.sim.cost import CostModel, StepShape
 from engine.sim.runner import SimClock, SimRunner
-from engine.step_log import IDLE_GAP_S, LoggedStep, StepLog
 from router.admission import POLL_S
 
 Composition = tuple[tuple[str, int, int], ...]

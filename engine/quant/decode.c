@@ -1,13 +1,13 @@
 /* A decode step's decoder layers in one call (engine/quant/decode_stack.py).
  *
  * A step whose rows are all decodes runs, per layer, four products on packed weights and
- * seven small kernels (engine/cpu_kernels.c), the same calls in the same order as
+ * seven small kernels (engine/cpu/kernels.c), the same calls in the same order as
  * engine/kernel_layers.KernelDecoderLayer makes them from Python; here they are made from
  * C, so that the step pays no Python dispatch between them (tens of microseconds a layer
  * at one row). The results are the same bit for bit.
  *
  * The small kernels are those of the other library, reached through the function
- * pointers in `struct dstep` (their signatures are engine/cpu_kernels.c's). Compiled for
+ * pointers in `struct dstep` (their signatures are engine/cpu/kernels.c's). Compiled for
  * the target's baseline: it only orchestrates.
  */
 #include <stdint.h>
@@ -60,7 +60,7 @@ struct dstep {
   int64_t hidden, heads, kv_heads, head_dim, block_size, intermediate;
   float scale;
   int64_t threads;               /* for the products and the attention */
-  int64_t kv_type;               /* the caches' element type (engine/cpu_vec.h) */
+  int64_t kv_type;               /* the caches' element type (engine/cpu/vec.h) */
   rms_fn rms_norm;
   silu_fn silu_mul;
   rope_fn rope;

@@ -3,7 +3,7 @@
 A step whose rows are all decodes spends, at one to a few rows, more time dispatching
 Python between kernels than in the kernels themselves: some fifteen calls a layer, each a
 few microseconds. :class:`DecodeStack` runs the same layer sequence as
-:class:`engine.kernel_layers.KernelDecoderLayer` (RMSNorm, the fused q/k/v product, RoPE,
+:class:`engine.cpu.kernel_layers.KernelDecoderLayer` (RMSNorm, the fused q/k/v product, RoPE,
 the cache write, decode attention, the output product, add and RMSNorm, gate/up, SiLU and
 multiply, down, add), with the same kernels in the same order, from C; the embedding, the
 final norm and the LM head stay the model's own modules. The logits are therefore the same
@@ -22,9 +22,9 @@ import ctypes
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
-from engine.cpu_kernels import KV_TYPES, CpuKernels
-from engine.kernel_layers import KernelDecoderLayer
+from engine.cpu.kernel_layers import KernelDecoderLayer
+from engine.cpu.kernels import KV_TYPES, CpuKernels
+from engine.layers.attention import AttentionMetadata
 from engine.quant.formats import PackedTensor
 from engine.quant.kernels import QuantKernels
 from engine.quant.linear import QuantLinear

@@ -1,7 +1,7 @@
 """Products on packed weights (``engine/quant/kernels.c``, dispatched by
 ``engine/quant/qdispatch.c``), compiled on first use and called through ctypes.
 
-The library is built as :mod:`engine.cpu_kernels`' is (``cc``, into
+The library is built as :mod:`engine.cpu.kernels`' is (``cc``, into
 ``$ITERSERVE_CACHE/kernels``, once per source, compiler and CPU), but never with
 ``-march=native``: ``kernels.c`` is compiled once per instruction set (x86-64-v4 for
 AVX-512, x86-64-v3 for AVX2/FMA/F16C, and the target's baseline) and the dispatcher picks
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_kernels import OPENMP_FLAG, CompileUnit, compile_library, open_library
+from engine.cpu.kernels import OPENMP_FLAG, CompileUnit, compile_library, open_library
 from engine.quant.formats import PackedTensor
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 :class:`QuantLinear` is ``nn.Linear``'s drop-in: ``[..., k]`` fp32 in, ``[..., n]`` out. Its
 weight is a list of row blocks ("parts"), each packed in its own format or, for a type the
-kernels do not cover, plain fp32: the fused projections (:mod:`engine.fused_layers`) join
+kernels do not cover, plain fp32: the fused projections (:mod:`engine.layers.fused`) join
 q, k and v, or gate and up, whose formats may differ (a Q4_K_M file keeps some ``attn_v``
 in Q6_K). Each part writes its own columns of the one output.
 

@@ -1,6 +1,6 @@
 /* The entry points of the packed-weight kernels (engine/quant/kernels.c): pick the
  * variant compiled for the best instruction set this CPU has, once, and share a product's
- * output rows among OpenMP threads (torch's pool: see OPENMP_FLAG in engine/cpu_kernels.py).
+ * output rows among OpenMP threads (torch's pool: see OPENMP_FLAG in engine/cpu/kernels.py).
  * Compiled for the baseline of the target, so that it runs everywhere. */
 #include <stdint.h>
 #include <stdlib.h>

@@ -27,9 +27,9 @@ import statistics
 import time
 
 from engine.config import EngineConfig
-from engine.interfaces import StepRecord
+from engine.core.interfaces import StepRecord
+from engine.core.step_log import STEP_KINDS, LoggedStep, StepLog
 from engine.sim.cost import FEATURES, LinearCost, StepShape, fit_linear
-from engine.step_log import STEP_KINDS, LoggedStep, StepLog
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 WARMUP_STEPS = 5
@@ -166,7 +166,7 @@ def calibrate(
 
 def fit_log(log: StepLog, steps: list[LoggedStep] | None = None, source: str = "") -> LinearCost:
     """A :class:`LinearCost` fitted on a step log's steps (default: all), each costing its
-    period (:attr:`engine.step_log.LoggedStep.period`), with the KV capacity and limits of
+    period (:attr:`engine.core.step_log.LoggedStep.period`), with the KV capacity and limits of
     the engine that logged them.
 
     Raises:

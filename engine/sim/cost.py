@@ -25,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.schedule_output import SchedulerOutput
+from engine.core.schedule_output import SchedulerOutput
 from engine.sim.hardware import GPUS, MODELS, GpuSpec, ModelSpec
 
 FEATURES = (
@@ -61,7 +61,7 @@ class StepShape:
 
     @classmethod
     def of_record(cls, seqs: tuple[tuple[str, int, int], ...], num_decodes: int) -> StepShape:
-        """The shape from a :class:`engine.interfaces.StepRecord`'s ``seqs`` (id, start,
+        """The shape from a :class:`engine.core.interfaces.StepRecord`'s ``seqs`` (id, start,
         tokens), decodes first."""
         return cls.of_spans([(start, n) for _, start, n in seqs], num_decodes)
 

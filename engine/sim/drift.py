@@ -5,10 +5,10 @@ The simulator (``iterserve simulate``) costs each step with a step-time model
 build stops predicting another's steps; :class:`DriftMonitor` tells how far, as the
 replica serves. Fed every step the engine runs (:attr:`engine.LLMEngine.on_step`), it
 predicts each step's seconds from its composition (:meth:`engine.sim.cost.StepShape.of_record`)
-and measures its period, as the step log does (:attr:`engine.step_log.LoggedStep.period`):
+and measures its period, as the step log does (:attr:`engine.core.step_log.LoggedStep.period`):
 from its start to the next step's start, or its own ``seconds`` where more than
-:data:`engine.step_log.IDLE_GAP_S` of idleness follows. Per step kind (``decode``,
-``mixed``, ``prefill``: :data:`engine.step_log.STEP_KINDS`) over the last ``window_s``
+:data:`engine.core.step_log.IDLE_GAP_S` of idleness follows. Per step kind (``decode``,
+``mixed``, ``prefill``: :data:`engine.core.step_log.STEP_KINDS`) over the last ``window_s``
 seconds it reports ``sum(predicted) / sum(measured)``: 1 is a perfect twin, below 1 the
 twin is optimistic (real steps take longer), above 1 pessimistic.
 
@@ -28,9 +28,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from engine.interfaces import StepRecord
+from engine.core.interfaces import StepRecord
+from engine.core.step_log import IDLE_GAP_S, STEP_KINDS, step_kind
 from engine.sim.cost import CostModel, LinearCost, StepShape, fit_linear
-from engine.step_log import IDLE_GAP_S, STEP_KINDS, step_kind
 
 WINDOW_S = 60.0
 """Seconds of steps the ratio covers."""
@@ -152,7 +152,7 @@ class DriftMonitor:
             s[0], s[1] = (s[0] - predicted, s[1] - measured) if s[2] else (0.0, 0.0)
 
     def ratios(self, now: float | None = None) -> dict[str, tuple[float | None, int]]:
-        """Per kind (every one of :data:`engine.step_log.STEP_KINDS`): ``(sum of predicted
+        """Per kind (every one of :data:`engine.core.step_log.STEP_KINDS`): ``(sum of predicted
         / sum of measured seconds, steps)`` over the steps that started in the last
         ``window_s`` seconds before ``now`` (default: the clock's now); the ratio is None
         where the kind had no step. The last step counts once idleness after it shows

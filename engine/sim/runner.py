@@ -7,9 +7,9 @@ TPOT guard in virtual time (``tests/test_engine_seams.py`` shows the seam).
 from __future__ import annotations
 
 from engine.config import EngineConfig
+from engine.core.interfaces import SampleResult
+from engine.core.schedule_output import SchedulerOutput
 from engine.llm_engine import LLMEngine
-from engine.sampler import SampleResult
-from engine.schedule_output import SchedulerOutput
 from engine.sim.cost import CostModel, StepShape
 
 SIM_TOKEN_ID = 1
@@ -47,7 +47,7 @@ class SimTokenizer:
 
 
 class SimRunner:
-    """:class:`engine.interfaces.ModelRunner` over a cost model (``num_kv_blocks``,
+    """:class:`engine.core.interfaces.ModelRunner` over a cost model (``num_kv_blocks``,
     ``max_model_len`` and ``vocab_size`` come from it).
 
     ``steps`` counts executed steps; ``busy_s`` sums their seconds.

@@ -22,10 +22,10 @@ from engine import (
     RequestFailedError,
     RequestOutputKind,
     SamplingParams,
-    logits_processors,
 )
-from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import MAX_FAILED_STEPS, EngineBrokenError
+from engine.model import logits_processors
+from engine.model.detokenizer import IncrementalDetokenizer
 from router.contract import ModelInfo, RequestShape, StepItem
 from router.dispatch import Dispatch
 from router.errors import ApiError

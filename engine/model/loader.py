@@ -37,11 +37,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from engine.cache import cache_dir
-from engine.cpu_kernels import CpuKernels
-from engine.cpu_linear import prepack_linears, prepack_supported
-from engine.fused_layers import fuse_layers
-from engine.kernel_layers import use_kernel_layers
+from engine.cache_dir import cache_dir
+from engine.cpu.kernel_layers import use_kernel_layers
+from engine.cpu.kernels import CpuKernels
+from engine.cpu.linear import prepack_linears, prepack_supported
+from engine.layers.fused import fuse_layers
 
 logger = logging.getLogger(__name__)
 
@@ -211,9 +211,9 @@ def load_model(
         attn_implementation: the attention function's name in transformers'
             ``AttentionInterface``.
         prepack: replace the fp32 linear layers by oneDNN-prepacked ones where that applies
-            (fp32 on CPU; :mod:`engine.cpu_linear`).
+            (fp32 on CPU; :mod:`engine.cpu.linear`).
         cpu_kernels: run the decoder layers through these kernels
-            (:mod:`engine.kernel_layers`), as the ``cpu_kernels`` attention backend does.
+            (:mod:`engine.cpu.kernel_layers`), as the ``cpu_kernels`` attention backend does.
         quantization: see the module docstring.
 
     Raises:

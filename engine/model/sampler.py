@@ -1,25 +1,17 @@
 """Token sampling: greedy, temperature, min-p, top-k and top-p, with per-request seeds,
-after each request's logits processors (:mod:`engine.logits_processors`) and grammar
-(:mod:`engine.structured`); and the prompt log-probabilities of requests that ask."""
+after each request's logits processors (:mod:`engine.model.logits_processors`) and grammar
+(:mod:`engine.model.structured`); and the prompt log-probabilities of requests that ask."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine import logits_processors, structured
-from engine.request import Request
-
-
-@dataclass(slots=True)
-class SampleResult:
-    """One sampled token; ``logprobs`` maps token id -> log-probability (None if not asked)."""
-
-    token_id: int
-    logprobs: dict[int, float] | None = None
+from engine.core.interfaces import SampleResult
+from engine.core.request import Request
+from engine.model import logits_processors, structured
 
 
 class Sampler:

@@ -1,5 +1,5 @@
 """Where the engine keeps what it builds once and reuses: converted models
-(:mod:`engine.model_loader`) and compiled CPU kernels (:mod:`engine.cpu_kernels`)."""
+(:mod:`engine.model.loader`) and compiled CPU kernels (:mod:`engine.cpu.kernels`)."""
 
 from __future__ import annotations
 

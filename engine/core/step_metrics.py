@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-from engine.interfaces import StepRecord
+from engine.core.interfaces import StepRecord
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 """Seconds per engine step."""

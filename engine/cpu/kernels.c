@@ -1,4 +1,4 @@
-/* Fused fp32 CPU kernels; loaded by engine/cpu_kernels.py.
+/* Fused fp32 CPU kernels; loaded by engine/cpu/kernels.py.
  *
  * The small ones replace several PyTorch ops whose fixed dispatch cost (microseconds each)
  * dominates at the row counts of decode steps; they run on
@@ -18,7 +18,7 @@
  * waking them costs about what they save. */
 #define DECODE_PARALLEL_MIN 1024
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (RMSNorm, Zhang and Sennrich 2019).
  * With delta, x[r] += delta[r] first, in place (the residual add before the norm). Rows
@@ -84,7 +84,7 @@ void rope(float *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t d,
 }
 
 /* cache[slots[r]] = src[r] for K and V: caches [num_slots, width] of element type kv_type
- * (cpu_vec.h), sources fp32 and row-strided. */
+ * (vec.h), sources fp32 and row-strided. */
 void cache_write(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                  const int64_t *slots, int64_t rows, int64_t width, void *k_cache,
                  void *v_cache, int64_t threads, int64_t kv_type) {
@@ -97,7 +97,7 @@ void cache_write(const float *k, int64_t k_stride, const float *v, int64_t v_str
   }
 }
 
-/* Row `slot` of a cache of element type t (cpu_vec.h) as fp32: in place for fp32, else
+/* Row `slot` of a cache of element type t (vec.h) as fp32: in place for fp32, else
  * converted into buf (`row` floats). */
 static inline const float *kv_row(const void *cache, int t, int64_t slot, int64_t row,
                                   float *buf) {
@@ -146,7 +146,7 @@ static void decode_one(const float *q, const void *k_cache, const void *v_cache,
 /* One query token per sequence against its paged context (softmax(q K^T * scale) V).
  * q: [n, H, D], row stride q_stride; caches: [num_blocks * bs, KVH, D]; tables: [n,
  * table_stride] block ids; lens: [n] context tokens (>= 1); out: [n, H, D], row stride
- * out_stride; kv_type: the caches' element type (cpu_vec.h). Query head h reads KV head h / (H / KVH) (grouped-query attention). Each
+ * out_stride; kv_type: the caches' element type (vec.h). Query head h reads KV head h / (H / KVH) (grouped-query attention). Each
  * token's K and V rows (all KV heads, contiguous, and a block's tokens contiguous) are
  * read once, in cache order, for every head: the cache streams from memory at long
  * contexts, so its order of access sets the speed. Sequences are shared among `threads`

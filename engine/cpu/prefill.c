@@ -1,12 +1,12 @@
 /* Causal prefill attention on the paged KV cache, across OpenMP threads; loaded with
- * engine/cpu_kernels.c (see the conventions there). */
+ * engine/cpu/kernels.c (see the conventions there). */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 /* ---- Prefill attention: causal, on the paged cache in place, across threads. ----
  * Scores are kept transposed, St[key][row], so that a unit's query rows (TILE_Q tokens x
@@ -20,7 +20,7 @@
 
 struct prefill_job {
   const float *q;
-  const void *k_cache, *v_cache; /* element type kv_type (cpu_vec.h) */
+  const void *k_cache, *v_cache; /* element type kv_type (vec.h) */
   const int32_t *tables, *qsl, *lens;
   float *out;
   int64_t q_stride, table_stride, out_stride, H, KVH, D, bs, s0, n_units;
@@ -235,7 +235,7 @@ static void prefill_worker(struct prefill_job *j) {
  * lens[s] - (qsl[s+1] - qsl[s]) + t. D must be a multiple of 64. Exact softmax per row
  * (scores in memory, not online), so no rescaling. Work units (16 query tokens x one KV
  * head) are shared among `threads` OpenMP threads. kv_type: the caches' element type
- * (cpu_vec.h).
+ * (vec.h).
  * Returns 0, -1 without memory, -2 for an unsupported D. */
 int prefill_attention(const float *q, int64_t q_stride, const void *k_cache,
                       const void *v_cache, const int32_t *tables, int64_t table_stride,

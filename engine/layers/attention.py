@@ -1,13 +1,13 @@
 """Paged attention registered with transformers' ``AttentionInterface``.
 
-The decoder layers (:class:`engine.fused_layers.FusedAttention`) compute q/k/v and RoPE and
+The decoder layers (:class:`engine.layers.fused.FusedAttention`) compute q/k/v and RoPE and
 call :func:`paged_attention` once per layer with a flattened varlen batch (batch dimension 1,
 ``T`` tokens); it keeps transformers' attention-interface signature. The
 function writes the new K/V into the paged cache through the slot mapping, then attends
 each query to its sequence's cached context. The step's metadata arrives as the keyword
 argument ``attn_metadata``, passed to the model's forward: no global state.
 
-Backends (chosen by :mod:`engine.attention_backend`):
+Backends (chosen by :mod:`engine.model.attention_backend`):
 * flash-attn (``block_size`` a multiple of 256): ``flash_attn_varlen_func`` with a block
   table reads the paged cache in place (Dao, FlashAttention-2, 2023). The function comes
   with the metadata, so a test can run this path on CPU with a reference implementation.
@@ -19,11 +19,46 @@ Backends (chosen by :mod:`engine.attention_backend`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from engine.attention_backend import FlashAttnVarlenFunc
+
+class FlashAttnVarlenFunc(Protocol):
+    """``flash_attn.flash_attn_varlen_func`` as the engine calls it, on a paged cache.
+
+    Args:
+        q: ``[total_q, H, D]``, the step's queries, sequence after sequence.
+        k, v: ``[num_blocks, block_size, KVH, D]``, the paged cache (``H % KVH == 0``).
+        cu_seqlens_q: ``[B + 1]`` int32, offsets of each sequence's queries in ``q``.
+        cu_seqlens_k: ``[B + 1]`` int32, running sums of each sequence's key count (its
+            whole context, this step's tokens included).
+        max_seqlen_q, max_seqlen_k: the longest query run and context of the batch.
+        softmax_scale: multiplies ``q @ k.T`` before the softmax.
+        causal: a query attends to keys up to its own position, the mask aligned to the
+            bottom right (the last query of a sequence sees its whole context).
+        block_table: ``[B, max_blocks]`` int32, each sequence's cache blocks in order.
+
+    Returns:
+        ``[total_q, H, D]``.
+    """
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        softmax_scale: float | None,
+        causal: bool,
+        block_table: torch.Tensor,
+    ) -> torch.Tensor: ...
+
 
 ATTN_IMPLEMENTATION = "iterserve_paged"
 DECODE_SPLIT_SLOTS = 512
@@ -224,7 +259,7 @@ def attend_prefills(
     Shapes: ``q`` and ``out`` ``[T, H, D]``; ``k_new``, ``v_new`` ``[T, KVH, D]`` (this
     step's tokens, already written to the cache); ``k_flat``, ``v_flat``
     ``[num_slots, KVH, D]``. Used by :func:`paged_attention` and
-    :class:`engine.kernel_layers.KernelDecoderLayer`."""
+    :class:`engine.cpu.kernel_layers.KernelDecoderLayer`."""
     for p in md.prefills:
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
         if p.context_slots is None:

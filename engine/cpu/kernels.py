@@ -1,5 +1,5 @@
-"""Fused fp32 CPU kernels (``engine/cpu_kernels.c``, prefill attention in
-``engine/cpu_prefill.c``), compiled on first use and called through ctypes.
+"""Fused fp32 CPU kernels (``engine/cpu/kernels.c``, prefill attention in
+``engine/cpu/prefill.c``), compiled on first use and called through ctypes.
 
 At decode row counts a transformer layer's non-GEMM work is many small PyTorch ops, each
 paying a fixed dispatch cost of a few microseconds, more than the work of a small row; one
@@ -11,7 +11,7 @@ second. Attention, decode and prefill, runs here too, on the paged cache in plac
 torch's OpenMP threads (see ``OPENMP_FLAG``).
 
 Without a C compiler, or with ``ITERSERVE_CPU_KERNELS=0``, :func:`load` returns None and
-the engine runs its PyTorch ops instead (:mod:`engine.fused_layers`).
+the engine runs its PyTorch ops instead (:mod:`engine.layers.fused`).
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
-from engine.cache import cache_dir
+from engine.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "cpu_prefill.c"))
-HEADERS = (Path(__file__).with_name("cpu_vec.h"),)
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("kernels.c", "prefill.c"))
+HEADERS = (Path(__file__).with_name("vec.h"),)
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
 """``-ffast-math`` lets the compiler vectorize the sums (their order changes, as it does
 between PyTorch's own kernels) and decode attention's ``expf`` (glibc's vector math, which
@@ -68,7 +68,7 @@ _SIGNATURES = {
     ),
 }
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-"""The KV cache element types the attention kernels read and write (``cpu_vec.h``), by
+"""The KV cache element types the attention kernels read and write (``vec.h``), by
 dtype."""
 
 
@@ -76,7 +76,7 @@ class CpuKernels:
     """The compiled kernels, called on fp32 CPU tensors whose last dimension is contiguous.
 
     Callers guarantee dtypes and layouts (the decoder layers of
-    :mod:`engine.kernel_layers` build every tensor they pass); the kernels do not check.
+    :mod:`engine.cpu.kernel_layers` build every tensor they pass); the kernels do not check.
     """
 
     def __init__(self, lib: ctypes.CDLL, parallel: bool = True) -> None:

@@ -9,7 +9,7 @@ Serving engines concatenate these weights at load (vLLM's ``QKVParallelLinear`` 
 modules per layer, and leaves the model's skeleton (embedding, layer loop, rotary
 embedding, LM head) to transformers.
 
-The swapped modules hold plain ``nn.Linear`` children, so :func:`engine.cpu_linear.prepack_linears`
+The swapped modules hold plain ``nn.Linear`` children, so :func:`engine.cpu.linear.prepack_linears`
 then prepacks the fused weights like any other.
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import paged_attention
+from engine.layers.attention import paged_attention
 
 Concat = Callable[[list[nn.Module]], "nn.Module | None"]
 """Joins linear layers whose outputs go side by side into one layer, or declines (None) for
@@ -79,7 +79,7 @@ class FusedMLP(nn.Module):
 
 class FusedAttention(nn.Module):
     """The layer's attention with q, k and v as one GEMM, attending through
-    :func:`engine.attention.paged_attention`.
+    :func:`engine.layers.attention.paged_attention`.
 
     Keeps the source module's per-head q/k norms (Qwen3) and its RoPE. ``hidden_states``
     ``[1, T, hidden]`` in, ``[1, T, hidden]`` out; the step's metadata comes as the

@@ -5,7 +5,7 @@ penalties never touch its neighbours' logits and a plain request keeps the model
 bit for bit. Order, as vLLM applies them: ``min_tokens`` (EOS and stop token ids masked),
 ``logit_bias``, repetition penalty (CTRL, Keskar et al., 2019: over prompt and output),
 then OpenAI's frequency and presence penalties (over the output). Temperature, min-p,
-top-k and top-p follow in :class:`engine.sampler.Sampler`.
+top-k and top-p follow in :class:`engine.model.sampler.Sampler`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Collection
 
 import torch
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 def apply(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.request import (
+from engine.core.request import (
     CompletionOutput,
     Request,
     RequestMetrics,

@@ -1,4 +1,4 @@
-/* Vector helpers shared by engine/cpu_kernels.c and engine/cpu_prefill.c (GCC's vector
+/* Vector helpers shared by engine/cpu/kernels.c and engine/cpu/prefill.c (GCC's vector
  * extensions: one AVX-512 register, two AVX2 or four NEON ones per vector). */
 #ifndef ITERSERVE_CPU_VEC_H
 #define ITERSERVE_CPU_VEC_H

@@ -1,10 +1,10 @@
-"""Decoder layers whose non-GEMM work runs in :mod:`engine.cpu_kernels` (fp32 on CPU).
+"""Decoder layers whose non-GEMM work runs in :mod:`engine.cpu.kernels` (fp32 on CPU).
 
 A pre-norm Llama-family layer at decode row counts spends about a quarter of its time
 outside the four GEMMs, in some 40 small PyTorch ops (norms, residual adds, RoPE, the
 q/k/v split, the KV-cache write, the gather and padded SDPA call of decode attention,
 SiLU-and-multiply), each with a fixed dispatch cost. :class:`KernelDecoderLayer` runs the
-same layer as four GEMMs (the fused projections of :mod:`engine.fused_layers`) and up to
+same layer as four GEMMs (the fused projections of :mod:`engine.layers.fused`) and up to
 eight kernel calls:
 
     x = rms_norm(h)                      # kernel (from 32 rows on all threads)
@@ -13,7 +13,7 @@ eight kernel calls:
     decodes: decode_attention(q)         # kernel, reads the paged cache in place (on all
                                          # threads from 1024 context tokens)
     prefill chunks: prefill_attention(q) # kernel, the same, on all threads; SDPA
-                                         # (engine.attention) where head_dim % 64 != 0
+                                         # (engine.layers.attention) where head_dim % 64 != 0
     x = rms_norm(h += o_proj(attn))      # GEMM, then one kernel for add and norm
     h += down_proj(silu_mul(gate_up_proj(x)))   # kernel (from 32 rows on all threads)
 
@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, attend_prefills
-from engine.cpu_kernels import CpuKernels
-from engine.fused_layers import FusedAttention, FusedMLP, RMSNorm
+from engine.cpu.kernels import CpuKernels
+from engine.layers.attention import AttentionMetadata, attend_prefills
+from engine.layers.fused import FusedAttention, FusedMLP, RMSNorm
 
 PARALLEL_MIN_ROWS = 32
 """Rows from which the norms, SiLU-and-multiply, RoPE and the cache write share their rows
@@ -39,9 +39,9 @@ throughput with and without: ``python -m bench.peers``' offline prefill rows
 
 
 class KernelDecoderLayer(nn.Module):
-    """One decoder layer with :mod:`engine.cpu_kernels` between its GEMMs.
+    """One decoder layer with :mod:`engine.cpu.kernels` between its GEMMs.
 
-    Takes the projections and norms of a layer that :func:`engine.fused_layers.fuse_layers`
+    Takes the projections and norms of a layer that :func:`engine.layers.fused.fuse_layers`
     has fused (and possibly prepacked). ``hidden_states`` ``[1, T, hidden]`` in, the same
     tensor out, updated in place; the step's :class:`AttentionMetadata` comes as the
     ``attn_metadata`` keyword, as for the layers it replaces.

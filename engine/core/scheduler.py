@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 
 from engine.config import EngineConfig
-from engine.kv_cache import BlockManager
-from engine.request import FinishReason, Request, RequestStatus
-from engine.schedule_output import PrefillBudget, ScheduledSeq, SchedulerOutput
+from engine.core.kv_cache import BlockManager
+from engine.core.request import FinishReason, Request, RequestStatus
+from engine.core.schedule_output import PrefillBudget, ScheduledSeq, SchedulerOutput
 from policies.base import SchedulingPolicy
 from policies.slo_guard import GuardPlan, TpotGuard, prompt_line
 from policies.step_time import StepTimeModel

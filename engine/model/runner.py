@@ -10,7 +10,12 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from engine.attention import (
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.core.interfaces import SampleResult
+from engine.core.request import Request
+from engine.core.schedule_output import ScheduledSeq, SchedulerOutput
+from engine.cpu.kernel_layers import KernelDecoderLayer
+from engine.layers.attention import (
     ATTN_IMPLEMENTATION,
     AttentionMetadata,
     DecodeGroup,
@@ -18,17 +23,13 @@ from engine.attention import (
     decode_groups,
     paged_attention,
 )
-from engine.attention_backend import (
+from engine.model.attention_backend import (
     AttentionBackend,
     FlashAttnVarlenFunc,
     select_attention_backend,
 )
-from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
-from engine.kernel_layers import KernelDecoderLayer
-from engine.model_loader import WeightInfo, load_model
-from engine.request import Request
-from engine.sampler import Sampler, SampleResult, prompt_logprob_rows, record_prompt_logprobs
-from engine.schedule_output import ScheduledSeq, SchedulerOutput
+from engine.model.loader import WeightInfo, load_model
+from engine.model.sampler import Sampler, prompt_logprob_rows, record_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +60,11 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
 
 class TorchModelRunner:
     """Owns the model, the KV cache tensors and the sampler (the engine's
-    :class:`engine.interfaces.ModelRunner`).
+    :class:`engine.core.interfaces.ModelRunner`).
 
     The KV cache is one ``(k, v)`` pair per layer, each ``[num_blocks, block_size, KVH, D]``.
 
-    ``attention`` is the backend (:func:`engine.attention_backend.select_attention_backend`;
+    ``attention`` is the backend (:func:`engine.model.attention_backend.select_attention_backend`;
     :meth:`load` resolves it before it loads the model, whose decoder layers are then
     :class:`KernelDecoderLayer` exactly when it is ``cpu_kernels``). Every branch here runs
     on CPU, the flash-attn one with an injected ``flash_attn_varlen_func``; on CUDA only
@@ -103,9 +104,9 @@ class TorchModelRunner:
                 f"{'kernel' if kernel_layers else 'transformers'} decoder layers"
             )
         self.attention = attention
-        """The attention backend (:class:`engine.attention_backend.AttentionBackend`)."""
+        """The attention backend (:class:`engine.model.attention_backend.AttentionBackend`)."""
         self.kernel_decode = bool(kernel_layers)
-        """Decodes are attended by :mod:`engine.cpu_kernels` (no SDPA decode groups)."""
+        """Decodes are attended by :mod:`engine.cpu.kernels` (no SDPA decode groups)."""
         self.kernel_prefill = self.kernel_decode and all(m.prefill_kernel for m in kernel_layers)
         """Prefill chunks too (no SDPA gather indices or masks)."""
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -152,7 +153,7 @@ class TorchModelRunner:
         The cache holds ``config.num_kv_blocks`` blocks, else as many as
         ``config.kv_cache_memory_bytes`` (default 1 GiB) holds. The attention backend is
         ``config.attention_backend``; ``flash_attn_varlen_func`` replaces flash-attn's own
-        function (see :func:`engine.attention_backend.select_attention_backend`).
+        function (see :func:`engine.model.attention_backend.select_attention_backend`).
 
         Raises:
             ModelLoadError: missing model or unsupported architecture.

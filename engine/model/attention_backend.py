@@ -5,7 +5,7 @@ availability:
 
 * CUDA: flash-attn where it imports and ``block_size`` is a multiple of
   :data:`FLASH_BLOCK_MULTIPLE`, else SDPA (logged);
-* CPU in fp32: the kernels of :mod:`engine.cpu_kernels` where they build, else SDPA;
+* CPU in fp32: the kernels of :mod:`engine.cpu.kernels` where they build, else SDPA;
 * anything else: SDPA.
 
 A named backend is used or refused with :class:`ValueError`, never swapped for another. The
@@ -18,56 +18,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 
-from engine.cpu_kernels import CpuKernels
-from engine.cpu_kernels import load as load_cpu_kernels
+from engine.config import FLASH_BLOCK_MULTIPLE, BackendChoice
+from engine.cpu.kernels import CpuKernels
+from engine.cpu.kernels import load as load_cpu_kernels
+from engine.layers.attention import FlashAttnVarlenFunc
 
 logger = logging.getLogger(__name__)
 
-FLASH_BLOCK_MULTIPLE = 256
-"""flash-attn reads a paged cache only in blocks of a multiple of 256 tokens (its
-``mha_varlen_fwd`` refuses others: "Paged KV cache block size must be divisible by 256")."""
-
 BackendName = Literal["sdpa", "cpu_kernels", "flash_attn"]
-BackendChoice = Literal["auto", "sdpa", "cpu_kernels", "flash_attn"]
-
-
-class FlashAttnVarlenFunc(Protocol):
-    """``flash_attn.flash_attn_varlen_func`` as the engine calls it, on a paged cache.
-
-    Args:
-        q: ``[total_q, H, D]``, the step's queries, sequence after sequence.
-        k, v: ``[num_blocks, block_size, KVH, D]``, the paged cache (``H % KVH == 0``).
-        cu_seqlens_q: ``[B + 1]`` int32, offsets of each sequence's queries in ``q``.
-        cu_seqlens_k: ``[B + 1]`` int32, running sums of each sequence's key count (its
-            whole context, this step's tokens included).
-        max_seqlen_q, max_seqlen_k: the longest query run and context of the batch.
-        softmax_scale: multiplies ``q @ k.T`` before the softmax.
-        causal: a query attends to keys up to its own position, the mask aligned to the
-            bottom right (the last query of a sequence sees its whole context).
-        block_table: ``[B, max_blocks]`` int32, each sequence's cache blocks in order.
-
-    Returns:
-        ``[total_q, H, D]``.
-    """
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        softmax_scale: float | None,
-        causal: bool,
-        block_table: torch.Tensor,
-    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)

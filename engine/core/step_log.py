@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from engine.interfaces import FinishRecord, StepRecord
+from engine.core.interfaces import FinishRecord, StepRecord
 
 VERSION = 1
 """The format's version, in every header."""
@@ -68,7 +68,7 @@ def _finite(x: float | None) -> float | None:
 
 
 def step_json(r: StepRecord) -> dict[str, Any]:
-    """One :class:`engine.interfaces.StepRecord` as a ``step`` record."""
+    """One :class:`engine.core.interfaces.StepRecord` as a ``step`` record."""
     return {
         "type": "step",
         "i": r.index,
@@ -91,7 +91,7 @@ def step_json(r: StepRecord) -> dict[str, Any]:
 
 
 def finish_json(f: FinishRecord) -> dict[str, Any]:
-    """One :class:`engine.interfaces.FinishRecord` as a ``finish`` record."""
+    """One :class:`engine.core.interfaces.FinishRecord` as a ``finish`` record."""
     return {
         "type": "finish",
         "t": f.finish,

@@ -12,12 +12,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.sampler import SampleResult
-    from engine.schedule_output import SchedulerOutput
+    from engine.core.schedule_output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class SampleResult:
+    """One sampled token; ``logprobs`` maps token id -> log-probability (None if not asked)."""
+
+    token_id: int
+    logprobs: dict[int, float] | None = None
 
 
 class ModelRunner(Protocol):
-    """Runs scheduled steps and samples them (:class:`engine.runner.TorchModelRunner`).
+    """Runs scheduled steps and samples them (:class:`engine.model.runner.TorchModelRunner`).
 
     Optional, outside the protocol: ``last_phases``, the runner's own breakdown of its
     last :meth:`execute` as ``((phase name, seconds), ...)`` (``TorchModelRunner``:

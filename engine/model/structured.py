@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.request import ParamError, Request
+from engine.core.request import ParamError, Request
 
 FIELD = "response_format"
 """The API field a schema comes from, named in errors."""

@@ -69,7 +69,7 @@ class SamplingParams:
     output has this many tokens."""
     json_schema: dict[str, Any] | None = None
     """Constrain the output to JSON that validates against this schema (``{"type":
-    "object"}``: any JSON object, OpenAI's ``json_object``); see :mod:`engine.structured`."""
+    "object"}``: any JSON object, OpenAI's ``json_object``); see :mod:`engine.model.structured`."""
     seed: int | None = None
     """A signed 64-bit integer (``torch.Generator.manual_seed``'s range, as vLLM's API)."""
     stop: list[str] = field(default_factory=list)
@@ -257,7 +257,7 @@ class Request:
     generator: Any = None
     """The request's own ``torch.Generator`` when it has a seed (made on first use)."""
     grammar: Any = None
-    """Its xgrammar matcher when it has a ``json_schema`` (:mod:`engine.structured`)."""
+    """Its xgrammar matcher when it has a ``json_schema`` (:mod:`engine.model.structured`)."""
     detokenizer: Any = None
     error: Exception | None = None
     """What one of its per-request hooks raised in the step being run (a logits processor
