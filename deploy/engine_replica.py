@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -135,7 +136,7 @@ class EngineReplica:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: dict[str, Any],
+        params: SamplingParams,
         shape: RequestShape,
         send_load: bool = True,
         resume: Sequence[int] = (),
@@ -173,12 +174,17 @@ async def engine_items(
     replica_id: str,
     request_id: str,
     prompt_token_ids: list[int],
-    params: dict[str, Any],
+    params: SamplingParams,
     shape: RequestShape,
     send_load: bool = True,
     resume: Sequence[int] = (),
 ) -> AsyncGenerator[FirstItem | StepItem, None]:
     """Run one request on ``engine``; yield the items the ingress turns into OpenAI chunks.
+
+    ``params`` go to the engine as they are: built and checked by the ingress
+    (:func:`router.openai_format.sampling_params`), with ``DELTA`` outputs, which the step
+    items need (each carries one step's tokens). The engine checks what only it can (the
+    vocabulary, its context and KV capacity, a ``json_schema``'s grammar), once.
 
     The first item is :class:`router.contract.Accepted` once the request is queued, or a
     :class:`router.contract.Refused` (and nothing more) if the engine refuses it (context
@@ -199,13 +205,14 @@ async def engine_items(
 
     Closing or cancelling the iteration aborts the engine request before its next step.
     """
+    if params.output_kind is not RequestOutputKind.DELTA:  # not the ingress's: a test's, say
+        params = replace(params, output_kind=RequestOutputKind.DELTA)
     try:
-        sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
         # Queued before Accepted: admission reads the engine's load, and a burst of
         # requests admitted before any of their streams is read must each count in it.
         outs = engine.submit(
             prompt_token_ids,
-            sampling,
+            params,
             request_id=request_id,
             priority=shape.priority,
             traffic_class=shape.traffic_class,
@@ -214,7 +221,7 @@ async def engine_items(
     except RequestRejectedError as e:
         yield Refused(str(e), "context_length_exceeded", param="prompt")
         return
-    except ValueError as e:  # ParamError names the request field
+    except ValueError as e:  # the engine's checks; ParamError names the request field
         yield Refused(str(e), "invalid_value", param=getattr(e, "param", None))
         return
     first = True

@@ -1,7 +1,8 @@
 """The model-replica deployment: a thin Ray Serve wrapper around one :class:`EngineReplica`.
 
-The ingress tokenizes, validates the API fields and admits; the replica re-checks the
-request against its engine (context and KV capacity), streams the items of
+The ingress tokenizes, validates the API fields, builds the request's
+:class:`engine.core.params.SamplingParams` and admits; the replica's engine checks what
+only it can (vocabulary, context and KV capacity), streams the items of
 :mod:`router.contract` back, and publishes its load snapshot for routing and admission.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 from ray import serve
 
 from deploy.engine_replica import EngineReplica
+from engine.core.params import SamplingParams
 from engine.sim.cost import LinearCost
 from policies.scaling_signals import encode_replica, replica_load
 from router.contract import FirstItem, Lost, RequestShape, StepItem, StreamItem
@@ -55,7 +57,7 @@ class ModelReplica(EngineReplica):
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: dict[str, Any],
+        params: SamplingParams,
         shape: RequestShape,
         ingress: str,
         resume: tuple[int, ...] = (),

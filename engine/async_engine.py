@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core.heap_trim import IdleRelease
-from engine.core.request import RequestOutput, SamplingParams
+from engine.core.params import SamplingParams
+from engine.core.request import CheckedRequest, RequestOutput
 from engine.llm_engine import LLMEngine, PromptType
 from policies import DEFAULT_CLASS, AdmissionController, Decision, LoadSnapshot
 
@@ -43,12 +44,10 @@ class EngineStoppedError(EngineDeadError):
 @dataclass(slots=True)
 class _Pending:
     request_id: str
-    prompt: PromptType
-    params: SamplingParams
+    checked: CheckedRequest
+    """Checked by :meth:`AsyncLLMEngine.submit`; the worker adds it as is."""
     priority: int | None
-    traffic_class: str | None
     arrival_time: float
-    resume_token_ids: Sequence[int] = ()
 
 
 class AsyncLLMEngine:
@@ -189,21 +188,15 @@ class AsyncLLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
-        ids = self.validate(prompt, params, traffic_class, resume_token_ids)
+        # The engine's one check of the request, here so that a bad one is refused before
+        # its stream starts; the worker adds it without checking again.
+        checked = self.engine.check(
+            prompt, params, traffic_class, resume_token_ids, self._tokenizer
+        )
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
-        self._queue_news(
-            add=_Pending(
-                rid,
-                {"prompt_token_ids": ids},
-                params,
-                priority,
-                traffic_class,
-                self.engine.clock(),
-                tuple(resume_token_ids),
-            )
-        )
-        return RequestStream(self, rid, ids, queue)
+        self._queue_news(add=_Pending(rid, checked, priority, self.engine.clock()))
+        return RequestStream(self, rid, checked.prompt_token_ids, queue)
 
     def _stream_closed(self, rid: str, finished: bool) -> None:
         self._streams.pop(rid, None)
@@ -217,7 +210,8 @@ class AsyncLLMEngine:
         traffic_class: str | None = None,
         resume_token_ids: Sequence[int] = (),
     ) -> list[int]:
-        """Check a request as :meth:`generate` will, without queuing it.
+        """Check a request as :meth:`generate` will (:meth:`LLMEngine.check`), without
+        queuing it.
 
         Returns:
             The prompt's token ids.
@@ -227,12 +221,10 @@ class AsyncLLMEngine:
                 resumed tokens the request cannot take (:meth:`LLMEngine.check_resume`).
             RequestRejectedError: prompt plus max_tokens exceeds the context or KV cache.
         """
-        _, ids, max_tokens = self.engine.validate(
-            prompt, sampling_params, traffic_class, self._tokenizer
+        checked = self.engine.check(
+            prompt, sampling_params, traffic_class, resume_token_ids, self._tokenizer
         )
-        if resume_token_ids:
-            self.engine.check_resume(resume_token_ids, sampling_params, max_tokens)
-        return ids
+        return checked.prompt_token_ids
 
     @property
     def dead(self) -> bool:
@@ -264,7 +256,7 @@ class AsyncLLMEngine:
         with self._lock:
             snap, queued = self._snapshot, list(self._to_add)
         snap = snap.with_queued(
-            (p.traffic_class or DEFAULT_CLASS, len(p.prompt["prompt_token_ids"])) for p in queued
+            (p.checked.traffic_class, len(p.checked.prompt_token_ids)) for p in queued
         )
         now = time.time()
         return dataclasses.replace(
@@ -341,16 +333,8 @@ class AsyncLLMEngine:
             engine.abort(list(aborted))
         for p in adds:
             try:
-                engine.add_request(
-                    p.request_id,
-                    p.prompt,
-                    p.params,
-                    priority=p.priority,
-                    traffic_class=p.traffic_class,
-                    arrival_time=p.arrival_time,
-                    resume_token_ids=p.resume_token_ids,
-                )
-            except Exception as e:  # validated in generate(); a bug of its own fails it alone
+                engine.add_checked(p.request_id, p.checked, p.priority, p.arrival_time)
+            except Exception as e:  # checked in submit(); a bug of its own fails it alone
                 logger.error("request %s failed: %s", p.request_id, e, exc_info=e)
                 self._deliver_soon([RequestFailedError(f"{type(e).__name__}: {e}")], p.request_id)
         snapshot = engine.load_snapshot()

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.core.request import RequestOutput, RequestOutputKind, SamplingParams
+from engine.core.params import RequestOutputKind, SamplingParams
+from engine.core.request import RequestOutput
 from engine.llm_engine import LLMEngine, PromptType
 
 if TYPE_CHECKING:

@@ -16,14 +16,14 @@ from engine.core.heap_trim import release_free_memory
 from engine.core.interfaces import FinishRecord, ModelRunner, StepRecord
 from engine.core.kv_cache import BlockManager
 from engine.core.outputs import RequestGroup, make_output
+from engine.core.params import ParamError, SamplingParams
 from engine.core.request import (
+    CheckedRequest,
     CompletionOutput,
     FinishReason,
-    ParamError,
     Request,
     RequestMetrics,
     RequestOutput,
-    SamplingParams,
 )
 from engine.core.schedule_output import SchedulerOutput
 from engine.core.scheduler import Scheduler
@@ -234,17 +234,57 @@ class LLMEngine:
         Raises:
             ValueError: duplicate id, empty prompt or unknown traffic class; resumed
                 tokens with ``n > 1``, outside the vocabulary, or not under
-                ``max_tokens``.
+                ``max_tokens`` (see :meth:`check`).
             RequestRejectedError: prompt plus max_tokens exceeds the model's context or the
                 whole KV cache, so it could never run.
         """
-        if request_id in self._groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
+        checked = self.check(prompt, params, traffic_class, resume_token_ids)
+        self.add_checked(request_id, checked, priority, arrival_time)
+
+    def check(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        traffic_class: str | None = None,
+        resume_token_ids: Sequence[int] = (),
+        tokenizer=None,
+    ) -> CheckedRequest:
+        """Check a request as :meth:`add_request` does, without queuing it: the engine's
+        one check of a request (``params`` checked their own ranges when built). For a
+        caller that checks on one thread and adds on another (:class:`engine.AsyncLLMEngine`
+        answers a bad request at once, and adds it on the thread that steps):
+        :meth:`add_checked` then checks nothing again.
+
+        Args:
+            traffic_class: None: the default class.
+            tokenizer: see :meth:`tokenize`.
+
+        Raises:
+            ValueError, RequestRejectedError: as :meth:`add_request` (but the duplicate id).
+        """
         traffic_class = traffic_class or DEFAULT_CLASS
-        text, ids, max_tokens = self.validate(prompt, params, traffic_class)
+        text, ids, max_tokens = self.validate(prompt, params, traffic_class, tokenizer)
         if resume_token_ids:
             self.check_resume(resume_token_ids, params, max_tokens)
+        return CheckedRequest(text, ids, params, traffic_class, max_tokens, tuple(resume_token_ids))
+
+    def add_checked(
+        self,
+        request_id: str,
+        checked: CheckedRequest,
+        priority: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request that :meth:`check` passed (arguments as :meth:`add_request`).
+
+        Raises:
+            ValueError: duplicate id, or resumed tokens that already end at a stop string.
+        """
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params, ids, max_tokens = checked.params, checked.prompt_token_ids, checked.max_tokens
+        traffic_class, resume_token_ids = checked.traffic_class, checked.resume_token_ids
         if priority is None:
             priority = self.traffic_classes[traffic_class].default_priority
         now = self.clock() if arrival_time is None else arrival_time
@@ -275,7 +315,9 @@ class LLMEngine:
             if resume_token_ids:
                 self._resume(req, list(resume_token_ids))
             seqs.append(req)
-        self._groups[request_id] = RequestGroup(request_id, text, seqs, now, params.output_kind)
+        self._groups[request_id] = RequestGroup(
+            request_id, checked.prompt_text, seqs, now, params.output_kind
+        )
         for req in seqs:
             self.scheduler.add(req)
 
@@ -333,9 +375,8 @@ class LLMEngine:
         traffic_class: str | None = None,
         tokenizer=None,
     ) -> tuple[str | None, list[int], int]:
-        """Check a request as :meth:`add_request` will: ``(prompt text or None, prompt
-        token ids, effective max_tokens)``. The one request check of the engine, the
-        replica and the offline API (``tokenizer``: see :meth:`tokenize`).
+        """:meth:`check` but for resumed tokens: ``(prompt text or None, prompt token ids,
+        effective max_tokens)`` (``tokenizer``: see :meth:`tokenize`).
 
         Raises:
             ValueError: unknown traffic class, empty prompt or a token id outside the

@@ -2,8 +2,10 @@
 replica streams back, and the protocols that every way of reaching a replica implements.
 
 A request's path: the ingress (:class:`router.ingress.Ingress`) asks its
-:class:`Replica` for a :class:`ReplicaCall` per prompt, with the prompt's
-:class:`RequestShape`. The replica answers the call with one :data:`FirstItem`: an
+:class:`Replica` for a :class:`ReplicaCall` per prompt, with the prompt's token ids, its
+:class:`engine.core.params.SamplingParams` (built and checked once by
+:func:`router.openai_format.sampling_params`; the replica's engine takes them as they are)
+and its :class:`RequestShape`. The replica answers the call with one :data:`FirstItem`: an
 :class:`Accepted` once its engine queued the request, or a :class:`Refused` (and nothing
 more) when the engine can never run it. Then one :class:`StepItem` per engine step that
 produced tokens, the last with ``finished`` (and ``error`` when the request alone failed
@@ -12,9 +14,11 @@ inside the engine); a :class:`Lost` instead when the engine serving the request 
 Both sides import this module: the ingress (:mod:`router.ingress`, :mod:`router.dispatch`,
 :mod:`router.local`) and the replicas (:mod:`deploy.engine_replica`, :mod:`deploy.replica`).
 It sits in ``router`` because ``deploy`` is the layer above: the replicas may import the
-router's modules, the ingress never imports ``deploy``. Ray Serve pickles the items between
-the replica's and the ingress's processes: they are frozen data classes of plain values and
-:class:`policies.LoadSnapshot`, so both ends need only this module and ``policies``.
+router's modules, the ingress never imports ``deploy``. Ray Serve pickles the call's
+arguments and the items between the replica's and the ingress's processes: they are data
+classes of plain values, :class:`engine.core.params.SamplingParams` and
+:class:`policies.LoadSnapshot`, so both ends need only this module, the torch-free
+:mod:`engine.core.params` and ``policies``.
 
 :class:`Replica` is implemented by :class:`router.dispatch.RayReplicas` (a Ray Serve
 deployment's replicas) and :class:`router.local.LocalReplicas` (one engine in the
@@ -28,6 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from engine.core.params import SamplingParams
 from policies import LoadSnapshot
 from policies.limits import RequestLimits
 from router.errors import ApiError
@@ -204,13 +209,13 @@ class Replica(Protocol):
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: dict[str, Any],
+        params: SamplingParams,
         shape: RequestShape,
         record: RequestRecord | None = None,
     ) -> ReplicaCall:
-        """The call of one prompt; ``params`` are ``engine.SamplingParams`` fields
-        (:func:`router.openai_format.sampling_params`), ``record`` is told of every item
-        and of how the call ended.
+        """The call of one prompt; ``params`` as :func:`router.openai_format.sampling_params`
+        built them (``DELTA`` outputs), ``record`` is told of every item and of how the call
+        ended.
 
         Raises:
             ApiError: 503 when no replica can be called.

@@ -37,6 +37,7 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from engine.core.params import SamplingParams
 from policies import LoadSnapshot
 from router.calls import RETRY_AFTER_S, ReplicaLost, accepted, record_item, request_failed
 from router.contract import Lost, ModelInfo, Refused, RequestShape, StepItem
@@ -85,7 +86,7 @@ class Dispatch:
         handle: DeploymentHandle,
         request_id: str,
         prompt_token_ids: list[int],
-        params: dict[str, Any],
+        params: SamplingParams,
         shape: RequestShape,
         streams: StepStreams,
         record: RequestRecord | None = None,
@@ -124,9 +125,12 @@ class Dispatch:
             params, resume, shape = self.params, (), self.shape
             if self.output_ids:
                 resume = tuple(self.output_ids)
-                params = {**self.params, "prompt_logprobs": None}
-                if params.get("seed") is not None:
-                    params["seed"] = migrated_seed(params["seed"], len(resume))
+                seed = self.params.seed
+                params = replace(
+                    self.params,
+                    prompt_logprobs=None,
+                    seed=None if seed is None else migrated_seed(seed, len(resume)),
+                )
                 # The router predicts the prefill of the prompt and the resumed tokens.
                 shape = replace(shape, prompt_tokens=shape.prompt_tokens + len(resume))
             self.gen = self.handle.generate.remote(
@@ -210,9 +214,7 @@ class Dispatch:
             view.replica_died(self.replica)
 
     def _can_migrate(self) -> bool:
-        return self.attempts < MAX_DISPATCH_ATTEMPTS and (
-            not self.produced or self.params.get("n", 1) == 1
-        )
+        return self.attempts < MAX_DISPATCH_ATTEMPTS and (not self.produced or self.params.n == 1)
 
     async def _migrate(self, why: str) -> None:
         """Send the request to another replica with the output it produced so far.
@@ -307,7 +309,7 @@ class RayReplicas:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: dict[str, Any],
+        params: SamplingParams,
         shape: RequestShape,
         record: RequestRecord | None = None,
     ) -> Dispatch:

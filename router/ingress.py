@@ -46,6 +46,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from engine.core.params import SamplingParams
 from policies import TrafficClass, classes_from_fields, policy_from_spec
 from router import openai_format as fmt
 from router import responses
@@ -421,7 +422,7 @@ class Ingress:
         self,
         rid: str,
         ids: list[int],
-        params: dict[str, Any],
+        params: SamplingParams,
         caller: Caller,
         info: ModelInfo,
         arrival: float,
@@ -440,19 +441,19 @@ class Ingress:
         log = self.step_log
         if log is not None:
             log.arrival(
-                rid, arrival, caller.traffic_class, caller.priority, len(ids), params["max_tokens"]
+                rid, arrival, caller.traffic_class, caller.priority, len(ids), params.max_tokens
             )
         if self.scaling is not None:
-            self.scaling.arrived(caller.traffic_class, arrival, len(ids), params["max_tokens"] or 0)
+            self.scaling.arrived(caller.traffic_class, arrival, len(ids), params.max_tokens or 0)
         try:
-            if info.limits.fits(len(ids), params["max_tokens"]):
+            if info.limits.fits(len(ids), params.max_tokens):
                 if self.admission.enabled:
                     # Counted as held, ahead of later arrivals, until the replica has queued
                     # it: a burst admitted before any of it is queued must not all pass.
                     hold = self.admission.hold(caller.traffic_class, arrival, len(ids))
                 try:
                     held_s = await self._admit(
-                        caller, shape, params["max_tokens"], arrival, start_by, hold
+                        caller, shape, params.max_tokens, arrival, start_by, hold
                     )
                 except ApiError as e:
                     if log is not None:

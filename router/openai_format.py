@@ -1,4 +1,5 @@
-"""Between OpenAI's request and response bodies and the replica's token ids and dicts.
+"""Between OpenAI's request and response bodies and the replica's token ids, sampling
+parameters and dicts.
 
 Pure functions of a validated request (:mod:`router.schemas`) and the served tokenizer;
 every error is an :class:`router.errors.ApiError` naming the field.
@@ -6,10 +7,11 @@ every error is an :class:`router.errors.ApiError` naming the field.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from engine.core.params import ParamError, RequestOutputKind, SamplingParams
 from router.errors import ApiError
 from router.schemas import ApiRequest, unsupported_field
 
@@ -124,8 +126,16 @@ def scores_only(req: ApiRequest, chat: bool) -> bool:
     return True
 
 
-def sampling_params(req: ApiRequest, chat: bool) -> dict[str, Any]:
-    """:class:`engine.SamplingParams` fields from the request's OpenAI fields."""
+def sampling_params(req: ApiRequest, chat: bool) -> SamplingParams:
+    """The request's sampling parameters, built (and so checked) once here; the replica
+    hands them to its engine as they are. Asks for ``DELTA`` outputs: each step item
+    carries only that step's tokens (:class:`router.contract.StepItem`).
+
+    Raises:
+        ApiError: 400 ``invalid_value`` naming the field, for a combination the API schema
+            lets through (``min_tokens`` over ``max_tokens``, ``response_format`` with
+            ``ignore_eos``): :class:`engine.core.params.ParamError`'s message.
+    """
     if chat:
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -134,26 +144,30 @@ def sampling_params(req: ApiRequest, chat: bool) -> dict[str, Any]:
         max_tokens = None if req.max_tokens is None else max(1, req.max_tokens)
         logprobs = req.logprobs
     echo_logprobs = not chat and req.echo and req.logprobs is not None
-    return {
-        "max_tokens": max_tokens,
-        "prompt_logprobs": req.logprobs if echo_logprobs else None,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k if req.top_k is not None else 0,
-        "min_p": req.min_p,
-        "presence_penalty": req.presence_penalty,
-        "frequency_penalty": req.frequency_penalty,
-        "repetition_penalty": req.repetition_penalty,
-        "logit_bias": req.logit_bias or {},
-        "min_tokens": req.min_tokens,
-        "stop_token_ids": req.stop_token_ids or [],
-        "json_schema": req.response_format.output_schema() if req.response_format else None,
-        "n": req.n,
-        "stop": req.stop or [],
-        "seed": req.seed,
-        "ignore_eos": req.ignore_eos,
-        "logprobs": logprobs,
-    }
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            prompt_logprobs=req.logprobs if echo_logprobs else None,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k if req.top_k is not None else 0,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=req.logit_bias or {},
+            min_tokens=req.min_tokens,
+            stop_token_ids=req.stop_token_ids or [],
+            json_schema=req.response_format.output_schema() if req.response_format else None,
+            n=req.n,
+            stop=req.stop or [],
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            output_kind=RequestOutputKind.DELTA,
+        )
+    except ParamError as e:
+        raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
 
 
 def wants_logprobs(req: ApiRequest, chat: bool) -> bool:

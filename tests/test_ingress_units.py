@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from deploy.config import ServiceConfig
+from engine.core.params import RequestOutputKind
 from policies import DEFAULT_CLASSES, LoadSnapshot, PriorityPolicy
 from router.admission import AdmissionRejected, IngressAdmission
 from router.errors import ApiError
@@ -362,7 +363,7 @@ def test_every_field_is_honoured_or_refused_by_name():
     )
     assert many.prompt == ["a", "b"] and fmt.scores_only(many, chat=False)
     scored = fmt.sampling_params(many, chat=False)
-    assert scored["max_tokens"] == 1 and scored["prompt_logprobs"] == 2
+    assert scored.max_tokens == 1 and scored.prompt_logprobs == 2
 
 
 def test_default_values_and_fields_that_change_nothing_are_accepted():
@@ -401,10 +402,11 @@ def test_default_values_and_fields_that_change_nothing_are_accepted():
     )
     params = fmt.sampling_params(ok, chat=True)
     assert (ok.temperature, ok.n) == (1.0, 1)  # null asks for the default, as OpenAI's
-    assert params["logit_bias"] == {42: -5} and params["top_k"] == 5
-    assert (params["min_p"], params["repetition_penalty"], params["min_tokens"]) == (0.1, 1.1, 2)
-    assert (params["frequency_penalty"], params["presence_penalty"]) == (0.5, -0.5)
-    assert params["stop_token_ids"] == [7] and params["json_schema"] is None
+    assert params.logit_bias == {42: -5} and params.top_k == 5
+    assert (params.min_p, params.repetition_penalty, params.min_tokens) == (0.1, 1.1, 2)
+    assert (params.frequency_penalty, params.presence_penalty) == (0.5, -0.5)
+    assert params.stop_token_ids == [7] and params.json_schema is None
+    assert params.output_kind is RequestOutputKind.DELTA  # what a replica's step items carry
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     for fmt_, want in [
         ({"type": "json_object"}, {"type": "object"}),
@@ -414,10 +416,36 @@ def test_default_values_and_fields_that_change_nothing_are_accepted():
         ),
     ]:
         got = fmt.validate({**chat, "response_format": fmt_}, ChatCompletionRequest)
-        assert fmt.sampling_params(got, chat=True)["json_schema"] == want
-    from engine.core.request import SamplingParams
+        assert fmt.sampling_params(got, chat=True).json_schema == want
 
-    SamplingParams(**params)  # every field the ingress sends is one the engine takes
+
+@pytest.mark.parametrize(
+    "extra,param,message",
+    [
+        (
+            {"max_tokens": 2, "min_tokens": 3},
+            "min_tokens",
+            "SamplingParams.min_tokens=3: must be >= 0 and <= max_tokens",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "ignore_eos": True},
+            "json_schema",
+            "cannot be combined with ignore_eos",
+        ),
+    ],
+)
+def test_sampling_params_the_schema_lets_through_are_a_400_at_the_ingress(extra, param, message):
+    # Built, and so checked, once at the ingress: the replica's engine takes them as they
+    # are. The answer is the one the replica's refusal gave (status, code, field, message).
+    from router import openai_format as fmt
+    from router.schemas import CompletionRequest
+
+    req = fmt.validate({"model": "m", "prompt": "a", **extra}, CompletionRequest)
+    with pytest.raises(ApiError) as e:
+        fmt.sampling_params(req, chat=False)
+    err = e.value
+    assert (err.status, err.param, err.code) == (400, param, "invalid_value")
+    assert message in err.message
 
 
 def test_requests_vllm_refuses_are_refused_with_a_reason():
@@ -505,7 +533,7 @@ class _Replica:
         from router.contract import Accepted, Refused, SequenceDelta, StepItem
 
         try:
-            max_tokens = self.limits.check(len(prompt_token_ids), params["max_tokens"])
+            max_tokens = self.limits.check(len(prompt_token_ids), params.max_tokens)
         except RequestRejectedError as e:
             yield Refused(str(e), "context_length_exceeded", param="prompt")
             return

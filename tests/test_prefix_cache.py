@@ -10,7 +10,8 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.core.kv_cache import BlockManager
-from engine.core.request import FinishReason, Request, SamplingParams
+from engine.core.params import SamplingParams
+from engine.core.request import FinishReason, Request
 from engine.core.scheduler import Scheduler
 from policies import FCFSPolicy
 from tests.test_scheduler import FakeClock, fake_step

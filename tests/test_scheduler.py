@@ -7,7 +7,8 @@ import zlib
 
 from engine.config import EngineConfig
 from engine.core.kv_cache import BlockManager
-from engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from engine.core.params import SamplingParams
+from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.schedule_output import SchedulerOutput
 from engine.core.scheduler import Scheduler
 from policies import FCFSPolicy

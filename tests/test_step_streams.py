@@ -4,10 +4,12 @@ routing of batches to requests, and what a lost stream does to them (fakes, no c
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
 from deploy.replica import Outbox, Outboxes
+from engine.core.params import SamplingParams
 from router.calls import ReplicaLost
 from router.contract import Accepted, Lost, RequestShape, SequenceDelta, StepItem
 from router.dispatch import Dispatch, migrated_seed
@@ -147,7 +149,7 @@ async def test_dispatch_reads_its_stream_and_resends_when_lost_before_a_token():
     handle = FakeReplicas(["r1", "r2"])
     streams = StepStreams(handle)
     shape = RequestShape(3, "standard", 1)
-    d = Dispatch(handle, "req", [1, 2, 3], {}, shape, streams)
+    d = Dispatch(handle, "req", [1, 2, 3], SamplingParams(), shape, streams)
     await d.start()
     assert (d.replica, handle.calls[0][1]) == ("r1", streams.ingress_id)
     await asyncio.sleep(0)
@@ -168,7 +170,12 @@ async def _one_token_then(failure, params=None, alive=None) -> None:
     exception (the stream is lost) or a batch (what the replica reports)."""
     handle = FakeReplicas(["r1"], alive)
     d = Dispatch(
-        handle, "req", [1], params or {}, RequestShape(1, "standard", 1), StepStreams(handle)
+        handle,
+        "req",
+        [1],
+        params or SamplingParams(),
+        RequestShape(1, "standard", 1),
+        StepStreams(handle),
     )
     await d.start()
     await asyncio.sleep(0)
@@ -193,7 +200,7 @@ async def test_dispatch_told_its_engine_failed_is_replica_lost_after_a_token():
 
 async def test_dispatch_with_several_sequences_is_not_migrated():
     with pytest.raises(ReplicaLost, match="replica died"):
-        await _one_token_then(RuntimeError("replica died"), params={"n": 2})
+        await _one_token_then(RuntimeError("replica died"), params=SamplingParams(n=2))
 
 
 async def test_dispatch_migrates_after_tokens_and_continues_the_same_stream():
@@ -202,7 +209,7 @@ async def test_dispatch_migrates_after_tokens_and_continues_the_same_stream():
     # the same iterator; a late item from r1 is dropped; prompt and cached tokens stay r1's.
     handle = FakeReplicas(["r1", "r2"])
     streams = StepStreams(handle)
-    params = {"seed": 7, "prompt_logprobs": 1, "max_tokens": 5}
+    params = SamplingParams(seed=7, prompt_logprobs=1, max_tokens=5)
     d = Dispatch(handle, "req", [1, 2, 3], params, RequestShape(3, "standard", 1), streams)
     await d.start()
     await asyncio.sleep(0)
@@ -215,8 +222,8 @@ async def test_dispatch_migrates_after_tokens_and_continues_the_same_stream():
     await asyncio.sleep(0.05)
     rid, ingress, call, sent, resume = handle.calls[1]
     assert (rid, ingress, resume) == ("req", streams.ingress_id, (10, 11))
-    assert sent == {"seed": migrated_seed(7, 2), "prompt_logprobs": None, "max_tokens": 5}
-    assert params["seed"] == 7  # the request's own parameters are left as they were
+    assert sent == replace(params, seed=migrated_seed(7, 2), prompt_logprobs=None)
+    assert params.seed == 7  # the request's own parameters are left as they were
     assert d.replica == "r2" and d.migrations == 1 and handle.calls[0][2].cancelled
     streams.deliver([("req", item("late", token=99))], "r1")  # r1's stream, had it lived
     again = StepItem([SequenceDelta(0, "c", [12], None, None, None)], False, cached_tokens=3)
@@ -258,7 +265,7 @@ async def test_streams_to_retired_replicas_close_once_no_request_is_on_them():
 async def test_a_stopping_server_ends_open_requests_without_moving_them():
     handle = FakeReplicas(["r1", "r2"])
     streams = StepStreams(handle)
-    d = Dispatch(handle, "req", [1], {}, RequestShape(1, "standard", 1), streams)
+    d = Dispatch(handle, "req", [1], SamplingParams(), RequestShape(1, "standard", 1), streams)
     await d.start()
     await asyncio.sleep(0)
     got = d.items()

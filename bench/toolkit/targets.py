@@ -43,7 +43,7 @@ class EngineTarget:
         return self.aeng.engine
 
     async def stream(self, req: LoadRequest, rec: dict[str, Any]) -> AsyncIterator[int]:
-        from engine.core.request import RequestOutputKind, SamplingParams
+        from engine.core.params import RequestOutputKind, SamplingParams
 
         cls = req.cls or "interactive"
         start = time.perf_counter()

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.core.params import RequestOutputKind
 from engine.core.request import (
     CompletionOutput,
     Request,
     RequestMetrics,
     RequestOutput,
-    RequestOutputKind,
     RequestStatus,
 )
 

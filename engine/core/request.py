@@ -1,4 +1,5 @@
-"""Request state, sampling parameters and the outputs handed back to callers."""
+"""Request state inside the engine and the outputs handed back to callers (the sampling
+parameters: :mod:`engine.core.params`)."""
 
 from __future__ import annotations
 
@@ -7,190 +8,24 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core.params import SamplingParams
 from policies.priority import DEFAULT_CLASS
 
-GREEDY_TEMPERATURE = 1e-5
-"""Temperatures below this sample greedily, as vLLM's ``_SAMPLING_EPS``: the limit of
-sampling as the temperature goes to 0 is the argmax, and dividing logits by a temperature
-near fp32's smallest normal overflows them to inf (the softmax is then NaN)."""
 
+@dataclass(frozen=True, slots=True)
+class CheckedRequest:
+    """A request that :meth:`engine.LLMEngine.check` found servable: what
+    :meth:`engine.LLMEngine.add_checked` builds its sequences from, checking nothing again."""
 
-class RequestOutputKind(enum.Enum):
-    """What each :class:`RequestOutput` of a request carries (vLLM's ``RequestOutputKind``).
-
-    ``CUMULATIVE``: an output every step with the text, token ids and logprobs so far.
-    ``DELTA``: an output every step with only what that step added (streaming: nothing
-    is copied twice). ``FINAL_ONLY``: one output, when the request finishes, with all of it.
-    """
-
-    CUMULATIVE = "cumulative"
-    DELTA = "delta"
-    FINAL_ONLY = "final_only"
-
-
-class ParamError(ValueError):
-    """A request parameter out of range or not servable here; ``param`` names the field
-    (the OpenAI API's name for it)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    """How one request samples and when it stops.
-
-    Raises:
-        ParamError: a field is out of range; the message names the field and value.
-    """
-
-    max_tokens: int | None = 16
-    """Output tokens at most; None: until EOS or the end of the context."""
-    temperature: float = 1.0
-    """Under :data:`GREEDY_TEMPERATURE` (0 included) means greedy."""
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 or -1: no top-k cut."""
-    min_p: float = 0.0
-    """Drop tokens whose probability is under ``min_p`` times the top token's (after
-    temperature; Nguyen et al., 2024, as vLLM's ``min_p``)."""
-    presence_penalty: float = 0.0
-    """Subtracted once from the logit of every token already in the output (OpenAI's)."""
-    frequency_penalty: float = 0.0
-    """Subtracted from a token's logit per time it is already in the output (OpenAI's)."""
-    repetition_penalty: float = 1.0
-    """Divides positive (multiplies negative) logits of tokens in the prompt or output
-    (Keskar et al., 2019, CTRL; as transformers and vLLM)."""
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    """Token id -> added to its logit, in [-100, 100] (OpenAI's)."""
-    min_tokens: int = 0
-    """EOS and ``stop_token_ids`` are masked, and stop strings not checked, until the
-    output has this many tokens."""
-    json_schema: dict[str, Any] | None = None
-    """Constrain the output to JSON that validates against this schema (``{"type":
-    "object"}``: any JSON object, OpenAI's ``json_object``); see :mod:`engine.model.structured`."""
-    seed: int | None = None
-    """A signed 64-bit integer (``torch.Generator.manual_seed``'s range, as vLLM's API)."""
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    n: int = 1
-    logprobs: int | None = None
-    """Top-k log-probabilities to return per output token (the sampled one always too)."""
-    prompt_logprobs: int | None = None
-    """Top-k log-probabilities per prompt token (the prompt's own always too; the first
-    token has none), for scoring; in :attr:`RequestOutput.prompt_logprobs`."""
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    """What each output carries; :class:`engine.LLM` always asks for ``FINAL_ONLY``."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
-        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        for name, value, ok, rule in self._checks():
-            if not ok:
-                raise ParamError(name, f"SamplingParams.{name}={value!r}: {rule}")
-
-    def _checks(self) -> list[tuple[str, Any, bool, str]]:
-        finite = math.isfinite
-        return [
-            (
-                "max_tokens",
-                self.max_tokens,
-                self.max_tokens is None or self.max_tokens >= 1,
-                "must be >= 1 or None",
-            ),
-            (
-                "temperature",
-                self.temperature,
-                finite(self.temperature) and self.temperature >= 0,
-                "must be >= 0",
-            ),
-            ("top_p", self.top_p, 0 < self.top_p <= 1, "must be in (0, 1]"),
-            (
-                "seed",
-                self.seed,
-                self.seed is None or -(2**63) <= self.seed < 2**63,
-                "must be a signed 64-bit integer",
-            ),
-            ("top_k", self.top_k, self.top_k == -1 or self.top_k >= 0, "must be -1, 0 or >= 1"),
-            ("min_p", self.min_p, 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            (
-                "presence_penalty",
-                self.presence_penalty,
-                -2 <= self.presence_penalty <= 2,
-                "must be in [-2, 2]",
-            ),
-            (
-                "frequency_penalty",
-                self.frequency_penalty,
-                -2 <= self.frequency_penalty <= 2,
-                "must be in [-2, 2]",
-            ),
-            (
-                "repetition_penalty",
-                self.repetition_penalty,
-                finite(self.repetition_penalty) and self.repetition_penalty > 0,
-                "must be > 0",
-            ),
-            (
-                "logit_bias",
-                self.logit_bias,
-                all(-100 <= v <= 100 for v in self.logit_bias.values()),
-                "biases must be in [-100, 100]",
-            ),
-            (
-                "min_tokens",
-                self.min_tokens,
-                self.min_tokens >= 0
-                and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
-                "must be >= 0 and <= max_tokens",
-            ),
-            (
-                "json_schema",
-                self.json_schema,
-                self.json_schema is None
-                or (isinstance(self.json_schema, dict) and not self.ignore_eos),
-                "must be a JSON schema object, and cannot be combined with ignore_eos",
-            ),
-            ("n", self.n, self.n >= 1, "must be >= 1"),
-            (
-                "logprobs",
-                self.logprobs,
-                self.logprobs is None or self.logprobs >= 0,
-                "must be >= 0 or None",
-            ),
-            (
-                "prompt_logprobs",
-                self.prompt_logprobs,
-                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-                "must be >= 0 or None",
-            ),
-            (
-                "stop",
-                self.stop,
-                all(isinstance(s, str) and s for s in self.stop),
-                "must be non-empty strings",
-            ),
-        ]
-
-    @property
-    def penalized(self) -> bool:
-        """Whether any logits processor applies (penalties, bias, min_tokens)."""
-        return bool(
-            self.presence_penalty
-            or self.frequency_penalty
-            or self.logit_bias
-            or self.repetition_penalty != 1.0
-            or self.min_tokens
-        )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
+    prompt_text: str | None
+    """The prompt as text, when it came as text."""
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    traffic_class: str
+    max_tokens: int
+    """Output tokens at most, after clamping ``params.max_tokens`` to the context."""
+    resume_token_ids: tuple[int, ...] = ()
+    """Output the request already produced elsewhere (see ``LLMEngine.add_request``)."""
 
 
 class RequestStatus(enum.Enum):

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from engine.core.request import ParamError, Request
+from engine.core.params import ParamError
+from engine.core.request import Request
 
 FIELD = "response_format"
 """The API field a schema comes from, named in errors."""

@@ -55,7 +55,7 @@ class SlowReplica:
     async def items(self, request_id, prompt_token_ids, params, shape, send_load=True):
         yield Accepted(len(prompt_token_ids), self.replica_id)
         self.running += 1
-        n, done = params["max_tokens"] or 16, False
+        n, done = params.max_tokens or 16, False
         try:
             await asyncio.sleep(self.start_s)
             for i in range(n):

@@ -331,7 +331,8 @@ async def test_on_ray_serve_a_failed_request_is_a_503_request_failed_not_a_lost_
     # The replica puts the failed request's last item on its step stream (as any item);
     # the ingress's call answers 503 request_failed and re-sends nothing.
     handle = FakeReplicas(["r1", "r2"])
-    call = Dispatch(handle, "req", [1], {}, RequestShape(1, "standard", 1), StepStreams(handle))
+    shape = RequestShape(1, "standard", 1)
+    call = Dispatch(handle, "req", [1], SamplingParams(), shape, StepStreams(handle))
     await call.start()
     await asyncio.sleep(0)
     items = call.items()
