@@ -19,6 +19,7 @@ median over rounds and the spread (min-max).
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import statistics
 import time
@@ -201,7 +202,7 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     ap.add_argument("--number", type=int, default=2000, help="requests timed per round")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     print(render(rows))
     report = {
         "run": rp.run_record(),
+        "load_avg_1m": os.getloadavg()[0],
         "rounds": args.rounds,
         "number": args.number,
         "requests": {name: body for name, (_, body) in REQUESTS.items()},
