@@ -396,3 +396,36 @@ def test_every_result_file_records_its_run():
         for p in Path(docs.RESULTS).glob("*.json")
         if p.name not in {n for s in docs.SUITES for n in s.results} and "_quick" not in p.name
     ), "a result file no suite renders (smoke runs write *_quick files, never committed)"
+
+
+async def test_the_in_process_target_admits_as_the_ingress_does():
+    # EngineTarget builds its own admission model from the engine's classes and policy.
+    import dataclasses
+    import time
+    from types import SimpleNamespace
+
+    from bench.toolkit.loadgen import LoadRequest, Refused
+    from bench.toolkit.targets import EngineTarget
+    from policies import DEFAULT_CLASSES, LoadSnapshot, PriorityPolicy
+
+    load = LoadSnapshot(
+        max_num_batched_tokens=512,
+        max_num_seqs=64,
+        num_kv_blocks_free=100_000,
+        step_coefficients=(0.05, 0.002, 0.002),
+    )
+    engine = SimpleNamespace(
+        traffic_classes=DEFAULT_CLASSES, scheduler=SimpleNamespace(policy=PriorityPolicy())
+    )
+    target = EngineTarget(
+        SimpleNamespace(engine=engine, load_snapshot=lambda: load), admission=True
+    )
+    req = LoadRequest("r", 0, "interactive", "hi", prompt_tokens=200, max_tokens=16)
+    rec: dict = {}
+    await target._admit(req, "interactive", rec, time.perf_counter())
+    assert rec["holds"] == 0
+    load = dataclasses.replace(
+        load, waiting_prefill_tokens={"interactive": 30_000}, waiting_requests={"interactive": 150}
+    )
+    with pytest.raises(Refused):  # held past the class's max_queue_wait_s (1 s)
+        await target._admit(req, "interactive", rec, time.perf_counter() - 5.0)
