@@ -45,8 +45,8 @@ from bench.toolkit.servers import MIX_API_KEY, MODEL_NAME, Server, SystemSpec, m
 from bench.toolkit.targets import HttpTarget, http_client
 from bench.toolkit.workload import ATTRIBUTION, REPO, TRACE
 from deploy.sim import replay as rpl
+from deploy.sim.calibrate import fit_log
 from deploy.sim.twin import fetch_log
-from engine.sim.calibrate import fit_log
 from engine.step_log import window
 
 STATS = ("ttft_mean", "tpot_mean", "ttft_p99", "tpot_p99")

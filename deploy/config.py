@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
-from engine.sim.cost import LinearCost
+from engine.step_cost import LinearCost
 from engine.step_log import HISTORY
 from policies import TrafficClass, make_classes
 from policies.autoscale import AutoscalingSettings
@@ -36,7 +36,7 @@ def host_cpus() -> int:
 
 
 def _read_cost(path: str) -> LinearCost:
-    """``path`` as a :class:`engine.sim.cost.LinearCost`, with errors that say what it
+    """``path`` as a :class:`engine.step_cost.LinearCost`, with errors that say what it
     should be.
 
     Raises:

@@ -25,8 +25,8 @@ from engine import (
     RequestRejectedError,
     SamplingParams,
 )
-from engine.sim.cost import LinearCost
-from engine.sim.drift import DriftMonitor
+from engine.step_cost import LinearCost
+from engine.step_drift import DriftMonitor
 from engine.step_log import StepRecorder, engine_info
 from engine.step_metrics import StepMetrics
 from policies import LoadSnapshot
@@ -155,7 +155,7 @@ class EngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """The load snapshot and, under ``"metrics"``, :class:`engine.step_metrics.StepMetrics`
         plus the prefix cache's lookups and hits since start, in tokens, and the twin's
-        drift (``"step_time_prediction"``: :meth:`engine.sim.drift.DriftMonitor.to_dict`).
+        drift (``"step_time_prediction"``: :meth:`engine.step_drift.DriftMonitor.to_dict`).
         Ray Serve polls it from a served replica; the ingress's admission, routing and
         ``/metrics`` read it."""
         bm = self.engine.engine.block_manager

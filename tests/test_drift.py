@@ -1,4 +1,4 @@
-"""The digital twin's drift: engine.sim.drift.DriftMonitor on synthetic steps, the config
+"""The digital twin's drift: engine.step_drift.DriftMonitor on synthetic steps, the config
 key that gives it a model, and `iterserve top`'s view of the ratio."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from rich.console import Console
 from deploy.config import ServiceConfig
 from deploy.top import render, view
 from engine.interfaces import StepRecord
-from engine.sim.cost import LinearCost, StepShape
-from engine.sim.drift import DriftMonitor
+from engine.step_cost import LinearCost, StepShape
+from engine.step_drift import DriftMonitor
 from engine.step_log import IDLE_GAP_S
 
 # 10 ms a step, 1 ms per decode, 0.1 ms per prefill token.

@@ -13,10 +13,10 @@ import pytest
 from pydantic import ValidationError
 
 from deploy.config import ServiceConfig
+from deploy.sim.calibrate import fit_log
 from deploy.sim.replay import BARS, compare, replay, service_config
 from engine import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
 from engine.interfaces import FinishRecord, StepRecord
-from engine.sim.calibrate import fit_log
 from engine.step_log import IDLE_GAP_S, VERSION, StepLog, StepRecorder, engine_info
 
 SMALL_LOG = Path(__file__).parent / "data" / "step_log_small.jsonl"

@@ -1,10 +1,10 @@
 """The digital twin's drift on a live replica: its predicted step times against the measured.
 
 The simulator (``iterserve simulate``) costs each step with a step-time model
-(:class:`engine.sim.cost.LinearCost`). A model calibrated on one host, one load or one
+(:class:`engine.step_cost.LinearCost`). A model calibrated on one host, one load or one
 build stops predicting another's steps; :class:`DriftMonitor` tells how far, as the
 replica serves. Fed every step the engine runs (:attr:`engine.LLMEngine.on_step`), it
-predicts each step's seconds from its composition (:meth:`engine.sim.cost.StepShape.of_record`)
+predicts each step's seconds from its composition (:meth:`engine.step_cost.StepShape.of_record`)
 and measures its period, as the step log does (:attr:`engine.step_log.LoggedStep.period`):
 from its start to the next step's start, or its own ``seconds`` where more than
 :data:`engine.step_log.IDLE_GAP_S` of idleness follows. Per step kind (``decode``,
@@ -13,7 +13,7 @@ seconds it reports ``sum(predicted) / sum(measured)``: 1 is a perfect twin, belo
 twin is optimistic (real steps take longer), above 1 pessimistic.
 
 The model is the one given (a file from ``iterserve calibrate``), or, without one, a fit
-(:func:`engine.sim.cost.fit_linear`) on the replica's own first steps, which then tells
+(:func:`engine.step_cost.fit_linear`) on the replica's own first steps, which then tells
 how the replica drifts from how it ran when it started.
 
 The replica renders :meth:`DriftMonitor.to_dict` into its routing stats; the ingress
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.interfaces import StepRecord
-from engine.sim.cost import CostModel, LinearCost, StepShape, fit_linear
+from engine.step_cost import CostModel, LinearCost, StepShape, fit_linear
 from engine.step_log import IDLE_GAP_S, STEP_KINDS, step_kind
 
 WINDOW_S = 60.0

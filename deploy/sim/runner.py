@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampler import SampleResult
 from engine.schedule_output import SchedulerOutput
-from engine.sim.cost import CostModel, StepShape
+from engine.step_cost import CostModel, StepShape
 
 SIM_TOKEN_ID = 1
 """The token every simulated step samples (requests are ``ignore_eos``: its id is moot)."""

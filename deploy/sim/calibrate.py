@@ -1,4 +1,4 @@
-"""Calibrate :class:`engine.sim.cost.LinearCost` on this machine: run the real engine, fit.
+"""Calibrate :class:`engine.step_cost.LinearCost` on this machine: run the real engine, fit.
 
 The engine runs as a replica runs it, an :class:`engine.async_engine.AsyncLLMEngine`
 streaming to clients on the same event loop. The sweep keeps ``c`` requests in flight
@@ -28,7 +28,7 @@ import time
 
 from engine.config import EngineConfig
 from engine.interfaces import StepRecord
-from engine.sim.cost import FEATURES, LinearCost, StepShape, fit_linear
+from engine.step_cost import FEATURES, LinearCost, StepShape, fit_linear
 from engine.step_log import STEP_KINDS, LoggedStep, StepLog
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
