@@ -17,7 +17,7 @@ requests are served, to time the host's own drift.
    composition measured). Bar: per-request TTFT and TPOT within 2% (median absolute
    error) and 5% (p99); the first divergent step is named.
 2. **Cost-model fidelity, within one run.** A fit on the first half of a run's steps
-   predicts the second half's periods (:func:`engine.sim.calibrate.holdout`). Bar, per
+   predicts the second half's periods (:func:`deploy.sim.calibrate.holdout`). Bar, per
    step kind (decode, mixed, prefill): median absolute error at most 5%, p90 at most 10%.
    Beside it, the probe's step times at the start against the end.
 3. **End to end, against the real system's own spread.** ``--rounds`` real runs per load
@@ -59,12 +59,12 @@ from bench.toolkit.targets import HttpTarget, http_client
 from bench.toolkit.workload import ATTRIBUTION, REPO, TRACE, Lengths, Window, token_ids
 from deploy.config import ServiceConfig
 from deploy.sim import replay as rpl
+from deploy.sim.calibrate import fit_log, holdout
 from deploy.sim.fleet import Fleet, SimRun
 from deploy.sim.report import latency
 from deploy.sim.trace import SimRequest
 from deploy.sim.twin import observed
 from engine.core.step_log import STEP_KINDS, StepLog, window
-from engine.sim.calibrate import fit_log, holdout
 
 MIX = {"interactive": 0.7, "batch": 0.3}
 SLO = (2.0, 0.5)

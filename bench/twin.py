@@ -45,9 +45,9 @@ from bench.toolkit.servers import MIX_API_KEY, MODEL_NAME, Server, SystemSpec, m
 from bench.toolkit.targets import HttpTarget, http_client
 from bench.toolkit.workload import ATTRIBUTION, REPO, TRACE
 from deploy.sim import replay as rpl
+from deploy.sim.calibrate import fit_log
 from deploy.sim.twin import fetch_log
 from engine.core.step_log import window
-from engine.sim.calibrate import fit_log
 
 STATS = ("ttft_mean", "tpot_mean", "ttft_p99", "tpot_p99")
 

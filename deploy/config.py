@@ -17,8 +17,8 @@ import yaml
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
+from engine.core.step_cost import LinearCost
 from engine.core.step_log import HISTORY
-from engine.sim.cost import LinearCost
 from policies import TrafficClass, make_classes
 from policies.autoscale import AutoscalingSettings
 from router.settings import IngressOptions, IngressSettings
@@ -36,7 +36,7 @@ def host_cpus() -> int:
 
 
 def _read_cost(path: str) -> LinearCost:
-    """``path`` as a :class:`engine.sim.cost.LinearCost`, with errors that say what it
+    """``path`` as a :class:`engine.core.step_cost.LinearCost`, with errors that say what it
     should be.
 
     Raises:

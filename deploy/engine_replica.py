@@ -25,10 +25,10 @@ from engine import (
     RequestRejectedError,
     SamplingParams,
 )
+from engine.core.step_cost import LinearCost
+from engine.core.step_drift import DriftMonitor
 from engine.core.step_log import StepRecorder, engine_info
 from engine.core.step_metrics import StepMetrics
-from engine.sim.cost import LinearCost
-from engine.sim.drift import DriftMonitor
 from policies import LoadSnapshot
 from router.contract import (
     Accepted,
@@ -155,7 +155,7 @@ class EngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """The load snapshot and, under ``"metrics"``, :class:`engine.core.step_metrics.StepMetrics`
         plus the prefix cache's lookups and hits since start, in tokens, and the twin's
-        drift (``"step_time_prediction"``: :meth:`engine.sim.drift.DriftMonitor.to_dict`).
+        drift (``"step_time_prediction"``: :meth:`engine.core.step_drift.DriftMonitor.to_dict`).
         Ray Serve polls it from a served replica; the ingress's admission, routing and
         ``/metrics`` read it."""
         bm = self.engine.engine.block_manager

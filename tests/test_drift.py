@@ -1,4 +1,4 @@
-"""The digital twin's drift: engine.sim.drift.DriftMonitor on synthetic steps, the config
+"""The digital twin's drift: engine.core.step_drift.DriftMonitor on synthetic steps, the config
 key that gives it a model, and `iterserve top`'s view of the ratio."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from rich.console import Console
 from deploy.config import ServiceConfig
 from deploy.top import render, view
 from engine.core.interfaces import StepRecord
+from engine.core.step_cost import LinearCost, StepShape
+from engine.core.step_drift import DriftMonitor
 from engine.core.step_log import IDLE_GAP_S
-from engine.sim.cost import LinearCost, StepShape
-from engine.sim.drift import DriftMonitor
 
 # 10 ms a step, 1 ms per decode, 0.1 ms per prefill token.
 COST = LinearCost((0.01, 1e-4, 1e-3, 0.0, 0.0), 64, 16, 2048, 1000)

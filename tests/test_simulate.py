@@ -12,11 +12,12 @@ from deploy.cli import main as cli_main
 from deploy.config import ServiceConfig
 from deploy.sim.fleet import Fleet, _prompt
 from deploy.sim.report import summarize
+from deploy.sim.roofline import RooflineCost
+from deploy.sim.runner import SimClock, SimRunner, SimTokenizer
 from deploy.sim.trace import SimRequest, TraceSpec, load_requests, parse_mix, trace_path
 from engine import LLMEngine, RequestOutputKind, SamplingParams
 from engine.config import EngineConfig
-from engine.sim import LinearCost, RooflineCost, SimClock, SimRunner, SimTokenizer, StepShape
-from engine.sim.cost import fit_linear
+from engine.core.step_cost import LinearCost, StepShape, fit_linear
 
 CLASSES = {
     "interactive": {"ttft_slo_s": 1.0, "tpot_slo_s": 0.1},

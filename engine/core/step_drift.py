@@ -1,11 +1,12 @@
 """The digital twin's drift on a live replica: its predicted step times against the measured.
 
 The simulator (``iterserve simulate``) costs each step with a step-time model
-(:class:`engine.sim.cost.LinearCost`). A model calibrated on one host, one load or one
+(:class:`engine.core.step_cost.LinearCost`). A model calibrated on one host, one load or one
 build stops predicting another's steps; :class:`DriftMonitor` tells how far, as the
 replica serves. Fed every step the engine runs (:attr:`engine.LLMEngine.on_step`), it
-predicts each step's seconds from its composition (:meth:`engine.sim.cost.StepShape.of_record`)
-and measures its period, as the step log does (:attr:`engine.core.step_log.LoggedStep.period`):
+predicts each step's seconds from its composition
+(:meth:`engine.core.step_cost.StepShape.of_record`) and measures its period, as the step
+log does (:attr:`engine.core.step_log.LoggedStep.period`):
 from its start to the next step's start, or its own ``seconds`` where more than
 :data:`engine.core.step_log.IDLE_GAP_S` of idleness follows. Per step kind (``decode``,
 ``mixed``, ``prefill``: :data:`engine.core.step_log.STEP_KINDS`) over the last ``window_s``
@@ -13,7 +14,7 @@ seconds it reports ``sum(predicted) / sum(measured)``: 1 is a perfect twin, belo
 twin is optimistic (real steps take longer), above 1 pessimistic.
 
 The model is the one given (a file from ``iterserve calibrate``), or, without one, a fit
-(:func:`engine.sim.cost.fit_linear`) on the replica's own first steps, which then tells
+(:func:`engine.core.step_cost.fit_linear`) on the replica's own first steps, which then tells
 how the replica drifts from how it ran when it started.
 
 The replica renders :meth:`DriftMonitor.to_dict` into its routing stats; the ingress
@@ -29,8 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.core.interfaces import StepRecord
+from engine.core.step_cost import CostModel, LinearCost, StepShape, fit_linear
 from engine.core.step_log import IDLE_GAP_S, STEP_KINDS, step_kind
-from engine.sim.cost import CostModel, LinearCost, StepShape, fit_linear
 
 WINDOW_S = 60.0
 """Seconds of steps the ratio covers."""

@@ -1,4 +1,4 @@
-"""Calibrate :class:`engine.sim.cost.LinearCost` on this machine: run the real engine, fit.
+"""Calibrate :class:`engine.core.step_cost.LinearCost` on this machine: run the real engine, fit.
 
 The engine runs as a replica runs it, an :class:`engine.async_engine.AsyncLLMEngine`
 streaming to clients on the same event loop. The sweep keeps ``c`` requests in flight
@@ -28,8 +28,8 @@ import time
 
 from engine.config import EngineConfig
 from engine.core.interfaces import StepRecord
+from engine.core.step_cost import FEATURES, LinearCost, StepShape, fit_linear
 from engine.core.step_log import STEP_KINDS, LoggedStep, StepLog
-from engine.sim.cost import FEATURES, LinearCost, StepShape, fit_linear
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 WARMUP_STEPS = 5
