@@ -113,8 +113,10 @@ def test_open_loop_judges_each_request_as_vllm_does():
     by_id = {r["id"]: r for r in run.records}
     ok = by_id["r0"]
     assert ok["status"] == "finished" and ok["output_tokens"] == 5 and ok["slo_met"]
-    assert ok["ttft_s"] == pytest.approx(0.05, abs=0.03)
-    assert ok["tpot_s"] == pytest.approx(0.01, abs=0.01)
+    # Sleeps never end early; a loaded host only lengthens them, up to the SLO that
+    # slo_met judges (0.2 s, 0.05 s): seconds, from the first token and between tokens.
+    assert 0.05 <= ok["ttft_s"] < 0.2
+    assert 0.01 <= ok["tpot_s"] < 0.05
     assert by_id["r1"]["status"] == "refused" and not by_id["r1"]["slo_met"]
     assert by_id["r2"]["status"] == "error" and "boom" in by_id["r2"]["error"]
     slow = by_id["r3"]
