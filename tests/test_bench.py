@@ -109,14 +109,17 @@ def test_open_loop_judges_each_request_as_vllm_does():
         for i, cls in enumerate(["ok", "refuse", "fail", "slow", "ok"])
     ]
     run = asyncio.run(loadgen.open_loop(_FakeTarget(), reqs, cutoff_s=0.5))
-    summary = rp.summarize(run.records, 10.0, lambda _: (0.2, 0.05), run.wall_s)
+    # The 'ok' requests' SLO leaves a loaded host's event loop room; 'slow' is judged on a
+    # tight one.
+    slo = {"slow": (0.2, 0.05)}
+    summary = rp.summarize(run.records, 10.0, lambda c: slo.get(c, (2.0, 0.5)), run.wall_s)
     by_id = {r["id"]: r for r in run.records}
     ok = by_id["r0"]
     assert ok["status"] == "finished" and ok["output_tokens"] == 5 and ok["slo_met"]
-    # Sleeps never end early; a loaded host only lengthens them, up to the SLO that
-    # slo_met judges (0.2 s, 0.05 s): seconds, from the first token and between tokens.
-    assert 0.05 <= ok["ttft_s"] < 0.2
-    assert 0.01 <= ok["tpot_s"] < 0.05
+    # Sleeps never end early; a loaded host only lengthens them: seconds, from the first
+    # token and between tokens.
+    assert 0.05 <= ok["ttft_s"] < 2.0
+    assert 0.01 <= ok["tpot_s"] < 0.5
     assert by_id["r1"]["status"] == "refused" and not by_id["r1"]["slo_met"]
     assert by_id["r2"]["status"] == "error" and "boom" in by_id["r2"]["error"]
     slow = by_id["r3"]
