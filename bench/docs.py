@@ -460,7 +460,8 @@ TOOLKIT = (
     ),
     (
         "servers",
-        "starting and stopping the servers compared (iterserve, vLLM), the served "
+        "starting and stopping the servers compared (iterserve, vLLM) and any other server "
+        "process a suite runs (llama.cpp's, `iterserve serve` of another checkout), the served "
         "token-cost probe, CPU per process",
     ),
     (
