@@ -200,39 +200,6 @@ def test_prefix_workload_turns_resend_the_conversation_and_replays_differ(tmp_pa
     assert [r.prompt_tokens for r in second.values()] == [r.prompt_tokens for r in first.values()]
 
 
-def test_guard_probe_judges_refusals_as_misses_and_in_the_mix_only_interactive():
-    import argparse
-
-    from bench import guard_probe
-
-    def rec(cls, status, first, end, n):
-        return {
-            "class": cls,
-            "status": status,
-            "arrival_s": 0.0,
-            "first_token_s": first,
-            "end_s": end,
-            "output_tokens": n,
-            "output_tokens_expected": 3,
-        }
-
-    records = [
-        rec("interactive", "finished", 0.5, 0.9, 3),  # TTFT 0.5 s, TPOT 0.2 s: met
-        rec("interactive", "finished", 3.0, 3.2, 3),  # TTFT 3 s: missed
-        rec("interactive", "refused", None, None, 0),  # refused: a miss
-        rec("batch", "finished", 9.0, 19.0, 3),
-    ]  # not judged in the mix
-    args = argparse.Namespace(slo_ttft_s=2.0, slo_tpot_s=0.25, mix=True)
-    row = guard_probe.summarize(args, records, wall_s=10.0)
-    assert row["requests"] == 3 and row["not_finished"] == 1
-    assert row["attainment"] == pytest.approx(1 / 3)
-    assert row["batch_tok_s"] == pytest.approx(0.3)
-    args.mix = False
-    row = guard_probe.summarize(args, records, wall_s=10.0)
-    assert row["requests"] == 4 and row["attainment"] == pytest.approx(1 / 4)
-    assert row["batch_tok_s"] is None
-
-
 def _summary(rate: float, overall: float, interactive: float | None = None) -> dict:
     inter = overall if interactive is None else interactive
     return {
