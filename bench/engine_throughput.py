@@ -54,7 +54,7 @@ Decode sweep
     (the first two such steps are skipped as warm-up). The roofline is fp32 GEMM FLOP/s (median
     of ``torch.mm`` on 2048x2048 matrices) divided by 2 x the model's parameter count (tied
     embeddings counted once: the LM head is the one matmul they take part in). Each step's
-    times come from the ``engine.StepRecord`` the engine's ``on_step`` hook receives: the whole
+    times come from the ``engine.StepRecord`` the engine's step listener receives: the whole
     step (``seconds``), ``scheduler.schedule()`` (``schedule_s``) and the runner's own
     prepare / forward / sample breakdown of its ``execute`` (``phases``, perf_counter in
     ``TorchModelRunner``); "other" is the rest of the step (updating requests, detokenizing,
@@ -737,7 +737,8 @@ def _decode_steps(
 ) -> tuple[list[dict], float | None]:
     """Run ``prompts`` until ``skip + measure`` steps have had every sequence decoding.
 
-    ``steps`` is the list ``engine.on_step`` appends each :class:`engine.StepRecord` to.
+    ``steps`` is the list a step listener of ``engine`` appends each
+    :class:`engine.StepRecord` to.
     Returns the measured steps (seconds of the whole step and of each of :data:`PHASES`)
     and the cores other processes kept busy over them.
     """
@@ -803,7 +804,7 @@ def _sweep_point(n: int, rec: list[dict], roofline: float, foreign: float | None
 
 def worker_sweep(wl: dict, cfg: dict) -> dict:
     """Decode tokens/s at several batch sizes, with a per-phase breakdown of each step
-    from the engine's ``on_step`` records."""
+    from the engine's step records."""
     import torch
 
     gemm_flops, gemm_times = _gemm_flops(cfg["gemm_size"], cfg["gemm_reps"])
@@ -812,7 +813,7 @@ def worker_sweep(wl: dict, cfg: dict) -> dict:
     n_params = _num_params(engine.model.runner.model)
     roofline = gemm_flops / (2 * n_params)
     steps: list = []
-    engine.on_step = steps.append
+    engine.add_step_listener(steps.append)
 
     rng = random.Random(cfg["seed"] + 1)
     points = []

@@ -404,19 +404,18 @@ def _load_llm(check: Check) -> LLM:
 
 
 class _Steps:
-    """Collects the engine's step records while installed as its ``on_step``."""
+    """Collects the engine's step records while installed as one of its step listeners."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.records: list[StepRecord] = []
 
     def __enter__(self) -> _Steps:
-        self.saved = self.engine.on_step
-        self.engine.on_step = self.records.append
+        self.engine.add_step_listener(self.records.append)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.engine.on_step = self.saved
+        self.engine.step_listeners.remove(self.records.append)
 
     def step(self) -> StepRecord | None:
         """One engine step; its record (None when it had nothing to run)."""

@@ -91,7 +91,6 @@ def _run_shape(llm, seqs, context, chunk, steps, tag, timers=None, salt=0):
 
     engine = llm.llm_engine
     records = []
-    saved = engine.on_step
     last = [0.0, 0.0]
 
     def record(r) -> None:
@@ -99,7 +98,7 @@ def _run_shape(llm, seqs, context, chunk, steps, tag, timers=None, salt=0):
         records.append((r, now[0] - last[0], now[1] - last[1]))
         last[:] = now
 
-    engine.on_step = record
+    engine.add_step_listener(record)
     try:
         if chunk:
             used = []
@@ -127,7 +126,7 @@ def _run_shape(llm, seqs, context, chunk, steps, tag, timers=None, salt=0):
         decode = [x for x in records if x[0].num_decodes == seqs and x[0].num_prefill_tokens == 0]
         return decode[4 : 4 + steps]
     finally:
-        engine.on_step = saved
+        engine.step_listeners.remove(record)
 
 
 def profile_shape(llm, seqs: int, context: int, chunk: int, steps: int, salt: int = 0) -> dict:

@@ -63,7 +63,7 @@ class ProgressWatch:
         self._progress = clock()
 
     def stepped(self, *_: object) -> None:
-        """A step finished (an ``on_step`` listener)."""
+        """A step finished (a step listener)."""
         self._progress = self._clock()
 
     def stalled_s(self) -> float:
@@ -110,7 +110,7 @@ class EngineReplica:
         torch.set_num_threads(max(1, num_threads))
         self.engine = AsyncLLMEngine.from_config(EngineConfig(**engine_config))
         self.step_metrics = StepMetrics()
-        self.engine.engine.on_step = self.step_metrics.record
+        self.engine.engine.add_step_listener(self.step_metrics.record)
         self.recorder: StepRecorder | None = None
         if step_log is not None or step_history > 0:
             info = engine_info(self.engine.engine) | ({"service": service} if service else {})
@@ -119,7 +119,7 @@ class EngineReplica:
         self.drift = DriftMonitor(twin_cost, clock=self.engine.engine.clock)
         self.drift.attach(self.engine.engine)
         self.progress = ProgressWatch(lambda: self.engine.num_unfinished)
-        self.engine.engine.also_on_step(self.progress.stepped)
+        self.engine.engine.add_step_listener(self.progress.stepped)
         self.replica_id = replica_id
         logger.info("replica ready (pid %d, %d torch threads)", os.getpid(), num_threads)
 

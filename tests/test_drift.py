@@ -154,23 +154,25 @@ def test_the_window_stays_bounded_when_nobody_reads_it():
     assert len(m._window) <= 1.0 / predicted(4, 0) + 2
 
 
-def test_attach_keeps_the_on_step_set_before():
+def test_attach_keeps_the_step_listeners_added_before():
     from engine.llm_engine import LLMEngine
 
     clock, seen = Clock(), []
 
     class Engine:
-        """What attach touches: on_step and the engine's way of chaining listeners."""
+        """What attach touches: the engine's step listeners."""
 
-        also_on_step = LLMEngine.also_on_step
+        add_step_listener = LLMEngine.add_step_listener
 
         def __init__(self) -> None:
-            self.on_step = seen.append
+            self.step_listeners = [seen.append]
 
     engine = Engine()
     m = DriftMonitor(COST, clock=clock)
     m.attach(engine)
-    engine.on_step(record(0, clock.t, 0.01, 1, 0))
+    assert engine.step_listeners == [seen.append, m.step]
+    for listener in engine.step_listeners:
+        listener(record(0, clock.t, 0.01, 1, 0))
     assert len(seen) == 1 and m._pending is not None
 
 

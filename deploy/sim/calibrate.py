@@ -66,7 +66,7 @@ def sweep(
 
     aeng = AsyncLLMEngine.from_config(config)
     records: list[StepRecord] = []
-    aeng.engine.on_step = records.append  # on the engine's thread; list.append is atomic
+    aeng.engine.add_step_listener(records.append)  # on the engine's thread; list.append is atomic
     asyncio.run(_closed_loops(aeng, records, steps_per_level, random.Random(seed), progress))
     return records[WARMUP_STEPS:], periods(records)[WARMUP_STEPS:], aeng.engine
 

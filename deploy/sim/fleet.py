@@ -263,7 +263,7 @@ class Fleet:
             r.engine.on_scheduled = functools.partial(setattr, r, "in_flight")
         kept: list[StepRecord] = []
         if self.record_steps:
-            r.engine.on_step = kept.append
+            r.engine.add_step_listener(kept.append)
         self.replicas.append(r)
         self.steps.append(kept)
         return len(self.replicas) - 1
