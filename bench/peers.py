@@ -551,17 +551,20 @@ def expected_s(
 def start_offline(
     args: argparse.Namespace, model_dir: str, stack: contextlib.ExitStack
 ) -> tuple[dict, dict]:
-    """Both offline engines (:mod:`bench.toolkit.offline`, each in its venv), loaded together and
-    measured in ``--offline-rounds`` alternating rounds (vLLM first in even rounds,
+    """The offline engines of ``--systems``' kinds (:mod:`bench.toolkit.offline`, each in its
+    venv), loaded together and measured in ``--offline-rounds`` alternating rounds (vLLM first in even rounds,
     iterserve first in odd ones; the first round with a warm-up call per measurement);
     each then stays loaded, idle, for the served phases' paired probes until ``stack``
     closes. Returns ({engine: {"median": {...}, "rounds": [...]}}, {engine:
     :class:`ps.OfflineEngine`})."""
     engines = {}
+    kinds = {system(args, name).kind for name in args.systems}
     for name, py in (
         ("vllm", Path(args.vllm_venv) / "bin/python"),
         ("iterserve", REPO / ".venv/bin/python"),
     ):
+        if name not in kinds:  # a before/after run without vLLM needs no vLLM venv
+            continue
         cmd = [
             "--model",
             model_dir,
