@@ -34,6 +34,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench.toolkit import cli
 from bench.toolkit import report as rp
 from deploy.config import ServiceConfig
 from deploy.sim.autoscale import (
@@ -60,10 +61,8 @@ MS_PER_REQUEST = 3.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.autoscale", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--trace", default="conv")
+    p = cli.parser("bench.autoscale", __doc__)
+    p.add_argument("--trace", default="conv", help="a shipped trace's name, or a CSV")
     p.add_argument("--length-scale", type=float, default=4.0)
     p.add_argument("--class-mix", default="interactive=0.7,batch=0.3")
     p.add_argument("--peak-rps", type=float, default=6.0, help="arrivals per second at noon")
@@ -72,9 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replica-start-s", type=float, default=20.0)
     p.add_argument("--max-replicas", type=int, default=16)
     p.add_argument("--ray-target", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a 2-hour day (--day-s 7200)")
-    p.add_argument("--out", default="bench/results")
+    cli.add_seed(p)
+    cli.add_quick(p, "a 2-hour day (--day-s 7200)")
+    cli.add_out(p, "bench/results", "the folder of the result files")
     p.add_argument(
         "--name", default="autoscale", help="the result files' stem (NAME.json, .md, .png)"
     )
@@ -224,11 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     curve = Diurnal(args.day_s, args.peak_rps, args.ratio)
     n_requests = len(diurnal_requests(spec, curve, args.seed))
     expected = (n_requests * 3 / 2 + args.peak_rps * PEAK_S * 3) * MS_PER_REQUEST / 1000
-    print(
-        f"bench.autoscale: {n_requests} requests over {args.day_s / 3600:g} simulated hours "
-        f"(peak {args.peak_rps:g} req/s, peak/trough {args.ratio:g}); expected duration "
-        f"about {math.ceil(expected / 60)} min on 2 cores",
-        flush=True,
+    cli.expected(
+        "autoscale",
+        expected,
+        f"on 2 cores: {n_requests} requests over {args.day_s / 3600:g} simulated hours, peak "
+        f"{args.peak_rps:g} req/s, peak/trough {args.ratio:g}",
     )
     t0 = time.perf_counter()
     n, per_replica, sizing = size_for_peak(args)
@@ -242,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     with ProcessPoolExecutor(2) as pool:
         results = list(pool.map(run_fleet, jobs))
     report = {
-        "run": rp.run_record(),
+        "run": rp.run_record(),  # the markdown quotes it
         "trace": f"{args.trace} (Azure LLM inference 2023, CC-BY 4.0), lengths / "
         f"{args.length_scale:g}, classes {args.class_mix}",
         "curve": {
@@ -262,10 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - t0,
     }
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rp.write_json(report, out / f"{args.name}.json")
-    (out / f"{args.name}.md").write_text(markdown(report))
-    print(markdown(report))
+    rp.write_report(out / f"{args.name}.json", report, markdown(report))
     _plot(report, out / f"{args.name}.png")
     return 0
 
@@ -303,7 +299,7 @@ def bound_replica_hours(curve: Diurnal, fixed: int, steps: int = 8640) -> float:
 
 def _pct(x: float | None) -> str:
     """Attainment to two decimals: the fleets differ below a whole percent."""
-    return "—" if x is None else f"{x:.2%}"
+    return rp.pct(x, digits=2)
 
 
 def markdown(rep: dict[str, Any]) -> str:

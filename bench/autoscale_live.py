@@ -19,7 +19,6 @@ Writes ``bench/results/autoscale_live.json`` and ``autoscale_live.md``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import re
@@ -30,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from bench.toolkit import cli
 from bench.toolkit import report as rp
 from bench.toolkit.prompts import corpus_text
 from bench.toolkit.servers import MODEL_NAME, Server, SystemSpec, model_dir
@@ -235,12 +235,11 @@ def run_system(auto: bool, arrivals: list[float] | None, seed: int) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.autoscale_live")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/results")
+    p = cli.parser("bench.autoscale_live", __doc__)
+    cli.add_seed(p)
+    cli.add_out(p, "bench/results", "the folder of the result files")
     args = p.parse_args(argv)
-    total = CALIBRATE_S + 2 * (LIGHT_S + STEP_S + TAIL_S) + 4 * 60
-    print(f"bench.autoscale_live: expected duration about {total / 60:.0f} min", flush=True)
+    cli.expected("autoscale_live", CALIBRATE_S + 2 * (LIGHT_S + STEP_S + TAIL_S) + 4 * 60)
     t0 = time.perf_counter()
     capacity = run_system(False, None, args.seed)["capacity_rps"]
     arrivals, step_end = schedule(capacity, args.seed)
@@ -255,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         None,
     )
     report = {
-        "run": rp.run_record(),
+        "run": rp.run_record(),  # the markdown quotes it
         "capacity_rps": capacity,
         "rates_rps": {"light": LIGHT * capacity, "step": STEP * capacity},
         "phases_s": {"light": LIGHT_S, "step": STEP_S, "tail_max": TAIL_S},
@@ -265,10 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "systems": systems,
         "wall_s": time.perf_counter() - t0,
     }
-    out = Path(args.out)
-    rp.write_json(report, out / "autoscale_live.json")
-    (out / "autoscale_live.md").write_text(markdown(report))
-    print(markdown(report))
+    rp.write_report(Path(args.out) / "autoscale_live.json", report, markdown(report))
     return 0
 
 

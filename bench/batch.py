@@ -48,11 +48,12 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.toolkit import REPO, RESULTS, cli
 from bench.toolkit import report as rp
 from bench.toolkit import serve_bench as sb
 from bench.toolkit import servers as ps
 from bench.toolkit.prompts import prompt_maker
-from bench.toolkit.servers import MODEL_NAME, REPO, engine_env, machine_info, model_dir
+from bench.toolkit.servers import MODEL_NAME, engine_env, machine_info, model_dir
 from bench.toolkit.targets import http_client
 from bench.toolkit.workload import Lengths, read_trace
 from deploy.sim.trace import trace_path
@@ -227,28 +228,11 @@ def table(summary: dict, totals: dict) -> str:
     return "\n".join(lines)
 
 
-def main_throughput(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.batch throughput",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--start", type=int, default=0, help="the trace window's first row")
-    p.add_argument("--prompt-divisor", type=float, default=128.0)
-    p.add_argument("--output-divisor", type=float, default=4.0)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--skip-vllm", action="store_true")
-    p.add_argument("--out", default=str(REPO / "bench/results/batch_throughput.json"))
-    args = p.parse_args(argv)
+def main_throughput(args: argparse.Namespace) -> int:
     systems = ["iterserve"] if args.skip_vllm else ["vllm", "iterserve"]
     scale = args.requests / 2000
     expected = args.repeats * sum(REFERENCE_S[s] * scale for s in systems)
-    print(
-        f"[batch] expected duration: about {expected / 60:.0f} min "
-        f"({args.repeats} runs of {', '.join(systems)})",
-        flush=True,
-    )
+    cli.expected("batch", expected, f"{args.repeats} runs of {', '.join(systems)}")
     lengths = Lengths(
         prompt_divisor=args.prompt_divisor,
         output_divisor=args.output_divisor,
@@ -262,7 +246,6 @@ def main_throughput(argv: list[str] | None = None) -> int:
         totals = write_batch(src, args.requests, args.start, lengths)
         runs = [one_run(s, src, workdir, k, totals) for k in range(args.repeats) for s in systems]
     summary = summarise(runs, systems)
-    print(table(summary, totals))
     result = {
         "totals": totals,
         "lengths": lengths.describe(),
@@ -271,10 +254,8 @@ def main_throughput(argv: list[str] | None = None) -> int:
         "summary": summary,
         "runs": runs,
         "machine": machine_info(),
-        "run": rp.run_record(),
     }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"[batch] wrote {args.out}")
+    rp.write_report(args.out, result, table(summary, totals), md_file=False)
     return 0
 
 
@@ -408,25 +389,9 @@ async def run(args: argparse.Namespace, server: ps.Server, batch: dict) -> list[
     return phases
 
 
-def main_interference(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.batch interference",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--rate", type=float, default=1.0, help="interactive req/s")
-    p.add_argument("--num-requests", type=int, default=90)
-    p.add_argument("--window-start", type=int, default=0)
-    p.add_argument("--pairs", type=int, default=2)
-    p.add_argument("--batch-requests", type=int, default=2000)
-    p.add_argument("--concurrency", type=int, default=8, help="the batch's --max-concurrency")
-    p.add_argument("--out", default=str(REPO / "bench/results/batch_interference.json"))
-    args = p.parse_args(argv)
+def main_interference(args: argparse.Namespace) -> int:
     per_phase = args.num_requests / args.rate + 20
-    print(
-        f"[interference] expected duration: about {(60 + 2 * args.pairs * per_phase) / 60:.0f} min",
-        flush=True,
-    )
+    cli.expected("interference", 60 + 2 * args.pairs * per_phase)
     model_dir = ps.model_dir()
     with tempfile.TemporaryDirectory(prefix="interference-") as tmp:
         batch = {
@@ -455,10 +420,8 @@ def main_interference(argv: list[str] | None = None) -> int:
         "difference_pp": round(100 * (sum(alone) / len(alone) - sum(shared) / len(shared)), 1),
         "phases": phases,
         "machine": ps.machine_info(),
-        "run": rp.run_record(),
     }
-    print("\n".join(interference_table(result)))
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    rp.write_report(args.out, result, "\n".join(interference_table(result)), md_file=False)
     return 0
 
 
@@ -478,13 +441,33 @@ def interference_table(result: dict) -> list[str]:
 COMMANDS = {"throughput": main_throughput, "interference": main_interference}
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = cli.parser("bench.batch", __doc__)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{throughput,interference}")
+    what = "iterserve batch run against vLLM's run_batch, on one batch file"
+    t = sub.add_parser("throughput", help=what, description=what)
+    t.add_argument("--requests", type=int, default=2000)
+    t.add_argument("--start", type=int, default=0, help="the trace window's first row")
+    t.add_argument("--prompt-divisor", type=float, default=128.0)
+    t.add_argument("--output-divisor", type=float, default=4.0)
+    t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--skip-vllm", action="store_true")
+    cli.add_out(t, str(RESULTS / "batch_throughput.json"), "the result file")
+    what = "the interactive class's attainment beside a batch sent --via-service, and alone"
+    i = sub.add_parser("interference", help=what, description=what)
+    i.add_argument("--rate", type=float, default=1.0, help="interactive req/s")
+    i.add_argument("--num-requests", type=int, default=90)
+    cli.add_window_start(i, 0)
+    i.add_argument("--pairs", type=int, default=2)
+    i.add_argument("--batch-requests", type=int, default=2000)
+    i.add_argument("--concurrency", type=int, default=8, help="the batch's --max-concurrency")
+    cli.add_out(i, str(RESULTS / "batch_interference.json"), "the result file")
+    return p.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
-        print(__doc__)
-        print(f"usage: python -m bench.batch {{{','.join(COMMANDS)}}} [options]", file=sys.stderr)
-        return 2
-    return COMMANDS[argv[0]](argv[1:])
+    args = parse_args(argv)
+    return COMMANDS[args.command](args)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,14 @@ figure on the page comes from a result file; the page changes only when a result
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+from bench.toolkit import REPO, RESULTS, cli
+
 PAGE = REPO / "docs" / "benchmarks.md"
 
 
@@ -426,6 +425,12 @@ SUITES: tuple[Suite, ...] = (
 
 TOOLKIT = (
     (
+        "cli",
+        "the command line: each suite's parser, the flags several suites share (`--quick`, "
+        "`--out`, `--seed`, `--trace`, `--window-start`, the SLOs), and the expected duration "
+        "printed before a run",
+    ),
+    (
         "workload",
         "the trace reader: a window of rows, lengths scaled, arrivals rescaled to an offered "
         "rate (the window's own inter-arrival pattern, stretched so that N requests span "
@@ -445,7 +450,8 @@ TOOLKIT = (
     (
         "report",
         "each request judged against its SLOs (vLLM's definitions of TTFT, TPOT, ITL, E2E), "
-        "summaries per class, goodput, tables, JSON, plots, and the run record",
+        "summaries per class, goodput, tables, plots, the run record, and the result files "
+        "every suite writes (JSON with its run record, and its markdown report)",
     ),
     (
         "serve_bench",
@@ -454,7 +460,8 @@ TOOLKIT = (
     ),
     (
         "servers",
-        "starting and stopping the servers compared (iterserve, vLLM), the served "
+        "starting and stopping the servers compared (iterserve, vLLM) and any other server "
+        "process a suite runs (llama.cpp's, `iterserve serve` of another checkout), the served "
         "token-cost probe, CPU per process",
     ),
     (
@@ -466,6 +473,13 @@ TOOLKIT = (
         "inprocess",
         "starting, warming and stopping an in-process engine; the idle check after a run; "
         "the per-step log",
+    ),
+    ("steps", "an engine step's time split into schedule, prepare, forward, sample and the rest"),
+    (
+        "simcheck",
+        "what the simulator's live checks share: the class mix's trace window served over "
+        "HTTP, the probe, the simulated capacity, and the statistics real and simulated runs "
+        "are compared by",
     ),
     ("cpu_load", "how busy other processes kept the CPU during a timed section"),
 )
@@ -492,8 +506,6 @@ number means the same thing in each:
 
 {toolkit}
 
-`python -m bench.guard_probe` is a probe for tuning, not a suite: one open-loop replay of one
-window and rate through the in-process engine with the server's settings, in a few minutes.
 The simulator's ablation tables in `bench/results/ablation/` are written by
 `iterserve simulate --ablate` (see [simulator.md](simulator.md)).
 """
@@ -535,7 +547,7 @@ def render(results: Path = RESULTS) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.parser("bench.docs", __doc__)
     p.add_argument("--check", action="store_true", help="compare, do not write")
     args = p.parse_args(argv)
     text = render()

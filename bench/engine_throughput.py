@@ -54,7 +54,7 @@ Decode sweep
     (the first two such steps are skipped as warm-up). The roofline is fp32 GEMM FLOP/s (median
     of ``torch.mm`` on 2048x2048 matrices) divided by 2 x the model's parameter count (tied
     embeddings counted once: the LM head is the one matmul they take part in). Each step's
-    times come from the ``engine.StepRecord`` the engine's ``on_step`` hook receives: the whole
+    times come from the ``engine.StepRecord`` the engine's step listener receives: the whole
     step (``seconds``), ``scheduler.schedule()`` (``schedule_s``) and the runner's own
     prepare / forward / sample breakdown of its ``execute`` (``phases``, perf_counter in
     ``TorchModelRunner``); "other" is the rest of the step (updating requests, detokenizing,
@@ -87,10 +87,8 @@ Output
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -100,6 +98,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.toolkit import REPO, RESULTS, cli
 from bench.toolkit import report as rp
 from bench.toolkit.cpu_load import cpu_snapshot, foreign_cores
 from bench.toolkit.offline import (
@@ -113,7 +112,8 @@ from bench.toolkit.offline import (
     worker_hf_generate_batch,
 )
 from bench.toolkit.report import fmt
-from bench.toolkit.workload import ATTRIBUTION, REPO, TOKEN_ID_RANGE, TRACE, Lengths, read_trace
+from bench.toolkit.steps import PHASES
+from bench.toolkit.workload import ATTRIBUTION, TOKEN_ID_RANGE, Lengths, read_trace
 
 
 # The workload: the trace window as token-id prompts, and each system's config.
@@ -273,13 +273,6 @@ METHOD = {
 }
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def median(xs):
     """The median of the values that are not None; None when there are none."""
     xs = [x for x in xs if x is not None]
@@ -436,16 +429,6 @@ def contention(report: dict, sweep: dict | None) -> bool:
     return bool(busy)
 
 
-def _machine() -> dict:
-    return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": _version("torch"),
-        "transformers": _version("transformers"),
-    }
-
-
 def assemble(
     args: argparse.Namespace,
     wl: dict,
@@ -465,7 +448,11 @@ def assemble(
         "quick": args.quick,
         "runs": args.runs,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": _machine(),
+        "machine": {
+            **rp.machine(),
+            "torch": rp.package_version("torch"),
+            "transformers": rp.package_version("transformers"),
+        },
         "model": "SmolLM2-135M-Instruct (embedded GGUF, de-quantised to fp32)",
         "trace": wl["trace"],
         "workload": stats,
@@ -487,28 +474,30 @@ def assemble(
     return report
 
 
-# The markdown report on stdout.
-def _print_header(report: dict) -> None:
+# The markdown report.
+def _header_lines(report: dict) -> list[str]:
+    out: list[str] = []
     tr, wl = report["trace"], report["workload"]
-    print()
-    print(
+    out.append("")
+    out.append(
         f"## iterserve engine throughput ({'quick' if report['quick'] else 'full'} run, "
         f"{report['runs']} run(s), SmolLM2-135M-Instruct fp32, "
         f"{report['machine']['cpu_count']} CPUs)"
     )
-    print()
-    print(f"Workload: {tr['attribution']}.")
-    print(
+    out.append("")
+    out.append(f"Workload: {tr['attribution']}.")
+    out.append(
         f"Window: {tr['window']}. Prompt len = {tr['prompt_len']}; output len = "
         f"{tr['output_len']}; prompt ids {tr['prompt_token_ids']}."
     )
-    print(
+    out.append(
         f"{wl['num_requests']} requests, {wl['prompt_tokens_total']} prompt tokens "
         f"(p50 {wl['prompt_len_p50']}, max {wl['prompt_len_max']}), "
         f"{wl['output_tokens_total']} output tokens (p50 {wl['output_len_p50']}, "
         f"max {wl['output_len_max']})."
     )
-    print()
+    out.append("")
+    return out
 
 
 def _system_notes(s: dict) -> str:
@@ -527,15 +516,16 @@ def _system_notes(s: dict) -> str:
     return "; ".join(notes)
 
 
-def _print_systems(report: dict) -> None:
-    print(
+def _systems_lines(report: dict) -> list[str]:
+    out: list[str] = []
+    out.append(
         "| system | output tok/s (median) | output tok/s per run | total tok/s | wall s "
         "| peak RSS MiB | own cores used | other load (cores) per run | notes |"
     )
-    print("|---|---:|---|---:|---:|---:|---|---|---|")
+    out.append("|---|---:|---|---:|---:|---:|---|---|---|")
     for name, s in report["systems"].items():
         per = ", ".join(fmt(x, ".1f") for x in s["output_tok_s_runs"])
-        print(
+        out.append(
             f"| {name} | {fmt(s['output_tok_s_median'], '.1f')} | {per} | "
             f"{fmt(s['total_tok_s_median'], '.1f')} | {fmt(s['wall_s_median'], '.1f')} | "
             f"{fmt(s['peak_rss_mib_max'], '.0f')} | "
@@ -543,8 +533,8 @@ def _print_systems(report: dict) -> None:
             f"{', '.join(fmt(x, '.2f') for x in s['foreign_cores_runs'])} | "
             f"{_system_notes(s)} |"
         )
-    print()
-    print(
+    out.append("")
+    out.append(
         "Peak RSS: ru_maxrss of each system's own subprocess (weights + KV cache + "
         "activations), max over runs. Own cores: the worker's CPU seconds / wall in the timed "
         "section (how parallel it really ran). Other load: average cores other processes "
@@ -552,7 +542,8 @@ def _print_systems(report: dict) -> None:
         "during the timed section (/proc/stat minus this worker); well above 0 means the "
         f"numbers are contended. torch threads per worker: {report['machine']['torch_threads']}."
     )
-    print()
+    out.append("")
+    return out
 
 
 def _at64(report: dict) -> dict | None:
@@ -590,12 +581,6 @@ def targets_table(report: dict) -> list[str]:
     return lines
 
 
-def _print_targets(report: dict) -> None:
-    for line in targets_table(report):
-        print(line)
-    print()
-
-
 def _sweep_row(p: dict, plain: dict) -> str:
     b = p["breakdown_ms"]
     q = plain.get(p["num_seqs"])
@@ -609,57 +594,64 @@ def _sweep_row(p: dict, plain: dict) -> str:
     )
 
 
-def _print_sweep(report: dict, sw: dict) -> None:
+def _sweep_lines(report: dict, sw: dict) -> list[str]:
+    out: list[str] = []
     if sw.get("error"):
-        print(f"Decode sweep ERROR: {sw['error']}")
-        return
+        out.append(f"Decode sweep ERROR: {sw['error']}")
+        return out
     if not sw:
-        return
+        return out
     g = sw["gemm"]
-    print(
+    out.append(
         f"Decode sweep (iterserve, {sw['prompt_len']}-token prompts, pure-decode steps "
         f"only). Roofline: fp32 GEMM {g['gflop_s']:.1f} GFLOP/s (torch.mm {g['n']}x{g['n']}, "
         f"median of {g['reps']}) / (2 x {sw['num_params'] / 1e6:.1f} M params) = "
         f"{sw['roofline_tok_s']:.0f} tok/s."
     )
-    print()
+    out.append("")
     plain = {
         p["num_seqs"]: p for p in (report.get("decode_sweep_noprepack") or {}).get("points", [])
     }
-    print(
+    out.append(
         "| seqs | decode tok/s | % roofline | step ms (mean) | schedule ms | prepare ms "
         "| forward ms | sample ms | other ms | sched+prep % | outside forward % "
         "| other load (cores) | tok/s without prepack (ratio) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for p in sw["points"]:
-        print(_sweep_row(p, plain))
-    print()
+        out.append(_sweep_row(p, plain))
+    out.append("")
+    return out
 
 
-def _print_agreement(report: dict) -> None:
+def _agreement_lines(report: dict) -> list[str]:
+    out: list[str] = []
     ag = report.get("greedy_agreement") or {}
     if not ag:
-        return
-    print("Greedy agreement (run 1 tokens; fp32, different batch shapes may flip near-ties):")
-    print()
-    print("| pair | identical requests | first divergence positions |")
-    print("|---|---:|---|")
+        return out
+    out.append("Greedy agreement (run 1 tokens; fp32, different batch shapes may flip near-ties):")
+    out.append("")
+    out.append("| pair | identical requests | first divergence positions |")
+    out.append("|---|---:|---|")
     for pair, a in ag.items():
         pos = a["first_divergence_positions"]
         shown = ", ".join(map(str, pos[:12])) + (" ..." if len(pos) > 12 else "")
-        print(f"| {pair} | {a['identical']}/{a['requests']} | {shown or '—'} |")
-    print()
+        out.append(f"| {pair} | {a['identical']}/{a['requests']} | {shown or '—'} |")
+    out.append("")
+    return out
 
 
-def print_report(report: dict) -> None:
-    """The whole report as markdown on stdout."""
-    _print_header(report)
-    _print_systems(report)
+def markdown(report: dict) -> str:
+    """The whole report as markdown."""
     sw = report.get("decode_sweep") or {}
-    _print_targets(report)
-    _print_sweep(report, sw)
-    _print_agreement(report)
+    return "\n".join(
+        _header_lines(report)
+        + _systems_lines(report)
+        + targets_table(report)
+        + [""]
+        + _sweep_lines(report, sw)
+        + _agreement_lines(report)
+    )
 
 
 # The workers, each in its own subprocess: iterserve, the decode sweep, the dispatch.
@@ -727,10 +719,6 @@ def _gemm_flops(n: int, reps: int) -> tuple[float, list[float]]:
     return 2 * n**3 / statistics.median(times), times
 
 
-PHASES = ("schedule", "prepare", "forward", "sample")
-"""The step's parts the sweep reports: ``StepRecord.schedule_s`` and the runner's phases."""
-
-
 def _num_params(model) -> int:
     """Parameters the forward multiplies by (tied embeddings once)."""
     from engine.cpu.linear import PackedLinear
@@ -749,7 +737,8 @@ def _decode_steps(
 ) -> tuple[list[dict], float | None]:
     """Run ``prompts`` until ``skip + measure`` steps have had every sequence decoding.
 
-    ``steps`` is the list ``engine.on_step`` appends each :class:`engine.StepRecord` to.
+    ``steps`` is the list a step listener of ``engine`` appends each
+    :class:`engine.StepRecord` to.
     Returns the measured steps (seconds of the whole step and of each of :data:`PHASES`)
     and the cores other processes kept busy over them.
     """
@@ -815,7 +804,7 @@ def _sweep_point(n: int, rec: list[dict], roofline: float, foreign: float | None
 
 def worker_sweep(wl: dict, cfg: dict) -> dict:
     """Decode tokens/s at several batch sizes, with a per-phase breakdown of each step
-    from the engine's ``on_step`` records."""
+    from the engine's step records."""
     import torch
 
     gemm_flops, gemm_times = _gemm_flops(cfg["gemm_size"], cfg["gemm_reps"])
@@ -824,7 +813,7 @@ def worker_sweep(wl: dict, cfg: dict) -> dict:
     n_params = _num_params(engine.model.runner.model)
     roofline = gemm_flops / (2 * n_params)
     steps: list = []
-    engine.on_step = steps.append
+    engine.add_step_listener(steps.append)
 
     rng = random.Random(cfg["seed"] + 1)
     points = []
@@ -877,8 +866,8 @@ def worker_main(name: str, spec_path: str, result_path: str) -> None:
 
 
 # The command line: spawning the workers, the runs, the sweeps.
-DEFAULT_OUT = REPO / "bench" / "results" / "engine_throughput.json"
-QUICK_OUT = REPO / "bench" / "results" / "engine_throughput_quick.json"
+DEFAULT_OUT = RESULTS / "engine_throughput.json"
+QUICK_OUT = RESULTS / "engine_throughput_quick.json"
 SYSTEMS = ("iterserve", "iterserve_noprepack", "hf_generate", "hf_generate_batch")
 
 
@@ -914,14 +903,8 @@ def spawn(name: str, workload: dict, config: dict, timeout: float) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny smoke run: 8 requests, 1 run, short sweep (about 1-2 min)",
-    )
+    ap = cli.parser("bench.engine_throughput", __doc__)
+    cli.add_quick(ap, "tiny smoke run: 8 requests, 1 run, short sweep (about 1-2 min)")
     ap.add_argument("--runs", type=int, default=None, help="runs per system (default 3; quick 1)")
     ap.add_argument(
         "--num-requests",
@@ -929,7 +912,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="trace rows in the window (default 64; quick 8)",
     )
-    ap.add_argument("--window-start", type=int, default=0, help="first trace row of the window")
+    cli.add_window_start(ap, 0)
     ap.add_argument(
         "--prompt-scale",
         type=float,
@@ -944,8 +927,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--max-output", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--trace", type=Path, default=TRACE)
+    cli.add_seed(ap)
+    cli.add_trace(ap, Path)
     ap.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
@@ -980,12 +963,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "one per core); 1 is far less hurt by other processes on a busy machine",
     )
     ap.add_argument("--worker-timeout", type=float, default=1800.0)
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help=f"JSON path (default {os.path.relpath(DEFAULT_OUT, REPO)}, "
+    cli.add_out(
+        ap,
+        None,
+        f"JSON path (default {os.path.relpath(DEFAULT_OUT, REPO)}, "
         f"or {os.path.relpath(QUICK_OUT, REPO)} with --quick)",
+        type=Path,
     )
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
@@ -1080,17 +1063,14 @@ def run_sweeps(args: argparse.Namespace, configs: dict) -> tuple[dict | None, di
 
 
 def finish(args: argparse.Namespace, report: dict, busy: bool) -> None:
-    """Print the report, the contention warning and the failures; write the JSON."""
-    print_report(report)
+    """Write the JSON; print the report, the contention warning and the failures."""
+    rp.write_report(args.out, report, markdown(report), md_file=False)
     if busy:
         print(f"WARNING: {report['contention_warning']}\n")
     for name, s in report["systems"].items():
         if s["errors"]:
             print(f"{name} failed: {s['errors'][0]}\n{s.get('stderr_tail', '')[-1500:]}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    report["run"] = rp.run_record()
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out} ({report['elapsed_s']:.0f} s in all)")
+    print(f"{report['elapsed_s']:.0f} s in all")
 
 
 EXPECTED_S = {"round": 200.0, "sweeps": 150.0, "quick": 240.0}
@@ -1113,7 +1093,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker_main(args.worker, args.spec, args.result)
         return 0
-    print(f"expected duration: about {expected_s(args) / 60:.0f} min", flush=True)
+    cli.expected("engine_throughput", expected_s(args))
     systems, wl, stats, configs = prepare(args)
     workload = {"prompts": wl["prompts"], "output_lens": wl["output_lens"]}
     t_start = time.perf_counter()

@@ -43,11 +43,11 @@ from pathlib import Path
 
 import httpx
 
+from bench.toolkit import RESULTS, cli
 from bench.toolkit import report as rp
+from bench.toolkit.servers import MODEL_NAME, free_port
 
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "bench" / "results" / "failover"
-MODEL = "SmolLM2-135M-Instruct"
+OUT = RESULTS / "failover"
 TOPICS = [
     "the sea",
     "a lighthouse",
@@ -111,7 +111,7 @@ class Stream:
 def stream(url: str, out: Stream, max_tokens: int) -> None:
     """Stream one greedy completion of ``out.prompt`` into ``out``."""
     body = {
-        "model": MODEL,
+        "model": MODEL_NAME,
         "prompt": out.prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -149,7 +149,7 @@ def references(url: str, texts: list[str], max_tokens: int) -> list[dict]:
 
     def one(i: int) -> None:
         body = {
-            "model": MODEL,
+            "model": MODEL_NAME,
             "prompt": texts[i],
             "max_tokens": max_tokens,
             "temperature": 0,
@@ -344,14 +344,6 @@ def service_config(args: argparse.Namespace, port: int):
     )
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def summary(run: FaultRun) -> dict:
     rows = run.rows()
     moved = [r for r in rows if r["migrated"]]
@@ -430,13 +422,13 @@ def table(summaries: list[dict], runs: list[FaultRun]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.parser("bench.failover", __doc__)
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--kill-after", type=int, default=24, help="tokens every stream has first")
     p.add_argument("--health-check-period-s", type=float, default=1.0)
     p.add_argument("--health-check-timeout-s", type=float, default=3.0)
-    p.add_argument("--out", type=Path, default=OUT)
+    cli.add_out(p, OUT, "stem of the .json and .md", type=Path)
     return p.parse_args(argv)
 
 
@@ -447,7 +439,7 @@ def expected_s(args: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    print(f"[failover] expected duration ~{expected_s(args) / 60:.0f} min", flush=True)
+    cli.expected("failover", expected_s(args))
     t0 = time.monotonic()
     texts = prompts(args.streams)
     with running_app(service_config(args, free_port())) as url:
@@ -459,16 +451,11 @@ def main(argv: list[str] | None = None) -> int:
     summaries = [summary(r) for r in runs]
     report = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "run": rp.run_record(),
         "summaries": summaries,
         "streams": {r.fault: r.rows() for r in runs},
         "wall_s": time.monotonic() - t0,
     }
-    text = table(summaries, runs)
-    rp.write_json(report, args.out.with_suffix(".json"))
-    args.out.with_suffix(".md").write_text(text + "\n")
-    print(text)
-    print(f"[failover] done in {report['wall_s'] / 60:.1f} min: {args.out}.md/.json")
+    rp.write_report(args.out.with_suffix(".json"), report, table(summaries, runs))
     return 0
 
 

@@ -36,7 +36,7 @@ failed step does not stop the others:
     forward that launch a kernel on CUDA (:func:`_kernel_ops`), the forward's Python time
     between ops and the median self time of its small ops. Beside it, the host cost of one
     tiny op (:func:`dispatch_cost`) on the run's device, the model's parameter count and
-    its KV bytes per token, which :func:`paper_estimate` reads.
+    its KV bytes per token, which the estimate on paper reads (:mod:`bench.gpu_estimate`).
 ``prefill``
     Prefill tokens/s of one request of each length in :attr:`Plan.prefill_lengths`, one step
     each (``max_num_batched_tokens`` covers the longest), after one warm-up of each length;
@@ -77,15 +77,13 @@ ones an eager CUDA forward launches), and marks what needs CUDA.
 Output: a table on stdout and ``bench/results/gpu_check.json`` (``gpu_check_dry_run.json``
 with ``--dry-run``; ``--out`` to change), with the run record under ``"run"``, the cores
 other processes kept busy meanwhile (``foreign_cores``) and the estimate on paper
-(``estimate``, :func:`paper_estimate`). It imports
+(``estimate``, :func:`bench.gpu_estimate.paper_estimate`). It imports
 the engine, torch, transformers and ``tests`` helpers only: no Ray, no FastAPI.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import importlib.metadata
 import os
 import platform
 import random
@@ -101,14 +99,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench import gpu_estimate
+from bench.toolkit import REPO, RESULTS, cli
 from bench.toolkit import report as rp
 from bench.toolkit.cpu_load import cpu_snapshot, foreign_cores
+from bench.toolkit.steps import split_ms
 
 if TYPE_CHECKING:
     from engine import LLM, LLMEngine, StepRecord
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
 
 STEPS = (
     "environment",
@@ -235,6 +233,11 @@ class Plan:
     def max_num_seqs(self) -> int:
         return max(64, *self.decode_streams)
 
+    @property
+    def decode_context(self) -> int:
+        """Tokens of context each decode stream holds midway through the measured steps."""
+        return self.decode_prompt_len + self.decode_warm_steps + self.decode_steps // 2
+
 
 CUDA_PLAN = Plan(
     device="cuda",
@@ -333,13 +336,6 @@ def _sync(plan: Plan) -> None:
         _torch().cuda.synchronize()
 
 
-def _package_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "missing"
-
-
 def corpus_prompts(tokenizer, indices: tuple[int, ...]) -> list[list[int]]:
     """The prompts of ``tests/conftest.py``'s ``prompts`` fixture at ``indices``: the corpus
     cut at offset ``37 k`` for ``PROMPT_LENGTHS[k]`` tokens."""
@@ -408,36 +404,24 @@ def _load_llm(check: Check) -> LLM:
 
 
 class _Steps:
-    """Collects the engine's step records while installed as its ``on_step``."""
+    """Collects the engine's step records while installed as one of its step listeners."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.records: list[StepRecord] = []
 
     def __enter__(self) -> _Steps:
-        self.saved = self.engine.on_step
-        self.engine.on_step = self.records.append
+        self.engine.add_step_listener(self.records.append)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.engine.on_step = self.saved
+        self.engine.step_listeners.remove(self.records.append)
 
     def step(self) -> StepRecord | None:
         """One engine step; its record (None when it had nothing to run)."""
         n = len(self.records)
         self.engine.step()
         return self.records[-1] if len(self.records) > n else None
-
-
-def _split_ms(records: list[StepRecord]) -> dict[str, float]:
-    """Mean milliseconds per step: schedule, the runner's phases, the rest, the whole."""
-    n = len(records)
-    out = {"schedule": 1000 * sum(r.schedule_s for r in records) / n}
-    for name in ("prepare", "forward", "sample"):
-        out[name] = 1000 * sum(dict(r.phases).get(name, 0.0) for r in records) / n
-    out["step"] = 1000 * sum(r.seconds for r in records) / n
-    out["other"] = out["step"] - sum(out[k] for k in ("schedule", "prepare", "forward", "sample"))
-    return out
 
 
 # Steps.
@@ -451,8 +435,8 @@ def step_environment(check: Check) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
-        "transformers": _package_version("transformers"),
-        "flash_attn": _package_version("flash-attn"),
+        "transformers": rp.package_version("transformers") or "missing",
+        "flash_attn": rp.package_version("flash-attn") or "missing",
         "cuda_available": cuda,
         "device": plan.device,
         "dtype": plan.dtype,
@@ -541,7 +525,7 @@ def _decode_run(check: Check, n: int, rng: random.Random, profile: bool) -> dict
                 out["profile"] = _profile_steps(check, steps, plan.profile_steps)
     finally:
         engine.abort(ids)
-    split = _split_ms(measured)
+    split = split_ms(measured)
     out.update(
         {
             "steps": len(measured),
@@ -738,7 +722,7 @@ def step_prefill(check: Check) -> dict[str, Any]:
                     "reps": len(times),
                     "step_ms": 1000 * mid,
                     "tokens_per_s": length / mid,
-                    "split_ms": _split_ms(times),
+                    "split_ms": split_ms(times),
                 }
             )
     return {"points": points}
@@ -1058,84 +1042,6 @@ def resolve_model(model: str | None, random_weights: bool, dtype: str, tmp: Path
     return resolve_model_dir(model), label
 
 
-# The estimate on paper: an eager decode step's host time against the GPU's weight read.
-HBM_BYTES_PER_S = 3.35e12
-"""H100 SXM memory bandwidth, 3.35 TB/s (NVIDIA H100 Tensor Core GPU datasheet; the PCIe
-card has 2 TB/s, the NVL 3.9 TB/s)."""
-HBM_SOURCE = "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: 3.35 TB/s"
-
-
-def paper_estimate(result: dict[str, Any]) -> dict[str, Any] | None:
-    """Where an eager decode step should stand on an H100, from a run's own figures.
-
-    The GPU's floor for one decode step, ``gpu_floor_ms``: the bf16 weights read once plus
-    the streams' K and V at the real run's context, over :data:`HBM_BYTES_PER_S`. The host's
-    time, between two bounds, per stream count (eager PyTorch issues the forward's kernels
-    one by one, so a step takes about the larger of host and GPU time):
-
-    * ``host_low_ms``: the step's host work outside the forward (schedule, prepare, other:
-      :func:`_split_ms`; the sample is left out, it runs on the GPU) plus the forward's
-      kernel ops times the cost of one tiny op (``dispatch``: :func:`dispatch_cost`, no
-      Python module code, no CUDA launch);
-    * ``host_high_ms``: the same plus the sample, with the forward's host time read by the
-      profiler (its Python between ops plus its kernel ops times their median self time,
-      profiler overhead included).
-
-    The forward's host time does not depend on the batch on a GPU, so both take it from the
-    fewest streams. ``share_of_floor_*`` = ``gpu_floor_ms / max(host, gpu_floor_ms)``: the
-    part of the bandwidth-bound throughput an eager step reaches, which is also its ratio to
-    an engine running at that bound. ``graphed_share_of_floor``: the same with the forward
-    replayed as one CUDA graph (its host time gone, the rest of the step as now), and
-    ``vs_graphed_*``: the eager step's throughput against that graphed step's, the ratio to
-    a peer that graphs its decode forward and spends as long as this engine outside it
-    (vLLM's way). None when the decode or profile step did not run.
-    """
-    steps = {s["name"]: s for s in result["steps"]}
-    decode, prof = steps.get("decode"), steps.get("profile")
-    if not decode or not prof or "ok" != decode["status"] or "ok" != prof["status"]:
-        return None
-    f = prof["figures"]
-    weights = 2 * f["model_params"]
-    context = (
-        CUDA_PLAN.decode_prompt_len + CUDA_PLAN.decode_warm_steps + CUDA_PLAN.decode_steps // 2
-    )
-    fewest = min(f["points"], key=lambda q: q["streams"])
-    ops = fewest["kernel_ops_per_forward"]
-    forward_low = ops * f["dispatch"]["launch_us"] / 1000
-    forward_high = fewest["forward_python_ms"] + ops * fewest["small_op_self_cpu_us_median"] / 1000
-    rows = []
-    for p in decode["figures"]["points"]:
-        n, split = p["streams"], p["split_ms"]
-        outside = split["schedule"] + split["prepare"] + split["other"]
-        low, high = outside + forward_low, outside + split["sample"] + forward_high
-        floor = 1000 * (weights + n * context * f["kv_bytes_per_token_bf16"]) / HBM_BYTES_PER_S
-        rows.append(
-            {
-                "streams": n,
-                "outside_forward_ms": outside,
-                "host_low_ms": low,
-                "host_high_ms": high,
-                "gpu_floor_ms": floor,
-                "share_of_floor_high": floor / max(low, floor),
-                "share_of_floor_low": floor / max(high, floor),
-                "graphed_share_of_floor": floor / max(outside, floor),
-                "vs_graphed_low": max(outside, floor) / max(high, floor),
-                "vs_graphed_high": max(outside, floor) / max(low, floor),
-                "floor_tokens_per_s": n / floor * 1000,
-            }
-        )
-    return {
-        "kernel_ops_per_forward": ops,
-        "forward_host_low_ms": forward_low,
-        "forward_host_high_ms": forward_high,
-        "weights_bytes_bf16": weights,
-        "context_tokens": context,
-        "hbm_bytes_per_s": HBM_BYTES_PER_S,
-        "hbm_source": HBM_SOURCE,
-        "points": rows,
-    }
-
-
 # The report.
 def _figure(o: StepOutcome) -> str:
     f = o.figures
@@ -1217,23 +1123,8 @@ def table(result: dict[str, Any]) -> str:
         header += ["sample", "other", "kernel ops/fwd", "GPU kernel ms", "launches/step"]
         header += ["host share"]
         lines += ["", rp.table(header, rows)]
-    est = result.get("estimate")
-    if est:
-        header = ["streams", "host ms (est.)", "GPU floor ms", "floor tok/s"]
-        header += ["eager share of floor", "graphed share of floor", "eager vs graphed"]
-        rows = [
-            [
-                str(p["streams"]),
-                f"{p['host_low_ms']:.1f}-{p['host_high_ms']:.1f}",
-                f"{p['gpu_floor_ms']:.3f}",
-                f"{p['floor_tokens_per_s']:.0f}",
-                f"{100 * p['share_of_floor_low']:.1f}-{100 * p['share_of_floor_high']:.1f}%",
-                f"{100 * p['graphed_share_of_floor']:.1f}%",
-                f"{100 * p['vs_graphed_low']:.0f}-{100 * p['vs_graphed_high']:.0f}%",
-            ]
-            for p in est["points"]
-        ]
-        lines += ["", rp.table(header, rows)]
+    if result.get("estimate"):
+        lines += ["", gpu_estimate.table(result["estimate"])]
     return "\n".join(lines)
 
 
@@ -1275,7 +1166,7 @@ def run_check(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.parser("bench.gpu_check", __doc__)
     p.add_argument("--dry-run", action="store_true", help="every step on the CPU, tiny sizes")
     p.add_argument("--model", help="a transformers directory or a .gguf file (default: embedded)")
     p.add_argument(
@@ -1289,25 +1180,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also the int4 step: torch's CUDA int4 weight-only products against bf16",
     )
-    p.add_argument("--out", help="the result file (default: bench/results/gpu_check*.json)")
+    cli.add_out(p, None, "the result file (default: bench/results/gpu_check*.json)")
     args = p.parse_args(argv)
     steps = (*STEPS, "int4") if args.int4 else STEPS
     plan = DRY_PLAN if args.dry_run else CUDA_PLAN
     out = Path(
         args.out or RESULTS / ("gpu_check_dry_run.json" if args.dry_run else "gpu_check.json")
     )
-    print(
-        f"gpu_check: {'dry run on the CPU' if args.dry_run else 'CUDA'}, expected about "
-        f"{plan.expected_s / 60:.0f} min ({', '.join(steps)}); writes {out}",
-        flush=True,
-    )
-    result = run_check(plan, args.model, args.random_weights, steps)
-    result = {"run": rp.run_record(), **result}
-    result["estimate"] = paper_estimate(result)
-    rp.write_json(result, out)
-    print()
-    print(table(result))
-    print(f"\nwrote {out}")
+    where = "dry run on the CPU" if args.dry_run else "CUDA"
+    cli.expected("gpu_check", plan.expected_s, f"{where}: {', '.join(steps)}; writes {out}")
+    result = {"run": rp.run_record(), **run_check(plan, args.model, args.random_weights, steps)}
+    # The real run's context, whichever plan measured the host costs.
+    result["estimate"] = gpu_estimate.paper_estimate(result, CUDA_PLAN.decode_context)
+    rp.write_report(out, result, table(result), md_file=False)
     return 1 if any(s["status"] == "failed" for s in result["steps"]) else 0
 
 

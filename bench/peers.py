@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -58,6 +59,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from bench.toolkit import REPO, RESULTS, cli
 from bench.toolkit import report as rp
 from bench.toolkit import serve_bench as sb
 from bench.toolkit import servers as ps
@@ -80,12 +82,8 @@ TARGETS = {
 }
 
 
-def _f(x, spec=".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
+_f = functools.partial(rp.fmt, missing="-")
+_pct = functools.partial(rp.pct, missing="-")
 
 
 def offline_section(off: dict) -> tuple[list[str], list[dict]]:
@@ -347,11 +345,7 @@ def _sections(report: dict) -> list[tuple[list[str], list[dict]]]:
 
 def targets_table(report: dict) -> list[str]:
     """Every target of one window's report beside its measurement, as a markdown table."""
-    targets = [t for section in _sections(report) for t in section[1]]
-    return ["| target | measured | bar | met |", "|---|---|---|---|"] + [
-        f"| {t['target']} | {t['value']} | {t['bar']} | {'yes' if t['met'] else 'no'} |"
-        for t in targets
-    ]
+    return targets_lines([t for section in _sections(report) for t in section[1]])
 
 
 def plot(report: dict, path: Path) -> None:
@@ -383,17 +377,15 @@ def plot(report: dict, path: Path) -> None:
 
 
 # The phases and the command line.
-REPO = ps.REPO
-RESULTS = REPO / "bench" / "results"
 REFERENCE_STREAM1_MS = 38.2
 """vLLM's offline one-stream decode (ms per token) on the 2-core host that the SLOs and rates
 were chosen on: the host speed they were chosen for."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny smoke run of every phase")
-    p.add_argument("--trace", default=str(sb.TRACE))
+    p = cli.parser("bench.peers", __doc__)
+    cli.add_quick(p, "tiny smoke run of every phase")
+    cli.add_trace(p)
     p.add_argument(
         "--windows",
         default="1000",
@@ -407,10 +399,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # the reference host, and rates far past every limit only cost time.
     p.add_argument("--num-requests", type=int, default=50, help="requests per rate")
     p.add_argument(
-        "--rates", default="1.15,1.5,2,2.5,3,3.75", help="offered rates (req/s), one class"
+        "--rates",
+        type=cli.floats,
+        default="1.15,1.5,2,2.5,3,3.75",
+        help="offered rates (req/s), one class",
     )
     # vLLM's interactive limit and 1.5x it are both on this grid for a limit of 2-3.
-    p.add_argument("--mix-rates", default="2,2.5,3,3.75,4.5", help="offered rates of the class mix")
+    p.add_argument(
+        "--mix-rates", type=cli.floats, default="2,2.5,3,3.75,4.5", help="offered rates, class mix"
+    )
     # On a faster host the fixed grids can end below both systems' limits: extend them.
     p.add_argument(
         "--extend-rates",
@@ -421,8 +418,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "class, then 1.5x its limit, and iterserve replays vLLM's rates",
     )
     p.add_argument("--length-scale", type=float, default=8.0)
-    p.add_argument("--slo-ttft-s", type=float, default=2.0)
-    p.add_argument("--slo-tpot-s", type=float, default=0.25)
+    cli.add_slos(p, 2.0, 0.25)
     p.add_argument(
         "--max-rate-s",
         type=float,
@@ -439,6 +435,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--systems",
+        type=cli.names,
         default="vllm,iterserve,iterserve-static",
         help="also: iterserve-ray (the one replica on Ray Serve, --address "
         "local), iterserve-before (the serving defaults before the benchmark's levers), "
@@ -472,6 +469,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-venv", default=str(REPO / ".venv-vllm"))
     p.add_argument(
         "--phases",
+        type=cli.names,
         default="vllm,llamacpp",
         help="vllm: the windows against vLLM (fp32, the de-quantized directory); llamacpp: "
         "packed weights against llama.cpp and iterserve's fp32 path on the GGUF "
@@ -489,7 +487,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=5,
         help="llamacpp phase: rates past the grid's top (x1.25 each) while a system passes",
     )
-    p.add_argument("--out", default=str(RESULTS / "peers"), help="stem of .md/.json/.png")
+    cli.add_out(p, str(RESULTS / "peers"), "stem of .md/.json/.png")
     return _checked(p, p.parse_args(argv))
 
 
@@ -502,20 +500,16 @@ def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.N
         except ValueError:
             p.error(f"--host-factor {args.host_factor!r}: 'auto' or a number > 0")
     if args.quick:
-        args.num_requests, args.rates, args.mix_rates = 8, "2", "2"
+        args.num_requests, args.rates, args.mix_rates = 8, [2.0], [2.0]
         args.extend_rates, args.probe_rounds, args.offline_rounds = 0, 2, 2
         args.packed_rounds, args.packed_extend_rates = 2, 0
         args.out = str(RESULTS / "peers_quick")
-    args.phases = args.phases.split(",")
     if not args.phases or set(args.phases) - {"vllm", "llamacpp"}:
         p.error(f"--phases {','.join(args.phases)}: vllm, llamacpp or both")
     args.windows = [int(x) for x in args.windows.split(",")]
     if args.quick:
         args.windows = args.windows[:1]
     args.window_start = args.windows[0]
-    args.rates = [float(x) for x in args.rates.split(",")]
-    args.mix_rates = [float(x) for x in args.mix_rates.split(",")]
-    args.systems = args.systems.split(",")
     if args.base_tree:
         args.base_tree = str(Path(args.base_tree).resolve())
         if not (Path(args.base_tree) / "deploy" / "cli.py").is_file():
@@ -557,17 +551,20 @@ def expected_s(
 def start_offline(
     args: argparse.Namespace, model_dir: str, stack: contextlib.ExitStack
 ) -> tuple[dict, dict]:
-    """Both offline engines (:mod:`bench.toolkit.offline`, each in its venv), loaded together and
-    measured in ``--offline-rounds`` alternating rounds (vLLM first in even rounds,
+    """The offline engines of ``--systems``' kinds (:mod:`bench.toolkit.offline`, each in its
+    venv), loaded together and measured in ``--offline-rounds`` alternating rounds (vLLM first in even rounds,
     iterserve first in odd ones; the first round with a warm-up call per measurement);
     each then stays loaded, idle, for the served phases' paired probes until ``stack``
     closes. Returns ({engine: {"median": {...}, "rounds": [...]}}, {engine:
     :class:`ps.OfflineEngine`})."""
     engines = {}
+    kinds = {system(args, name).kind for name in args.systems}
     for name, py in (
         ("vllm", Path(args.vllm_venv) / "bin/python"),
         ("iterserve", REPO / ".venv/bin/python"),
     ):
+        if name not in kinds:  # a before/after run without vLLM needs no vLLM venv
+            continue
         cmd = [
             "--model",
             model_dir,
@@ -783,13 +780,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     n = len(args.windows) if "vllm" in args.phases else 0
     packed_s = peers_packed.expected_s(args) if "llamacpp" in args.phases else 0
-    print(
-        f"[peers] expected duration ~{(n * expected_s(args) + packed_s) / 60:.0f} min at host "
-        f"factor 1 ({n} window{'s' * (n != 1)} against vLLM; at most "
-        f"~{(n * expected_s(args, extend=True) + packed_s) / 60:.0f} if every grid extends), "
-        f"~{(n * expected_s(args, 2.5) + 2.5 * packed_s) / 60:.0f} min at 2.5 "
-        "(printed again once measured)",
-        flush=True,
+    most = n * expected_s(args, extend=True) + packed_s
+    slow = n * expected_s(args, 2.5) + 2.5 * packed_s
+    cli.expected(
+        "peers",
+        n * expected_s(args) + packed_s,
+        f"at host factor 1, {n} window{'s' * (n != 1)} against vLLM; at most ~{most / 60:.0f} "
+        f"min if every grid extends; ~{slow / 60:.0f} min at host factor 2.5; printed again "
+        "once measured",
     )
     t0 = time.monotonic()
     model_dir = ps.model_dir()
@@ -807,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
             args.window_start = window
             result["windows"].append(run_window(args, model_dir))
             # Written after each window, so that a later window's failure keeps the earlier.
-            stem.with_suffix(".json").write_text(json.dumps(result, separators=(",", ":")))
+            rp.write_json(result, stem.with_suffix(".json"), compact=True)
             plot(result["windows"][-1], stem.parent / f"{stem.name}_window{window}.png")
     if "llamacpp" in args.phases:
         ran = result["windows"] if "vllm" in args.phases else []
@@ -829,11 +827,11 @@ def main(argv: list[str] | None = None) -> int:
                 "packed_extend_rates",
             )
         }
-        stem.with_suffix(".json").write_text(json.dumps(result, separators=(",", ":")))
+        rp.write_json(result, stem.with_suffix(".json"), compact=True)
+    # Each window's report and the packed phase's hold their own run record.
     md = full_markdown(result)
-    stem.with_suffix(".md").write_text(md)
-    print(md)
-    print(f"[peers] done in {(time.monotonic() - t0) / 60:.1f} min: {stem}.md/.json/_window*.png")
+    rp.write_report(stem.with_suffix(".json"), result, md, compact=True, record_run=False)
+    print(f"[peers] done in {(time.monotonic() - t0) / 60:.1f} min")
     return 0
 
 
@@ -865,6 +863,7 @@ def packed_header(packed: dict) -> list[str]:
 
 
 def targets_lines(targets: list[dict]) -> list[str]:
+    """Targets beside their measurements, as a markdown table."""
     return ["| target | measured | bar | met |", "|---|---|---|---|"] + [
         f"| {t['target']} | {t['value']} | {t['bar']} | {'yes' if t['met'] else 'no'} |"
         for t in targets

@@ -30,19 +30,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
-import signal
 import statistics
-import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import yaml
 
-from bench.toolkit import llamacpp, loadgen
+from bench.toolkit import REPO, llamacpp, loadgen
 from bench.toolkit import serve_bench as sb
 from bench.toolkit import servers as ps
 from bench.toolkit.loadgen import LoadRequest
@@ -68,63 +67,6 @@ MEASURES = (
 )
 
 
-@dataclass
-class Proc:
-    """One server process on its own port, for a ``with`` block; ``url`` and
-    ``model_name`` as :func:`bench.toolkit.servers.token_cost` reads them."""
-
-    label: str
-    command: list[str]
-    port: int
-    weights: str
-    env: dict = field(default_factory=dict)
-    model_name: str = ps.MODEL_NAME
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> Proc:
-        self.log = tempfile.NamedTemporaryFile(prefix=f"packed-{self.label}-", suffix=".log")
-        self.proc = subprocess.Popen(
-            self.command,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env},
-            start_new_session=True,
-            cwd=ps.REPO,
-        )
-        deadline = time.monotonic() + ps.START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.label} exited: {Path(self.log.name).read_text()[-2000:]}"
-                )
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.__exit__()
-        raise RuntimeError(f"{self.label} not ready after {ps.START_TIMEOUT_S:.0f} s")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(ps.STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
-        self.log.close()
-
-
 def iterserve_proc(
     label: str,
     port: int,
@@ -132,30 +74,38 @@ def iterserve_proc(
     slo: tuple[float, float],
     tmp: Path,
     model: Path | None = None,
-):
+) -> ps.Process:
+    """``iterserve serve`` with ``engine`` over the suites' settings, on ``port``."""
     cfg = ps.iterserve_config(ps.SystemSpec(label, "iterserve", engine), slo, mix=False)
     cfg["port"] = port
     if model is not None:
         cfg["model"], cfg["served_model_name"] = str(model), ps.MODEL_NAME
     path = tmp / f"{label}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    weights = "packed" if engine.get("quantization") != "none" else "float32"
-    return Proc(
-        label, [str(ps.REPO / ".venv/bin/iterserve"), "serve", "--config", str(path)], port, weights
-    )
+    cmd = [str(REPO / ".venv/bin/iterserve"), "serve", "--config", str(path)]
+    return ps.Process(label, cmd, f"http://127.0.0.1:{port}")
 
 
-def llama_proc(label: str, gguf: Path, port: int, slots: int, weights: str) -> Proc:
+def llama_proc(label: str, gguf: Path, port: int, slots: int) -> ps.Process:
+    """``llama-server`` on ``gguf`` with ``slots`` slots, on ``port``."""
     # Room for the longest trace request (1024 prompt + 512 output tokens) in every slot.
     ctx = slots * 2048
     cmd = llamacpp.server_command(gguf, port, os.cpu_count() or 1, slots, ctx, ps.MODEL_NAME)
-    return Proc(label, cmd, port, weights)
+    return ps.Process(label, cmd, f"http://127.0.0.1:{port}")
+
+
+def start(stack: contextlib.ExitStack, server: ps.Process) -> ps.Process:
+    """``server`` started, and stopped when ``stack`` closes (the last started first)."""
+    print(f"[packed] starting {server.label}", flush=True)
+    return stack.enter_context(server)
 
 
 # -- the measures --------------------------------------------------------------------------
 
 
-def _bench_config(args, server: Proc, num_requests: int, rates: list[float]) -> sb.BenchConfig:
+def _bench_config(
+    args, server: ps.Process, num_requests: int, rates: list[float]
+) -> sb.BenchConfig:
     return sb.BenchConfig(
         base_url=server.url,
         model=server.model_name,
@@ -174,7 +124,7 @@ def _bench_config(args, server: Proc, num_requests: int, rates: list[float]) -> 
     )
 
 
-async def _open_loop(server: Proc, requests: list[LoadRequest]) -> loadgen.OpenLoopRun:
+async def _open_loop(server: ps.Process, requests: list[LoadRequest]) -> loadgen.OpenLoopRun:
     """Every request to the end: iterserve gets them in its ``batch`` class, which admission
     never refuses (a throughput measure, not a latency one; llama.cpp queues them all)."""
     cls = "batch" if server.label.startswith("iterserve") else None
@@ -190,7 +140,7 @@ async def _open_loop(server: Proc, requests: list[LoadRequest]) -> loadgen.OpenL
     return run
 
 
-async def trace32(args, server: Proc, replay: int) -> float:
+async def trace32(args, server: ps.Process, replay: int) -> float:
     """Output tok/s of the window's first 32 rows sent at once (prompt text of ``replay``)."""
     cfg = _bench_config(args, server, TRACE32, [1.0])
     work = [replace(r, arrival_s=0.0) for r in sb.build_workload(cfg, 1.0, replay=1000 + replay)]
@@ -198,14 +148,14 @@ async def trace32(args, server: Proc, replay: int) -> float:
     return sum(r["output_tokens"] for r in run.records) / run.wall_s
 
 
-async def prefill(args, server: Proc, replay: int) -> float:
+async def prefill(args, server: ps.Process, replay: int) -> float:
     """Seconds to the first token of a new 512-token prompt (one output token)."""
     text, got = prompt_maker(args.tokenizer, 0).make(-1, PREFILL_TOKENS, replay=2000 + replay)
     run = await _open_loop(server, [LoadRequest("prefill", -1, None, text, got, 1)])
     return run.records[0]["first_token_s"] - run.records[0]["send_s"]
 
 
-async def measure_round(args, systems: dict[str, dict[int, Proc]], r: int) -> dict:
+async def measure_round(args, systems: dict[str, dict[int, ps.Process]], r: int) -> dict:
     """Every measure once per system, the systems in round ``r``'s order."""
     names = list(systems)[:: 1 if r % 2 == 0 else -1]
     out: dict = {}
@@ -250,7 +200,7 @@ def summarize(rounds: list[dict]) -> dict:
     return out
 
 
-async def goodput(args, server: Proc) -> dict:
+async def goodput(args, server: ps.Process) -> dict:
     cfg = _bench_config(args, server, args.num_requests, args.rates)
     cfg.extend_rates = args.packed_extend_rates
     rep = await sb.run(cfg)
@@ -302,29 +252,24 @@ def run(args: argparse.Namespace) -> dict:
     args.tokenizer = ps.model_dir()
     slo = (args.slo_ttft_s, args.slo_tpot_s)
     report: dict = {"gguf": gguf.name, "weights": {}}
-    with tempfile.TemporaryDirectory(prefix="packed-") as tmp, _Stack() as stack:
+    with tempfile.TemporaryDirectory(prefix="packed-") as tmp, contextlib.ExitStack() as stack:
         port = iter(range(BASE_PORT, BASE_PORT + 20))
+        fp32 = {"quantization": "none"}
         systems = {
             "iterserve": {
-                0: stack.enter(iterserve_proc("iterserve", next(port), PACKED, slo, Path(tmp)))
+                0: start(stack, iterserve_proc("iterserve", next(port), PACKED, slo, Path(tmp)))
             },
             "iterserve-fp32": {
-                0: stack.enter(
-                    iterserve_proc(
-                        "iterserve-fp32", next(port), {"quantization": "none"}, slo, Path(tmp)
-                    )
-                )
+                0: start(stack, iterserve_proc("iterserve-fp32", next(port), fp32, slo, Path(tmp)))
             },
             "llama.cpp": {
-                n: stack.enter(
-                    llama_proc(f"llama.cpp-p{n}", gguf, next(port), n, "the GGUF as stored")
-                )
+                n: start(stack, llama_proc(f"llama.cpp-p{n}", gguf, next(port), n))
                 for n in LLAMA_SLOTS
             },
         }
         for name, by in systems.items():
             server = by[min(by)]
-            report["weights"][name] = server.weights
+            report["weights"][name] = "the GGUF as stored"
             if name.startswith("iterserve"):  # as the server itself says
                 info = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
                 mib = info["weight_bytes"] / 2**20
@@ -344,7 +289,7 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-async def _warm(systems: dict[str, dict[int, Proc]]) -> None:
+async def _warm(systems: dict[str, dict[int, ps.Process]]) -> None:
     for by in systems.values():
         for server in by.values():
             await ps.token_cost(server, 1, 8, warmup=False)
@@ -355,11 +300,9 @@ def k_quant_row(args, gguf: Path, slo: tuple[float, float]) -> dict:
     formats iterserve kept packed."""
     kq = llamacpp.quantize(gguf, llamacpp.HOME / f"{gguf.stem}.{K_QUANT}.gguf", K_QUANT)
     out: dict = {"file": kq.name, "rounds": []}
-    with tempfile.TemporaryDirectory(prefix="packed-kq-") as tmp, _Stack() as stack:
-        it = stack.enter(
-            iterserve_proc("iterserve", BASE_PORT + 30, PACKED, slo, Path(tmp), model=kq)
-        )
-        ll = stack.enter(llama_proc("llama.cpp", kq, BASE_PORT + 31, 1, K_QUANT))
+    with tempfile.TemporaryDirectory(prefix="packed-kq-") as tmp, contextlib.ExitStack() as stack:
+        it = start(stack, iterserve_proc("iterserve", BASE_PORT + 30, PACKED, slo, Path(tmp), kq))
+        ll = start(stack, llama_proc("llama.cpp", kq, BASE_PORT + 31, 1))
         info = httpx.get(f"{it.url}/v1/models", timeout=10).json()["data"][0]
         out["iterserve_weights"] = info.get("weight_format")
         asyncio.run(_warm({"a": {0: it}, "b": {0: ll}}))
@@ -372,23 +315,6 @@ def k_quant_row(args, gguf: Path, slo: tuple[float, float]) -> dict:
     for name in ("iterserve", "llama.cpp"):
         out[name] = statistics.median(r[name] for r in out["rounds"])
     return out
-
-
-class _Stack:
-    """Enter servers one by one; leave them all, last first."""
-
-    def __enter__(self) -> _Stack:
-        self.procs: list[Proc] = []
-        return self
-
-    def enter(self, proc: Proc) -> Proc:
-        print(f"[packed] starting {proc.label}", flush=True)
-        self.procs.append(proc.__enter__())
-        return proc
-
-    def __exit__(self, *exc) -> None:
-        for proc in reversed(self.procs):
-            proc.__exit__()
 
 
 # -- the report ----------------------------------------------------------------------------

@@ -36,25 +36,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
 
-from bench.toolkit import loadgen
+from bench.toolkit import RESULTS, cli, loadgen
 from bench.toolkit import report as rp
 from bench.toolkit import servers as ps
 from bench.toolkit.loadgen import LoadRequest
 from bench.toolkit.targets import HttpTarget, http_client
-from bench.toolkit.workload import (
-    ATTRIBUTION,
-    REPO,
-    TRACE,
-    Lengths,
-    arrival_offsets,
-    read_trace,
-    token_ids,
-)
+from bench.toolkit.workload import ATTRIBUTION, Lengths, arrival_offsets, read_trace, token_ids
 
 SYSTEM_PROMPT_TOKENS = 500
 LENGTHS = Lengths(max_prompt=256, max_output=128)
@@ -205,15 +196,16 @@ def table(report: dict) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.parser("bench.prefix_cache", __doc__)
     p.add_argument(
         "--systems",
-        type=lambda s: s.split(","),
+        type=cli.names,
         default=[s for s in SYSTEMS if s != "iterserve-one-replica"],
+        help=f"comma-separated, of {', '.join(SYSTEMS)}",
     )
     p.add_argument(
         "--rates",
-        type=lambda s: [float(x) for x in s.split(",")],
+        type=cli.floats,
         default=[1.0, 2.0, 3.0],
         help="requests/s (all turns), comma-separated",
     )
@@ -222,12 +214,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--think-s", type=float, default=6.0, help="seconds from one turn's arrival to the next's"
     )
-    p.add_argument("--slo-ttft-s", type=float, default=2.0)
-    p.add_argument("--slo-tpot-s", type=float, default=0.25)
-    p.add_argument("--trace", default=str(TRACE))
-    p.add_argument("--window-start", type=int, default=2000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(REPO / "bench/results/prefix_cache"))
+    cli.add_slos(p, 2.0, 0.25)
+    cli.add_trace(p)
+    cli.add_window_start(p, 2000)
+    cli.add_seed(p)
+    cli.add_out(p, str(RESULTS / "prefix_cache"), "stem of the .json and .md")
     args = p.parse_args(argv)
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
@@ -237,26 +228,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    print(f"[prefix] expected duration ~{expected_s(args) / 60:.0f} min", flush=True)
+    cli.expected("prefix", expected_s(args))
     t0 = time.monotonic()
     model_dir = ps.model_dir()
     report = {
         "args": vars(args),
         "machine": ps.machine_info(),
-        "run": rp.run_record(),
         "model_dir": model_dir,
         "trace_attribution": ATTRIBUTION,
         "lengths": LENGTHS.describe(),
         "systems": {n: run_system(args, n, model_dir) for n in args.systems},
     }
     report["wall_s"] = time.monotonic() - t0
-    text = table(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(rp.finite(report), separators=(",", ":")))
-    out.with_suffix(".md").write_text(text + "\n")
-    print(text)
-    print(f"[prefix] done in {report['wall_s'] / 60:.1f} min: {out}.md/.json")
+    rp.write_report(Path(args.out).with_suffix(".json"), report, table(report), compact=True)
     return 0
 
 

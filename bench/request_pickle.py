@@ -18,7 +18,6 @@ median over rounds and the spread (min-max).
 
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import statistics
@@ -27,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.toolkit import cli
 from bench.toolkit import report as rp
 from engine.core.params import RequestOutputKind, SamplingParams
 from router import openai_format as fmt
@@ -201,23 +201,20 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser("bench.request_pickle", __doc__)
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     ap.add_argument("--number", type=int, default=2000, help="requests timed per round")
-    ap.add_argument("--out", type=Path, default=OUT)
+    cli.add_out(ap, OUT, "the result file", type=Path)
     args = ap.parse_args(argv)
     rows = measure(args.rounds, args.number)
-    print(render(rows))
     report = {
-        "run": rp.run_record(),
         "load_avg_1m": os.getloadavg()[0],
         "rounds": args.rounds,
         "number": args.number,
         "requests": {name: body for name, (_, body) in REQUESTS.items()},
         "results": rows,
     }
-    rp.write_json(report, args.out)
-    print(f"wrote {args.out}")
+    rp.write_report(args.out, report, render(rows), md_file=False)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ import argparse
 import asyncio
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -58,12 +57,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.toolkit import loadgen
+from bench.toolkit import REPO, RESULTS, cli, loadgen
 from bench.toolkit import report as rp
 from bench.toolkit.cpu_load import cpu_snapshot, foreign_cores
 from bench.toolkit.inprocess import run_open, start_engine, stop_engine, wait_idle
 from bench.toolkit.loadgen import LoadRequest
-from bench.toolkit.workload import ATTRIBUTION, REPO, TRACE, Lengths, Window, token_ids
+from bench.toolkit.workload import ATTRIBUTION, Lengths, Window, token_ids
 
 # The load sweep: capacity, each config over loads x capacity, admission on vs off.
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -998,7 +997,6 @@ def plots(report: dict, stem: Path) -> list[str]:
 
 
 # The command line.
-RESULTS = REPO / "bench" / "results"
 FULL_CONFIGS = ("static", "cont-chunk", "cont-chunk+adm")
 QUICK_CONFIGS = FULL_CONFIGS
 EXPERIMENTS = ("chunk", "admission", "priority")
@@ -1025,15 +1023,9 @@ def estimate_s(args: argparse.Namespace) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = cli.parser("bench.scheduling", __doc__)
     add = ap.add_argument
-    add(
-        "--quick",
-        action="store_true",
-        help="smoke run: loads 0.5,2; 15 s per point; admission experiment only",
-    )
+    cli.add_quick(ap, "smoke run: loads 0.5,2; 15 s per point; admission experiment only")
     add("--duration", type=float, help="seconds of arrivals per point (30; quick 15)")
     add("--drain", type=float, help="cut-off after the last arrival, s (40; quick 6)")
     add("--loads", help="multiples of capacity (0.25,0.5,1,1.5; quick 0.5,2)")
@@ -1049,7 +1041,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--capacity-concurrency", type=int, default=12)
     add("--capacity-duration", type=float, help="closed-loop seconds (20; quick 10)")
     add("--capacity-rows", type=int, default=200, help="window rows cycled by the closed loop")
-    add("--window-start", type=int, default=0, help="first trace row")
+    cli.add_window_start(ap, 0)
     add("--window-rows", type=int, default=4000)
     add("--prompt-scale", type=float, default=8.0)
     add("--output-scale", type=float, default=8.0)
@@ -1086,9 +1078,9 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--step-log", type=Path, help="append the engine's step log (engine.core.step_log's format)"
     )
-    add("--seed", type=int, default=0)
-    add("--trace", type=Path, default=TRACE)
-    add("--out", type=Path, help="JSON path (bench/results/scheduling[_quick].json)")
+    cli.add_seed(ap)
+    cli.add_trace(ap, Path)
+    cli.add_out(ap, None, "JSON path (bench/results/scheduling[_quick].json)", type=Path)
     return ap
 
 
@@ -1192,11 +1184,12 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     wl = window(args, args.prompt_scale)
     args.nochunk_budget = max(args.nochunk_budget, wl.lengths.max_prompt)
     t_start, est = time.perf_counter(), estimate_s(args)
-    print(
-        f"# scheduling benchmark: configs {args.config_list or 'none'}, loads {args.loads} x "
-        f"capacity, experiments {args.experiment_list or 'none'}; {args.duration:g} s per "
-        f"point (+ up to {args.drain:g} s drain). Expected duration: ~{est / 60:.0f} min.",
-        flush=True,
+    cli.expected(
+        "scheduling",
+        est,
+        f"configs {args.config_list or 'none'}, loads {args.loads} x capacity, experiments "
+        f"{args.experiment_list or 'none'}; {args.duration:g} s per point, up to "
+        f"{args.drain:g} s drain",
     )
     capacity = await capacity_of(wl, args, args.capacity, "")
     sweep = {name: await run_config(wl, args, capacity["rps"], name) for name in args.config_list}
@@ -1221,9 +1214,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
+            **rp.machine(),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
         },
@@ -1264,21 +1255,13 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(args.threads)
     report = asyncio.run(amain(args))
-    md = markdown(report)
-    print()
-    print(md)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(md + "\n")
     try:
         report["plots"] = plots(report, args.out.with_suffix(""))
     except Exception as e:  # noqa: BLE001 - plots are a convenience
         report["plots_error"] = repr(e)
-    report["run"] = rp.run_record()
-    rp.write_json(report, args.out)
-    print(
-        f"wrote {args.out} ({report['elapsed_s']:.0f} s in all; expected "
-        f"{report['estimated_s']:.0f} s)"
-    )
+    rp.write_report(args.out, report, markdown(report))
+    print(f"{report['elapsed_s']:.0f} s in all; expected {report['estimated_s']:.0f} s")
     return 0
 
 

@@ -17,7 +17,7 @@ requests are served, to time the host's own drift.
    composition measured). Bar: per-request TTFT and TPOT within 2% (median absolute
    error) and 5% (p99); the first divergent step is named.
 2. **Cost-model fidelity, within one run.** A fit on the first half of a run's steps
-   predicts the second half's periods (:func:`engine.sim.calibrate.holdout`). Bar, per
+   predicts the second half's periods (:func:`deploy.sim.calibrate.holdout`). Bar, per
    step kind (decode, mixed, prefill): median absolute error at most 5%, p90 at most 10%.
    Beside it, the probe's step times at the start against the end.
 3. **End to end, against the real system's own spread.** ``--rounds`` real runs per load
@@ -45,80 +45,46 @@ import json
 import math
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.toolkit import loadgen
+from bench.toolkit import RESULTS, cli
 from bench.toolkit import report as rp
-from bench.toolkit.loadgen import LoadRequest
-from bench.toolkit.servers import MIX_API_KEY, MODEL_NAME, Server, SystemSpec
-from bench.toolkit.targets import HttpTarget, http_client
-from bench.toolkit.workload import ATTRIBUTION, REPO, TRACE, Lengths, Window, token_ids
+from bench.toolkit.servers import Server, SystemSpec, model_dir
+from bench.toolkit.simcheck import (
+    BAND,
+    CALIBRATION_RPS,
+    MIX,
+    SLO,
+    STATS,
+    WINDOW_START,
+    capacity,
+    closed,
+    mix_target,
+    probe_requests,
+    serve,
+    stats,
+    window_requests,
+)
+from bench.toolkit.targets import http_client
+from bench.toolkit.workload import ATTRIBUTION, TRACE
 from deploy.config import ServiceConfig
 from deploy.sim import replay as rpl
-from deploy.sim.fleet import Fleet, SimRun
-from deploy.sim.report import latency
-from deploy.sim.trace import SimRequest
+from deploy.sim.calibrate import fit_log, holdout
+from deploy.sim.fleet import Fleet
 from deploy.sim.twin import observed
 from engine.core.step_log import STEP_KINDS, StepLog, window
-from engine.sim.calibrate import fit_log, holdout
 
-MIX = {"interactive": 0.7, "batch": 0.3}
-SLO = (2.0, 0.5)
-"""The interactive class's SLOs (TTFT, TPOT seconds): the default class's."""
 LOADS = (0.3, 0.6, 0.85, 1.2)
 """Layer 3's loads, in multiples of the capacity measured at the start of the run."""
 EXTRA_LOADS = (1.5,)
 """Loads run once more, for layer 1's range (0.3x to 1.5x)."""
 COST_BARS = {"median_abs": 0.05, "p90_abs": 0.10}
-BAND = {"mean": 0.05, "p99": 0.10}
-"""Layer 3: how far the band of the real runs is widened."""
-WINDOW_START = 3000
-"""First trace row of the window."""
-CALIBRATION_RPS = 2.0
-"""The rate of the calibration run (30 s of the window), whose fit sets the capacity."""
-PROBE = [(64, 24), (256, 16), (32, 48), (512, 8)] * 4
-"""The probe's (prompt, output) tokens, served 4 at a time: the same requests at the
-start and the end of the run."""
 
 
 # -- the real runs ------------------------------------------------------------------------
-
-
-def window_requests(rate: float, duration_s: float, seed: int, tag: str) -> list[LoadRequest]:
-    """The trace window at ``rate`` req/s for ``duration_s``; ``seed`` picks the prompt
-    token ids, so no run hits another's prefix cache (the replay's prompts are unique)."""
-    need = round(rate * duration_s) + 2
-    win = Window(TRACE, WINDOW_START, need, Lengths(max_output=128), MIX, seed=seed)
-    return win.at_rate(rate, duration_s, tag)[0]
-
-
-def probe_requests(seed: int) -> list[LoadRequest]:
-    return [
-        LoadRequest(f"probe{seed}-{i}", i, "batch", token_ids(seed, i, p), p, o, 0.0)
-        for i, (p, o) in enumerate(PROBE)
-    ]
-
-
-async def serve(target: HttpTarget, reqs: list[LoadRequest], cutoff_s: float) -> dict[str, Any]:
-    """Send ``reqs`` open loop; the run's span on the monotonic clock (the server's)."""
-    start = time.monotonic()
-    run = await loadgen.open_loop(target, reqs, cutoff_s=cutoff_s)
-    statuses: dict[str, int] = {}
-    for r in run.records:
-        statuses[r["status"]] = statuses.get(r["status"], 0) + 1
-    return {"start": start, "end": time.monotonic(), "statuses": statuses}
-
-
-async def closed(target: HttpTarget, reqs: list[LoadRequest], width: int) -> dict[str, Any]:
-    """Serve ``reqs`` ``width`` at a time (the probe)."""
-    start = time.monotonic()
-    for i in range(0, len(reqs), width):
-        await loadgen.open_loop(target, reqs[i : i + width])
-    return {"start": start, "end": time.monotonic()}
 
 
 def plan(args: argparse.Namespace) -> list[tuple[int, float]]:
@@ -138,49 +104,7 @@ def expected_s(args: argparse.Namespace) -> float:
     return 60 + 2 * 40 + 45 + runs * (args.duration + 20)
 
 
-# -- capacity -----------------------------------------------------------------------------
-
-
-def sim_requests(reqs: list[LoadRequest]) -> list[SimRequest]:
-    return [SimRequest(r.id, r.arrival_s, r.prompt_tokens, r.max_tokens, r.cls) for r in reqs]
-
-
-def capacity(
-    cost, config: ServiceConfig, duration_s: float, outside: rpl.OutsideSteps | None = None
-) -> float:
-    """The highest rate (x1.1 steps from 0.3 req/s) at which one simulated replica with
-    admission off meets 90% attainment on the window: where the loads are put."""
-    off = config.model_copy(update={"admission": False})
-    rate, best = 0.3, 0.3
-    while rate < 50:
-        reqs = sim_requests(window_requests(rate, duration_s, 0, "cap"))
-        more = outside.fleet_args(reqs) if outside else {}
-        run = Fleet(off, cost, live_loads=True, **more).run(reqs)
-        classes = off.traffic_classes()
-        met = sum(
-            o.status == "ok"
-            and o.ttft_s <= classes[o.request.traffic_class].ttft_slo_s
-            and o.tpot_s <= classes[o.request.traffic_class].tpot_slo_s
-            for o in run.outcomes
-        )
-        if met / len(run.outcomes) < rp.GOODPUT_ATTAINMENT:
-            break
-        best, rate = rate, rate * 1.1
-    return best
-
-
 # -- the three layers ---------------------------------------------------------------------
-
-
-def stats(run: SimRun) -> dict[str, Any]:
-    """Mean and p99 TTFT and TPOT (s) over finished requests, as the simulator's report
-    computes them (:func:`deploy.sim.report.latency`); requests, finished, refused."""
-    return {
-        "requests": len(run.outcomes),
-        "finished": sum(o.status == "ok" for o in run.outcomes),
-        "refused": sum(o.status == "refused" for o in run.outcomes),
-        **{k.removesuffix("_s"): v for k, v in latency(run.outcomes).items()},
-    }
 
 
 def layer1(log: StepLog, config: ServiceConfig, history: list) -> dict[str, Any]:
@@ -256,7 +180,7 @@ def bands(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for load in sorted({r["load"] for r in runs if r["load"] in LOADS}):
         rows = [r for r in runs if r["load"] == load]
         entry: dict[str, Any] = {"runs": len(rows)}
-        for m in ("ttft_mean", "tpot_mean", "ttft_p99", "tpot_p99"):
+        for m in STATS:
             real = [r["layer3"]["real"][m] for r in rows if r["layer3"]["real"][m] is not None]
             sims = [r["layer3"]["sim"][m] for r in rows if r["layer3"]["sim"][m] is not None]
             if not real or not sims:
@@ -296,11 +220,7 @@ YES = {True: "yes", False: "no", None: "-"}
 
 
 def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1%}"
-
-
-def _s(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
+    return rp.pct(x, "-", 1)
 
 
 def markdown(rep: dict[str, Any]) -> str:
@@ -379,7 +299,8 @@ def markdown(rep: dict[str, Any]) -> str:
     ]
     for k, v in rep["drift"].items():
         ratio = "-" if v["end_over_start"] is None else f"{v['end_over_start']:.3f}"
-        lines.append(f"| {k} | {_s(v['start_ms'])} | {_s(v['end_ms'])} | {ratio} |")
+        start, end = rp.fmt(v["start_ms"], ".3f", "-"), rp.fmt(v["end_ms"], ".3f", "-")
+        lines.append(f"| {k} | {start} | {end} | {ratio} |")
     lines += [
         "",
         "## 3. End to end, against the real runs' own spread",
@@ -392,7 +313,7 @@ def markdown(rep: dict[str, Any]) -> str:
         "|---:|---|---:|---:|---:|---|---|---|",
     ]
     for load, entry in rep["bands"].items():
-        for m in ("ttft_mean", "tpot_mean", "ttft_p99", "tpot_p99"):
+        for m in STATS:
             b = entry[m]
             if b is None:
                 lines.append(f"| {load} | {m} | - | - | - | - | - | - |")
@@ -441,8 +362,8 @@ def verdict(rep: dict[str, Any]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="20 s runs, two rounds")
+    ap = cli.parser("bench.sim_validate", __doc__)
+    cli.add_quick(ap, "20 s runs, two rounds")
     ap.add_argument("--rounds", type=int, default=None, help="real runs per load (default 3)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals per run")
     ap.add_argument(
@@ -473,9 +394,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def real_runs(args: argparse.Namespace, server: Server, log_path: Path) -> dict[str, Any]:
     async with http_client() as client:
-        target = HttpTarget(
-            client, server.url, MODEL_NAME, extra_headers={"authorization": f"Bearer {MIX_API_KEY}"}
-        )
+        target = mix_target(client, server.url)
         probes = [await closed(target, probe_requests(1), 4)]
         warm = await serve(target, window_requests(CALIBRATION_RPS, 30.0, 9, "cal"), 60.0)
         log = window(StepLog.read(log_path), warm["start"], warm["end"] + 0.5)
@@ -500,11 +419,8 @@ async def real_runs(args: argparse.Namespace, server: Server, log_path: Path) ->
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    print(
-        f"sim_validate: {len(plan(args))} real runs of {args.duration:g} s; expected "
-        f"duration about {expected_s(args) / 60:.0f} min",
-        flush=True,
-    )
+    what = f"{len(plan(args))} real runs of {args.duration:g} s"
+    cli.expected("sim_validate", expected_s(args), what)
     t_begin = time.perf_counter()
     recorded, recorded_wall = None, 0.0
     if args.reanalyze:
@@ -516,13 +432,11 @@ def main(argv: list[str] | None = None) -> int:
             log_path = Path(args.step_log or Path(tmp) / "steps.jsonl")
             log_path.unlink(missing_ok=True)
             spec = SystemSpec("iterserve", "iterserve", service={"step_log": str(log_path)})
-            from bench.toolkit.servers import model_dir
-
             with Server(spec, model_dir(), mix=True, slo=SLO) as server:
                 real = asyncio.run(real_runs(args, server, log_path))
             log = StepLog.read(log_path)
             name = "sim_validation_quick" if args.quick else "sim_validation"
-            kept = REPO / "bench" / "results" / f"{name}_steps.jsonl.gz"
+            kept = RESULTS / f"{name}_steps.jsonl.gz"
             with log_path.open("rb") as src, gzip.open(kept, "wb") as dst:
                 shutil.copyfileobj(src, dst)
     config = rpl.service_config(log)
@@ -556,11 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     rep["verdict"] = verdict(rep)
     name = "sim_validation_quick" if args.quick else "sim_validation"
-    out = REPO / "bench" / "results"
-    rp.write_json(rep, out / f"{name}.json")
-    (out / f"{name}.md").write_text(markdown(rep))
-    print(markdown(rep))
-    print(f"wrote {out / name}.json and .md in {rep['wall_s'] / 60:.1f} min", file=sys.stderr)
+    rp.write_report(RESULTS / f"{name}.json", rep, markdown(rep))
     return 0
 
 

@@ -41,7 +41,6 @@ RSS since it settled) (``--out`` elsewhere).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -58,12 +57,12 @@ import httpx
 import psutil
 import yaml
 
+from bench.toolkit import RESULTS, cli
 from bench.toolkit import report as rp
 from bench.toolkit.prompts import corpus_text
 from bench.toolkit.servers import MODEL_NAME
 from deploy.top import scrape, totals
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CORPUS = corpus_text()
 
 CLIENTS = 6
@@ -661,19 +660,15 @@ def _table(run: Run, traffic_s: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
+    ap = cli.parser("bench.soak", __doc__)
     ap.add_argument("--minutes", type=float, default=10.0, help="of traffic (at least 1)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=RESULTS, help="where soak.json/.png go")
+    cli.add_seed(ap)
+    cli.add_out(ap, RESULTS, "where soak.json/.png go", type=Path)
     args = ap.parse_args(argv)
     if args.minutes < 1:
         ap.error("--minutes must be at least 1")
     traffic_s = args.minutes * 60
-    print(
-        f"[soak] expected duration: about {args.minutes + 3:.0f} minutes "
-        f"({args.minutes:g} of traffic, start-up and drain)",
-        flush=True,
-    )
+    cli.expected("soak", traffic_s + 180, f"{args.minutes:g} min of traffic, start-up and drain")
     run = Run()
     with SoakServer() as server:
         print(f"[soak] server up at {server.url} (pid {server.proc.pid})", flush=True)
@@ -739,9 +734,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     plot(run, traffic_s, args.out / "soak.png")
     plot_settled(run, traffic_s, args.out / "soak_rss.png")
-    rp.write_json(
+    rp.write_report(
+        args.out / "soak.json",
         {
-            "run": rp.run_record(),
             "config": {
                 "service": server.config,
                 "clients": CLIENTS,
@@ -770,9 +765,7 @@ def main(argv: list[str] | None = None) -> int:
             "rss_every": every,
             "samples": run.samples,
         },
-        args.out / "soak.json",
     )
-    print(f"[soak] wrote {args.out / 'soak.json'} and soak.png")
     if ok:
         print("[soak] PASSED")
         return 0

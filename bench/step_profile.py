@@ -25,17 +25,16 @@ steps: ``bench.peers``' packed-weights phase measures the same decode served ove
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from bench.toolkit import RESULTS, cli
 from bench.toolkit import report as rp
+from bench.toolkit.steps import split_ms
 
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 SHAPES = (
     ("decode x1", 1, 128, 0),
     ("decode x8", 8, 128, 0),
@@ -92,7 +91,6 @@ def _run_shape(llm, seqs, context, chunk, steps, tag, timers=None, salt=0):
 
     engine = llm.llm_engine
     records = []
-    saved = engine.on_step
     last = [0.0, 0.0]
 
     def record(r) -> None:
@@ -100,7 +98,7 @@ def _run_shape(llm, seqs, context, chunk, steps, tag, timers=None, salt=0):
         records.append((r, now[0] - last[0], now[1] - last[1]))
         last[:] = now
 
-    engine.on_step = record
+    engine.add_step_listener(record)
     try:
         if chunk:
             used = []
@@ -128,7 +126,7 @@ def _run_shape(llm, seqs, context, chunk, steps, tag, timers=None, salt=0):
         decode = [x for x in records if x[0].num_decodes == seqs and x[0].num_prefill_tokens == 0]
         return decode[4 : 4 + steps]
     finally:
-        engine.on_step = saved
+        engine.step_listeners.remove(record)
 
 
 def profile_shape(llm, seqs: int, context: int, chunk: int, steps: int, salt: int = 0) -> dict:
@@ -144,7 +142,7 @@ def profile_shape(llm, seqs: int, context: int, chunk: int, steps: int, salt: in
         timers.remove()
         runner.decode_stack = stack
     records = [r for r, _, _ in rows]
-    split = _split(records)
+    split = split_ms(records)
     split["products"] = 1000 * sum(p for _, p, _ in rows) / len(rows)
     split["attention"] = 1000 * sum(a for _, _, a in rows) / len(rows)
     split["rest of forward"] = split["forward"] - split["products"] - split["attention"]
@@ -152,19 +150,8 @@ def profile_shape(llm, seqs: int, context: int, chunk: int, steps: int, salt: in
     split["one-call step"] = None
     if stack is not None and not chunk:
         rows = _run_shape(llm, seqs, context, chunk, steps, "c", None, salt)
-        split["one-call step"] = _split([r for r, _, _ in rows])["step"]
+        split["one-call step"] = split_ms([r for r, _, _ in rows])["step"]
     return split
-
-
-def _split(records) -> dict:
-    """Mean ms per step: the step, and its phases (as ``bench.gpu_check``'s decode step)."""
-    n = len(records)
-    out = {"step": 1000 * sum(r.seconds for r in records) / n}
-    out["schedule"] = 1000 * sum(r.schedule_s for r in records) / n
-    for name in ("prepare", "forward", "sample"):
-        out[name] = 1000 * sum(dict(r.phases).get(name, 0.0) for r in records) / n
-    out["other"] = out["step"] - sum(out[k] for k in ("schedule", "prepare", "forward", "sample"))
-    return out
 
 
 def run(args) -> dict:
@@ -231,18 +218,16 @@ def table(result: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.parser("bench.step_profile", __doc__)
     p.add_argument("--steps", type=int, default=16, help="steps averaged per shape and round")
     p.add_argument("--rounds", type=int, default=3, help="rounds alternating the engines")
-    p.add_argument("--out", default=str(RESULTS / "step_profile.json"))
+    cli.add_out(p, str(RESULTS / "step_profile.json"), "the result file")
     args = p.parse_args(argv)
-    print("[step_profile] expected duration ~3 min", flush=True)
+    cli.expected("step_profile", 180)
     t0 = time.monotonic()
     result = run(args)
     result["wall_s"] = time.monotonic() - t0
-    result = {"run": rp.run_record(), **result}
-    rp.write_json(result, args.out)
-    print("\n".join(table(result)))
+    rp.write_report(args.out, result, "\n".join(table(result)), md_file=False)
     return 0
 
 

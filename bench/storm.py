@@ -40,7 +40,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -49,16 +48,16 @@ import aiohttp
 import httpx
 import yaml
 
+from bench.toolkit import REPO, RESULTS, cli
 from bench.toolkit import report as rp
 from bench.toolkit.cpu_load import cpu_snapshot, foreign_cores
 from bench.toolkit.prompts import prompt_maker
-from bench.toolkit.servers import MODEL_NAME, model_dir
-from bench.toolkit.workload import REPO
+from bench.toolkit.servers import MODEL_NAME, Process, model_dir
 from deploy.config import ServiceConfig
 from policies import DEFAULT_CLASS
 from router.ingress import queue_bound
 
-OUT = REPO / "bench" / "results" / "storm.json"
+OUT = RESULTS / "storm.json"
 LB_IDLE_TIMEOUT_S = 60.0
 """A common load-balancer idle timeout (AWS ALB's default, nginx's proxy_read_timeout)."""
 EXPECTED_S = 240
@@ -66,7 +65,7 @@ IDLE_WITHIN_S = 15.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.parser("bench.storm", __doc__)
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--concurrency", type=int, default=40)
     p.add_argument("--max-prompt", type=int, default=1500, help="longest prompt, tokens")
@@ -79,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-load", dest="load", action="store_const", const=0)
     p.add_argument("--port", type=int, default=8127)
-    p.add_argument("--seed", type=int, default=0)
+    cli.add_seed(p)
     p.add_argument(
         "--service",
         type=json.loads,
@@ -92,51 +91,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=REPO,
         help="serve this checkout's code (e.g. a tree without the queue bound, to compare)",
     )
-    p.add_argument("--out", type=Path, default=OUT)
+    cli.add_out(p, OUT, "the result file", type=Path)
     return p.parse_args(argv)
 
 
-class _Serve:
-    """``iterserve serve`` (this checkout's code) for a ``with`` block."""
+class _Serve(Process):
+    """``iterserve serve`` of ``config`` with ``tree``'s code (first on ``PYTHONPATH``), ready
+    once its log says so."""
 
     def __init__(self, config: dict[str, Any], tree: Path = REPO) -> None:
-        self.tree = tree
-        self._tmp = tempfile.TemporaryDirectory(prefix="storm-")
-        path = Path(self._tmp.name) / "service.yaml"
+        pythonpath = f"{tree}:{os.environ.get('PYTHONPATH', '')}"
+        url = f"http://127.0.0.1:{config['port']}"
+        super().__init__("iterserve", [], url, env={"PYTHONPATH": pythonpath}, cwd=tree)
+        path = self.dir / "service.yaml"
         path.write_text(yaml.safe_dump(config))
-        self.log = Path(self._tmp.name) / "serve.log"
-        self.url = f"http://127.0.0.1:{config['port']}"
         self.command = [str(Path(sys.executable).parent / "iterserve"), "serve", "--config"]
         self.command.append(str(path))
-        self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> _Serve:
-        env = {**os.environ, "PYTHONPATH": f"{self.tree}:{os.environ.get('PYTHONPATH', '')}"}
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                self.command,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=self.tree,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + 300
-        while "is ready" not in self.log.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError(f"the server did not start:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(40)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+    def ready(self) -> bool:
+        return "is ready" in self.log.read_text()
 
     def log_lines(self, pattern: str) -> list[str]:
         return [ln for ln in self.log.read_text().splitlines() if re.search(pattern, ln)]
@@ -312,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # A stop from outside (timeout's SIGTERM) still runs the cleanup below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    print(f"[storm] expected duration: about {EXPECTED_S // 60} minutes", flush=True)
+    cli.expected("storm", EXPECTED_S)
     config = ServiceConfig(port=args.port, **args.service)
     bound = queue_bound(config.traffic_classes()[DEFAULT_CLASS], config.max_queue_time_s)
     assert bound is not None, "the storm's class must be rejectable"
@@ -361,7 +334,6 @@ def main(argv: list[str] | None = None) -> int:
         "other_processes_cores": others,
     }
     report = {
-        "run": rp.run_record(),
         "wall_s": wall_s,
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "tree")}
         | {"tree": "this checkout" if args.tree == REPO else str(args.tree)}
@@ -369,9 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "records": [rp.compact_record(r) for r in records],
     }
-    print(markdown(report))
-    rp.write_json(report, args.out)
-    print(f"[storm] wrote {args.out}")
+    rp.write_report(args.out, report, markdown(report), md_file=False)
     return 0 if not over_bound else 1
 
 

@@ -12,7 +12,7 @@ Run from the repository root (it prints its expected duration first)::
    the what-if plan (``--what-if``: engine settings, default a token budget of 256).
 3. The server is restarted with the what-if plan and serves the same window
    ``--repeats`` times; the prediction is judged by layer 3's bars
-   (:data:`bench.sim_validate.BAND`): the simulated mean TTFT and TPOT within the real
+   (:data:`bench.toolkit.simcheck.BAND`): the simulated mean TTFT and TPOT within the real
    runs' min-max band widened by 5%, the p99 by 10%.
 
 Output: ``bench/results/twin.json`` and ``.md``.
@@ -24,36 +24,38 @@ import argparse
 import asyncio
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.sim_validate import (
+from bench.toolkit import REPO, RESULTS, cli
+from bench.toolkit import report as rp
+from bench.toolkit.servers import MIX_API_KEY, Server, SystemSpec, model_dir
+from bench.toolkit.simcheck import (
     BAND,
     CALIBRATION_RPS,
     MIX,
     SLO,
+    STATS,
     capacity,
+    closed,
+    mix_target,
     probe_requests,
     serve,
+    stats,
     window_requests,
 )
-from bench.toolkit import report as rp
-from bench.toolkit.servers import MIX_API_KEY, MODEL_NAME, Server, SystemSpec, model_dir
-from bench.toolkit.targets import HttpTarget, http_client
-from bench.toolkit.workload import ATTRIBUTION, REPO, TRACE
+from bench.toolkit.targets import http_client
+from bench.toolkit.workload import ATTRIBUTION, TRACE
 from deploy.sim import replay as rpl
-from deploy.sim.twin import fetch_log
+from deploy.sim.calibrate import fit_log
+from deploy.sim.twin import fetch_log, observed
 from engine.core.step_log import window
-from engine.sim.calibrate import fit_log
-
-STATS = ("ttft_mean", "tpot_mean", "ttft_p99", "tpot_p99")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = cli.parser("bench.twin", __doc__)
     ap.add_argument("--load", type=float, default=0.8, help="x the measured capacity")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     ap.add_argument("--repeats", type=int, default=3, help="real runs under the what-if plan")
@@ -70,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def cli(*argv: str) -> str:
+def iterserve(*argv: str) -> str:
     """``iterserve ARGV``; its standard output.
 
     Raises:
@@ -87,26 +89,18 @@ def cli(*argv: str) -> str:
 async def run_window(server: Server, rate: float, duration: float, seed: int) -> dict:
     """The trace window at ``rate`` through ``server``; its span on the server's clock."""
     async with http_client() as client:
-        target = HttpTarget(
-            client, server.url, MODEL_NAME, extra_headers={"authorization": f"Bearer {MIX_API_KEY}"}
-        )
-        return await serve(target, window_requests(rate, duration, seed, "twin"), duration + 60)
+        reqs = window_requests(rate, duration, seed, "twin")
+        return await serve(mix_target(client, server.url), reqs, duration + 60)
 
 
 async def probe(server: Server) -> None:
+    """The probe, 4 requests at a time: the what-if server warmed up as the first was."""
     async with http_client() as client:
-        target = HttpTarget(
-            client, server.url, MODEL_NAME, extra_headers={"authorization": f"Bearer {MIX_API_KEY}"}
-        )
-        for i in range(0, 16, 4):
-            await serve(target, probe_requests(1)[i : i + 4], 120)
+        await closed(mix_target(client, server.url), probe_requests(1), 4)
 
 
 def real_stats(url: str, span: dict) -> dict[str, Any]:
     """The run's figures from the server's own step log (``GET /steps``)."""
-    from bench.sim_validate import stats
-    from deploy.sim.twin import observed
-
     log = window(fetch_log(url, MIX_API_KEY), span["start"], span["end"] + 0.5)
     return stats(observed(log, rpl.origin(log)))
 
@@ -114,7 +108,7 @@ def real_stats(url: str, span: dict) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     expected = 60 + (args.repeats + 1) * (args.duration + 40) + 60
-    print(f"twin: {args.repeats + 1} real runs; expected duration about {expected / 60:.0f} min")
+    cli.expected("twin", expected, f"{args.repeats + 1} real runs")
     t_begin = time.perf_counter()
     mdir = model_dir()
     with tempfile.TemporaryDirectory(prefix="twin-") as tmp:
@@ -129,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             base = asyncio.run(run_window(server, rate, args.duration, 0))
             first = real_stats(server.url, base)
             last = f"{time.monotonic() - base['start'] + 1:.1f}"
-            calib = cli(
+            calib = iterserve(
                 "calibrate", "--from-url", server.url, "--api-key", MIX_API_KEY,
                 "--last", last, "--output", str(fit_path),
             )  # fmt: skip
             plan_flags = [f"--{k.replace('_', '-')}={v}" for k, v in args.plan.items()]
-            cli(
+            iterserve(
                 "simulate", "--from-url", server.url, "--api-key", MIX_API_KEY, "--last", last,
                 "--cost-model", str(fit_path), *plan_flags, "--json", str(plan_json),
             )  # fmt: skip
@@ -174,11 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         "verdicts": verdicts,
         "wall_s": time.perf_counter() - t_begin,
     }
-    out = REPO / "bench" / "results"
-    rp.write_json(rep, out / "twin.json")
-    (out / "twin.md").write_text(markdown(rep))
-    print(markdown(rep))
-    print(f"wrote {out / 'twin.json'} and .md in {rep['wall_s'] / 60:.1f} min", file=sys.stderr)
+    rp.write_report(RESULTS / "twin.json", rep, markdown(rep))
     return 0
 
 

@@ -44,7 +44,7 @@ def build_app(config: ServiceConfig) -> serve.Application:
     """
     engine = config.engine_config()
     # Serve's router arguments must be JSON: the classes travel as their fields and the
-    # policy as name and options, rebuilt by policies.classes_from_fields/policy_from_spec.
+    # policy as name and options, rebuilt by policies.make_classes/policy_from_spec.
     classes = {name: asdict(c) for name, c in config.traffic_classes().items()}
     policy = engine.policy_spec()
     actor_options: dict[str, Any] = {"num_cpus": config.replica_num_cpus}
@@ -117,7 +117,7 @@ def autoscaling_config(
             look_back_period_s=max(settings.window_s, 2 * period),
             policy=AutoscalingPolicy(
                 policy_function=f"{ServePolicy.__module__}:{ServePolicy.__name__}",
-                policy_kwargs={"settings": asdict(settings), "traffic_classes": classes},
+                policy_kwargs={"settings": settings.model_dump(), "traffic_classes": classes},
             ),
         )
 

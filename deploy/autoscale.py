@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from policies import classes_from_fields
+from policies import make_classes
 from policies.autoscale import AutoscalingSettings, FleetState, ScalingDecision, SloAutoscaler
 from policies.scaling_signals import IngressSignals, decode_classes, decode_replica
 from router.scaling import ScalingRecord
@@ -167,7 +167,7 @@ class ServePolicy:
         publish: Callable[[str, str, ScalingRecord], None] = publish_decision,
     ) -> None:
         self.settings = AutoscalingSettings(**settings)
-        self.autoscaler = SloAutoscaler(self.settings, classes_from_fields(traffic_classes))
+        self.autoscaler = SloAutoscaler(self.settings, make_classes(traffic_classes))
         self.clock, self.wall, self.publish = clock, wall, publish
         self.last: ScalingDecision | None = None
         self._decided_at: float | None = None

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
+from engine.core.step_cost import LinearCost
 from engine.core.step_log import HISTORY
-from engine.sim.cost import LinearCost
 from policies import TrafficClass, make_classes
 from policies.autoscale import AutoscalingSettings
 from router.settings import IngressOptions, IngressSettings
@@ -36,7 +36,7 @@ def host_cpus() -> int:
 
 
 def _read_cost(path: str) -> LinearCost:
-    """``path`` as a :class:`engine.sim.cost.LinearCost`, with errors that say what it
+    """``path`` as a :class:`engine.core.step_cost.LinearCost`, with errors that say what it
     should be.
 
     Raises:
@@ -53,86 +53,21 @@ def _read_cost(path: str) -> LinearCost:
         raise ValueError(f"{path}: malformed ({type(e).__name__}: {e}): {hint}") from None
 
 
-_POLICY = AutoscalingSettings()
-"""The policy's own defaults: the section's fields default to them, so they live in one place."""
-
-
-class AutoscalingConfig(BaseModel):
+class AutoscalingConfig(AutoscalingSettings):
     """The ``autoscaling:`` section: bounds and the settings of the SLO autoscaler
     (:mod:`policies.autoscale`). Each name is the same in the YAML, the Helm values'
-    ``config.autoscaling`` and :class:`policies.autoscale.AutoscalingSettings`.
+    ``config.autoscaling`` and :class:`policies.autoscale.AutoscalingSettings`, which
+    declares them; only ``max_replicas`` differs here, as it may be left to the host.
 
     Raises (at construction):
         pydantic.ValidationError: an unknown key or a value out of range.
     """
 
-    model_config = ConfigDict(extra="forbid")
-
-    min_replicas: int = Field(1, ge=1, description="replicas at least (and at start)")
     max_replicas: int | None = Field(
         None,
         ge=1,
         description="replicas at most; None: this host's CPUs divided by replica_num_cpus",
     )
-    decision_period_s: float = Field(
-        _POLICY.decision_period_s, gt=0, description="seconds between the policy's decisions"
-    )
-    window_s: float = Field(
-        _POLICY.window_s,
-        gt=0,
-        description="seconds of traffic (arrivals, refusals, finishes) each decision reads",
-    )
-    target_attainment: float = Field(
-        _POLICY.target_attainment,
-        gt=0,
-        le=1,
-        description="a class whose share of requests within SLO over the window falls "
-        "below this is at risk, and the fleet grows",
-    )
-    target_utilization: float = Field(
-        _POLICY.target_utilization,
-        gt=0,
-        le=1,
-        description="the share of each replica's capacity (step time within the tightest "
-        "TPOT SLO) that the predicted demand may fill",
-    )
-    scale_down_utilization: float = Field(
-        _POLICY.scale_down_utilization,
-        gt=0,
-        le=1,
-        description="hysteresis: the fleet shrinks only when the demand fits fewer replicas "
-        "at this fraction of target_utilization",
-    )
-    scale_down_delay_s: float = Field(
-        _POLICY.scale_down_delay_s,
-        ge=0,
-        description="seconds the demand must fit fewer replicas, and seconds since the last "
-        "scale-up, before the fleet shrinks (cooldown)",
-    )
-    upscale_delay_s: float = Field(
-        _POLICY.upscale_delay_s,
-        ge=0,
-        description="seconds the demand must ask for more replicas, at every decision, "
-        "before they start (Ray Serve's upscale_delay_s); they start only once the counts "
-        "cover window_s and a replica's step-time fit is warm (its window of steps full). "
-        "A class at risk (SLO misses, refusals, long holds) adds a replica at once",
-    )
-    replica_start_s: float = Field(
-        _POLICY.replica_start_s,
-        ge=0,
-        description="seconds a new replica takes to serve (start and model load); a backlog "
-        "the fleet drains sooner than this is a burst and does not scale it",
-    )
-
-    @model_validator(mode="after")
-    def _bounds(self) -> AutoscalingConfig:
-        if self.max_replicas is not None and self.max_replicas < self.min_replicas:
-            raise ValueError(
-                f"autoscaling.max_replicas={self.max_replicas} < min_replicas={self.min_replicas}"
-            )
-        if self.window_s < self.decision_period_s:
-            raise ValueError("autoscaling.window_s must be >= decision_period_s")
-        return self
 
     def settings(self, replica_num_cpus: float) -> AutoscalingSettings:
         """The policy's settings, ``max_replicas`` resolved against this host."""
@@ -344,7 +279,7 @@ class ServiceConfig(IngressOptions):
             traffic_classes=classes,
             policy=engine.policy_spec(),
             num_replicas=self.num_replicas,
-            autoscaling=asdict(scaling) if (scaling := self.autoscaling_settings()) else None,
+            autoscaling=scaling.model_dump() if (scaling := self.autoscaling_settings()) else None,
             prefix_block_size=(
                 engine.block_size if self.prefix_affinity and engine.enable_prefix_caching else None
             ),

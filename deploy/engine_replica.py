@@ -26,10 +26,10 @@ from engine import (
     RequestRejectedError,
     SamplingParams,
 )
+from engine.core.step_cost import LinearCost
+from engine.core.step_drift import DriftMonitor
 from engine.core.step_log import StepRecorder, engine_info
 from engine.core.step_metrics import StepMetrics
-from engine.sim.cost import LinearCost
-from engine.sim.drift import DriftMonitor
 from policies import LoadSnapshot
 from router.contract import (
     Accepted,
@@ -64,7 +64,7 @@ class ProgressWatch:
         self._progress = clock()
 
     def stepped(self, *_: object) -> None:
-        """A step finished (an ``on_step`` listener)."""
+        """A step finished (a step listener)."""
         self._progress = self._clock()
 
     def stalled_s(self) -> float:
@@ -111,7 +111,7 @@ class EngineReplica:
         torch.set_num_threads(max(1, num_threads))
         self.engine = AsyncLLMEngine.from_config(EngineConfig(**engine_config))
         self.step_metrics = StepMetrics()
-        self.engine.engine.on_step = self.step_metrics.record
+        self.engine.engine.add_step_listener(self.step_metrics.record)
         self.recorder: StepRecorder | None = None
         if step_log is not None or step_history > 0:
             info = engine_info(self.engine.engine) | ({"service": service} if service else {})
@@ -120,7 +120,7 @@ class EngineReplica:
         self.drift = DriftMonitor(twin_cost, clock=self.engine.engine.clock)
         self.drift.attach(self.engine.engine)
         self.progress = ProgressWatch(lambda: self.engine.num_unfinished)
-        self.engine.engine.also_on_step(self.progress.stepped)
+        self.engine.engine.add_step_listener(self.progress.stepped)
         self.replica_id = replica_id
         logger.info("replica ready (pid %d, %d torch threads)", os.getpid(), num_threads)
 
@@ -156,7 +156,7 @@ class EngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """The load snapshot and, under ``"metrics"``, :class:`engine.core.step_metrics.StepMetrics`
         plus the prefix cache's lookups and hits since start, in tokens, and the twin's
-        drift (``"step_time_prediction"``: :meth:`engine.sim.drift.DriftMonitor.to_dict`).
+        drift (``"step_time_prediction"``: :meth:`engine.core.step_drift.DriftMonitor.to_dict`).
         Ray Serve polls it from a served replica; the ingress's admission, routing and
         ``/metrics`` read it."""
         bm = self.engine.engine.block_manager

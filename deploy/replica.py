@@ -17,7 +17,7 @@ from ray import serve
 
 from deploy.engine_replica import EngineReplica
 from engine.core.params import SamplingParams
-from engine.sim.cost import LinearCost
+from engine.core.step_cost import LinearCost
 from policies.scaling_signals import encode_replica, replica_load
 from router.contract import FirstItem, Lost, RequestShape, StepItem, StreamItem
 

@@ -18,7 +18,7 @@ from engine.core.heap_trim import IdleRelease
 from engine.core.params import SamplingParams
 from engine.core.request import CheckedRequest, RequestOutput
 from engine.llm_engine import LLMEngine, PromptType
-from policies import DEFAULT_CLASS, AdmissionController, Decision, LoadSnapshot
+from policies import LoadSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,6 @@ class AsyncLLMEngine:
         engine.on_scheduled = self._step_scheduled
         self._sent: LoadSnapshot | None = None
         """The snapshot :meth:`load_update` last returned a copy of."""
-        self.admission = AdmissionController(engine.traffic_classes, policy=engine.scheduler.policy)
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._lock = threading.Lock()
         """Guards ``_to_add``, ``_to_abort``, ``_running`` and the ``_snapshot`` that
@@ -271,31 +270,6 @@ class AsyncLLMEngine:
             return None
         self._sent = self._snapshot
         return self.load_snapshot()
-
-    def admission_decision(
-        self,
-        prompt_tokens: int,
-        max_tokens: int | None,
-        traffic_class: str = DEFAULT_CLASS,
-        priority: int | None = None,
-        waited_s: float = 0.0,
-    ) -> Decision:
-        """Admit, wait (bounded) or reject a request of this shape, from the current load.
-
-        Args:
-            prompt_tokens: the request's prompt length in tokens.
-            max_tokens: its output cap (None: unbounded).
-            waited_s: seconds it has already waited for admission.
-        """
-        cls = self.engine.traffic_classes[traffic_class]
-        return self.admission.decide(
-            self.load_snapshot(),
-            traffic_class,
-            prompt_tokens,
-            max_tokens if max_tokens is not None else self.engine.max_model_len,
-            cls.default_priority if priority is None else priority,
-            waited_s,
-        )
 
     @property
     def num_unfinished(self) -> int:

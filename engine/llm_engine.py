@@ -8,12 +8,12 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.heap_trim import release_free_memory
-from engine.core.interfaces import FinishRecord, ModelRunner, StepRecord
+from engine.core.interfaces import FinishRecord, ModelRunner, SampleResult, StepRecord
 from engine.core.kv_cache import BlockManager
 from engine.core.outputs import RequestGroup, make_output
 from engine.core.params import ParamError, SamplingParams
@@ -50,6 +50,31 @@ PromptType = str | Sequence[int] | dict
 
 class EngineBrokenError(RuntimeError):
     """:data:`MAX_FAILED_STEPS` steps in a row failed to run: the engine cannot go on."""
+
+
+@dataclass(slots=True)
+class _Scheduled:
+    """A step as :meth:`LLMEngine._schedule` planned it; seconds on the engine's clock."""
+
+    out: SchedulerOutput
+    start: float
+    schedule_s: float
+    predicted_s: float
+    """The step-time model's prediction (0 without step listeners: nobody reads it)."""
+
+
+@dataclass(slots=True)
+class _Update:
+    """What :meth:`LLMEngine._update` did to a step's requests."""
+
+    got: list[Request]
+    """The requests that got a token, in the step's order."""
+    deltas: dict[str, tuple[str, int]]
+    """Per sequence id that advanced: ``(new text, new tokens)`` (see ``make_output``)."""
+    failed: dict[str, Exception]
+    """Per caller request id: the first exception of its sequences' own work."""
+    now: float
+    """When the step's tokens were taken, on the engine's clock."""
 
 
 class LLMEngine:
@@ -104,9 +129,11 @@ class LLMEngine:
         self.block_manager = self.scheduler.block_manager
         self.step_time_model = self.scheduler.step_time
         self.traffic_classes = make_classes(config.traffic_classes)
-        self.on_step: Callable[[StepRecord], None] | None = None
-        """Called after every step that ran, with its :class:`StepRecord` (step logs,
-        metrics); on the thread that steps the engine."""
+        self.step_listeners: list[Callable[[StepRecord], None]] = []
+        """Called in order after every step that ran, each once with its
+        :class:`StepRecord` (step metrics, the step log, the drift monitor); on the thread
+        that steps the engine. One that raises ends :meth:`step` with its exception: the
+        listeners after it miss that step, and the step's outputs are lost."""
         self.on_finish: Callable[[FinishRecord], None] | None = None
         """Called once for every request that ends (finished, stopped, aborted), with its
         :class:`FinishRecord` (step logs); on the thread that steps the engine."""
@@ -428,7 +455,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one iteration.
+        """Schedule and run one iteration, in four parts: schedule (:meth:`_schedule`), run
+        (:meth:`_run`), update the requests (:meth:`_update`), make their outputs
+        (:meth:`_outputs`); then the step's record goes to the listeners
+        (:meth:`_record_step`).
 
         A failure stays with the requests it concerns. An exception in one request's own
         work (its logits processors or grammar in the sampler, its grammar's advance, its
@@ -444,22 +474,52 @@ class LLMEngine:
 
         Raises:
             EngineBrokenError: the run raised in :data:`MAX_FAILED_STEPS` steps in a row.
-            Whatever the scheduler raises (its state is then unknown: the engine is lost).
+            Whatever the scheduler raises (its state is then unknown: the engine is lost),
+            and whatever ``on_scheduled`` or a step listener raises.
         """
+        step = self._schedule()
+        if step is None:
+            return []
+        try:
+            samples = self._run(step.out)
+        except Exception as e:  # the batch's forward: no request to pin it on
+            return self._step_failed(step.out, e)
+        update = self._update(step.out, samples)
+        outputs = self._outputs(update)
+        self._record_step(step, update.now)
+        return outputs
+
+    def _schedule(self) -> _Scheduled | None:
+        """Schedule: plan the step (which requests run which tokens; KV blocks allocated),
+        timed on the engine's clock, and publish the load as after it (``on_scheduled``).
+        None: nothing to run."""
         start = self.clock()
         out = self.scheduler.schedule(start)
         schedule_s = self.clock() - start
         self.last_step_num_tokens = out.num_batched_tokens
         if out.is_empty:
-            return []
-        predicted = self._predict(out) if self.on_step is not None else 0.0
+            return None
+        predicted = self._predict(out) if self.step_listeners else 0.0
         if self.on_scheduled is not None:
             self.on_scheduled(self.load_snapshot(out))
-        try:
-            samples = self.runner.execute(out)
-        except Exception as e:  # the batch's forward: no request to pin it on
-            return self._step_failed(out, e)
+        return _Scheduled(out, start, schedule_s, predicted)
+
+    def _run(self, out: SchedulerOutput) -> dict[str, SampleResult]:
+        """Run: the model executes the step; the sampled token of each request whose chunk
+        reached its last token, by request id.
+
+        Raises:
+            Whatever the runner raises (:meth:`step` then fails the step's requests).
+        """
+        samples = self.runner.execute(out)
         self._failed_steps = 0
+        return samples
+
+    def _update(self, out: SchedulerOutput, samples: dict[str, SampleResult]) -> _Update:
+        """Update: the scheduler takes the sampled tokens, then each request that got one
+        advances (:meth:`_advance`: grammar, logprobs, text, stop). A request whose own
+        work raised is kept in ``failed`` (the first error of its caller request) and
+        the others go on."""
         got = self.scheduler.update(out, {rid: s.token_id for rid, s in samples.items()})
         now = self.clock()
         deltas: dict[str, tuple[str, int]] = {}
@@ -467,48 +527,75 @@ class LLMEngine:
         for req in got:
             # A try costs nothing until it catches (zero-cost exceptions, Python 3.11).
             try:
-                if req.error is not None:
-                    raise req.error
-                sample = samples[req.request_id]
-                if req.grammar is not None:
-                    req.grammar.accept_token(sample.token_id)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                if sample.logprobs is not None:
-                    req.logprobs.append(sample.logprobs)
-                text, stop_str = req.detokenizer.update(
-                    [sample.token_id], len(req.output_token_ids) >= req.params.min_tokens
-                )
-                reason = self._stop_reason(req, sample.token_id, stop_str)
-                if reason is not None:
-                    if stop_str is None:
-                        text += req.detokenizer.flush()
-                    self.scheduler.finish(req, reason, now)
-                deltas[req.request_id] = (text, 1)
+                deltas[req.request_id] = (self._advance(req, samples, now), 1)
             except Exception as e:  # this request's own work: it alone fails
                 failed.setdefault(req.parent_id, e)
+        return _Update(got, deltas, failed, now)
+
+    def _advance(self, req: Request, samples: dict[str, SampleResult], now: float) -> str:
+        """Advance ``req`` by its sampled token: its grammar, first-token time, logprobs,
+        text and stop check; a request that stops here finishes (its blocks freed, its
+        held-back text flushed unless a stop string ended it). Returns its new text.
+
+        Raises:
+            What the request's own work raised: in the sampler (``req.error``), in its
+            grammar or in its detokenizer.
+        """
+        if req.error is not None:
+            raise req.error
+        sample = samples[req.request_id]
+        if req.grammar is not None:
+            req.grammar.accept_token(sample.token_id)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if sample.logprobs is not None:
+            req.logprobs.append(sample.logprobs)
+        text, stop_str = req.detokenizer.update(
+            [sample.token_id], len(req.output_token_ids) >= req.params.min_tokens
+        )
+        reason = self._stop_reason(req, sample.token_id, stop_str)
+        if reason is not None:
+            if stop_str is None:
+                text += req.detokenizer.flush()
+            self.scheduler.finish(req, reason, now)
+        return text
+
+    def _outputs(self, update: _Update) -> list[RequestOutput]:
+        """Outputs: for each caller request that got a token, in the step's order, its
+        failure's last output (:meth:`_fail`) or the output its kind asks for
+        (``make_output``; none yet for ``FINAL_ONLY``); a finished request is forgotten
+        (its :class:`FinishRecord` to ``on_finish``). An exception in making an output
+        fails that request alone."""
         outputs = []
-        for parent in dict.fromkeys(r.parent_id for r in got):
-            if parent in failed:
-                outputs.append(self._fail(parent, failed[parent], now))
+        for parent in dict.fromkeys(r.parent_id for r in update.got):
+            if parent in update.failed:
+                outputs.append(self._fail(parent, update.failed[parent], update.now))
                 continue
             group = self._groups[parent]
             try:
-                output = make_output(group, deltas)
+                output = make_output(group, update.deltas)
             except Exception as e:
-                outputs.append(self._fail(parent, e, now))
+                outputs.append(self._fail(parent, e, update.now))
                 continue
             if output is not None:
                 outputs.append(output)
             if group.finished:
                 del self._groups[parent]
                 self._finished(group)
-        seconds = self.clock() - start
+        return outputs
+
+    def _record_step(self, step: _Scheduled, tokens_at: float) -> None:
+        """Learn the step's duration (:meth:`observe_step`) and hand its
+        :class:`StepRecord` to each step listener in turn. ``tokens_at``: when the
+        step's tokens were taken, on the engine's clock."""
+        out = step.out
+        seconds = self.clock() - step.start
         self.observe_step(out.num_batched_tokens - out.num_decodes, out.num_decodes, seconds)
         self._num_steps += 1
-        if self.on_step is not None:
-            self.on_step(self._record(out, start, seconds, schedule_s, now - start, predicted))
-        return outputs
+        if self.step_listeners:
+            record = self._make_record(step, seconds, tokens_at - step.start)
+            for listener in self.step_listeners:
+                listener(record)
 
     def _step_failed(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """Fail every request of a step whose run raised ``error``; their KV blocks were
@@ -558,19 +645,10 @@ class LLMEngine:
             error=message,
         )
 
-    def also_on_step(self, listener: Callable[[StepRecord], None]) -> None:
-        """Call ``listener`` with every step's :class:`StepRecord` too, after whatever
-        :attr:`on_step` already calls (step metrics, the step log, the drift monitor)."""
-        before = self.on_step
-        if before is None:
-            self.on_step = listener
-            return
-
-        def both(r: StepRecord) -> None:
-            before(r)
-            listener(r)
-
-        self.on_step = both
+    def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
+        """Call ``listener`` with every step's :class:`StepRecord`, after the listeners
+        added before it (see :attr:`step_listeners`)."""
+        self.step_listeners.append(listener)
 
     def observe_step(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
         """Learn from one step that ran (its prefill tokens, decodes and seconds): the
@@ -609,24 +687,16 @@ class LLMEngine:
         prefill = out.num_batched_tokens - out.num_decodes
         return model.predict(prefill, out.num_decodes) * model.local_ratio()
 
-    def _record(
-        self,
-        out: SchedulerOutput,
-        start: float,
-        seconds: float,
-        schedule_s: float,
-        tokens_at: float,
-        predicted: float,
-    ) -> StepRecord:
-        sched, plan = self.scheduler, self.scheduler.last_guard
+    def _make_record(self, step: _Scheduled, seconds: float, tokens_at: float) -> StepRecord:
+        out, sched, plan = step.out, self.scheduler, self.scheduler.last_guard
         return StepRecord(
             index=self._num_steps - 1,
-            start=start,
+            start=step.start,
             seconds=seconds,
-            schedule_s=schedule_s,
+            schedule_s=step.schedule_s,
             tokens_at=tokens_at,
             phases=tuple(getattr(self.runner, "last_phases", ())),
-            predicted_s=predicted,
+            predicted_s=step.predicted_s,
             num_decodes=out.num_decodes,
             num_prefill_tokens=out.num_batched_tokens - out.num_decodes,
             num_waiting=len(sched.waiting),

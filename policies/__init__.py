@@ -59,18 +59,6 @@ def policy_from_spec(spec: Mapping[str, Any] | None) -> SchedulingPolicy | None:
     return None if spec is None else make_policy(spec["name"], **spec.get("options", {}))
 
 
-def classes_from_fields(fields: Mapping[str, Mapping[str, Any]] | None) -> dict[str, TrafficClass]:
-    """Traffic classes from their complete fields, as ``dataclasses.asdict`` wrote them
-    (JSON, for Serve's router arguments); None: the defaults.
-
-    Raises:
-        ValueError: a field is out of range.
-    """
-    if fields is None:
-        return dict(DEFAULT_CLASSES)
-    return {name: TrafficClass(**f) for name, f in fields.items()}
-
-
 __all__ = [
     "DEFAULT_CLASS",
     "DEFAULT_CLASSES",
@@ -89,7 +77,6 @@ __all__ = [
     "StepTimeModel",
     "TrafficClass",
     "Wait",
-    "classes_from_fields",
     "make_classes",
     "make_policy",
     "policy_from_spec",

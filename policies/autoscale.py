@@ -49,6 +49,9 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.priority import TrafficClass
 from policies.step_time import DEFAULT_STEP_COEFFICIENTS
@@ -144,42 +147,83 @@ class ScalingDecision:
     """What is at risk: class names, and ``kv`` or ``step`` for the fleet."""
 
 
-@dataclass(frozen=True, slots=True)
-class AutoscalingSettings:
-    """The policy's settings; ``deploy.config.AutoscalingConfig`` documents each one and
-    is the one place a user sets them.
+class AutoscalingSettings(BaseModel):
+    """The policy's settings: the one declaration of their names, defaults, bounds and
+    meanings. ``deploy.config.AutoscalingConfig``, the ``autoscaling:`` section a user
+    writes, derives from it, and the configuration reference and the Helm chart's values
+    schema follow from that.
 
-    Raises:
-        ValueError: a value out of range (the message names it).
+    Raises (at construction):
+        pydantic.ValidationError (a ValueError): an unknown name or a value out of range
+            (the message names it).
     """
 
-    min_replicas: int = 1
-    max_replicas: int = 1
-    decision_period_s: float = 5.0
-    window_s: float = 30.0
-    target_attainment: float = 0.99
-    target_utilization: float = 0.85
-    scale_down_utilization: float = 0.8
-    scale_down_delay_s: float = 120.0
-    upscale_delay_s: float = 30.0
-    replica_start_s: float = 20.0
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def __post_init__(self) -> None:
-        rules = [
-            ("min_replicas", self.min_replicas >= 1, ">= 1"),
-            ("max_replicas", self.max_replicas >= self.min_replicas, ">= min_replicas"),
-            ("decision_period_s", self.decision_period_s > 0, "> 0"),
-            ("window_s", self.window_s >= self.decision_period_s, ">= decision_period_s"),
-            ("target_attainment", 0 < self.target_attainment <= 1, "in (0, 1]"),
-            ("target_utilization", 0 < self.target_utilization <= 1, "in (0, 1]"),
-            ("scale_down_utilization", 0 < self.scale_down_utilization <= 1, "in (0, 1]"),
-            ("scale_down_delay_s", self.scale_down_delay_s >= 0, ">= 0"),
-            ("upscale_delay_s", self.upscale_delay_s >= 0, ">= 0"),
-            ("replica_start_s", self.replica_start_s >= 0, ">= 0"),
-        ]
-        for name, ok, rule in rules:
-            if not ok:
-                raise ValueError(f"autoscaling.{name}={getattr(self, name)!r}: must be {rule}")
+    min_replicas: int = Field(1, ge=1, description="replicas at least (and at start)")
+    max_replicas: int = Field(1, ge=1, description="replicas at most")
+    decision_period_s: float = Field(
+        5.0, gt=0, description="seconds between the policy's decisions"
+    )
+    window_s: float = Field(
+        30.0,
+        gt=0,
+        description="seconds of traffic (arrivals, refusals, finishes) each decision reads",
+    )
+    target_attainment: float = Field(
+        0.99,
+        gt=0,
+        le=1,
+        description="a class whose share of requests within SLO over the window falls "
+        "below this is at risk, and the fleet grows",
+    )
+    target_utilization: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="the share of each replica's capacity (step time within the tightest "
+        "TPOT SLO) that the predicted demand may fill",
+    )
+    scale_down_utilization: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="hysteresis: the fleet shrinks only when the demand fits fewer replicas "
+        "at this fraction of target_utilization",
+    )
+    scale_down_delay_s: float = Field(
+        120.0,
+        ge=0,
+        description="seconds the demand must fit fewer replicas, and seconds since the last "
+        "scale-up, before the fleet shrinks (cooldown)",
+    )
+    upscale_delay_s: float = Field(
+        30.0,
+        ge=0,
+        description="seconds the demand must ask for more replicas, at every decision, "
+        "before they start (Ray Serve's upscale_delay_s); they start only once the counts "
+        "cover window_s and a replica's step-time fit is warm (its window of steps full). "
+        "A class at risk (SLO misses, refusals, long holds) adds a replica at once",
+    )
+    replica_start_s: float = Field(
+        20.0,
+        ge=0,
+        description="seconds a new replica takes to serve (start and model load); a backlog "
+        "the fleet drains sooner than this is a burst and does not scale it",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Self:
+        # JSON Schema cannot compare two fields, so the Helm chart's template repeats these
+        # two rules (helm/iterserve/templates/_helpers.tpl). max_replicas is None only in
+        # deploy.config.AutoscalingConfig, until it is resolved against the host.
+        if self.max_replicas is not None and self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"autoscaling.max_replicas={self.max_replicas} < min_replicas={self.min_replicas}"
+            )
+        if self.window_s < self.decision_period_s:
+            raise ValueError("autoscaling.window_s must be >= decision_period_s")
+        return self
 
 
 class SloAutoscaler:

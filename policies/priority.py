@@ -108,11 +108,14 @@ def make_classes(
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     base: Mapping[str, TrafficClass] = DEFAULT_CLASSES,
 ) -> dict[str, TrafficClass]:
-    """``base`` with per-class field overrides applied, e.g. from a YAML config.
+    """``base`` with per-class field overrides applied: the one builder of traffic classes,
+    from a YAML config's partial overrides or from every class's complete fields as
+    ``dataclasses.asdict`` wrote them (JSON, for Serve's router arguments).
 
     Args:
-        overrides: class name -> {field: value}. A known class keeps the fields not
-            given; a new name needs every required field of :class:`TrafficClass`.
+        overrides: class name -> {field: value}; None: ``base`` as it is. A known class
+            keeps the fields not given; a new name needs every required field of
+            :class:`TrafficClass`.
         base: the classes to start from.
 
     Raises:

@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from engine.core.params import SamplingParams
-from policies import TrafficClass, classes_from_fields, policy_from_spec
+from policies import TrafficClass, make_classes, policy_from_spec
 from router import openai_format as fmt
 from router import responses
 from router.admission import AdmissionRejected, IngressAdmission
@@ -144,7 +144,7 @@ class Ingress:
         self.settings = IngressSettings(**settings)
         ConfiguredCORS.origins = self.settings.allowed_origins
         self.replicas = replicas
-        self.classes = classes_from_fields(self.settings.traffic_classes)
+        self.classes = make_classes(self.settings.traffic_classes)
         self.queue_bounds = {
             name: queue_bound(c, self.settings.max_queue_time_s) for name, c in self.classes.items()
         }

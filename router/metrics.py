@@ -14,7 +14,7 @@ Two sources feed it:
   aborts, admission rejections, SLO outcomes;
 * each replica counts its own steps (:class:`engine.core.step_metrics.StepMetrics`: step time,
   prefill and decode tokens per step, preemptions, with their buckets) and checks their
-  times against the simulator's step-time model (:class:`engine.sim.drift.DriftMonitor`);
+  times against the simulator's step-time model (:class:`engine.core.step_drift.DriftMonitor`);
   the cumulative counts and the drift travel with the load snapshot Ray Serve already
   polls from every replica (``record_routing_stats``), and the ingress renders them with
   the snapshots' gauges (running, waiting, KV usage) per replica (:func:`replica_families`).

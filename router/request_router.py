@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from policies import AdmissionController, LoadSnapshot, classes_from_fields, policy_from_spec
+from policies import AdmissionController, LoadSnapshot, make_classes, policy_from_spec
 from router.choice import ReplicaChooser, RoutedSince
 from router.contract import RequestShape
 from router.prefix import cached_tokens
@@ -58,7 +58,7 @@ class LoadAwareRouter(RequestRouter):
         **_: object,
     ) -> None:
         self.admission = AdmissionController(
-            classes_from_fields(traffic_classes), policy=policy_from_spec(policy)
+            make_classes(traffic_classes), policy=policy_from_spec(policy)
         )
         self.chooser = ReplicaChooser(self.admission)
         self.prefixes = self.chooser.prefixes

@@ -209,7 +209,7 @@ class Clock:
 
 def policy(clock: Clock, published: list) -> ServePolicy:
     return ServePolicy(
-        asdict(SETTINGS),
+        SETTINGS.model_dump(),
         CLASSES,
         log_to_stderr=False,
         clock=clock,
@@ -280,7 +280,7 @@ def test_serve_policy_builds_from_build_apps_kwargs():
     built = ServePolicy(**ac.policy.policy_kwargs, log_to_stderr=False)
     assert built.settings == settings
     assert built.autoscaler.classes == config.traffic_classes()
-    assert config.ingress_settings().autoscaling == asdict(settings)
+    assert config.ingress_settings().autoscaling == settings.model_dump()
     assert ServiceConfig().ingress_settings().autoscaling is None
 
 

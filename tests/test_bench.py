@@ -109,12 +109,17 @@ def test_open_loop_judges_each_request_as_vllm_does():
         for i, cls in enumerate(["ok", "refuse", "fail", "slow", "ok"])
     ]
     run = asyncio.run(loadgen.open_loop(_FakeTarget(), reqs, cutoff_s=0.5))
-    summary = rp.summarize(run.records, 10.0, lambda _: (0.2, 0.05), run.wall_s)
+    # The 'ok' requests' SLO leaves a loaded host's event loop room; 'slow' is judged on a
+    # tight one.
+    slo = {"slow": (0.2, 0.05)}
+    summary = rp.summarize(run.records, 10.0, lambda c: slo.get(c, (2.0, 0.5)), run.wall_s)
     by_id = {r["id"]: r for r in run.records}
     ok = by_id["r0"]
     assert ok["status"] == "finished" and ok["output_tokens"] == 5 and ok["slo_met"]
-    assert ok["ttft_s"] == pytest.approx(0.05, abs=0.03)
-    assert ok["tpot_s"] == pytest.approx(0.01, abs=0.01)
+    # Sleeps never end early; a loaded host only lengthens them: seconds, from the first
+    # token and between tokens.
+    assert 0.05 <= ok["ttft_s"] < 2.0
+    assert 0.01 <= ok["tpot_s"] < 0.5
     assert by_id["r1"]["status"] == "refused" and not by_id["r1"]["slo_met"]
     assert by_id["r2"]["status"] == "error" and "boom" in by_id["r2"]["error"]
     slow = by_id["r3"]
@@ -193,39 +198,6 @@ def test_prefix_workload_turns_resend_the_conversation_and_replays_differ(tmp_pa
     second = {r.id: r for r in pc.conversations(args, 1.0, replay=1)}
     assert second["c0-t0"].prompt[:16] != first["c0-t0"].prompt[:16]
     assert [r.prompt_tokens for r in second.values()] == [r.prompt_tokens for r in first.values()]
-
-
-def test_guard_probe_judges_refusals_as_misses_and_in_the_mix_only_interactive():
-    import argparse
-
-    from bench import guard_probe
-
-    def rec(cls, status, first, end, n):
-        return {
-            "class": cls,
-            "status": status,
-            "arrival_s": 0.0,
-            "first_token_s": first,
-            "end_s": end,
-            "output_tokens": n,
-            "output_tokens_expected": 3,
-        }
-
-    records = [
-        rec("interactive", "finished", 0.5, 0.9, 3),  # TTFT 0.5 s, TPOT 0.2 s: met
-        rec("interactive", "finished", 3.0, 3.2, 3),  # TTFT 3 s: missed
-        rec("interactive", "refused", None, None, 0),  # refused: a miss
-        rec("batch", "finished", 9.0, 19.0, 3),
-    ]  # not judged in the mix
-    args = argparse.Namespace(slo_ttft_s=2.0, slo_tpot_s=0.25, mix=True)
-    row = guard_probe.summarize(args, records, wall_s=10.0)
-    assert row["requests"] == 3 and row["not_finished"] == 1
-    assert row["attainment"] == pytest.approx(1 / 3)
-    assert row["batch_tok_s"] == pytest.approx(0.3)
-    args.mix = False
-    row = guard_probe.summarize(args, records, wall_s=10.0)
-    assert row["requests"] == 4 and row["attainment"] == pytest.approx(1 / 4)
-    assert row["batch_tok_s"] is None
 
 
 def _summary(rate: float, overall: float, interactive: float | None = None) -> dict:
@@ -396,3 +368,36 @@ def test_every_result_file_records_its_run():
         for p in Path(docs.RESULTS).glob("*.json")
         if p.name not in {n for s in docs.SUITES for n in s.results} and "_quick" not in p.name
     ), "a result file no suite renders (smoke runs write *_quick files, never committed)"
+
+
+async def test_the_in_process_target_admits_as_the_ingress_does():
+    # EngineTarget builds its own admission model from the engine's classes and policy.
+    import dataclasses
+    import time
+    from types import SimpleNamespace
+
+    from bench.toolkit.loadgen import LoadRequest, Refused
+    from bench.toolkit.targets import EngineTarget
+    from policies import DEFAULT_CLASSES, LoadSnapshot, PriorityPolicy
+
+    load = LoadSnapshot(
+        max_num_batched_tokens=512,
+        max_num_seqs=64,
+        num_kv_blocks_free=100_000,
+        step_coefficients=(0.05, 0.002, 0.002),
+    )
+    engine = SimpleNamespace(
+        traffic_classes=DEFAULT_CLASSES, scheduler=SimpleNamespace(policy=PriorityPolicy())
+    )
+    target = EngineTarget(
+        SimpleNamespace(engine=engine, load_snapshot=lambda: load), admission=True
+    )
+    req = LoadRequest("r", 0, "interactive", "hi", prompt_tokens=200, max_tokens=16)
+    rec: dict = {}
+    await target._admit(req, "interactive", rec, time.perf_counter())
+    assert rec["holds"] == 0
+    load = dataclasses.replace(
+        load, waiting_prefill_tokens={"interactive": 30_000}, waiting_requests={"interactive": 150}
+    )
+    with pytest.raises(Refused):  # held past the class's max_queue_wait_s (1 s)
+        await target._admit(req, "interactive", rec, time.perf_counter() - 5.0)

@@ -1,4 +1,4 @@
-"""The digital twin's drift: engine.sim.drift.DriftMonitor on synthetic steps, the config
+"""The digital twin's drift: engine.core.step_drift.DriftMonitor on synthetic steps, the config
 key that gives it a model, and `iterserve top`'s view of the ratio."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from rich.console import Console
 from deploy.config import ServiceConfig
 from deploy.top import render, view
 from engine.core.interfaces import StepRecord
+from engine.core.step_cost import LinearCost, StepShape
+from engine.core.step_drift import DriftMonitor
 from engine.core.step_log import IDLE_GAP_S
-from engine.sim.cost import LinearCost, StepShape
-from engine.sim.drift import DriftMonitor
 
 # 10 ms a step, 1 ms per decode, 0.1 ms per prefill token.
 COST = LinearCost((0.01, 1e-4, 1e-3, 0.0, 0.0), 64, 16, 2048, 1000)
@@ -154,23 +154,25 @@ def test_the_window_stays_bounded_when_nobody_reads_it():
     assert len(m._window) <= 1.0 / predicted(4, 0) + 2
 
 
-def test_attach_keeps_the_on_step_set_before():
+def test_attach_keeps_the_step_listeners_added_before():
     from engine.llm_engine import LLMEngine
 
     clock, seen = Clock(), []
 
     class Engine:
-        """What attach touches: on_step and the engine's way of chaining listeners."""
+        """What attach touches: the engine's step listeners."""
 
-        also_on_step = LLMEngine.also_on_step
+        add_step_listener = LLMEngine.add_step_listener
 
         def __init__(self) -> None:
-            self.on_step = seen.append
+            self.step_listeners = [seen.append]
 
     engine = Engine()
     m = DriftMonitor(COST, clock=clock)
     m.attach(engine)
-    engine.on_step(record(0, clock.t, 0.01, 1, 0))
+    assert engine.step_listeners == [seen.append, m.step]
+    for listener in engine.step_listeners:
+        listener(record(0, clock.t, 0.01, 1, 0))
     assert len(seen) == 1 and m._pending is not None
 
 

@@ -70,7 +70,7 @@ def run(policy: str, guard: bool) -> tuple[list[StepRecord], dict[str, list[int]
     runner = CostModelRunner(clock)
     engine = LLMEngine(config, runner=runner, tokenizer=FakeTokenizer(), clock=clock)
     records: list[StepRecord] = []
-    engine.on_step = records.append
+    engine.add_step_listener(records.append)
     tokens: dict[str, list[int]] = {}
     arrivals = [
         (
@@ -130,7 +130,7 @@ def test_the_runners_own_phases_reach_the_step_record():
         clock=clock,
     )
     records: list[StepRecord] = []
-    engine.on_step = records.append
+    engine.add_step_listener(records.append)
     engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
@@ -139,6 +139,48 @@ def test_the_runners_own_phases_reach_the_step_record():
         (("forward", 1.5),),
         (("forward", 2.5),),
     ]
+
+
+def test_step_listeners_each_get_every_record_in_the_order_added():
+    clock = FakeClock()
+    engine = LLMEngine(
+        EngineConfig(block_size=4),
+        runner=CostModelRunner(clock),
+        tokenizer=FakeTokenizer(),
+        clock=clock,
+    )
+    calls: list[tuple[str, int]] = []
+    engine.add_step_listener(lambda r: calls.append(("a", r.index)))
+    engine.add_step_listener(lambda r: calls.append(("b", r.index)))
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+
+
+def test_a_step_listener_that_raises_ends_the_step_with_its_error():
+    clock = FakeClock()
+    engine = LLMEngine(
+        EngineConfig(block_size=4),
+        runner=CostModelRunner(clock),
+        tokenizer=FakeTokenizer(),
+        clock=clock,
+    )
+    after: list[StepRecord] = []
+
+    def broken(r: StepRecord) -> None:
+        raise RuntimeError("listener")
+
+    engine.add_step_listener(broken)
+    engine.add_step_listener(after.append)
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="listener"):
+        engine.step()
+    # The step itself ran (its token is the request's); the later listener missed it.
+    assert after == [] and engine.has_unfinished_requests()
+    engine.step_listeners.remove(broken)
+    engine.step()
+    assert [r.index for r in after] == [1] and not engine.has_unfinished_requests()
 
 
 def test_while_a_step_runs_the_published_load_is_as_after_it():

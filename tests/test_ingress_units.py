@@ -270,7 +270,7 @@ def test_classes_and_policy_travel_as_json_and_come_back_the_same():
     import json
 
     from engine.config import EngineConfig
-    from policies import classes_from_fields, policy_from_spec
+    from policies import make_classes, policy_from_spec
 
     c = ServiceConfig(
         engine={
@@ -288,7 +288,7 @@ def test_classes_and_policy_travel_as_json_and_come_back_the_same():
     sent = json.loads(
         json.dumps({n: dataclasses.asdict(t) for n, t in c.traffic_classes().items()})
     )
-    assert classes_from_fields(sent) == c.traffic_classes()
+    assert make_classes(sent) == c.traffic_classes()
     spec = json.loads(
         json.dumps(EngineConfig(policy="priority", aging_s_per_level=5.0).policy_spec())
     )

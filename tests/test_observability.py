@@ -25,7 +25,7 @@ pytest.importorskip("ray")
 
 from deploy.config import ServiceConfig  # noqa: E402
 from deploy.top import STEP_KINDS, scrape, view  # noqa: E402
-from engine.sim.cost import LinearCost  # noqa: E402
+from engine.core.step_cost import LinearCost  # noqa: E402
 from tests import serving_app as app  # noqa: E402
 
 pytestmark = pytest.mark.slow

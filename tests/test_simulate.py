@@ -12,11 +12,12 @@ from deploy.cli import main as cli_main
 from deploy.config import ServiceConfig
 from deploy.sim.fleet import Fleet, _prompt
 from deploy.sim.report import summarize
+from deploy.sim.roofline import RooflineCost
+from deploy.sim.runner import SimClock, SimRunner, SimTokenizer
 from deploy.sim.trace import SimRequest, TraceSpec, load_requests, parse_mix, trace_path
 from engine import LLMEngine, RequestOutputKind, SamplingParams
 from engine.config import EngineConfig
-from engine.sim import LinearCost, RooflineCost, SimClock, SimRunner, SimTokenizer, StepShape
-from engine.sim.cost import fit_linear
+from engine.core.step_cost import LinearCost, StepShape, fit_linear
 
 CLASSES = {
     "interactive": {"ttft_slo_s": 1.0, "tpot_slo_s": 0.1},
@@ -63,7 +64,7 @@ def direct_steps(config: EngineConfig, cost, requests: list[SimRequest]) -> list
     clock = SimClock()
     engine = LLMEngine(config, runner=SimRunner(cost, clock), tokenizer=SimTokenizer(), clock=clock)
     records: list = []
-    engine.on_step = records.append
+    engine.add_step_listener(records.append)
     todo = list(requests)
     while todo or engine.has_unfinished_requests():
         while todo and todo[0].arrival_s <= clock.t:
@@ -91,7 +92,7 @@ def test_the_simulator_makes_the_engines_decisions_step_for_step():
     config = service()
     fleet = Fleet(config, FixedCost())
     simulated: list = []
-    fleet.replicas[0].engine.on_step = simulated.append
+    fleet.replicas[0].engine.add_step_listener(simulated.append)
     run = fleet.run(requests)
     direct = direct_steps(config.engine_config(), FixedCost(), requests)
     assert len(direct) > 50
@@ -233,7 +234,7 @@ def test_each_guard_rule_can_be_switched_off_alone():
         )
         fleet = Fleet(config, FixedCost(num_kv_blocks=1024))
         steps: list = []
-        fleet.replicas[0].engine.on_step = steps.append
+        fleet.replicas[0].engine.add_step_listener(steps.append)
         fleet.run(burst)
         runs[off] = steps
         acted[off] = fleet.replicas[0].engine.scheduler.guard.acted

@@ -13,11 +13,11 @@ import pytest
 from pydantic import ValidationError
 
 from deploy.config import ServiceConfig
+from deploy.sim.calibrate import fit_log
 from deploy.sim.replay import BARS, compare, replay, service_config
 from engine import EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
 from engine.core.interfaces import FinishRecord, StepRecord
 from engine.core.step_log import IDLE_GAP_S, VERSION, StepLog, StepRecorder, engine_info
-from engine.sim.calibrate import fit_log
 
 SMALL_LOG = Path(__file__).parent / "data" / "step_log_small.jsonl"
 INFO = {"model": "m", "num_kv_blocks": 10, "block_size": 16, "max_model_len": 64}

@@ -16,7 +16,7 @@ import uvicorn
 
 from deploy.cli import main
 from deploy.config import ServiceConfig
-from engine.sim import LinearCost
+from engine.core.step_cost import LinearCost
 
 KEY = "sk-twin"
 MODEL = "SmolLM2-135M-Instruct"

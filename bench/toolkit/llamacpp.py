@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from bench.toolkit import REPO
+
 VERSION = "0.3.36"
 """``llama-cpp-python`` version whose vendored llama.cpp is built."""
 HOME = REPO / ".llamacpp"

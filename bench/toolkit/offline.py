@@ -7,15 +7,15 @@ iterserve's and vLLM's requests with :func:`greedy_requests` and check every out
 the throughput workers measure their timed section with :class:`Timed` and hand back
 :func:`make_result`.
 
-Run in the venv of the engine it measures (``python -m bench.peers`` does both, one after the
-other), from the repository root::
+Run in the venv of the engine it measures, from the repository root, by
+:class:`bench.toolkit.servers.OfflineEngine` (``python -m bench.peers`` runs both)::
 
-    .venv/bin/python -m bench.toolkit.offline --engine iterserve --model DIR --out a.json
-    .venv-vllm/bin/python -m bench.toolkit.offline --engine vllm --model DIR --out b.json
+    .venv/bin/python -m bench.toolkit.offline --engine iterserve --model DIR
+    .venv-vllm/bin/python -m bench.toolkit.offline --engine vllm --model DIR
 
-This module and what it imports at the top (:mod:`bench.toolkit.workload`,
-:mod:`bench.toolkit.cpu_load`) need only the standard library, so vLLM's venv runs it; torch,
-transformers and the engines are imported where used.
+This module and what it imports at the top (:mod:`bench.toolkit.cli`,
+:mod:`bench.toolkit.workload`, :mod:`bench.toolkit.cpu_load`) need only the standard library,
+so vLLM's venv runs it; torch, transformers and the engines are imported where used.
 
 Measurements (greedy, ``ignore_eos``, prompt token ids drawn uniformly from [1000, 40000) by
 ``random.Random(0)``, fp32, the threads the environment gives: ``OMP_NUM_THREADS``):
@@ -30,9 +30,9 @@ Measurements (greedy, ``ignore_eos``, prompt token ids drawn uniformly from [100
 
 Each measurement is the median of ``--repeats`` (3) after one warm-up call.
 
-With ``--probe-loop`` the engine is loaded and stays loaded, answering requests from stdin,
-so that :mod:`bench.peers` can alternate the two engines' measurements, and measure each
-right beside the same engine served over HTTP. Each line on stdin is either
+The engine is loaded and stays loaded, answering requests from stdin, so that
+:mod:`bench.peers` can alternate the two engines' measurements, and measure each right
+beside the same engine served over HTTP. Each line on stdin is either
 ``{"measure": {"warmup": bool}}`` (the four measurements once, with or without a warm-up
 call each; ``--repeats`` timed calls) or ``{"streams": n, "tokens": t, "prompt": text}``
 (``{"ms_per_step": ...}`` for ``n`` sequences decoding ``t`` tokens from ``text``,
@@ -55,8 +55,9 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from bench.toolkit import cli
 from bench.toolkit.cpu_load import cpu_snapshot, foreign_cores
-from bench.toolkit.workload import TRACE, Lengths, read_trace
+from bench.toolkit.workload import Lengths, read_trace
 
 
 # What every offline measurement records: wall time, CPU load, memory, the result.
@@ -472,37 +473,19 @@ def probe_loop(eng: Engine, args: argparse.Namespace, answers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.parser("bench.toolkit.offline", __doc__)
     p.add_argument("--engine", choices=["iterserve", "vllm"], required=True)
     p.add_argument("--model", required=True, help="a transformers directory")
-    p.add_argument("--trace", default=str(TRACE))
-    p.add_argument("--window-start", type=int, default=0)
+    cli.add_trace(p)
+    cli.add_window_start(p, 0)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", help="the JSON result (without --probe-loop)")
-    p.add_argument(
-        "--probe-loop",
-        action="store_true",
-        help="load the engine, then answer requests from stdin (see above)",
-    )
     args = p.parse_args(argv)
-    if not (args.out or args.probe_loop):
-        p.error("--out or --probe-loop")
-    answers = sys.stdout
-    if args.probe_loop:  # the engines' own prints (and their workers') go to stderr
-        answers = os.fdopen(os.dup(1), "w")
-        os.dup2(2, 1)
-    eng = Engine(args.engine, args.model)
-    if args.probe_loop:
-        probe_loop(eng, args, answers)
-        return 0
-    result = {
-        "engine": args.engine,
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        **measure(eng, args),
-    }
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
+    # The answers go to the original stdout; the engines' own prints (and their workers') to
+    # stderr.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    probe_loop(Engine(args.engine, args.model), args, answers)
     return 0
 
 

@@ -1,5 +1,6 @@
 """The report module every benchmark shares: per-request SLO judgement, summaries, goodput,
-table formatting, JSON and plots.
+table formatting, the result files (:func:`write_report`: JSON and markdown), plots and the
+run record.
 
 Definitions (vLLM's benchmark's; seconds): TTFT is the scheduled arrival to the first token
 (admission holds and generator lag count against it); E2E the arrival to the end of the
@@ -12,6 +13,7 @@ at least 90% of requests meet both SLOs.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -23,6 +25,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from bench.toolkit import REPO
 
 GOODPUT_ATTAINMENT = 0.90
 
@@ -185,9 +189,9 @@ def fmt(x: float | None, spec: str = ".2f", missing: str = "—") -> str:
     return missing if x is None else format(x, spec)
 
 
-def pct(x: float | None, missing: str = "—") -> str:
-    """A fraction (0-1) as a whole percentage; ``missing`` for None."""
-    return missing if x is None else f"{100 * x:.0f}%"
+def pct(x: float | None, missing: str = "—", digits: int = 0) -> str:
+    """A fraction (0-1) as a percentage with ``digits`` decimals; ``missing`` for None."""
+    return missing if x is None else f"{x:.{digits}%}"
 
 
 def table(header: list[str], rows: list[list[str]], align: str | None = None) -> str:
@@ -213,11 +217,15 @@ def compact_record(rec: dict[str, Any]) -> dict[str, Any]:
     return {k: round(v, 6) if isinstance(v, float) else v for k, v in rec.items() if k != "token_s"}
 
 
-def write_json(report: dict[str, Any], path: str | Path) -> None:
-    """``report`` as strict JSON; a ``records`` list goes one compact line per record."""
+def write_json(report: dict[str, Any], path: str | Path, compact: bool = False) -> None:
+    """``report`` as strict JSON: one line (``compact``, for large results), or each
+    top-level key indented with a ``records`` list one compact line per record."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     report = finite(report)
+    if compact:
+        path.write_text(json.dumps(report, separators=(",", ":"), default=str))
+        return
     parts = [
         f"{json.dumps(k)}: {json.dumps(v, indent=1, default=str)}"
         for k, v in report.items()
@@ -227,6 +235,33 @@ def write_json(report: dict[str, Any], path: str | Path) -> None:
         recs = ",\n".join(json.dumps(r, separators=(",", ":")) for r in report["records"])
         parts.append(f'"records": [\n{recs}\n]')
     path.write_text("{\n" + ",\n".join(parts) + "\n}\n")
+
+
+def write_report(
+    path: str | Path,
+    result: dict[str, Any],
+    markdown: str | None = None,
+    *,
+    md_file: bool = True,
+    compact: bool = False,
+    record_run: bool = True,
+) -> Path:
+    """A suite's result files: ``result`` as JSON at ``path`` (:func:`write_json`), with
+    the run record (:func:`run_record`) added under ``"run"`` where it has none and
+    ``record_run``; ``markdown``, where given, printed and (``md_file``) written beside it
+    (``path`` with ``.md``). Prints where they went; returns ``path``."""
+    path = Path(path)
+    if record_run and "run" not in result:
+        result = {"run": run_record(), **result}
+    write_json(result, path, compact)
+    wrote = [str(path)]
+    if markdown is not None:
+        print(markdown.rstrip("\n"))
+        if md_file:
+            path.with_suffix(".md").write_text(markdown.rstrip("\n") + "\n")
+            wrote.append(path.with_suffix(".md").name)
+    print(f"wrote {' and '.join(wrote)}", flush=True)
+    return path
 
 
 def plot_attainment(
@@ -264,35 +299,59 @@ def plot_attainment(
     return str(path)
 
 
-def host() -> str:
-    """This machine in a few words: cores and CPU model (``/proc/cpuinfo``, else
-    :func:`platform.processor`)."""
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, else :func:`platform.processor`)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         lines = []
-    model = next(
+    return next(
         (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
         platform.processor() or platform.machine(),
     )
-    return f"{os.cpu_count()} cores, {model}"
+
+
+def host() -> str:
+    """This machine in a few words: cores and CPU model (:func:`cpu_model`)."""
+    return f"{os.cpu_count()} cores, {cpu_model()}"
+
+
+def commit() -> str:
+    """``git rev-parse --short HEAD`` of the repository; ``"unknown"`` outside git."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+        ).stdout.strip()
+    except OSError:
+        out = ""
+    return out or "unknown"
+
+
+def package_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``; None when it is not installed."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine() -> dict[str, Any]:
+    """The machine a run had: ``cpu_count``, ``platform``, ``python`` (the in-process
+    suites' ``"machine"``, beside the versions each adds)."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
 
 
 def run_record() -> dict[str, str]:
     """What every result file records about its run, under ``"run"``: ``date`` (UTC, ISO
-    8601, when the run finished), ``commit`` (``git rev-parse --short HEAD`` of the
-    repository, ``"unknown"`` outside git), ``host`` (:func:`host`) and ``command`` (the
-    command line as typed, ``python -m bench.<suite> ...``)."""
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=repo
-        ).stdout.strip()
-    except OSError:
-        commit = ""
+    8601, when the run finished), ``commit`` (:func:`commit`), ``host`` (:func:`host`) and
+    ``command`` (the command line as typed, ``python -m bench.<suite> ...``)."""
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit or "unknown",
+        "commit": commit(),
         "host": host(),
         "command": shlex.join(["python", *sys.orig_argv[1:]]),
     }

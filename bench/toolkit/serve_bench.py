@@ -38,14 +38,13 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.toolkit import loadgen
+from bench.toolkit import RESULTS, cli, loadgen
 from bench.toolkit import report as rp
 from bench.toolkit.loadgen import LoadRequest
 from bench.toolkit.prompts import CORPUS_DESCRIPTION, prompt_maker
 from bench.toolkit.targets import HttpTarget, completions_url, http_client
 from bench.toolkit.workload import (
     ATTRIBUTION,
-    REPO,
     TRACE,
     Lengths,
     arrival_offsets,
@@ -378,13 +377,13 @@ def _header(text: str) -> tuple[str, str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.parser("bench.toolkit.serve_bench", __doc__)
     d = BenchConfig("", "", "")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name the server serves")
     p.add_argument("--tokenizer", required=True, help="local transformers tokenizer directory")
     p.add_argument("--trace", default=d.trace)
-    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=d.rates)
+    p.add_argument("--rates", type=cli.floats, default=d.rates, help="offered req/s")
     p.add_argument("--output-scale", type=float, default=None)
     p.add_argument(
         "--class-mix", type=_mapping(float), default=None, help="e.g. interactive=0.7,batch=0.3"
@@ -420,7 +419,7 @@ def _parser() -> argparse.ArgumentParser:
     ):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     p.add_argument("--label", default=d.label)
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "serve_bench.json"))
+    cli.add_out(p, str(RESULTS / "serve_bench.json"), "the result file")
     return p
 
 
@@ -433,8 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BenchConfig(**args)
     report = asyncio.run(run(cfg))
     print_table(report)
-    rp.write_json(report, out)
-    print(f"wrote {out}")
+    rp.write_report(out, report)
     return 0
 
 

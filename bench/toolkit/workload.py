@@ -21,7 +21,6 @@ from pathlib import Path
 
 from deploy.sim.trace import trace_path
 
-REPO = Path(__file__).resolve().parents[2]
 TRACE = trace_path("conv")
 ATTRIBUTION = (
     "Azure LLM inference trace 2023 (conversation), CC-BY 4.0, from Splitwise: Patel, Choukse, "

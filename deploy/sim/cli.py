@@ -162,7 +162,8 @@ def cost_model(args: argparse.Namespace):
     Raises:
         ValueError: --gpu without --model-size (or the reverse), or unknown names.
     """
-    from engine.sim import LinearCost, RooflineCost
+    from deploy.sim.roofline import RooflineCost
+    from engine.core.step_cost import LinearCost
 
     if args.gpu or args.model_size:
         if not (args.gpu and args.model_size):
@@ -415,7 +416,7 @@ def cost_line(args: argparse.Namespace, cost) -> str:
     if args.gpu:
         return (
             f"roofline, {args.model_size} on {args.gpu} x {args.tensor_parallel} "
-            "(engine/sim/hardware.py)"
+            "(deploy/sim/hardware.py)"
         )
     origin = args.cost_model or f"the shipped {DEFAULT_COST_MODEL}"
     hint = (
@@ -427,8 +428,8 @@ def cost_line(args: argparse.Namespace, cost) -> str:
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
+    from deploy.sim.calibrate import CONCURRENCY, calibrate
     from engine.config import EngineConfig
-    from engine.sim.calibrate import CONCURRENCY, calibrate
 
     if args.from_url:
         if args.model is not None or args.steps_per_level is not None:

@@ -1,7 +1,8 @@
 """N replicas, the ingress's admission and the router, in virtual time, with the real code.
 
-Each replica is an :class:`engine.LLMEngine` whose runner advances a virtual clock by a
-cost model (:mod:`engine.sim`): its scheduler, block manager, policy and TPOT guard are
+Each replica is an :class:`engine.LLMEngine` whose runner (:mod:`deploy.sim.runner`)
+advances a virtual clock by a cost model (:mod:`engine.core.step_cost`,
+:mod:`deploy.sim.roofline`): its scheduler, block manager, policy and TPOT guard are
 production's. The ingress side runs :class:`router.admission.IngressAdmission` (held
 requests re-decided every ``router.admission.POLL_S``) and
 :class:`router.choice.ReplicaChooser` on snapshots each replica publishes every
@@ -26,10 +27,10 @@ from typing import Protocol
 
 from deploy.config import ServiceConfig
 from deploy.sim import ROUTING
+from deploy.sim.runner import SimClock, sim_engine
 from deploy.sim.trace import SimRequest
 from engine import LLMEngine, RequestOutputKind, SamplingParams
 from engine.core.interfaces import StepRecord
-from engine.sim import SimClock, sim_engine
 from policies import Admit, LoadSnapshot, Reject, TrafficClass
 from policies.autoscale import (
     AutoscalingSettings,
@@ -168,7 +169,7 @@ class Fleet:
     Args:
         config: the service as it would be deployed (engine, classes, admission,
             prefix affinity, routing stats period).
-        cost: the replicas' step-time model (:mod:`engine.sim.cost`).
+        cost: the replicas' step-time model (:mod:`engine.core.step_cost`).
         routing: one of :data:`ROUTING`.
         seed: the router's pair draws; a run is a pure function of its inputs and seed.
         timeline_period_s: how often a replica's KV usage is kept for the report.
@@ -262,7 +263,7 @@ class Fleet:
             r.engine.on_scheduled = functools.partial(setattr, r, "in_flight")
         kept: list[StepRecord] = []
         if self.record_steps:
-            r.engine.on_step = kept.append
+            r.engine.add_step_listener(kept.append)
         self.replicas.append(r)
         self.steps.append(kept)
         return len(self.replicas) - 1

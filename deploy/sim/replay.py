@@ -12,7 +12,7 @@ admission after the real ingress's own delay (:func:`ingress_delays`) and the en
 after the real hand-over from admission (:func:`engine_lags`):
 time outside steps, measured per request as steps are. Once the runs part, each step
 takes the cost of the next real step not yet used, scaled by a
-:class:`engine.sim.LinearCost` fitted on the same log for the difference between the two
+:class:`engine.core.step_cost.LinearCost` fitted on the same log for the difference between the two
 steps' shapes (:class:`ReplayRunner`).
 
 :func:`compare` then matches every request (TTFT, TPOT, admitted or refused) and names the
@@ -28,14 +28,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from deploy.config import ServiceConfig
+from deploy.sim.calibrate import fit_log
 from deploy.sim.fleet import Fleet, Outcome, SimRun
+from deploy.sim.runner import SimClock, SimRunner
 from deploy.sim.trace import SimRequest
-from engine.core.interfaces import SampleResult, StepRecord
+from engine.core.interfaces import StepRecord
 from engine.core.schedule_output import SchedulerOutput
+from engine.core.step_cost import CostModel, StepShape
 from engine.core.step_log import IDLE_GAP_S, LoggedStep, StepLog
-from engine.sim.calibrate import fit_log
-from engine.sim.cost import CostModel, StepShape
-from engine.sim.runner import SimClock, SimRunner
+from engine.model.sampler import SampleResult
 from router.admission import POLL_S
 
 Composition = tuple[tuple[str, int, int], ...]

@@ -10,7 +10,7 @@ from deploy.config import ServiceConfig
 from deploy.sim.fleet import Autoscaling, Fleet, SimRun
 from deploy.sim.report import summarize
 from deploy.sim.trace import TraceSpec, load_requests
-from engine.sim import CostModel
+from engine.core.step_cost import CostModel
 
 
 def with_engine(

@@ -1,6 +1,6 @@
 """The digital twin: the simulator fed from a server's own step log.
 
-* ``iterserve calibrate --from-url URL`` fits :class:`engine.sim.LinearCost` on the
+* ``iterserve calibrate --from-url URL`` fits :class:`engine.core.step_cost.LinearCost` on the
   server's recent steps (``GET /steps``, :mod:`engine.core.step_log`), and reports the fit's
   error per step kind on the later half of them, fitted on the earlier half.
 * ``iterserve simulate --from-url URL`` replays the server's recent arrivals through
@@ -23,11 +23,11 @@ import httpx
 
 from deploy.config import ServiceConfig
 from deploy.sim import replay as rp
+from deploy.sim.calibrate import errors_by_kind, fit_log, holdout
 from deploy.sim.fleet import Fleet, Outcome, SimRun
 from deploy.sim.report import describe, summarize, table, writable_file
+from engine.core.step_cost import LinearCost
 from engine.core.step_log import StepLog
-from engine.sim.calibrate import errors_by_kind, fit_log, holdout
-from engine.sim.cost import LinearCost
 
 FETCH_TIMEOUT_S = 30.0
 

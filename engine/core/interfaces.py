@@ -48,7 +48,7 @@ class ModelRunner(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """One executed step, as :attr:`engine.LLMEngine.on_step` receives it.
+    """One executed step, as each of :attr:`engine.LLMEngine.step_listeners` receives it.
 
     Times are seconds. ``start``, ``seconds`` (the whole step: schedule, execute,
     detokenize, outputs) and ``schedule_s`` (the part in ``scheduler.schedule()``) are on

@@ -1,9 +1,10 @@
 """The step log: every engine step and every request's arrival, admission, refusal and
 finish, as JSON lines, kept in memory for ``GET /steps`` and, optionally, in a file.
 
-Writing: :class:`StepRecorder` (one per replica) is fed by the engine
-(:attr:`engine.LLMEngine.on_step` and ``on_finish``, on the engine's thread) and by the
-ingress (:meth:`StepRecorder.arrival`, ``admitted``, ``refused``, on the event loop).
+Writing: :class:`StepRecorder` (one per replica) is fed by the engine (a step listener,
+:meth:`engine.LLMEngine.add_step_listener`, and ``on_finish``, on the engine's thread) and
+by the ingress (:meth:`StepRecorder.arrival`, ``admitted``, ``refused``, on the event
+loop).
 Reading: :class:`StepLog` parses the records back (``iterserve simulate --replay-steps``,
 ``iterserve calibrate --from-url``).
 
@@ -134,9 +135,9 @@ class StepRecorder:
             self._file.write(json.dumps(self.header) + "\n")
 
     def attach(self, engine) -> None:
-        """Record ``engine``'s steps and finishes (an :class:`engine.LLMEngine`), after
-        whatever its ``on_step`` already did."""
-        engine.also_on_step(self.step)
+        """Record ``engine``'s steps and finishes (an :class:`engine.LLMEngine`): a step
+        listener after those added before."""
+        engine.add_step_listener(self.step)
         engine.on_finish = self.finish
 
     def _add(self, rec: dict[str, Any]) -> None:

@@ -1,9 +1,9 @@
 """One replica's engine-step counts for Prometheus: step time, tokens per step, preemptions.
 
-:class:`StepMetrics` is fed by :attr:`engine.LLMEngine.on_step`, one call per step, in the
-replica's process. Its cumulative counts are plain numbers: they travel with the load
-snapshot that the ingress reads from every replica (``record_routing_stats``), and the
-ingress renders them (:func:`router.metrics.replica_families`) under the names
+:class:`StepMetrics` is fed as a step listener of :class:`engine.LLMEngine`, one call per
+step, in the replica's process. Its cumulative counts are plain numbers: they travel with
+the load snapshot that the ingress reads from every replica (``record_routing_stats``), and
+the ingress renders them (:func:`router.metrics.replica_families`) under the names
 ``iterserve:step_time_seconds``, ``iterserve:iteration_tokens_total`` and
 ``iterserve:num_preemptions``. Each histogram carries its bucket bounds, so the ingress
 renders it without this module (and without the engine's imports).
@@ -40,7 +40,7 @@ class Buckets:
 
 
 class StepMetrics:
-    """One replica's step counts, fed by ``LLMEngine.on_step`` (one call per step).
+    """One replica's step counts, fed as an ``LLMEngine`` step listener (one call per step).
 
     :meth:`to_dict` is what the replica adds to its routing stats under ``"metrics"``.
     """

@@ -9,8 +9,8 @@ from __future__ import annotations
 from engine.config import EngineConfig
 from engine.core.interfaces import SampleResult
 from engine.core.schedule_output import SchedulerOutput
+from engine.core.step_cost import CostModel, StepShape
 from engine.llm_engine import LLMEngine
-from engine.sim.cost import CostModel, StepShape
 
 SIM_TOKEN_ID = 1
 """The token every simulated step samples (requests are ``ignore_eos``: its id is moot)."""

@@ -1,19 +1,20 @@
 """The digital twin's drift on a live replica: its predicted step times against the measured.
 
 The simulator (``iterserve simulate``) costs each step with a step-time model
-(:class:`engine.sim.cost.LinearCost`). A model calibrated on one host, one load or one
+(:class:`engine.core.step_cost.LinearCost`). A model calibrated on one host, one load or one
 build stops predicting another's steps; :class:`DriftMonitor` tells how far, as the
-replica serves. Fed every step the engine runs (:attr:`engine.LLMEngine.on_step`), it
-predicts each step's seconds from its composition (:meth:`engine.sim.cost.StepShape.of_record`)
-and measures its period, as the step log does (:attr:`engine.core.step_log.LoggedStep.period`):
-from its start to the next step's start, or its own ``seconds`` where more than
-:data:`engine.core.step_log.IDLE_GAP_S` of idleness follows. Per step kind (``decode``,
-``mixed``, ``prefill``: :data:`engine.core.step_log.STEP_KINDS`) over the last ``window_s``
-seconds it reports ``sum(predicted) / sum(measured)``: 1 is a perfect twin, below 1 the
-twin is optimistic (real steps take longer), above 1 pessimistic.
+replica serves. Fed every step the engine runs (one of
+:attr:`engine.LLMEngine.step_listeners`), it predicts each step's seconds from its
+composition (:meth:`engine.core.step_cost.StepShape.of_record`) and measures its period, as the
+step log does (:attr:`engine.core.step_log.LoggedStep.period`): from its start to the next
+step's start, or its own ``seconds`` where more than :data:`engine.core.step_log.IDLE_GAP_S`
+of idleness follows. Per step kind (``decode``, ``mixed``, ``prefill``:
+:data:`engine.core.step_log.STEP_KINDS`) over the last ``window_s`` seconds it reports
+``sum(predicted) / sum(measured)``: 1 is a perfect twin, below 1 the twin is optimistic
+(real steps take longer), above 1 pessimistic.
 
 The model is the one given (a file from ``iterserve calibrate``), or, without one, a fit
-(:func:`engine.sim.cost.fit_linear`) on the replica's own first steps, which then tells
+(:func:`engine.core.step_cost.fit_linear`) on the replica's own first steps, which then tells
 how the replica drifts from how it ran when it started.
 
 The replica renders :meth:`DriftMonitor.to_dict` into its routing stats; the ingress
@@ -29,8 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.core.interfaces import StepRecord
+from engine.core.step_cost import CostModel, LinearCost, StepShape, fit_linear
 from engine.core.step_log import IDLE_GAP_S, STEP_KINDS, step_kind
-from engine.sim.cost import CostModel, LinearCost, StepShape, fit_linear
 
 WINDOW_S = 60.0
 """Seconds of steps the ratio covers."""
@@ -95,8 +96,8 @@ class DriftMonitor:
         return self.cost is not None
 
     def step(self, r: StepRecord) -> None:
-        """Take one step (the engine's ``on_step``); the previous one's period is now
-        known."""
+        """Take one step (a listener of the engine's steps); the previous one's period is
+        now known."""
         with self._lock:
             if self._pending is not None:
                 prev, predicted = self._pending
@@ -173,6 +174,6 @@ class DriftMonitor:
         return {k: {"ratio": r, "steps": n} for k, (r, n) in self.ratios(now).items()}
 
     def attach(self, engine) -> None:
-        """Take ``engine``'s steps (an :class:`engine.LLMEngine`), after whatever its
-        ``on_step`` already did."""
-        engine.also_on_step(self.step)
+        """Take ``engine``'s steps (an :class:`engine.LLMEngine`): a step listener after
+        those added before."""
+        engine.add_step_listener(self.step)

@@ -1,4 +1,4 @@
-"""Calibrate :class:`engine.sim.cost.LinearCost` on this machine: run the real engine, fit.
+"""Calibrate :class:`engine.core.step_cost.LinearCost` on this machine: run the real engine, fit.
 
 The engine runs as a replica runs it, an :class:`engine.async_engine.AsyncLLMEngine`
 streaming to clients on the same event loop. The sweep keeps ``c`` requests in flight
@@ -28,8 +28,8 @@ import time
 
 from engine.config import EngineConfig
 from engine.core.interfaces import StepRecord
+from engine.core.step_cost import FEATURES, LinearCost, StepShape, fit_linear
 from engine.core.step_log import STEP_KINDS, LoggedStep, StepLog
-from engine.sim.cost import FEATURES, LinearCost, StepShape, fit_linear
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 WARMUP_STEPS = 5
@@ -66,7 +66,7 @@ def sweep(
 
     aeng = AsyncLLMEngine.from_config(config)
     records: list[StepRecord] = []
-    aeng.engine.on_step = records.append  # on the engine's thread; list.append is atomic
+    aeng.engine.add_step_listener(records.append)  # on the engine's thread; list.append is atomic
     asyncio.run(_closed_loops(aeng, records, steps_per_level, random.Random(seed), progress))
     return records[WARMUP_STEPS:], periods(records)[WARMUP_STEPS:], aeng.engine
 
