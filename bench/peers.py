@@ -552,8 +552,9 @@ def start_offline(
     args: argparse.Namespace, model_dir: str, stack: contextlib.ExitStack
 ) -> tuple[dict, dict]:
     """The offline engines of ``--systems``' kinds (:mod:`bench.toolkit.offline`, each in its
-    venv), loaded together and measured in ``--offline-rounds`` alternating rounds (vLLM first in even rounds,
-    iterserve first in odd ones; the first round with a warm-up call per measurement);
+    venv), loaded together and measured in ``--offline-rounds`` alternating rounds (vLLM
+    first in even rounds, iterserve first in odd ones; the first round with a warm-up call
+    per measurement);
     each then stays loaded, idle, for the served phases' paired probes until ``stack``
     closes. Returns ({engine: {"median": {...}, "rounds": [...]}}, {engine:
     :class:`ps.OfflineEngine`})."""
