@@ -297,11 +297,11 @@ def _starting(progress: _Progress, plan: ReplicaPlan, where: str) -> None:
 def _run_here(
     args: argparse.Namespace, engine: dict[str, Any], work: list[tuple], progress: _Progress
 ) -> None:
-    from deploy.batch_engine import BatchReplica, plan_local, run_on_replicas
+    from deploy.batch_engine import BatchWorker, plan_local, run_on_replicas
 
     plan = plan_local(args.replica_num_cpus, args.replica_num_gpus or 0.0)
     _starting(progress, plan, "in this process")
-    replica = BatchReplica(engine, _model_name(args), max(1, int(plan.num_cpus)))
+    replica = BatchWorker(engine, _model_name(args), max(1, int(plan.num_cpus)))
 
     async def run() -> None:
         try:

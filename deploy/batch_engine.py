@@ -5,7 +5,7 @@ process, as vLLM's ``run_batch`` does: a Ray actor on the same cores competes wi
 own processes for them (docs/operations.md, "Engine replicas"). Several replicas, or a
 cluster, take actors.
 
-Each :class:`BatchReplica` owns one engine and answers each line through an ingress of its
+Each :class:`BatchWorker` owns one engine and answers each line through an ingress of its
 own over that engine (:meth:`router.ingress.Ingress.answer`, over a
 :class:`router.local.LocalReplicas`): the API's validation, dispatch and response building,
 so a line's record is what ``POST /v1/...`` with ``x-iterserve-class: batch`` would
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 
-class BatchReplica:
+class BatchWorker:
     """One engine replica of a batch (in this process, or through ``ray.remote``).
 
     Args:
@@ -112,7 +112,7 @@ def plan_replicas(num_replicas: int | None, num_cpus: float | None, num_gpus: fl
 
 def start_replicas(
     plan: ReplicaPlan, engine_config: dict[str, Any], model_name: str
-) -> list[ActorReplica]:
+) -> list[RemoteBatchWorker]:
     """The replicas as Ray actors, once every one has loaded the model."""
     import ray
 
@@ -124,17 +124,17 @@ def start_replicas(
     }
     if plan.num_gpus:
         options["num_gpus"] = plan.num_gpus
-    cls = ray.remote(BatchReplica).options(**options)
+    cls = ray.remote(BatchWorker).options(**options)
     actors = [
         cls.remote(engine_config, model_name, max(1, math.floor(plan.num_cpus)))
         for _ in range(plan.num_replicas)
     ]
     seqs = ray.get([a.ready.remote() for a in actors])
-    return [ActorReplica(a, n) for a, n in zip(actors, seqs)]
+    return [RemoteBatchWorker(a, n) for a, n in zip(actors, seqs)]
 
 
-class ActorReplica:
-    """A :class:`BatchReplica` Ray actor, called as the in-process one is."""
+class RemoteBatchWorker:
+    """A :class:`BatchWorker` Ray actor, called as the in-process one is."""
 
     def __init__(self, actor: ActorHandle, max_num_seqs: int) -> None:
         self.actor = actor
@@ -145,7 +145,7 @@ class ActorReplica:
         return self.max_num_seqs
 
     def answer(self, chat: bool, body: dict[str, Any]) -> Awaitable[Answer]:
-        """:meth:`BatchReplica.answer` on the actor; await the returned object ref."""
+        """:meth:`BatchWorker.answer` on the actor; await the returned object ref."""
         return self.actor.answer.remote(chat, body)
 
 
@@ -173,7 +173,7 @@ def plan_local(num_cpus: float | None, num_gpus: float) -> ReplicaPlan:
 
 
 async def run_on_replicas(
-    replicas: list[BatchReplica | ActorReplica],
+    replicas: list[BatchWorker | RemoteBatchWorker],
     work: list[tuple[str, bool, dict]],
     done: Callable[[str, Answer], None],
 ) -> None:
@@ -187,7 +187,7 @@ async def run_on_replicas(
     for item in work:
         queue.put_nowait(item)
 
-    async def feed(replica: BatchReplica | ActorReplica) -> None:
+    async def feed(replica: BatchWorker | RemoteBatchWorker) -> None:
         while not queue.empty():
             cid, chat, body = queue.get_nowait()
             done(cid, await replica.answer(chat, body))

@@ -250,7 +250,7 @@ class LLMEngine:
             traffic_class: a configured class (default ``standard``).
             arrival_time: seconds on the engine's clock; default now.
             resume_token_ids: output tokens this request already produced elsewhere (a
-                replica that died: :class:`router.dispatch.Dispatch` migrates it). The
+                replica that died: :class:`router.dispatch.RayCall` migrates it). The
                 request starts as one preempted by recompute would: these tokens count
                 as its output (``max_tokens``, ``min_tokens``, penalties, its grammar)
                 and are prefilled with the prompt, and its detokenizer has read them, so

@@ -1,7 +1,7 @@
 """What every call to a replica shares, wherever the replica runs: its first item and the
 metrics record of its items.
 
-A call (:class:`router.contract.ReplicaCall`: :class:`router.dispatch.Dispatch` through
+A call (:class:`router.contract.ReplicaCall`: :class:`router.dispatch.RayCall` through
 Ray Serve, :class:`router.local.LocalCall` in process) answers ``start()`` once the
 replica accepted the request, then ``items()`` (one :class:`router.contract.StepItem` per
 step that produced tokens), ``cancel()``, and the attributes ``prompt_tokens``,

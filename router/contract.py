@@ -2,7 +2,7 @@
 replica streams back, and the protocols that every way of reaching a replica implements.
 
 A request's path: the ingress (:class:`router.ingress.Ingress`) asks its
-:class:`Replica` for a :class:`ReplicaCall` per prompt, with the prompt's token ids, its
+:class:`Replicas` for a :class:`ReplicaCall` per prompt, with the prompt's token ids, its
 :class:`engine.core.params.SamplingParams` (built and checked once by
 :func:`router.openai_format.sampling_params`; the replica's engine takes them as they are)
 and its :class:`RequestShape`. The replica answers the call with one :data:`FirstItem`: an
@@ -20,7 +20,7 @@ classes of plain values, :class:`engine.core.params.SamplingParams` and
 :class:`policies.LoadSnapshot`, so both ends need only this module, the torch-free
 :mod:`engine.core.params` and ``policies``.
 
-:class:`Replica` is implemented by :class:`router.dispatch.RayReplicas` (a Ray Serve
+:class:`Replicas` is implemented by :class:`router.dispatch.RayReplicas` (a Ray Serve
 deployment's replicas) and :class:`router.local.LocalReplicas` (one engine in the
 ingress's own process: ``iterserve serve`` on one machine, and each replica of
 ``iterserve batch run``, whose lines go through :meth:`router.ingress.Ingress.answer`).
@@ -192,7 +192,7 @@ class ReplicaCall(Protocol):
         ...
 
 
-class Replica(Protocol):
+class Replicas(Protocol):
     """The model's replicas as the ingress reaches them: one protocol for every path (the
     engine in the ingress's process, a Ray Serve deployment's replicas, and each replica
     of a batch), however many replicas stand behind it."""

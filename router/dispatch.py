@@ -14,7 +14,7 @@ served it before), counts them as output (``max_tokens``, ``min_tokens``, penalt
 ``json_schema``'s grammar), and its detokenizer has read them, so its first text delta
 continues the text already sent: no token or character is repeated or dropped, and a
 stop string spanning the boundary is still found. The new replica's items continue the
-same :meth:`Dispatch.items` iterator; ``prompt_tokens`` and ``cached_tokens`` stay the
+same :meth:`RayCall.items` iterator; ``prompt_tokens`` and ``cached_tokens`` stay the
 first replica's. A greedy request's output is the one an uninterrupted run gives. A
 seeded request continues with :func:`migrated_seed` (deterministic, but not the draws
 the first replica would have made). The prompt's log-probabilities came with the first
@@ -72,7 +72,7 @@ def migrated_seed(seed: int, produced: int) -> int:
     return x - 2**64 if x >= 2**63 else x
 
 
-class Dispatch:
+class RayCall:
     """One request's call to a replica (a :class:`router.contract.ReplicaCall`), re-sent
     elsewhere if its replica dies early.
 
@@ -281,7 +281,7 @@ class Dispatch:
 
 
 class RayReplicas:
-    """The model deployment's replicas through Ray Serve (:class:`router.contract.Replica`).
+    """The model deployment's replicas through Ray Serve (:class:`router.contract.Replicas`).
 
     Args:
         handle: the model deployment's handle.
@@ -312,8 +312,8 @@ class RayReplicas:
         params: SamplingParams,
         shape: RequestShape,
         record: RequestRecord | None = None,
-    ) -> Dispatch:
-        """The call of one prompt (:meth:`router.contract.Replica.call`).
+    ) -> RayCall:
+        """The call of one prompt (:meth:`router.contract.Replicas.call`).
 
         Raises:
             ApiError: 503 with ``Retry-After`` once :meth:`drain` began.
@@ -325,7 +325,7 @@ class RayReplicas:
                 code="shutting_down",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        return Dispatch(
+        return RayCall(
             self.handle, request_id, prompt_token_ids, params, shape, self.streams, record
         )
 

@@ -7,7 +7,7 @@ the field), the model checked (404), the caller resolved from its API key
 replica's step items become OpenAI chunks (SSE ending with ``data: [DONE]``) or one
 response (:mod:`router.openai_format`).
 
-:class:`Ingress` holds no Ray: its replicas are a :class:`router.contract.Replica`
+:class:`Ingress` holds no Ray: its replicas are a :class:`router.contract.Replicas`
 (:class:`router.dispatch.RayReplicas` for the Ray Serve deployment, :mod:`router.api`;
 :class:`router.local.LocalReplicas` for one replica in the server's own process,
 :mod:`deploy.local_server`, and for each replica of a batch, :mod:`deploy.batch_engine`,
@@ -52,7 +52,7 @@ from router import openai_format as fmt
 from router import responses
 from router.admission import AdmissionRejected, IngressAdmission
 from router.calls import RETRY_AFTER_S, ReplicaLost
-from router.contract import ModelInfo, Replica, ReplicaCall, RequestShape, StepEvents
+from router.contract import ModelInfo, ReplicaCall, Replicas, RequestShape, StepEvents
 from router.cors import ConfiguredCORS
 from router.errors import ApiError
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -134,7 +134,7 @@ class Ingress:
 
     def __init__(
         self,
-        replicas: Replica,
+        replicas: Replicas,
         settings: dict[str, Any],
         watch_disconnects: bool = True,
         step_log: StepEvents | None = None,

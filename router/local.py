@@ -134,7 +134,7 @@ class LocalReplica(Protocol):
 
 
 class LocalReplicas:
-    """The one replica of this process (a :class:`router.contract.Replica`).
+    """The one replica of this process (a :class:`router.contract.Replicas`).
 
     Args:
         replica: the replica, whose engine steps on its own thread.
@@ -168,7 +168,7 @@ class LocalReplicas:
         shape: RequestShape,
         record: RequestRecord | None = None,
     ) -> LocalCall:
-        """The call of one prompt (:meth:`router.contract.Replica.call`).
+        """The call of one prompt (:meth:`router.contract.Replicas.call`).
 
         Raises:
             ApiError: 503 when the engine has failed.

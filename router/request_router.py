@@ -75,7 +75,7 @@ class LoadAwareRouter(RequestRouter):
     # -- the load view (router.routing.LoadView) ------------------------------------------
 
     def observe_load(self, replica_unique_id: str, snap: LoadSnapshot) -> None:
-        """A load the replica sent with a stream item (:class:`router.dispatch.Dispatch`).
+        """A load the replica sent with a stream item (:class:`router.dispatch.RayCall`).
 
         Serve's own path is slow: its controller polls ``record_routing_stats`` in its
         control loop and broadcasts the result, so a published load is often half a

@@ -1,5 +1,6 @@
-"""Replica choice: power of two choices on predicted TPOT and TTFT (a Ray Serve
-``RequestRouter``).
+"""How the model deployment's router chooses, and what it shares with the ingress: the
+method (power of two choices on predicted TPOT and TTFT), the routers' registry, the load
+view that admission reads, and what a routed call carries.
 
 Mitzenmacher's power of two choices ("The Power of Two Choices in Randomized Load
 Balancing", IEEE TPDS 2001): sampling two replicas and taking the less loaded one gets
@@ -32,10 +33,10 @@ from typing import Protocol
 from policies import LoadSnapshot
 from router.contract import RequestShape
 
-__all__ = ["LoadView", "PendingCall", "load_view", "pinned_replica", "register", "shape_of"]
+__all__ = ["LoadView", "PendingRequest", "load_view", "pinned_replica", "register", "shape_of"]
 
 
-class PendingCall(Protocol):
+class PendingRequest(Protocol):
     """What :func:`shape_of` and :func:`pinned_replica` read of a call being routed (Ray
     Serve's ``PendingRequest``): its keyword arguments. This module imports no Ray, so
     that the ingress, which imports it, runs without Ray in process."""
@@ -44,7 +45,7 @@ class PendingCall(Protocol):
     def kwargs(self) -> Mapping[str, object]: ...
 
 
-def shape_of(pending: PendingCall | None) -> RequestShape | None:
+def shape_of(pending: PendingRequest | None) -> RequestShape | None:
     """The shape the ingress attached to a call (``shape=`` keyword), if any."""
     if pending is None:
         return None
@@ -52,7 +53,7 @@ def shape_of(pending: PendingCall | None) -> RequestShape | None:
     return shape if isinstance(shape, RequestShape) else None
 
 
-def pinned_replica(pending: PendingCall | None) -> str | None:
+def pinned_replica(pending: PendingRequest | None) -> str | None:
     """The replica id a call names with its ``pin=`` keyword (a replica's step-items
     stream, which must reach that replica), if any."""
     pin = None if pending is None else pending.kwargs.get("pin")

@@ -1,6 +1,6 @@
 """One stream per replica carrying every step's items for this ingress's requests.
 
-Each request's call to a replica (:class:`router.dispatch.Dispatch`) returns only its
+Each request's call to a replica (:class:`router.dispatch.RayCall`) returns only its
 first item (:data:`router.contract.FirstItem`) and stays open until the request ends, so
 that cancelling it still aborts the request. The tokens of all of this ingress's requests
 on a replica come back on one ``step_items`` stream from that replica: one message per

@@ -12,7 +12,7 @@ from deploy.replica import Outbox, Outboxes
 from engine.core.params import SamplingParams
 from router.calls import ReplicaLost
 from router.contract import Accepted, Lost, RequestShape, SequenceDelta, StepItem
-from router.dispatch import Dispatch, migrated_seed
+from router.dispatch import RayCall, migrated_seed
 from router.routing import register
 from router.step_streams import StepStreams, StreamLost
 
@@ -149,7 +149,7 @@ async def test_dispatch_reads_its_stream_and_resends_when_lost_before_a_token():
     handle = FakeReplicas(["r1", "r2"])
     streams = StepStreams(handle)
     shape = RequestShape(3, "standard", 1)
-    d = Dispatch(handle, "req", [1, 2, 3], SamplingParams(), shape, streams)
+    d = RayCall(handle, "req", [1, 2, 3], SamplingParams(), shape, streams)
     await d.start()
     assert (d.replica, handle.calls[0][1]) == ("r1", streams.ingress_id)
     await asyncio.sleep(0)
@@ -169,7 +169,7 @@ async def _one_token_then(failure, params=None, alive=None) -> None:
     """A request on replica r1 gets one token, then ``failure`` on r1's stream: a raised
     exception (the stream is lost) or a batch (what the replica reports)."""
     handle = FakeReplicas(["r1"], alive)
-    d = Dispatch(
+    d = RayCall(
         handle,
         "req",
         [1],
@@ -210,7 +210,7 @@ async def test_dispatch_migrates_after_tokens_and_continues_the_same_stream():
     handle = FakeReplicas(["r1", "r2"])
     streams = StepStreams(handle)
     params = SamplingParams(seed=7, prompt_logprobs=1, max_tokens=5)
-    d = Dispatch(handle, "req", [1, 2, 3], params, RequestShape(3, "standard", 1), streams)
+    d = RayCall(handle, "req", [1, 2, 3], params, RequestShape(3, "standard", 1), streams)
     await d.start()
     await asyncio.sleep(0)
     got = d.items()
@@ -265,7 +265,7 @@ async def test_streams_to_retired_replicas_close_once_no_request_is_on_them():
 async def test_a_stopping_server_ends_open_requests_without_moving_them():
     handle = FakeReplicas(["r1", "r2"])
     streams = StepStreams(handle)
-    d = Dispatch(handle, "req", [1], SamplingParams(), RequestShape(1, "standard", 1), streams)
+    d = RayCall(handle, "req", [1], SamplingParams(), RequestShape(1, "standard", 1), streams)
     await d.start()
     await asyncio.sleep(0)
     got = d.items()

@@ -27,7 +27,7 @@ from engine.llm_engine import MAX_FAILED_STEPS, EngineBrokenError
 from engine.model import logits_processors
 from engine.model.detokenizer import IncrementalDetokenizer
 from router.contract import ModelInfo, RequestShape, StepItem
-from router.dispatch import Dispatch
+from router.dispatch import RayCall
 from router.errors import ApiError
 from router.ingress import Ingress, add_routes, make_app
 from router.local import LocalReplicas
@@ -332,7 +332,7 @@ async def test_on_ray_serve_a_failed_request_is_a_503_request_failed_not_a_lost_
     # the ingress's call answers 503 request_failed and re-sends nothing.
     handle = FakeReplicas(["r1", "r2"])
     shape = RequestShape(1, "standard", 1)
-    call = Dispatch(handle, "req", [1], SamplingParams(), shape, StepStreams(handle))
+    call = RayCall(handle, "req", [1], SamplingParams(), shape, StepStreams(handle))
     await call.start()
     await asyncio.sleep(0)
     items = call.items()

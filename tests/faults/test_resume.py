@@ -1,5 +1,5 @@
 """A request resumed on another engine with the output it already produced (what
-:class:`router.dispatch.Dispatch` sends when a replica dies mid-stream) continues that
+:class:`router.dispatch.RayCall` sends when a replica dies mid-stream) continues that
 output exactly: the same tokens and, joined with the text already sent, the same text."""
 
 from __future__ import annotations
