@@ -33,10 +33,11 @@ failed step does not stop the others:
     CUDA: GPU kernel time per step (the sum of the kernels' durations), kernel launches per
     step and per forward, and ``host_share``: the part of the unprofiled mean step that is
     not GPU kernel time (Python, dispatch and launch overhead). Everywhere: the aten ops per
-    forward that launch a kernel on CUDA (:func:`_kernel_ops`), the forward's Python time
-    between ops and the median self time of its small ops. Beside it, the host cost of one
-    tiny op (:func:`dispatch_cost`) on the run's device, the model's parameter count and
-    its KV bytes per token, which the estimate on paper reads (:mod:`bench.gpu_estimate`).
+    forward that launch a kernel on CUDA (:func:`bench.gpu_profile.kernel_ops`), the
+    forward's Python time between ops and the median self time of its small ops. Beside it,
+    the host cost of one tiny op (:func:`dispatch_cost`) on the run's device, the model's
+    parameter count and its KV bytes per token, which the estimate on paper reads
+    (:mod:`bench.gpu_estimate`). The analysis of the profiler's events: :mod:`bench.gpu_profile`.
 ``prefill``
     Prefill tokens/s of one request of each length in :attr:`Plan.prefill_lengths`, one step
     each (``max_num_batched_tokens`` covers the longest), after one warm-up of each length;
@@ -65,10 +66,11 @@ failed step does not stop the others:
     a zero point) rather than de-quantized to bf16 at load, as they are now. For each of the
     model's linear shapes (q/k/v, o, gate/up, down, LM head) and each row count of
     :attr:`Plan.decode_streams` plus the longest prefill: the bf16 product's and the int4
-    product's time (CUDA events, median of ``INT4_REPS``), their ratio, and the int4
-    product's largest error relative to the bf16 product on the same de-quantized weights.
-    Per row count, the sum over one forward's products (30 layers' four, the LM head once).
-    Skipped on the CPU (the CPU serves packed weights through ``engine.quant``).
+    product's time (CUDA events, median of :data:`bench.gpu_int4.INT4_REPS`), their ratio,
+    and the int4 product's largest error relative to the bf16 product on the same
+    de-quantized weights. Per row count, the sum over one forward's products (30 layers'
+    four, the LM head once). Skipped on the CPU (the CPU serves packed weights through
+    ``engine.quant``). The measurement: :mod:`bench.gpu_int4`.
 
 The real run uses CUDA, bf16, block 256 and ``attention_backend="auto"``; ``--dry-run`` runs
 the same steps on the CPU in fp32 with tiny sizes and the SDPA backend (its aten ops are the
@@ -83,7 +85,6 @@ the engine, torch, transformers and ``tests`` helpers only: no Ray, no FastAPI.
 
 from __future__ import annotations
 
-import functools
 import os
 import platform
 import random
@@ -99,7 +100,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench import gpu_estimate
+from bench import gpu_estimate, gpu_int4
+from bench.gpu_profile import FORWARD_RANGE, profile_figures
 from bench.toolkit import REPO, RESULTS, cli
 from bench.toolkit import report as rp
 from bench.toolkit.cpu_load import cpu_snapshot, foreign_cores
@@ -119,80 +121,6 @@ STEPS = (
     "reference_flash",
 )
 """The steps in the order they run; every result file holds each of them."""
-
-NO_KERNEL_OPS = frozenset(
-    {
-        "aten::view",
-        "aten::_unsafe_view",
-        "aten::reshape",
-        "aten::_reshape_alias",
-        "aten::transpose",
-        "aten::t",
-        "aten::permute",
-        "aten::slice",
-        "aten::select",
-        "aten::unsqueeze",
-        "aten::squeeze",
-        "aten::expand",
-        "aten::as_strided",
-        "aten::alias",
-        "aten::detach",
-        "aten::empty",
-        "aten::empty_strided",
-        "aten::empty_like",
-        "aten::resolve_conj",
-        "aten::resolve_neg",
-        "aten::split",
-        "aten::split_with_sizes",
-        "aten::chunk",
-        "aten::narrow",
-        "aten::unbind",
-        "aten::contiguous",
-        "aten::lift_fresh",
-        "aten::result_type",
-        "aten::to",
-        "aten::flatten",
-        "aten::detach_",
-        "aten::resize_",
-        "aten::is_nonzero",
-        "aten::item",
-        "aten::type_as",
-        "aten::size",
-        "aten::stride",
-        "aten::numel",
-        "aten::dim",
-    }
-)
-"""aten ops that change only a tensor's metadata or allocate (``aten::to`` with no copy
-below it is a no-op): no CUDA kernel of their own."""
-
-NO_KERNEL_SUBTREES = frozenset({"aten::scalar_tensor", "aten::lift_fresh"})
-"""aten ops that build a host scalar or wrap a host tensor, whatever runs below them."""
-
-ONE_KERNEL_ON_CUDA = frozenset({"aten::_fused_rms_norm"})
-"""aten ops that the CPU runs as several ops and CUDA as one fused kernel (PyTorch's
-``_fused_rms_norm`` has a CUDA kernel; on the CPU it decomposes into pow, mean, add, rsqrt,
-mul and casts). Counted as one op in ``kernel_ops_per_forward``; the real run's
-``launches_per_forward`` is the reading."""
-
-LAUNCH_EVENTS = frozenset(
-    {
-        "cudaLaunchKernel",
-        "cudaLaunchKernelExC",
-        "cuLaunchKernel",
-        "cuLaunchKernelEx",
-        "cudaMemcpyAsync",
-        "cudaMemsetAsync",
-    }
-)
-"""The CUDA runtime and driver calls the profiler records for one kernel launch or copy."""
-
-COMPUTE_OP = re.compile(r"mm|attention|_fused_rms_norm")
-"""Ops whose CPU time is mostly arithmetic (matrix products, attention, fused norms); the
-others' self time on small decode tensors is mostly dispatch."""
-
-FORWARD_RANGE = "gpu_check.forward"
-"""The profiler range put around the model's forward (forward pre- and post-hooks)."""
 
 
 @dataclass(frozen=True)
@@ -576,90 +504,7 @@ def _profile_steps(check: Check, steps: _Steps, k: int) -> dict[str, Any]:
     finally:
         for h in hooks:
             h.remove()
-    return _profile_figures(prof.events(), max(ran, 1), cuda, torch)
-
-
-def _kernel_ops(event, out: list, fused: bool = True) -> bool:
-    """Append to ``out`` the aten ops under ``event`` (itself included) that launch a CUDA
-    kernel in an eager forward: those none of whose descendants does, views and
-    allocations (:data:`NO_KERNEL_OPS`) left out, and (``fused``) each op of
-    :data:`ONE_KERNEL_ON_CUDA` as one. True when any was found."""
-    if event.name in NO_KERNEL_SUBTREES:
-        return False
-    if fused and event.name in ONE_KERNEL_ON_CUDA:
-        out.append(event)
-        return True
-    found = False
-    for child in event.cpu_children:
-        found |= _kernel_ops(child, out, fused)
-    if not found and event.name.startswith("aten::") and event.name not in NO_KERNEL_OPS:
-        out.append(event)
-        return True
-    return found
-
-
-def _profile_figures(events, steps: int, cuda: bool, torch) -> dict[str, Any]:
-    cpu_type = torch.autograd.DeviceType.CPU
-    # With CUDA on, a range is also recorded on the GPU's timeline: the host's one counts.
-    forwards = [e for e in events if e.name == FORWARD_RANGE and e.device_type == cpu_type]
-    kernel_ops: list = []
-    unfused: list = []
-    launches_in_forward = syncs = 0
-    python_us = 0.0
-    for fwd in forwards:
-        _kernel_ops(fwd, kernel_ops)
-        _kernel_ops(fwd, unfused, fused=False)
-        # Time in the range but in no op: the model's Python code between ops.
-        python_us += fwd.cpu_time_total - sum(c.cpu_time_total for c in fwd.cpu_children)
-        stack = list(fwd.cpu_children)
-        while stack:
-            e = stack.pop()
-            launches_in_forward += e.name in LAUNCH_EVENTS
-            syncs += e.name == "aten::_local_scalar_dense"
-            stack.extend(e.cpu_children)
-    nf = max(len(forwards), 1)
-    forward_cpu_us = sum(f.cpu_time_total for f in forwards) / nf
-    small = [e.self_cpu_time_total for e in kernel_ops if not COMPUTE_OP.search(e.name)]
-    by_name: dict[str, int] = {}
-    for e in kernel_ops:
-        by_name[e.name] = by_name.get(e.name, 0) + 1
-    out: dict[str, Any] = {
-        "steps": steps,
-        "forwards": len(forwards),
-        "host_syncs_per_forward": syncs / nf,
-        "kernel_ops_per_forward": len(kernel_ops) / nf,
-        "cpu_kernel_ops_per_forward": len(unfused) / nf,
-        "forward_cpu_ms": forward_cpu_us / 1000,
-        "forward_python_ms": python_us / nf / 1000,
-        "forward_cpu_us_per_kernel_op": forward_cpu_us / max(len(kernel_ops) / nf, 1),
-        "small_op_self_cpu_us_median": statistics.median(small) if small else None,
-        "kernel_ops_by_name_per_forward": {
-            k: v / nf for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])
-        },
-    }
-    if cuda:
-        device_type = torch.autograd.DeviceType.CUDA
-        on_gpu = [
-            e
-            for e in events
-            if e.device_type == device_type
-            and e.name != FORWARD_RANGE
-            and not getattr(e, "is_user_annotation", False)
-        ]
-        copies = [e for e in on_gpu if e.name.lower().startswith(("memcpy", "memset"))]
-        kernels = [e for e in on_gpu if e not in copies]
-        out.update(
-            {
-                "kernel_ms_per_step": sum(e.time_range.elapsed_us() for e in kernels)
-                / 1000
-                / steps,
-                "copy_ms_per_step": sum(e.time_range.elapsed_us() for e in copies) / 1000 / steps,
-                "kernels_per_step": len(kernels) / steps,
-                "launches_per_step": sum(e.name in LAUNCH_EVENTS for e in events) / steps,
-                "launches_per_forward": launches_in_forward / nf,
-            }
-        )
-    return out
+    return profile_figures(prof.events(), max(ran, 1), cuda, torch)
 
 
 def step_profile(check: Check) -> dict[str, Any]:
@@ -750,92 +595,11 @@ def step_memory(check: Check) -> dict[str, Any]:
     }
 
 
-INT4_GROUP = 32
-INT4_REPS = 20
-
-
-def int4_pack(w, group: int = INT4_GROUP):
-    """``w`` (``[n, k]``) for ``_weight_int4pack_mm``: ``(q, scale_and_zero, dequantized)``.
-
-    Per group of ``group`` weights along ``k``: ``scale = (max - min) / 15`` and
-    ``zero = min + 8 scale``, so that ``(q - 8) scale + zero`` (the kernel's de-quantization)
-    is ``q scale + min``, as Q4_1 stores it; ``q`` in [0, 15], two to a byte (``[n, k / 2]``
-    uint8, the even column in the high nibble); ``scale_and_zero`` ``[k / group, n, 2]`` in
-    ``w``'s dtype."""
-    torch = _torch()
-    n, k = w.shape
-    g = w.float().view(n, k // group, group)
-    lo, hi = g.amin(dim=2), g.amax(dim=2)
-    scale = ((hi - lo) / 15).clamp(min=1e-8)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-    deq = (q.float() * scale[..., None] + lo[..., None]).view(n, k).to(w.dtype)
-    q = q.view(n, k)
-    packed = (q[:, ::2] << 4) | q[:, 1::2]
-    zero = lo + 8 * scale
-    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(w.dtype)
-    return packed.contiguous(), sz, deq
-
-
-def _int4_shapes(config) -> dict[str, tuple[int, int]]:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    h, i = config.hidden_size, config.intermediate_size
-    return {
-        "qkv": (q + 2 * kv, h),
-        "o": (h, q),
-        "gate_up": (2 * i, h),
-        "down": (h, i),
-        "lm_head": (config.vocab_size, h),
-    }
-
-
-def _cuda_ms(fn, reps: int) -> float:
-    torch = _torch()
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def step_int4(check: Check) -> dict[str, Any]:
-    torch = _torch()
     if check.plan.device != "cuda":
         raise Skip("torch's int4 weight-only kernel is CUDA's (the CPU serves packed weights)")
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(check.model_dir)
-    layers = config.num_hidden_layers
     rows = (*check.plan.decode_streams, max(check.plan.prefill_lengths))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    shapes, totals = {}, {m: {"bf16_ms": 0.0, "int4_ms": 0.0} for m in rows}
-    for name, (n, k) in _int4_shapes(config).items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-        packed, sz, deq = int4_pack(w)
-        tiles = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
-        per = {}
-        for m in rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            ref = x @ deq.T
-            got = torch.ops.aten._weight_int4pack_mm(x, tiles, INT4_GROUP, sz)
-            err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
-            bf = _cuda_ms(functools.partial(torch.matmul, x, deq.T), INT4_REPS)
-            i4 = _cuda_ms(
-                functools.partial(torch.ops.aten._weight_int4pack_mm, x, tiles, INT4_GROUP, sz),
-                INT4_REPS,
-            )
-            per[str(m)] = {"bf16_ms": bf, "int4_ms": i4, "speedup": bf / i4, "rel_error": err}
-            times = 1 if name == "lm_head" else layers
-            totals[m]["bf16_ms"] += bf * times
-            totals[m]["int4_ms"] += i4 * times
-        shapes[f"{name} {n}x{k}"] = per
-    forward = {str(m): {**t, "speedup": t["bf16_ms"] / t["int4_ms"]} for m, t in totals.items()}
-    return {"group": INT4_GROUP, "shapes": shapes, "per_forward": forward}
+    return gpu_int4.int4_products(check.model_dir, rows)
 
 
 def _tie_tolerance() -> float:

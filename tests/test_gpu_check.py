@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench import gpu_check
+from bench import gpu_check, gpu_int4, gpu_profile
 
 
 def _event(name, children=(), cpu_us=0.0, self_us=0.0, device="cpu", elapsed_us=0.0):
@@ -49,7 +49,7 @@ def test_profile_counts_the_ops_that_launch_kernels_and_the_gpu_time():
     ]
     events = [forward, launch, _event("cudaMemcpyAsync"), *gpu]
 
-    cpu = gpu_check._profile_figures(events, steps=2, cuda=False, torch=torch)
+    cpu = gpu_profile.profile_figures(events, steps=2, cuda=False, torch=torch)
     assert cpu["kernel_ops_per_forward"] == 3  # mm, the fused norm, add
     assert cpu["cpu_kernel_ops_per_forward"] == 6  # mm, pow, mean, add, rsqrt, add
     assert cpu["forward_python_ms"] == pytest.approx((100 - 57) / 1000)
@@ -61,7 +61,7 @@ def test_profile_counts_the_ops_that_launch_kernels_and_the_gpu_time():
     assert cpu["small_op_self_cpu_us_median"] == 5  # the add; mm and the norm are compute
     assert "kernel_ms_per_step" not in cpu
 
-    cuda = gpu_check._profile_figures(events, steps=2, cuda=True, torch=torch)
+    cuda = gpu_profile.profile_figures(events, steps=2, cuda=True, torch=torch)
     assert cuda["kernel_ms_per_step"] == pytest.approx(0.030)
     assert cuda["copy_ms_per_step"] == pytest.approx(0.002)
     assert cuda["kernels_per_step"] == 1
@@ -126,7 +126,7 @@ def test_int4_packing_is_what_the_cuda_kernel_de_quantizes():
     import torch
 
     w = torch.randn(6, 96)
-    packed, sz, deq = gpu_check.int4_pack(w)
+    packed, sz, deq = gpu_int4.int4_pack(w)
     assert packed.shape == (6, 48) and packed.dtype == torch.uint8 and sz.shape == (3, 6, 2)
     q = torch.stack([packed >> 4, packed & 15], dim=-1).view(6, 96).float()
     scale, zero = sz[..., 0].T, sz[..., 1].T
