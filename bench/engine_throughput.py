@@ -810,7 +810,7 @@ def worker_sweep(wl: dict, cfg: dict) -> dict:
     gemm_flops, gemm_times = _gemm_flops(cfg["gemm_size"], cfg["gemm_reps"])
     llm = _make_llm(cfg)
     engine = llm.llm_engine
-    n_params = _num_params(engine.model.runner.model)
+    n_params = _num_params(engine.runner.model)
     roofline = gemm_flops / (2 * n_params)
     steps: list = []
     engine.add_step_listener(steps.append)
