@@ -88,7 +88,13 @@ _pct = functools.partial(rp.pct, missing="-")
 
 def offline_section(off: dict) -> tuple[list[str], list[dict]]:
     """Rows vLLM | iterserve | speed ratio (iterserve / vLLM; >1 is faster): the medians
-    of the alternating rounds, and the median of the rounds' ratios."""
+    of the alternating rounds, and the median of the rounds' ratios. A run without vLLM
+    (a before/after run) has only iterserve's rows."""
+    if "vllm" not in off:
+        rows = off["iterserve"]["median"]
+        lines = ["## Offline engine", "", "| | iterserve |", "|---|---:|"]
+        lines += [f"| {name} | {rows[key]:.1f} |" for key, name, _ in OFFLINE_ROWS]
+        return lines + [""], []
     n = len(off["vllm"]["rounds"])
     lines = [
         "## Offline engines",
