@@ -55,6 +55,17 @@ class CostModelRunner:
         }
 
 
+def fake_engine(runner_cls: type[CostModelRunner] | None = None, **config) -> LLMEngine:
+    """An engine on a fake clock, a cost-model runner (``runner_cls``, default
+    :class:`CostModelRunner`) and the fake tokenizer; ``config``: more ``EngineConfig`` fields
+    beside ``block_size=4``."""
+    clock = FakeClock()
+    runner = (runner_cls or CostModelRunner)(clock)
+    return LLMEngine(
+        EngineConfig(block_size=4, **config), runner=runner, tokenizer=FakeTokenizer(), clock=clock
+    )
+
+
 def run(policy: str, guard: bool) -> tuple[list[StepRecord], dict[str, list[int]], float]:
     """A burst of requests of two classes with staggered arrivals, to completion."""
     clock = FakeClock()
@@ -122,13 +133,7 @@ def test_the_runners_own_phases_reach_the_step_record():
             self.last_phases = (("forward", 0.5 + self.steps),)
             return super().execute(out)
 
-    clock = FakeClock()
-    engine = LLMEngine(
-        EngineConfig(block_size=4),
-        runner=PhasedRunner(clock),
-        tokenizer=FakeTokenizer(),
-        clock=clock,
-    )
+    engine = fake_engine(PhasedRunner)
     records: list[StepRecord] = []
     engine.add_step_listener(records.append)
     engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
@@ -142,13 +147,7 @@ def test_the_runners_own_phases_reach_the_step_record():
 
 
 def test_step_listeners_each_get_every_record_in_the_order_added():
-    clock = FakeClock()
-    engine = LLMEngine(
-        EngineConfig(block_size=4),
-        runner=CostModelRunner(clock),
-        tokenizer=FakeTokenizer(),
-        clock=clock,
-    )
+    engine = fake_engine()
     calls: list[tuple[str, int]] = []
     engine.add_step_listener(lambda r: calls.append(("a", r.index)))
     engine.add_step_listener(lambda r: calls.append(("b", r.index)))
@@ -159,13 +158,7 @@ def test_step_listeners_each_get_every_record_in_the_order_added():
 
 
 def test_a_step_listener_that_raises_ends_the_step_with_its_error():
-    clock = FakeClock()
-    engine = LLMEngine(
-        EngineConfig(block_size=4),
-        runner=CostModelRunner(clock),
-        tokenizer=FakeTokenizer(),
-        clock=clock,
-    )
+    engine = fake_engine()
     after: list[StepRecord] = []
 
     def broken(r: StepRecord) -> None:
@@ -184,11 +177,7 @@ def test_a_step_listener_that_raises_ends_the_step_with_its_error():
 
 
 def test_while_a_step_runs_the_published_load_is_as_after_it():
-    clock = FakeClock()
-    config = EngineConfig(block_size=4, max_num_batched_tokens=64)
-    engine = LLMEngine(
-        config, runner=CostModelRunner(clock), tokenizer=FakeTokenizer(), clock=clock
-    )
+    engine = fake_engine(max_num_batched_tokens=64)
     seen = []
     engine.on_scheduled = seen.append
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -218,13 +207,7 @@ def test_the_guard_is_switched_on_by_config_and_shapes_the_steps():
 
 
 def test_delta_and_final_only_outputs_carry_what_their_kind_says():
-    clock = FakeClock()
-    engine = LLMEngine(
-        EngineConfig(block_size=4),
-        runner=CostModelRunner(clock),
-        tokenizer=FakeTokenizer(),
-        clock=clock,
-    )
+    engine = fake_engine()
     kinds = {
         "d": RequestOutputKind.DELTA,
         "f": RequestOutputKind.FINAL_ONLY,
