@@ -75,10 +75,12 @@ class IngressAdmission:
         self.clock = clock
         self._held: dict[int, tuple[str, float, int]] = {}
         """Requests held now: a token -> (class, arrival, prompt tokens to compute)."""
+        self._admitted: set[int] = set()
+        """Tokens of held requests already admitted, on their way to a replica's queue."""
         self._tokens = itertools.count()
         self._index: tuple[list[float], list[dict[str, tuple[int, int]]]] | None = None
-        """Arrival times of the held requests, sorted, and per-class totals before each
-        (:meth:`_ahead`); None: rebuild."""
+        """Arrival times of the held requests still deciding, sorted, and per-class totals
+        before each, the admitted ones' included (:meth:`_ahead`); None: rebuild."""
 
     @property
     def held(self) -> dict[str, int]:
@@ -133,6 +135,7 @@ class IngressAdmission:
                     snaps, traffic_class, prompt_tokens, max_tokens, priority, arrival_s
                 )
                 if isinstance(d, Admit):
+                    self._admit_hold(token)
                     break
                 if isinstance(d, Reject):
                     reason = d.reason
@@ -172,9 +175,20 @@ class IngressAdmission:
 
     def release(self, token: int) -> None:
         """End hold ``token``; releasing it again does nothing."""
+        self._admitted.discard(token)
         if self._held.pop(token, None) is None:
             return
         self._index = None
+
+    def _admit_hold(self, token: int) -> None:
+        """Count held request ``token`` as queued ahead of every decision from now on,
+        earlier arrivals' included, until :meth:`release`: it is on its way to a replica,
+        whose snapshot does not show it yet. Counted by arrival alone, an admitted later
+        arrival was invisible to an earlier one decided meanwhile, and a simultaneous
+        burst could take one seat more than there were."""
+        if token in self._held and token not in self._admitted:
+            self._admitted.add(token)
+            self._index = None
 
     def decide(
         self,
@@ -208,28 +222,38 @@ class IngressAdmission:
         return decisions[0]
 
     def _with_held(self, snap: LoadSnapshot, arrival_s: float) -> LoadSnapshot:
-        """Count the requests held here since before this one as queued ahead of it.
+        """Count the requests held here since before this one, and the admitted ones not
+        yet queued at a replica, as queued ahead of it.
 
-        Only earlier arrivals: counting every held request would make held requests
-        block each other for ever. Conservative across replicas: each replica counts
-        all of them, as any may go there, each with the prompt tokens that the replica
-        caching least of it would compute (:meth:`recount`).
+        Only earlier arrivals of those still held: counting every held request would make
+        held requests block each other for ever. Conservative across replicas: each
+        replica counts all of them, as any may go there, each with the prompt tokens that
+        the replica caching least of it would compute (:meth:`recount`).
         """
         return snap.with_queued_totals(self._ahead(arrival_s))
 
     def _ahead(self, arrival_s: float) -> dict[str, tuple[int, int]]:
-        """Held requests that arrived before ``arrival_s``: per class, (requests, prompt
-        tokens). From running totals over the held requests in arrival order, rebuilt
-        only when the held set changes: every held request is re-decided 20 times a
-        second, and summing the held set each time grows with its square."""
+        """Held requests that arrived before ``arrival_s``, and every admitted one still
+        held: per class, (requests, prompt tokens). From running totals over the held
+        requests in arrival order, rebuilt only when the held set changes: every held
+        request is re-decided 20 times a second, and summing the held set each time grows
+        with its square."""
         if self._index is None:
-            entries = sorted((t, cls, n) for cls, t, n in self._held.values())
-            totals: list[dict[str, tuple[int, int]]] = [{}]
-            for _, cls, n in entries:
+            admitted: dict[str, tuple[int, int]] = {}
+            waiting = []
+            for token, (cls, t, n) in self._held.items():
+                if token in self._admitted:
+                    count, tokens = admitted.get(cls, (0, 0))
+                    admitted[cls] = (count + 1, tokens + n)
+                else:
+                    waiting.append((t, cls, n))
+            waiting.sort()
+            totals: list[dict[str, tuple[int, int]]] = [admitted]
+            for _, cls, n in waiting:
                 row = dict(totals[-1])
                 count, tokens = row.get(cls, (0, 0))
                 row[cls] = (count + 1, tokens + n)
                 totals.append(row)
-            self._index = ([t for t, _, _ in entries], totals)
+            self._index = ([t for t, _, _ in waiting], totals)
         times, totals = self._index
         return totals[bisect.bisect_left(times, arrival_s)]

@@ -116,6 +116,34 @@ async def test_earlier_held_requests_count_ahead_with_their_prompts():
     assert await asyncio.wait_for(task, 2) >= 0.2
 
 
+async def test_an_admitted_request_on_its_way_counts_ahead_of_earlier_arrivals_too():
+    # One seat left. A later arrival is admitted and is on its way to the replica, whose
+    # snapshot does not show it yet: an earlier arrival decided meanwhile has no seat.
+    clock = FakeClock()
+    adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy(), clock=clock)
+    loads = [_snap(running=63)]
+    later = adm.hold("standard", 2.0, 10)
+    assert await adm.admit(uncached(loads), "standard", 10, 16, 1, 2.0, token=later) == 0.0
+    earlier = adm.hold("standard", 1.0, 10)
+    task = asyncio.create_task(
+        adm.admit(uncached(loads), "standard", 10, 16, 1, 1.0, token=earlier)
+    )
+    await asyncio.sleep(0.2)
+    assert not task.done()
+    d = adm.decide(uncached(loads)(), "standard", 10, 16, 1, 1.0)
+    assert d.reason.endswith("no seat (1 queued ahead, max_num_seqs 64)"), d
+    # Queued at the replica, it shows in the snapshot instead; the seat is still taken.
+    loads[0] = _snap(running=64)
+    adm.release(later)
+    await asyncio.sleep(0.2)
+    assert not task.done()
+    # A seat frees up: the earlier arrival goes.
+    loads[0] = _snap(running=63)
+    await asyncio.wait_for(task, 2)
+    adm.release(earlier)
+    assert adm.held == {}
+
+
 async def test_held_requests_count_ahead_only_the_prompt_tokens_a_replica_would_compute():
     adm = IngressAdmission(DEFAULT_CLASSES, policy=PriorityPolicy())
     # Two earlier requests held behind ~200 s of queue; every replica holds 800 of their
