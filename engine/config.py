@@ -121,11 +121,30 @@ class EngineConfig(BaseModel):
     seed: int = Field(
         0, description="seed of the sampling generator shared by requests without a `seed`"
     )
+    max_loras: int = Field(
+        4,
+        ge=1,
+        description="LoRA adapters in one step at most (their slots); a request whose adapter "
+        "is not among the running requests' waits while they are all taken",
+    )
+    max_lora_rank: int = Field(
+        16, ge=1, description="the largest LoRA rank an adapter may have (sizes the slots)"
+    )
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        description="LoRA adapters kept in host memory, the least recently used evicted "
+        "(read again on their next use); None: max_loras",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         if not self.enable_chunked_prefill and self.long_prefill_token_threshold is not None:
             raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras {self.max_cpu_loras} is below max_loras {self.max_loras}"
+            )
         if self.attention_backend == "flash_attn" and self.block_size % FLASH_BLOCK_MULTIPLE:
             raise ValueError(
                 f"attention_backend flash_attn needs block_size a multiple of "

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.core.params import RequestOutputKind, SamplingParams
+from engine.core.params import LoRARequest, RequestOutputKind, SamplingParams
 from engine.core.request import RequestOutput
 from engine.llm_engine import LLMEngine, PromptType
 
@@ -71,6 +71,7 @@ class LLM:
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
         traffic_class: Sequence[str] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
@@ -81,6 +82,8 @@ class LLM:
                 traffic class's default priority).
             traffic_class: one class name per prompt (default ``standard``).
             use_tqdm: show a progress bar of finished requests.
+            lora_request: the LoRA adapter for all prompts, or one per prompt (None: the
+                base model), as vLLM's.
 
         A request that fails inside the engine (see :meth:`LLMEngine.step`) comes back
         finished, with finish reason ``error`` and its :attr:`RequestOutput.error` set; the
@@ -98,18 +101,21 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * n
         prios = list(priority) if priority is not None else [None] * n
         classes = list(traffic_class) if traffic_class is not None else [None] * n
-        if not len(params) == len(prios) == len(classes) == n:
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * n
+        if not len(params) == len(prios) == len(classes) == len(loras) == n:
             raise ValueError(
-                f"{n} prompts but {len(params)} sampling_params, {len(prios)} priorities "
-                f"and {len(classes)} traffic classes"
+                f"{n} prompts but {len(params)} sampling_params, {len(prios)} priorities, "
+                f"{len(classes)} traffic classes and {len(loras)} LoRA requests"
             )
         engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in range(n)]
         try:
-            for rid, prompt, p, prio, cls in zip(ids, prompts, params, prios, classes):
+            for rid, prompt, p, prio, cls, lora in zip(ids, prompts, params, prios, classes, loras):
                 # Only the last output is kept: nothing is copied on the way.
                 final = replace(p or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
-                engine.add_request(rid, prompt, final, priority=prio, traffic_class=cls)
+                engine.add_request(
+                    rid, prompt, final, priority=prio, traffic_class=cls, lora_request=lora
+                )
         except Exception:
             engine.abort(ids)
             raise

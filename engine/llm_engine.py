@@ -16,7 +16,7 @@ from engine.core.heap_trim import release_free_memory
 from engine.core.interfaces import FinishRecord, ModelRunner, SampleResult, StepRecord
 from engine.core.kv_cache import BlockManager
 from engine.core.outputs import RequestGroup, make_output
-from engine.core.params import ParamError, SamplingParams
+from engine.core.params import LoRARequest, ParamError, SamplingParams
 from engine.core.request import (
     CheckedRequest,
     CompletionOutput,
@@ -193,6 +193,41 @@ class LLMEngine:
         for a runner that does not say (a test's fake)."""
         return getattr(self.runner, "weights", None)
 
+    # -- LoRA adapters -------------------------------------------------------------------
+
+    def lora_adapter(self, lora: LoRARequest):
+        """The adapter ``lora`` names (:class:`engine.lora.LoRAAdapter`), read from its
+        directory unless this engine keeps it already.
+
+        Raises:
+            ValueError: the adapter cannot be served (:class:`engine.lora.AdapterError`
+                says why), or this engine's runner serves no adapters.
+        """
+        manager = getattr(self.runner, "lora", None)
+        if manager is None:
+            raise ValueError(f"adapter {lora.name!r}: this model's runner serves no adapters")
+        return manager.get(lora)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load adapter ``lora`` now (vLLM's ``add_lora``); requests may also name an
+        adapter that was never added, which loads it on first use.
+
+        Raises:
+            ValueError: as :meth:`lora_adapter`.
+        """
+        self.lora_adapter(lora)
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget adapter ``name``; requests running with it finish with it. True if it
+        was loaded."""
+        manager = getattr(self.runner, "lora", None)
+        return manager is not None and manager.remove(name)
+
+    def list_loras(self) -> list[str]:
+        """The adapters this engine keeps loaded, least recently used first."""
+        manager = getattr(self.runner, "lora", None)
+        return manager.loaded() if manager is not None else []
+
     @property
     def limits(self) -> RequestLimits:
         """What this engine can ever run; the replica hands it to the ingress."""
@@ -239,6 +274,7 @@ class LLMEngine:
         traffic_class: str | None = None,
         arrival_time: float | None = None,
         resume_token_ids: Sequence[int] = (),
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; it joins the batch at the next step that has room.
 
@@ -257,16 +293,18 @@ class LLMEngine:
                 its first text delta continues the text they made (a character or a
                 stop string spanning the boundary included). Their text is not sent
                 again. Only for ``n == 1``.
+            lora_request: the LoRA adapter to generate with; None: the base model.
 
         Raises:
             ValueError: duplicate id, empty prompt or unknown traffic class; resumed
                 tokens with ``n > 1``, outside the vocabulary, or not under
-                ``max_tokens`` (see :meth:`check`).
+                ``max_tokens`` (see :meth:`check`); an adapter that cannot be served
+                (:class:`engine.lora.AdapterError`).
             RequestRejectedError: prompt plus max_tokens exceeds the model's context or the
                 whole KV cache, so it could never run.
         """
         params = sampling_params or SamplingParams()
-        checked = self.check(prompt, params, traffic_class, resume_token_ids)
+        checked = self.check(prompt, params, traffic_class, resume_token_ids, lora=lora_request)
         self.add_checked(request_id, checked, priority, arrival_time)
 
     def check(
@@ -276,6 +314,7 @@ class LLMEngine:
         traffic_class: str | None = None,
         resume_token_ids: Sequence[int] = (),
         tokenizer=None,
+        lora: LoRARequest | None = None,
     ) -> CheckedRequest:
         """Check a request as :meth:`add_request` does, without queuing it: the engine's
         one check of a request (``params`` checked their own ranges when built). For a
@@ -286,6 +325,7 @@ class LLMEngine:
         Args:
             traffic_class: None: the default class.
             tokenizer: see :meth:`tokenize`.
+            lora: the request's adapter, read now if it is not kept already.
 
         Raises:
             ValueError, RequestRejectedError: as :meth:`add_request` (but the duplicate id).
@@ -294,7 +334,10 @@ class LLMEngine:
         text, ids, max_tokens = self.validate(prompt, params, traffic_class, tokenizer)
         if resume_token_ids:
             self.check_resume(resume_token_ids, params, max_tokens)
-        return CheckedRequest(text, ids, params, traffic_class, max_tokens, tuple(resume_token_ids))
+        key = self.lora_adapter(lora).key if lora is not None else b""
+        return CheckedRequest(
+            text, ids, params, traffic_class, max_tokens, tuple(resume_token_ids), lora, key
+        )
 
     def add_checked(
         self,
@@ -329,6 +372,8 @@ class LLMEngine:
                 traffic_class=traffic_class,
                 parent_id=request_id,
                 index=i,
+                lora=checked.lora,
+                lora_key=checked.lora_key,
                 ttft_slo_s=cls.ttft_slo_s,
                 tpot_slo_s=cls.tpot_slo_s,
             )

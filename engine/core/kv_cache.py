@@ -87,10 +87,14 @@ class BlockManager:
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables.get(seq_id, [])
 
-    def cached_prefix(self, token_ids: Sequence[int], seq_id: str | None = None) -> list[int]:
+    def cached_prefix(
+        self, token_ids: Sequence[int], seq_id: str | None = None, salt: bytes = b""
+    ) -> list[int]:
         """The blocks of the longest cached prefix of ``token_ids`` made of full blocks,
         leaving at least the last token uncached (its logits must be computed to sample).
-        ``seq_id`` keeps the block hashes for the sequence's later lookups.
+        ``seq_id`` keeps the block hashes for the sequence's later lookups. ``salt``
+        separates KV computed under different weights for the same tokens (a LoRA
+        adapter's key; empty: the base model): pass the same to :meth:`commit`.
 
         Changes no block: pass the result to :meth:`allocate` to take the blocks.
         """
@@ -99,7 +103,7 @@ class BlockManager:
         names = self._names.setdefault(seq_id, []) if seq_id is not None else []
         blocks: list[int] = []
         for i in range((len(token_ids) - 1) // self.block_size):
-            block = self._cached.get(self._name_at(names, token_ids, i))
+            block = self._cached.get(self._name_at(names, token_ids, i, salt))
             if block is None:
                 break
             blocks.append(block)
@@ -149,10 +153,13 @@ class BlockManager:
             self.num_queried_tokens += num_tokens
             self.num_hit_tokens += num_hit_tokens
 
-    def commit(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def commit(
+        self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int, salt: bytes = b""
+    ) -> None:
         """Name the blocks of ``seq_id`` that ``num_computed_tokens`` have filled, so that
-        later sequences can find them. A block whose name is already cached (the same
-        prefix computed by another sequence at the same time) stays unnamed."""
+        later sequences can find them (``salt``: as for :meth:`cached_prefix`). A block
+        whose name is already cached (the same prefix computed by another sequence at the
+        same time) stays unnamed."""
         if not self.enable_prefix_caching or seq_id not in self._tables:
             return
         table = self._tables[seq_id]
@@ -162,7 +169,7 @@ class BlockManager:
             return
         names = self._names.setdefault(seq_id, [])
         for i in range(done, full):
-            name = self._name_at(names, token_ids, i)
+            name = self._name_at(names, token_ids, i, salt)
             if name not in self._cached:
                 self._cached[name] = table[i]
                 self._hash[table[i]] = name
@@ -203,12 +210,19 @@ class BlockManager:
         self._refs[block] = 1
         return block
 
-    def _name_at(self, names: list[bytes], token_ids: Sequence[int], i: int) -> bytes:
+    def _name_at(
+        self, names: list[bytes], token_ids: Sequence[int], i: int, salt: bytes = b""
+    ) -> bytes:
         """The hash of block ``i`` of ``token_ids``, chained on the hash of the block
-        before it (the salt's for the first); ``names`` memoises the chain."""
+        before it (the cache's salt and ``salt``'s for the first); ``names`` memoises the
+        chain."""
         bs = self.block_size
         while len(names) <= i:
             k = len(names)
             tokens = array("q", token_ids[k * bs : (k + 1) * bs]).tobytes()
-            names.append(hashlib.sha256((names[-1] if names else self._root) + tokens).digest())
+            if names:
+                head = names[-1]
+            else:
+                head = hashlib.sha256(self._root + salt).digest() if salt else self._root
+            names.append(hashlib.sha256(head + tokens).digest())
         return names[i]

@@ -42,6 +42,19 @@ class ParamError(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """A request's LoRA adapter (vLLM's ``LoRARequest``, without its integer id): a PEFT
+    directory (``adapter_config.json`` and ``adapter_model.safetensors``) that every
+    replica can read. An engine loads it on first use and keeps it by ``name``
+    (:class:`engine.lora.LoRAManager`)."""
+
+    name: str
+    """The adapter's name, as clients choose it in ``model``."""
+    path: str
+    """The adapter's directory."""
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples and when it stops.

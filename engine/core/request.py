@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.params import SamplingParams
+from engine.core.params import LoRARequest, SamplingParams
 from policies.priority import DEFAULT_CLASS
 
 
@@ -26,6 +26,11 @@ class CheckedRequest:
     """Output tokens at most, after clamping ``params.max_tokens`` to the context."""
     resume_token_ids: tuple[int, ...] = ()
     """Output the request already produced elsewhere (see ``LLMEngine.add_request``)."""
+    lora: LoRARequest | None = None
+    """Its LoRA adapter; None: the base model."""
+    lora_key: bytes = b""
+    """The adapter's weights' identity (``engine.lora.LoRAAdapter.key``), for the prefix
+    cache."""
 
 
 class RequestStatus(enum.Enum):
@@ -70,6 +75,10 @@ class Request:
     """The traffic class's TPOT SLO in seconds (read by the scheduler's TPOT guard)."""
     parent_id: str | None = None
     """The caller's request id when ``n > 1`` fans out into several sequences."""
+    lora: LoRARequest | None = None
+    """Its LoRA adapter; None: the base model."""
+    lora_key: bytes = b""
+    """Salts its prefix-cache block hashes: one prompt under two adapters has two KV."""
     index: int = 0
     """This sequence's place among the ``n`` of its parent."""
     status: RequestStatus = RequestStatus.WAITING

@@ -232,9 +232,20 @@ class Scheduler:
         policy, bm = self.policy, self.block_manager
         num_running = len(self.running)
         blocked_head: Request | None = None
+        adapters = {r.lora.name for r in self.running if r.lora is not None}
+        lora_blocked = False
         for req in waiting_order:
             if budget.total == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if req.lora is not None and (
+                lora_blocked
+                or (req.lora.name not in adapters and len(adapters) >= self.config.max_loras)
+            ):
+                # Every slot is taken by running requests' adapters. Requests behind this
+                # one go on only with the base model: those with a running adapter would
+                # keep its slot taken for ever under a steady stream, starving this one.
+                lora_blocked = True
+                continue
             if not policy.may_admit(req, num_running, len(self.waiting), now):
                 continue
             if (
@@ -275,6 +286,8 @@ class Scheduler:
             req.num_computed_tokens = start
             req.mark_scheduled(now)
             self.running.append(req)
+            if req.lora is not None:
+                adapters.add(req.lora.name)
             policy.on_admit(req, now)
             out.seqs.append(ScheduledSeq(req, start, n))
             budget.take(n)
@@ -310,7 +323,7 @@ class Scheduler:
         logprobs, which need the logits of every prompt position."""
         if req.params.prompt_logprobs is not None:
             return []
-        return self.block_manager.cached_prefix(req.token_ids, req.request_id)
+        return self.block_manager.cached_prefix(req.token_ids, req.request_id, req.lora_key)
 
     def _chunk(self, req: Request, budget: int, start: int | None = None) -> int:
         """Tokens of ``req``'s prefill from ``start`` (default: its computed tokens) that
@@ -369,7 +382,9 @@ class Scheduler:
         for seq in out.seqs:
             req = seq.request
             req.num_computed_tokens = seq.start + seq.num_tokens
-            self.block_manager.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+            self.block_manager.commit(
+                req.request_id, req.token_ids, req.num_computed_tokens, req.lora_key
+            )
             if seq.samples:
                 req.append_token(sampled[req.request_id])
                 got_token.append(req)

@@ -23,6 +23,7 @@ from engine.layers.attention import (
     decode_groups,
     paged_attention,
 )
+from engine.lora import LoRAManager
 from engine.model.attention_backend import (
     AttentionBackend,
     FlashAttnVarlenFunc,
@@ -87,6 +88,9 @@ class TorchModelRunner:
         max_model_len: int | None = None,
         *,
         attention: AttentionBackend,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -131,6 +135,14 @@ class TorchModelRunner:
                 self.decode_stack = DecodeStack.build(
                     model, self.kv_caches, attention.cpu_kernels, quant
                 )
+        self.lora: LoRAManager | None = None
+        """The replica's LoRA adapters (None: its decoder layers are not fused, and it
+        serves none). Made after the decode stack, which reads the bare projections and
+        runs only steps without adapters."""
+        try:
+            self.lora = LoRAManager(model, max_loras, max_lora_rank, max_cpu_loras or max_loras)
+        except ValueError as e:
+            logger.info("no LoRA adapters: %s", e)
         self.weights: WeightInfo | None = None
         """How the model holds its weights (set by :meth:`load`)."""
         self.last_phases: tuple[tuple[str, float], ...] = ()
@@ -197,6 +209,9 @@ class TorchModelRunner:
             config.seed,
             config.max_model_len,
             attention=attention,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras,
         )
         runner.weights = loaded.weights
         if not runner.eos_token_ids and tokenizer.eos_token_id is not None:
@@ -214,16 +229,21 @@ class TorchModelRunner:
         t0 = time.perf_counter()
         input_ids, positions, md, keep_idx, sampling_reqs, spans = self._prepare(out)
         t1 = time.perf_counter()
-        if self.decode_stack is not None and out.num_decodes == len(out.seqs):
-            logits = self.decode_stack(input_ids, positions, md, keep_idx)
-        else:
-            logits = self.model(
-                input_ids=input_ids.unsqueeze(0),
-                position_ids=positions.unsqueeze(0),
-                use_cache=False,
-                logits_to_keep=keep_idx,
-                attn_metadata=md,
-            ).logits[0]
+        adapters = self.lora is not None and self.lora.step.onehot is not None
+        try:
+            if self.decode_stack is not None and out.num_decodes == len(out.seqs) and not adapters:
+                logits = self.decode_stack(input_ids, positions, md, keep_idx)
+            else:
+                logits = self.model(
+                    input_ids=input_ids.unsqueeze(0),
+                    position_ids=positions.unsqueeze(0),
+                    use_cache=False,
+                    logits_to_keep=keep_idx,
+                    attn_metadata=md,
+                ).logits[0]
+        finally:
+            if adapters:
+                self.lora.finish()
         t2 = time.perf_counter()
         ns = len(sampling_reqs)
         if spans:
@@ -273,6 +293,8 @@ class TorchModelRunner:
         slot_mapping = (
             block_tables[seq_of_token, positions // bs].to(torch.int64) * bs + positions % bs
         )
+        if self.lora is not None:
+            self.lora.prepare([s.request.lora for s in seqs], seq_of_token)
         context_lens = torch.tensor(ctx, dtype=torch.int32)
         flash = self.attention.flash_attn_varlen_func
         md = AttentionMetadata(
