@@ -20,6 +20,7 @@ import torch
 from engine import (
     AsyncLLMEngine,
     EngineConfig,
+    LoRARequest,
     RequestFailedError,
     RequestOutput,
     RequestOutputKind,
@@ -153,6 +154,20 @@ class EngineReplica:
             resume,
         )
 
+    async def load_lora(self, lora: LoRARequest) -> str | None:
+        """Load adapter ``lora`` now; None, or why it cannot be served (the ingress's 400:
+        a message crosses Ray Serve as it is, where an exception would be wrapped)."""
+        try:
+            await self.engine.add_lora(lora)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def unload_lora(self, name: str, pin: str | None = None) -> bool:
+        """Forget adapter ``name``; True if it was loaded. ``pin``: this replica's id, by
+        which the ingress sends the call to each replica (Ray Serve's request router)."""
+        return self.engine.remove_lora(name)
+
     def record_routing_stats(self) -> dict[str, Any]:
         """The load snapshot and, under ``"metrics"``, :class:`engine.core.step_metrics.StepMetrics`
         plus the prefix cache's lookups and hits since start, in tokens, and the twin's
@@ -217,6 +232,7 @@ async def engine_items(
             priority=shape.priority,
             traffic_class=shape.traffic_class,
             resume_token_ids=resume,
+            lora_request=shape.lora,
         )
     except RequestRejectedError as e:
         yield Refused(str(e), "context_length_exceeded", param="prompt")

@@ -28,6 +28,7 @@ import uvloop
 
 from deploy.config import ServiceConfig
 from deploy.engine_replica import EngineReplica
+from engine.core.params import LoRARequest
 from router.ingress import Ingress, add_routes, make_app
 from router.local import LocalReplicas
 
@@ -111,6 +112,9 @@ def build_local(config: ServiceConfig) -> tuple[_Server, EngineReplica]:
         service=config.model_dump(mode="json", exclude={"api_keys", "api_keys_file"}),
         twin_cost=config.twin_cost(),
     )
+    for name, path in config.lora_adapters.items():
+        # Refuse to start on an adapter that cannot be served, as vllm serve does.
+        replica.engine.engine.add_lora(LoRARequest(name, path))
     ingress = Ingress(
         LocalReplicas(replica),
         config.ingress_settings().model_dump(),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core.heap_trim import IdleRelease
-from engine.core.params import SamplingParams
+from engine.core.params import LoRARequest, SamplingParams
 from engine.core.request import CheckedRequest, RequestOutput
 from engine.llm_engine import LLMEngine, PromptType
 from policies import LoadSnapshot
@@ -134,6 +134,7 @@ class AsyncLLMEngine:
         priority: int | None = None,
         traffic_class: str | None = None,
         resume_token_ids: Sequence[int] = (),
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens arrive; the last has ``finished=True``.
 
@@ -144,7 +145,13 @@ class AsyncLLMEngine:
             What :meth:`submit` and :meth:`RequestStream.__anext__` raise.
         """
         stream = self.submit(
-            prompt, sampling_params, request_id, priority, traffic_class, resume_token_ids
+            prompt,
+            sampling_params,
+            request_id,
+            priority,
+            traffic_class,
+            resume_token_ids,
+            lora_request,
         )
         try:
             async for item in stream:
@@ -160,6 +167,7 @@ class AsyncLLMEngine:
         priority: int | None = None,
         traffic_class: str | None = None,
         resume_token_ids: Sequence[int] = (),
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request for the next step now; its stream of outputs.
 
@@ -190,7 +198,7 @@ class AsyncLLMEngine:
         # The engine's one check of the request, here so that a bad one is refused before
         # its stream starts; the worker adds it without checking again.
         checked = self.engine.check(
-            prompt, params, traffic_class, resume_token_ids, self._tokenizer
+            prompt, params, traffic_class, resume_token_ids, self._tokenizer, lora_request
         )
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
@@ -234,6 +242,19 @@ class AsyncLLMEngine:
             return True
         worker = self._worker
         return worker is not None and worker.done() and self._running and not self._stopping
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Load adapter ``lora`` (:meth:`LLMEngine.add_lora`) on a worker thread: reading
+        it from disk must not hold the event loop.
+
+        Raises:
+            ValueError: the adapter cannot be served; the reason is the message.
+        """
+        await asyncio.to_thread(self.engine.add_lora, lora)
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget adapter ``name`` (:meth:`LLMEngine.remove_lora`)."""
+        return self.engine.remove_lora(name)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed before the next step."""

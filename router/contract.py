@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engine.core.params import SamplingParams
+from engine.core.params import LoRARequest, SamplingParams
 from policies import LoadSnapshot
 from policies.limits import RequestLimits
 from router.errors import ApiError
@@ -53,6 +53,9 @@ class RequestShape:
     priority: int
     prefix_hashes: tuple[int, ...] = ()
     """:func:`router.prefix.prefix_hashes` of the prompt; empty: no prefix affinity."""
+    lora: LoRARequest | None = None
+    """The LoRA adapter the request runs with (None: the base model): a replica that has
+    not loaded it yet reads it from its path."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +241,21 @@ class Replicas(Protocol):
     def stats(self) -> dict[str, dict[str, Any]]:
         """Each replica's routing stats by its id: its snapshot's fields and, under
         ``"metrics"``, its step counts (``/metrics`` renders them)."""
+        ...
+
+    async def load_lora(self, lora: LoRARequest) -> None:
+        """Load adapter ``lora`` on a replica now, which checks it; the others load it on
+        its first request there (each call carries it: :attr:`RequestShape.lora`).
+
+        Raises:
+            ApiError: 400 when the adapter cannot be served (the message says why); 503
+                when no replica answers.
+        """
+        ...
+
+    async def unload_lora(self, name: str) -> None:
+        """Have every running replica forget adapter ``name`` (requests running with it
+        finish with it)."""
         ...
 
 

@@ -37,7 +37,7 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from engine.core.params import SamplingParams
+from engine.core.params import LoRARequest, SamplingParams
 from policies import LoadSnapshot
 from router.calls import RETRY_AFTER_S, ReplicaLost, accepted, record_item, request_failed
 from router.contract import Lost, ModelInfo, Refused, RequestShape, StepItem
@@ -53,6 +53,8 @@ MAX_DISPATCH_ATTEMPTS = 3
 
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
 
+UNLOAD_TIMEOUT_S = 10.0
+"""Seconds the ingress waits for the replicas to forget an unloaded adapter."""
 MIGRATE_TIMEOUT_S = 30.0
 """Seconds a migrating request waits for another replica to accept it (every live one
 may be at ``max_ongoing_requests``) before its stream ends with an error event."""
@@ -379,6 +381,37 @@ class RayReplicas:
         view = self._view()
         return [] if view is None else self.streams.close_unused(view.replica_ids())
 
+    async def load_lora(self, lora: LoRARequest) -> None:
+        """Load adapter ``lora`` on one replica, which checks it
+        (:meth:`router.contract.Replicas.load_lora`); the others, and replicas started
+        later, load it on its first request there.
+
+        Raises:
+            ApiError: 400 naming why the adapter cannot be served; 503 when no replica
+                answers.
+        """
+        try:
+            problem = await self._info_handle.load_lora.remote(lora)
+        except REPLICA_LOST as e:
+            raise ApiError(503, f"no model replica is ready: {e}", code="not_ready") from e
+        if problem is not None:
+            raise ApiError(400, problem, param="lora_path", code="invalid_value")
+
+    async def unload_lora(self, name: str) -> None:
+        """Have every running replica forget adapter ``name``, pinned to each; one that
+        does not answer within :data:`UNLOAD_TIMEOUT_S` keeps it in host memory until it
+        is evicted (no request can name it any more)."""
+        view = self._view()
+        if view is None:
+            return
+        calls = [
+            self._info_handle.unload_lora.remote(name, pin=rid) for rid in view.replica_stats()
+        ]
+        if calls:
+            await asyncio.wait(
+                [asyncio.ensure_future(_quietly(c)) for c in calls], timeout=UNLOAD_TIMEOUT_S
+            )
+
     async def send_scaling_signals(self, signals: dict[str, float], timeout_s: float) -> int:
         """Give ``signals`` (:meth:`router.scaling.ScalingSignals.encode`) to every running
         replica that has published its load (``ModelReplica.autoscale_signals``, pinned to
@@ -408,3 +441,11 @@ class RayReplicas:
 
 async def _awaited(response: Any) -> Any:
     return await response
+
+
+async def _quietly(response: Any) -> None:
+    """Await ``response``; a replica that failed meanwhile is the replacement's business."""
+    try:
+        await response
+    except Exception:  # noqa: BLE001 - best effort: the adapter is evicted in time anyway
+        logger.debug("a replica did not take the call", exc_info=True)

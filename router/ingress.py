@@ -46,7 +46,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from engine.core.params import SamplingParams
+from engine.core.params import LoRARequest, SamplingParams
 from policies import TrafficClass, make_classes, policy_from_spec
 from router import openai_format as fmt
 from router import responses
@@ -58,15 +58,22 @@ from router.errors import ApiError
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.metrics import IngressMetrics, RequestRecord
 from router.openapi_doc import ApiApp
-from router.prefix import prefix_hashes
+from router.prefix import adapter_salt, prefix_hashes
 from router.responses import Answer, PromptCall, QueueTimeout, Reply, StartBy, retry_after
 from router.scaling import ScalingRecord, ScalingSignals
-from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from router.settings import IngressSettings
 from router.tenants import (
     CLASS_HEADER,
     Caller,
     authenticate,
+    check_adapter,
+    check_admin,
     check_key_classes,
     resolve_caller,
 )
@@ -80,6 +87,8 @@ ROUTES: tuple[tuple[str, str, str, type[BaseModel] | None], ...] = (
     ("GET", "/steps", "steps", None),
     ("POST", "/v1/completions", "completions", CompletionRequest),
     ("POST", "/v1/chat/completions", "chat_completions", ChatCompletionRequest),
+    ("POST", "/v1/load_lora_adapter", "load_lora_adapter", LoadLoRAAdapterRequest),
+    ("POST", "/v1/unload_lora_adapter", "unload_lora_adapter", UnloadLoRAAdapterRequest),
 )
 """(method, path, :class:`Ingress` method name, the model that validates the JSON body or
 None) of every route; every POST route has a body."""
@@ -156,6 +165,15 @@ class Ingress:
             policy=policy_from_spec(self.settings.policy),
             enabled=self.settings.admission,
         )
+        self.adapters: dict[str, str] = dict(self.settings.lora_adapters)
+        """The LoRA adapters served: name -> directory (``lora_adapters``, and those
+        loaded at run time)."""
+        if self.settings.model_name in self.adapters:
+            raise ValueError(
+                f"lora_adapters: {self.settings.model_name!r} is the base model's name"
+            )
+        self._adapters_loaded = False
+        """The configured adapters were loaded on a replica (at the first model info)."""
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
         self._created = int(time.time())
@@ -223,22 +241,97 @@ class Ingress:
             info = await self._model_info()
         except ApiError as e:
             return self._error(e)
-        return JSONResponse(
+        base = self.settings.model_name
+        card = {"object": "model", "created": self._created, "owned_by": "iterserve"}
+        data = [
             {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.settings.model_name,
-                        "object": "model",
-                        "created": self._created,
-                        "owned_by": "iterserve",
-                        "max_model_len": info.limits.max_model_len,
-                        "weight_format": info.weight_format,
-                        "weight_bytes": info.weight_bytes,
-                    }
-                ],
+                "id": base,
+                **card,
+                "root": base,
+                "parent": None,
+                "max_model_len": info.limits.max_model_len,
+                "weight_format": info.weight_format,
+                "weight_bytes": info.weight_bytes,
             }
+        ]
+        data += [
+            {
+                "id": name,
+                **card,
+                "root": path,
+                "parent": base,
+                "max_model_len": info.limits.max_model_len,
+            }
+            for name, path in self.adapters.items()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` (vLLM's route): check
+        the adapter on a replica and serve it under ``lora_name``; every replica, and each
+        one started later, reads it from ``lora_path`` on its first request there. 404
+        unless ``allow_runtime_lora_updates``; 403 for a key that is not ``admin``; 400 for
+        a name in use or an adapter that cannot be served (nothing served changes)."""
+        try:
+            body = await self._runtime_lora_body(request, LoadLoRAAdapterRequest)
+            name = body.lora_name
+            if name == self.settings.model_name or name in self.adapters:
+                raise ApiError(
+                    400,
+                    f"the LoRA adapter {name!r} has already been loaded",
+                    param="lora_name",
+                    code="invalid_value",
+                )
+            await self._model_info()
+            await self.replicas.load_lora(LoRARequest(name, body.lora_path))
+            self.adapters[name] = body.lora_path
+        except ApiError as e:
+            return self._error(e)
+        logger.info("LoRA adapter %r loaded from %s", name, body.lora_path)
+        return Response(
+            f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain"
         )
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """``POST /v1/unload_lora_adapter {"lora_name"}`` (vLLM's route): stop serving the
+        adapter; every running replica forgets it, and requests running with it finish
+        with it. 404 unless ``allow_runtime_lora_updates``, and for an unknown name; 403
+        for a key that is not ``admin``."""
+        try:
+            body = await self._runtime_lora_body(request, UnloadLoRAAdapterRequest)
+            name = body.lora_name
+            if self.adapters.pop(name, None) is None:
+                raise ApiError(
+                    404,
+                    f"the LoRA adapter {name!r} cannot be found",
+                    param="lora_name",
+                    code="model_not_found",
+                )
+            self.metrics.forget_model(name)
+            await self.replicas.unload_lora(name)
+        except ApiError as e:
+            return self._error(e)
+        logger.info("LoRA adapter %r unloaded", name)
+        return Response(
+            f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain"
+        )
+
+    async def _runtime_lora_body(self, request: Request, schema: type[BaseModel]) -> Any:
+        """The body of a load or unload call, once the route is enabled and the key is an
+        admin's.
+
+        Raises:
+            ApiError: 404 (not enabled), 401/403 (key), 400/413 (body).
+        """
+        if not self.settings.allow_runtime_lora_updates:
+            raise ApiError(
+                404,
+                f"{request.url.path}: loading adapters at run time is off "
+                "(allow_runtime_lora_updates)",
+                code="not_found",
+            )
+        check_admin(self.api_keys, request.headers.get("authorization"))
+        return fmt.validate(await self._read_json(request), schema)
 
     async def steps(self, request: Request) -> Response:
         """``GET /steps[?seconds=S]``: the step log's header and its records of the last
@@ -387,7 +480,9 @@ class Ingress:
         calls: list[PromptCall] = []
         try:
             req = fmt.validate(body, ChatCompletionRequest if chat else CompletionRequest)
-            fmt.check_served(req, chat, self.settings.model_name, self.settings.max_n)
+            fmt.check_served(
+                req, chat, [self.settings.model_name, *self.adapters], self.settings.max_n
+            )
             caller = resolve_caller(
                 self.api_keys,
                 self.classes,
@@ -395,6 +490,10 @@ class Ingress:
                 headers.get(CLASS_HEADER),
                 req.priority,
             )
+            lora = None
+            if req.model != self.settings.model_name:
+                check_adapter(caller, req.model)
+                lora = LoRARequest(req.model, self.adapters[req.model])
             start_by = None
             bound = self.queue_bounds[caller.traffic_class]
             if bounded and bound is not None:
@@ -407,15 +506,13 @@ class Ingress:
             for p, (ids, text) in enumerate(prompts):
                 call_id = rid if len(prompts) == 1 else f"{rid}-{p}"
                 call, record = await self._dispatch(
-                    call_id, ids, params, caller, info, arrival, start_by
+                    call_id, ids, params, caller, info, arrival, start_by, lora
                 )
                 calls.append(PromptCall(ids, text, call, record=record))
         except BaseException:  # refused, a bug of ours, or the client left meanwhile
             self._cancel(calls)
             raise
-        reply = Reply(
-            req, chat, rid, self.settings.model_name, info.tokenizer, calls, scores_only, start_by
-        )
+        reply = Reply(req, chat, rid, req.model, info.tokenizer, calls, scores_only, start_by)
         return reply, caller
 
     async def _dispatch(
@@ -427,13 +524,15 @@ class Ingress:
         info: ModelInfo,
         arrival: float,
         start_by: StartBy | None = None,
+        lora: LoRARequest | None = None,
     ) -> tuple[ReplicaCall, RequestRecord]:
-        """Admit one prompt (within ``start_by``, if given) and send it to a replica; its
-        call once accepted, and the call's metrics record."""
+        """Admit one prompt (within ``start_by``, if given) and send it to a replica with
+        its adapter (None: the base model); its call once accepted, and the call's metrics
+        record."""
         bs = self.settings.prefix_block_size
-        shape = RequestShape(
-            len(ids), caller.traffic_class, caller.priority, prefix_hashes(ids, bs) if bs else ()
-        )
+        salt = adapter_salt(lora.name) if lora is not None else 0
+        hashes = prefix_hashes(ids, bs, salt=salt) if bs else ()
+        shape = RequestShape(len(ids), caller.traffic_class, caller.priority, hashes, lora)
         # A request that can never fit skips admission: the replica answers it with a
         # 400 that has the numbers, not a 429.
         held_s = 0.0
@@ -463,7 +562,13 @@ class Ingress:
                     raise
                 if log is not None:
                     log.admitted(rid, time.monotonic(), held_s)
-            record = self.metrics.request(caller.traffic_class, arrival, len(ids), held_s)
+            record = self.metrics.request(
+                caller.traffic_class,
+                arrival,
+                len(ids),
+                held_s,
+                lora.name if lora is not None else None,
+            )
             dispatch = self.replicas.call(rid, ids, params, shape, record)
             try:
                 await dispatch.start()
@@ -571,8 +676,23 @@ class Ingress:
         if self._info is None:
             async with self._info_lock:
                 if self._info is None:
-                    self._info = await self.replicas.info()
+                    info = await self.replicas.info()
+                    await self._load_configured_adapters()
+                    self._info = info
         return self._info
+
+    async def _load_configured_adapters(self) -> None:
+        """Load ``lora_adapters`` on a replica, which checks them; one that cannot be
+        served is logged and dropped (the one-process server refuses to start on it
+        instead: :func:`deploy.local_server.build_local`)."""
+        for name, path in list(self.settings.lora_adapters.items()):
+            try:
+                await self.replicas.load_lora(LoRARequest(name, path))
+            except ApiError as e:
+                if e.status != 400:
+                    raise
+                logger.error("lora_adapters: %s; not served", e.message)
+                self.adapters.pop(name, None)
 
     async def _read_json(self, request: Request) -> dict:
         limit = self.settings.max_request_body_bytes

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
-from engine.core.params import SamplingParams
+from engine.core.params import LoRARequest, SamplingParams
 from policies import LoadSnapshot
 from router.calls import ReplicaLost, accepted, record_item, request_failed
 from router.contract import FirstItem, ModelInfo, Refused, RequestShape, StepItem
@@ -132,6 +132,12 @@ class LocalReplica(Protocol):
         """The load snapshot's fields and, under ``"metrics"``, the step counts."""
         ...
 
+    async def load_lora(self, lora: LoRARequest) -> str | None:
+        """Load adapter ``lora``; None, or why it cannot be served."""
+        ...
+
+    def unload_lora(self, name: str, pin: str | None = None) -> bool: ...
+
 
 class LocalReplicas:
     """The one replica of this process (a :class:`router.contract.Replicas`).
@@ -178,6 +184,24 @@ class LocalReplicas:
         self.prefixes.record(shape.prefix_hashes, self.replica.replica_id)
         items = self.replica.items(request_id, prompt_token_ids, params, shape, send_load=False)
         return LocalCall(items, record)
+
+    async def load_lora(self, lora: LoRARequest) -> None:
+        """Load adapter ``lora`` on the replica (:meth:`router.contract.Replicas.load_lora`).
+
+        Raises:
+            ApiError: 400 naming why the adapter cannot be served; 503 when the engine
+                has failed.
+        """
+        if not self._alive:
+            raise ApiError(503, "the engine failed; restart the server", code="not_ready")
+        problem = await self.replica.load_lora(lora)
+        if problem is not None:
+            raise ApiError(400, problem, param="lora_path", code="invalid_value")
+
+    async def unload_lora(self, name: str) -> None:
+        """Have the replica forget adapter ``name``."""
+        if self._alive:
+            self.replica.unload_lora(name)
 
     def loads(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
         """The replica's snapshot now and the tokens of ``shape``'s prompt it likely holds."""

@@ -213,11 +213,39 @@ class IngressMetrics:
                 self.slo_missed.labels(model, cls, slo)
 
     def request(
-        self, traffic_class: str, arrival_s: float, prompt_tokens: int, held_s: float = 0.0
+        self,
+        traffic_class: str,
+        arrival_s: float,
+        prompt_tokens: int,
+        held_s: float = 0.0,
+        model: str | None = None,
     ) -> RequestRecord:
         """A record for one request (one prompt) sent to a replica after ``held_s``
-        seconds held by admission."""
-        return RequestRecord(self, traffic_class, arrival_s, prompt_tokens, held_s)
+        seconds held by admission. ``model``: the LoRA adapter it ran with, its series'
+        ``model`` label (None: the base model's name)."""
+        return RequestRecord(self, traffic_class, arrival_s, prompt_tokens, held_s, model)
+
+    def forget_model(self, model: str) -> None:
+        """Drop every per-request series of adapter ``model`` (unloaded): the ``model``
+        label takes only the names served now."""
+        metrics = (
+            self.ttft,
+            self.itl,
+            self.tpot,
+            self.e2e,
+            self.queue,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.success,
+            self.aborted,
+            self.slo_met,
+            self.slo_missed,
+        )
+        for metric in metrics:
+            for labels in list(metric._metrics):  # noqa: SLF001 - prometheus-client has no
+                # public way to list a metric's children; remove() needs their labels.
+                if labels[0] == model:
+                    metric.remove(*labels)
 
     def reject(self, traffic_class: str, reason: str) -> None:
         """Count a refusal (one of :data:`REJECT_REASONS`): a missed SLO, as goodput
@@ -225,9 +253,12 @@ class IngressMetrics:
         self.rejected.labels(self.model, traffic_class, reason).inc()
         self._outcome(traffic_class, ttft_met=False, tpot_met=False)
 
-    def _outcome(self, traffic_class: str, *, ttft_met: bool, tpot_met: bool) -> None:
+    def _outcome(
+        self, traffic_class: str, *, ttft_met: bool, tpot_met: bool, model: str | None = None
+    ) -> None:
+        label = model or self.model
         for slo, met in (("ttft", ttft_met), ("tpot", tpot_met), ("both", ttft_met and tpot_met)):
-            (self.slo_met if met else self.slo_missed).labels(self.model, traffic_class, slo).inc()
+            (self.slo_met if met else self.slo_missed).labels(label, traffic_class, slo).inc()
         window = self._outcomes.setdefault(traffic_class, deque())
         now = self.clock()
         window.append((now, ttft_met and tpot_met))
@@ -376,10 +407,12 @@ class RequestRecord:
         arrival_s: float,
         prompt_tokens: int,
         held_s: float = 0.0,
+        model: str | None = None,
     ) -> None:
         self.m, self.cls, self.arrival = m, traffic_class, arrival_s
         self.prompt_tokens, self.held_s = prompt_tokens, held_s
-        self.labels = (m.model, traffic_class)
+        self.model = model or m.model
+        self.labels = (self.model, traffic_class)
         self.first: float | None = None
         self.last = 0.0
         self.count = 0
@@ -424,7 +457,7 @@ class RequestRecord:
         ttft_slo, tpot_slo = m.slos.get(self.cls, (math.inf, math.inf))
         ttft = (self.first if self.first is not None else now) - self.arrival
         ttft_met, tpot_met = ttft <= ttft_slo, tpot <= tpot_slo
-        m._outcome(self.cls, ttft_met=ttft_met, tpot_met=tpot_met)
+        m._outcome(self.cls, ttft_met=ttft_met, tpot_met=tpot_met, model=self.model)
         if m.on_end is not None:
             m.on_end(self.cls, ttft_met and tpot_met, self.count)
 
@@ -435,7 +468,7 @@ class RequestRecord:
     def failed(self) -> None:
         """Ended by an error after admission (its replica lost): a miss."""
         if not self._end():
-            self.m._outcome(self.cls, ttft_met=False, tpot_met=False)
+            self.m._outcome(self.cls, ttft_met=False, tpot_met=False, model=self.model)
             if self.m.on_end is not None:
                 self.m.on_end(self.cls, False, self.count)
 

@@ -7,6 +7,7 @@ every error is an :class:`router.errors.ApiError` naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -52,17 +53,21 @@ def _union_member(loc: str | int) -> bool:
     return isinstance(loc, str) and (loc in ("str", "int", "float", "bool", "dict") or "[" in loc)
 
 
-def check_served(req: ApiRequest, chat: bool, model_name: str, max_n: int) -> None:
+def check_served(req: ApiRequest, chat: bool, models: Sequence[str], max_n: int) -> None:
     """Whether this server can take ``req``.
 
+    Args:
+        models: the names it serves: the base model's, then its LoRA adapters'.
+
     Raises:
-        ApiError: 404 for another model than ``model_name``; 400 when ``n`` times the
-            number of prompts is over ``max_n``.
+        ApiError: 404 for a model not in ``models``; 400 when ``n`` times the number of
+            prompts is over ``max_n``.
     """
-    if req.model != model_name:
+    if req.model not in models:
+        served = ", ".join(repr(m) for m in models)
         raise ApiError(
             404,
-            f"model {req.model!r} does not exist; this server serves {model_name!r}",
+            f"model {req.model!r} does not exist; this server serves {served}",
             param="model",
             code="model_not_found",
         )

@@ -16,6 +16,7 @@ it, nor one without room for the request's decodes within the TPOT SLO while ano
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
@@ -33,18 +34,25 @@ MIN_ENTRIES = 4096
 
 
 def prefix_hashes(
-    token_ids: Sequence[int], block_size: int, max_blocks: int = MAX_PREFIX_BLOCKS
+    token_ids: Sequence[int], block_size: int, max_blocks: int = MAX_PREFIX_BLOCKS, salt: int = 0
 ) -> tuple[int, ...]:
     """Chained hashes of the first full blocks of ``token_ids`` (block ``i``'s hash covers
     blocks ``0..i``), at most ``max_blocks``. Python's hash of int tuples is the same in
     every process; a collision only misroutes a request, it never shares KV (the
-    replica's cache uses SHA-256 names)."""
+    replica's cache uses SHA-256 names). ``salt`` starts the chain: a LoRA adapter's
+    (:func:`adapter_salt`), whose KV differs from the base model's for the same tokens."""
     out: list[int] = []
-    parent = 0
+    parent = salt
     for i in range(min(len(token_ids) // block_size, max_blocks)):
         parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
         out.append(parent)
     return tuple(out)
+
+
+def adapter_salt(name: str) -> int:
+    """The :func:`prefix_hashes` salt of adapter ``name``, the same in every process
+    (Python's ``hash`` of a string is not)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little", signed=True)
 
 
 def cached_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> int:

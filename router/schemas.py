@@ -289,3 +289,24 @@ class ChatCompletionRequest(_SamplingFields):
 
 ApiRequest = CompletionRequest | ChatCompletionRequest
 """A validated request body of either endpoint."""
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid")
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    lora_name: str = Field(min_length=1, description="the name requests give as `model`")
+    lora_path: str = Field(
+        min_length=1, description="the PEFT directory, readable by every replica"
+    )
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid")
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    lora_name: str = Field(min_length=1)

@@ -45,6 +45,17 @@ class IngressOptions(BaseModel):
         "TTFT SLO is longer waits up to that SLO instead, and a class that is not "
         "`rejectable` (batch) waits its turn",
     )
+    lora_adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters served from the start: name -> PEFT directory, which every "
+        "replica must be able to read; a request names one as its `model`",
+    )
+    allow_runtime_lora_updates: bool = Field(
+        False,
+        description="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); where api_keys are set, only an `admin` key may "
+        "call them. Off: they answer 404",
+    )
     stream_keepalive_s: float = Field(
         15.0,
         gt=0,

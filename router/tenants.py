@@ -34,6 +34,14 @@ class ApiKeyConfig(BaseModel):
         description="the most urgent priority (lowest number) its requests may carry; "
         "None: its class's default priority",
     )
+    adapters: list[str] | None = Field(
+        None,
+        description="the LoRA adapters its requests may name as `model` (the base model "
+        "always); None: every adapter",
+    )
+    admin: bool = Field(
+        False, description="may load and unload LoRA adapters (allow_runtime_lora_updates)"
+    )
 
 
 def check_key_classes(
@@ -57,6 +65,8 @@ class Caller:
     tenant: str | None
     traffic_class: str
     priority: int
+    adapters: frozenset[str] | None = None
+    """The LoRA adapters its key may use; None: every one."""
 
 
 def authenticate(
@@ -136,4 +146,31 @@ def resolve_caller(
             param="priority",
             code="priority_not_allowed",
         )
-    return Caller(tenant, name, effective)
+    adapters = None if entry is None or entry.adapters is None else frozenset(entry.adapters)
+    return Caller(tenant, name, effective, adapters)
+
+
+def check_adapter(caller: Caller, adapter: str) -> None:
+    """Raises:
+    ApiError: 403 when ``caller``'s key may not use LoRA adapter ``adapter``.
+    """
+    if caller.adapters is not None and adapter not in caller.adapters:
+        raise ApiError(
+            403,
+            f"this API key may not use adapter {adapter!r}; it may use the base model"
+            + (f" and {sorted(caller.adapters)}" if caller.adapters else ""),
+            param="model",
+            code="model_not_allowed",
+        )
+
+
+def check_admin(api_keys: Mapping[str, ApiKeyConfig], authorization: str | None) -> None:
+    """Raises:
+    ApiError: 401 as :func:`authenticate`; 403 when keys are configured and the caller's
+        is not ``admin``.
+    """
+    entry = authenticate(api_keys, authorization)
+    if entry is not None and not entry.admin:
+        raise ApiError(
+            403, "loading and unloading adapters needs an admin API key", code="not_admin"
+        )
