@@ -46,6 +46,7 @@ ENGINE_FLAGS = (
     "config",
     "model",
     "served_model_name",
+    "lora_adapters",
     "num_replicas",
     "replica_num_cpus",
     "replica_num_gpus",
@@ -98,6 +99,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--served-model-name",
         default=None,
         help="the `model` the lines name (default: the model's name)",
+    )
+    p.add_argument(
+        "--lora-adapters",
+        metavar="NAME=PATH",
+        nargs="+",
+        default=None,
+        help="LoRA adapters (PEFT directories) that lines may name as `model` (default: "
+        "the config's lora_adapters)",
     )
     p.add_argument(
         "--num-replicas",
@@ -200,6 +209,7 @@ CONFIG_FLAGS = (
     "num_replicas",
     "replica_num_cpus",
     "replica_num_gpus",
+    "lora_adapters",
 )
 """ServiceConfig fields that ``--config`` fills in for flags not given."""
 
@@ -245,6 +255,25 @@ def _engine_config(args: argparse.Namespace, section: dict[str, Any]) -> dict:
     }
     given = {k: v for k, v in fields.items() if v is not None}
     return EngineConfig(**{**OFFLINE_DEFAULTS, **section, **given}).model_dump()
+
+
+def lora_adapters(args: argparse.Namespace) -> dict[str, str]:
+    """The adapters of ``--lora-adapters NAME=PATH ...`` (a list) or the config's (a
+    mapping).
+
+    Raises:
+        ValueError: an entry without ``=``.
+    """
+    given = args.lora_adapters or {}
+    if isinstance(given, dict):
+        return dict(given)
+    out = {}
+    for entry in given:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-adapters {entry!r}: expected NAME=PATH")
+        out[name] = path
+    return out
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -301,7 +330,9 @@ def _run_here(
 
     plan = plan_local(args.replica_num_cpus, args.replica_num_gpus or 0.0)
     _starting(progress, plan, "in this process")
-    replica = BatchWorker(engine, _model_name(args), max(1, int(plan.num_cpus)))
+    replica = BatchWorker(
+        engine, _model_name(args), max(1, int(plan.num_cpus)), lora_adapters(args)
+    )
 
     async def run() -> None:
         try:
@@ -332,7 +363,7 @@ def _run_on_ray(
     try:
         plan = plan_replicas(args.num_replicas, args.replica_num_cpus, args.replica_num_gpus or 0.0)
         _starting(progress, plan, "as Ray actors")
-        replicas = start_replicas(plan, engine, _model_name(args))
+        replicas = start_replicas(plan, engine, _model_name(args), lora_adapters(args))
         progress.restart()
         asyncio.run(run_on_replicas(replicas, work, progress.answered))
     finally:

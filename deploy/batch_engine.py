@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from deploy.batch_format import BATCH_CLASS
 from deploy.engine_replica import EngineReplica
+from engine.core.params import LoRARequest
 from policies import make_classes
 from router.ingress import Ingress
 from router.local import LocalReplicas
@@ -43,10 +44,22 @@ class BatchWorker:
         engine_config: :class:`engine.EngineConfig` fields.
         model_name: the name the lines' ``model`` must carry.
         num_threads: torch intra-op threads (the CPUs Ray reserved for it).
+        lora_adapters: LoRA adapters the lines may name as ``model``: name -> directory.
+
+    Raises:
+        ValueError: an adapter that cannot be served (before any line runs).
     """
 
-    def __init__(self, engine_config: dict[str, Any], model_name: str, num_threads: int) -> None:
+    def __init__(
+        self,
+        engine_config: dict[str, Any],
+        model_name: str,
+        num_threads: int,
+        lora_adapters: dict[str, str] | None = None,
+    ) -> None:
         self.replica = EngineReplica(engine_config, num_threads, f"batch-{os.getpid()}")
+        for name, path in (lora_adapters or {}).items():
+            self.replica.engine.engine.add_lora(LoRARequest(name, path))
         self.engine = self.replica.engine
         config = self.engine.engine.config
         classes = {name: asdict(c) for name, c in make_classes(config.traffic_classes).items()}
@@ -55,6 +68,7 @@ class BatchWorker:
             traffic_classes=classes,
             policy=config.policy_spec(),
             admission=False,
+            lora_adapters=lora_adapters or {},
         )
         self.ingress = Ingress(LocalReplicas(self.replica), settings.model_dump())
 
@@ -111,7 +125,10 @@ def plan_replicas(num_replicas: int | None, num_cpus: float | None, num_gpus: fl
 
 
 def start_replicas(
-    plan: ReplicaPlan, engine_config: dict[str, Any], model_name: str
+    plan: ReplicaPlan,
+    engine_config: dict[str, Any],
+    model_name: str,
+    lora_adapters: dict[str, str] | None = None,
 ) -> list[RemoteBatchWorker]:
     """The replicas as Ray actors, once every one has loaded the model."""
     import ray
@@ -126,7 +143,7 @@ def start_replicas(
         options["num_gpus"] = plan.num_gpus
     cls = ray.remote(BatchWorker).options(**options)
     actors = [
-        cls.remote(engine_config, model_name, max(1, math.floor(plan.num_cpus)))
+        cls.remote(engine_config, model_name, max(1, math.floor(plan.num_cpus)), lora_adapters)
         for _ in range(plan.num_replicas)
     ]
     seqs = ray.get([a.ready.remote() for a in actors])

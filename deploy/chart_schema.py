@@ -67,6 +67,9 @@ CHART_VALUES: dict[str, Any] = {
     "modelVolume": _obj(
         claimName=_STR, hostPath=_STR, mountPath={"type": "string", "pattern": "^/"}
     ),
+    "adapterVolume": _obj(
+        claimName=_STR, hostPath=_STR, mountPath={"type": "string", "pattern": "^/"}
+    ),
     "head": _obj(
         cpu={"type": ["string", "number"]},
         memory=_STR,

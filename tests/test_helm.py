@@ -55,6 +55,7 @@ EVERYTHING_ON = {
     "podMonitor": {"enabled": True},
     "apiKeysSecret": "keys",
     "modelVolume": {"hostPath": "/srv/models"},
+    "adapterVolume": {"claimName": "adapters"},
     "batchJob": {
         "enabled": True,
         "input": "/data/in.jsonl",
@@ -172,6 +173,33 @@ def test_api_service_ingress_and_pod_monitor_use_the_serve_port():
     (mon,) = by_kind(objs, "PodMonitor")
     assert mon["spec"]["selector"]["matchLabels"]["ray.io/node-type"] == "head"
     assert mon["spec"]["podMetricsEndpoints"][0]["port"] == "serve"
+
+
+def test_every_pod_mounts_the_adapter_volume_read_only():
+    # Each replica, one the autoscaler starts and the batch job's included, reads the
+    # adapters' directories itself.
+    objs = render({**EXAMPLES["cpu"], **EVERYTHING_ON})
+    pods = []
+    for kind in ("RayService", "RayJob"):
+        (obj,) = by_kind(objs, kind)
+        spec = obj["spec"]
+        cluster = spec.get("rayClusterConfig") or spec["rayClusterSpec"]
+        pods += [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for pod in pods:
+        template = pod["template"]["spec"]
+        assert {
+            "name": "adapters",
+            "persistentVolumeClaim": {"claimName": "adapters", "readOnly": True},
+        } in template["volumes"]
+        (container,) = template["containers"]
+        assert {"name": "adapters", "mountPath": "/adapters", "readOnly": True} in container[
+            "volumeMounts"
+        ]
+    assert not any(
+        v["name"] == "adapters"
+        for obj in by_kind(render({}), "RayService")
+        for v in obj["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["volumes"]
+    )
 
 
 def test_pod_templates_carry_only_stable_labels():

@@ -122,6 +122,17 @@ checks they match), and Serve's HTTP proxy as the way in (no direct ingress). */
     path: {{ .Values.modelVolume.hostPath }}
     type: Directory
 {{- end }}
+{{- if .Values.adapterVolume.claimName }}
+- name: adapters
+  persistentVolumeClaim:
+    claimName: {{ .Values.adapterVolume.claimName }}
+    readOnly: true
+{{- else if .Values.adapterVolume.hostPath }}
+- name: adapters
+  hostPath:
+    path: {{ .Values.adapterVolume.hostPath }}
+    type: Directory
+{{- end }}
 {{- if .batch }}
 - name: batch-data
   persistentVolumeClaim:
@@ -144,6 +155,11 @@ checks they match), and Serve's HTTP proxy as the way in (no direct ingress). */
 {{- if or .Values.modelVolume.claimName .Values.modelVolume.hostPath }}
 - name: models
   mountPath: {{ .Values.modelVolume.mountPath }}
+  readOnly: true
+{{- end }}
+{{- if or .Values.adapterVolume.claimName .Values.adapterVolume.hostPath }}
+- name: adapters
+  mountPath: {{ .Values.adapterVolume.mountPath }}
   readOnly: true
 {{- end }}
 {{- if .batch }}
