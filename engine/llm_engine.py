@@ -807,6 +807,8 @@ class LLMEngine:
             ),
             step_left_s=0.0 if in_flight is None else self._predict(in_flight),
             timestamp=time.time(),
+            loras=tuple(self.list_loras()),
+            lora_load_s=getattr(getattr(self.runner, "lora", None), "mean_load_s", 0.0),
         )
 
     def _owed_step_s(self) -> float:

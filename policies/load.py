@@ -66,6 +66,11 @@ class LoadSnapshot:
     timestamp: float = 0.0
     """When the snapshot was taken, seconds since the epoch (``time.time()``: it crosses
     processes, so not a monotonic clock)."""
+    loras: tuple[str, ...] = ()
+    """The LoRA adapters the replica holds in host memory: a request for another one reads
+    it from disk first."""
+    lora_load_s: float = 0.0
+    """Mean seconds the replica's reads of an adapter from disk took (0: none yet)."""
 
     def step_time(self, prefill_tokens: float, decode_seqs: float) -> float:
         """Predicted seconds of one step on this replica."""
@@ -110,6 +115,7 @@ class LoadSnapshot:
         """A JSON-serialisable copy (lists for tuples, fresh dicts)."""
         d = dataclasses.asdict(self)
         d["step_coefficients"] = list(self.step_coefficients)
+        d["loras"] = list(self.loras)
         return d
 
     @classmethod
@@ -127,4 +133,6 @@ class LoadSnapshot:
         if "step_coefficients" in kwargs:
             a, b, c = kwargs["step_coefficients"]
             kwargs["step_coefficients"] = (float(a), float(b), float(c))
+        if "loras" in kwargs:
+            kwargs["loras"] = tuple(str(name) for name in kwargs["loras"])
         return cls(**kwargs)

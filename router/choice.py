@@ -21,6 +21,9 @@ R = TypeVar("R")
 
 ROUTED_MEMORY_S = 5.0
 """Seconds a routed request is remembered when no newer snapshot has counted it."""
+COLD_LORA_LOAD_S = 0.1
+"""Seconds a LoRA adapter's read from disk is taken to add to a request's TTFT on a
+replica that has read none yet (``LoadSnapshot.lora_load_s`` once it has)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +79,9 @@ class RoutedSince:
 class ReplicaChooser:
     """Power of two choices: first a replica with room for the request's TPOT SLO, then
     the lower predicted TTFT, with prefix affinity as the tie-breaker
-    (:meth:`first_is_better`).
+    (:meth:`first_is_better`). A request for a LoRA adapter that neither of the pair holds
+    lets a replica that holds it compete, and its TTFT on a replica that must read the
+    adapter first includes that read (``LoadSnapshot.lora_load_s``).
 
     Args:
         admission: predicts a request's TTFT on a replica's snapshot and the TPOT SLO it
@@ -113,6 +118,11 @@ class ReplicaChooser:
             pair = [affine, *(r for r in pair if r is not affine)][:2]
         if len(pair) == 1:
             return [pair]
+        adapter = shape.lora.name if shape.lora is not None else None
+        if adapter is not None and not any(_holds(snapshot(r), adapter) for r in pair):
+            warm = [r for r in candidates if _holds(snapshot(r), adapter)]
+            if warm:
+                pair = [self.rng.choice(warm), pair[0]]
         keys = []
         for r in pair:
             snap = snapshot(r)
@@ -122,6 +132,9 @@ class ReplicaChooser:
             pred = self.admission.predict(
                 snap, shape.traffic_class, shape.prompt_tokens - cached, shape.priority
             )
+            ttft = pred.ttft_s
+            if adapter is not None and adapter not in snap.loras:
+                ttft += snap.lora_load_s or COLD_LORA_LOAD_S
             load = snap.total_running + sum(snap.waiting_requests.values())
             # Every request it holds decodes once its prompt is in, and so will this one.
             tpot = snap.step_time(0, min(load + 1, snap.max_num_seqs))
@@ -129,10 +142,10 @@ class ReplicaChooser:
                 (
                     tpot <= self.admission.slo_margin * pred.tpot_slo_s,
                     tpot,
-                    pred.ttft_s,
+                    ttft,
                     load,
                     snap.step_time(0, snap.total_running + 1),
-                    cached,
+                    (adapter is None or adapter in snap.loras, cached),
                 )
             )
         first, second = pair if self.first_is_better(*keys) else pair[::-1]
@@ -142,8 +155,8 @@ class ReplicaChooser:
     @staticmethod
     def first_is_better(key0: tuple, key1: tuple) -> bool:
         """Whether the first of two replicas, keyed ``(TPOT fits, predicted TPOT,
-        predicted TTFT, requests, step seconds, cached prompt tokens)``, should take the
-        request (times in seconds).
+        predicted TTFT, requests, step seconds, (holds the request's adapter, cached
+        prompt tokens))``, should take the request (times in seconds).
 
         The predicted TPOT is the replica's step time once every request it runs or
         holds decodes, this one included; it fits when within the admission margin of
@@ -159,8 +172,9 @@ class ReplicaChooser:
         only the prompt tokens that replica would compute, so it already credits a
         replica that holds the prompt's prefix with the prefill it saves; preferring that
         replica further (up to the TTFT SLO) loads it while the other idles and costs
-        attainment. Within a step of each other, the replica holding more of the prompt
-        goes first (affinity breaks the tie), then the one with fewer requests.
+        attainment. Within a step of each other, the replica holding the request's LoRA
+        adapter, then the one holding more of the prompt, goes first (affinity breaks the
+        tie), then the one with fewer requests.
         """
         (fits0, tpot0, t0, n0, step0, c0), (fits1, tpot1, t1, n1, step1, c1) = key0, key1
         if fits0 != fits1:
@@ -174,3 +188,8 @@ class ReplicaChooser:
             # step time is lower.
             return c0 > c1 if c0 != c1 else n0 <= n1
         return t0 < t1
+
+
+def _holds(snap: LoadSnapshot | None, adapter: str) -> bool:
+    """The replica of ``snap`` holds LoRA adapter ``adapter`` in host memory."""
+    return snap is not None and adapter in snap.loras

@@ -12,6 +12,7 @@ pytest.importorskip("ray")
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
+from engine.core.params import LoRARequest  # noqa: E402
 from policies import DEFAULT_CLASSES, LoadSnapshot  # noqa: E402
 from router.contract import RequestShape  # noqa: E402
 from router.prefix import (  # noqa: E402
@@ -193,6 +194,32 @@ async def test_affinity_replica_goes_first_unless_another_predicts_a_lower_ttft(
     router._replicas = {r.replica_id: r for r in (a, b, c)}
     cached = [n for _, n in router.loads_for(_prefixed(turn).kwargs["shape"])]
     assert sorted(cached) == [0, 0, 592]
+
+
+def _with_adapter(prompt_tokens: int, name: str) -> PendingRequest:
+    shape = RequestShape(prompt_tokens, "standard", 1, lora=LoRARequest(name, f"/adapters/{name}"))
+    return PendingRequest(args=[], kwargs={"shape": shape}, metadata=None, future=asyncio.Future())
+
+
+async def test_a_replica_holding_the_adapter_competes_and_a_cold_read_counts_in_ttft(router):
+    warm = {**_stats(0.05, running=2), "loras": ["tenant-a"], "lora_load_s": 0.5}
+    a, b, c = FakeReplica("a", _stats(0.05)), FakeReplica("b", _stats(0.05)), FakeReplica("c", warm)
+    # c holds the adapter and is never outside the pair; the others would read it from
+    # disk first, which costs more than c's two running requests.
+    for _ in range(10):
+        ranks = await router.choose_replicas([a, b, c], _with_adapter(100, "tenant-a"))
+        assert ranks[0][0].replica_id == "c"
+    # Another adapter, or the base model, gets no such pull.
+    firsts = set()
+    for _ in range(20):
+        ranks = await router.choose_replicas([a, b, c], _with_adapter(100, "tenant-b"))
+        firsts.add(ranks[0][0].replica_id)
+    assert "c" not in firsts
+    # A long queue on c outweighs the read: the request goes where it starts sooner.
+    c.routing_stats = {**_stats(0.05, waiting_tokens=20_000, waiting=20), "loras": ["tenant-a"]}
+    for _ in range(5):
+        ranks = await router.choose_replicas([a, b, c], _with_adapter(100, "tenant-a"))
+        assert ranks[0][0].replica_id != "c"
 
 
 async def test_routed_request_that_follows_its_prefix_queues_only_its_suffix(router):

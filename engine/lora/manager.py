@@ -4,6 +4,7 @@ projections that apply them (:mod:`engine.lora.layers`)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -47,6 +48,8 @@ class LoRAManager:
         self._steps = 0
         self.num_loads = 0
         """Adapters read from disk so far (first uses, and reloads after eviction)."""
+        self.load_s = 0.0
+        """Seconds those reads took in all."""
 
     def get(self, lora: LoRARequest) -> LoRAAdapter:
         """The adapter ``lora`` names, read from ``lora.path`` unless kept under its name
@@ -60,15 +63,23 @@ class LoRAManager:
             if adapter is not None and adapter.path == str(lora.path):
                 self._cache.move_to_end(lora.name)
                 return adapter
+            t0 = time.perf_counter()
             adapter = load_adapter(
                 lora.name, lora.path, self.shapes, self.num_layers, self.max_lora_rank
             )
+            self.load_s += time.perf_counter() - t0
             self.num_loads += 1
             self._cache[lora.name] = adapter
             self._cache.move_to_end(lora.name)
             while len(self._cache) > self.max_cpu_loras:
                 self._cache.popitem(last=False)
             return adapter
+
+    @property
+    def mean_load_s(self) -> float:
+        """Mean seconds an adapter's read from disk took here (0: none yet): what a
+        request for an adapter not held adds to its TTFT."""
+        return self.load_s / self.num_loads if self.num_loads else 0.0
 
     def remove(self, name: str) -> bool:
         """Forget adapter ``name`` (requests running with it finish with it); True if kept."""
