@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--trace",
         help="a shipped trace (conv, code: Azure LLM inference 2023, CC-BY 4.0), "
         "an Azure trace CSV, or JSONL of {arrival_s, prompt_tokens, "
-        "output_tokens, class?, prompt_key?} (one key: one shared prompt)",
+        "output_tokens, class?, prompt_key?, model?} (one key: one shared prompt; "
+        "model: a LoRA adapter's name)",
     )
     src.add_argument(
         "--replay-steps",
@@ -102,6 +103,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--gpu", default=None, help="roofline on a GPU: h100-sxm or h200")
     c.add_argument("--model-size", default=None, help="with --gpu: 0.5b, 8b or 70b")
     c.add_argument("--tensor-parallel", type=int, default=1, help="with --gpu: GPUs per replica")
+    c.add_argument(
+        "--lora-token-s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds a step adds per token per LoRA adapter in it (default: the cost "
+        "model's lora_token_s, 0 where it has none)",
+    )
+    c.add_argument(
+        "--lora-step-s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds a step with any LoRA adapter adds (default: the cost model's "
+        "lora_step_s, 0 where it has none)",
+    )
     server_arguments(p.add_argument_group("a running server (--from-url)"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -160,8 +177,19 @@ def cost_model(args: argparse.Namespace):
     """The cost model the flags name.
 
     Raises:
-        ValueError: --gpu without --model-size (or the reverse), or unknown names.
+        ValueError: --gpu without --model-size (or the reverse), unknown names, or a
+            LoRA term below 0.
     """
+    cost = _cost_model(args)
+    terms = {
+        k: getattr(args, k)
+        for k in ("lora_token_s", "lora_step_s")
+        if getattr(args, k, None) is not None
+    }
+    return dataclasses.replace(cost, **terms) if terms else cost
+
+
+def _cost_model(args: argparse.Namespace):
     from deploy.sim.roofline import RooflineCost
     from engine.core.step_cost import LinearCost
 
@@ -303,6 +331,11 @@ def check_args(args: argparse.Namespace) -> None:
             f"{source} runs one plan: drop --search, --ablate and --plots",
         ),
         (twin and args.gpu, f"{source} fits the logged steps: --gpu does not apply"),
+        (
+            twin and (args.lora_token_s is not None or args.lora_step_s is not None),
+            f"{source} replays requests without adapters: --lora-token-s and "
+            "--lora-step-s do not apply",
+        ),
         (twin and args.autoscale, f"{source} replays one fleet: --autoscale does not apply"),
         (args.last is not None and not args.from_url, "--last goes with --from-url"),
         (args.last is not None and args.last <= 0, "--last must be > 0 seconds"),
@@ -413,10 +446,16 @@ def run_command(args: argparse.Namespace) -> int:
 def cost_line(args: argparse.Namespace, cost) -> str:
     """Which step-time model the figures come from, for the terminal: a CPU fit is only
     right for the host (and the load on it) it was measured on."""
+    lora = (
+        f"; LoRA adapters {cost.lora_token_s:g} s per token per adapter + "
+        f"{cost.lora_step_s:g} s per step"
+        if getattr(cost, "lora_token_s", 0) or getattr(cost, "lora_step_s", 0)
+        else ""
+    )
     if args.gpu:
         return (
             f"roofline, {args.model_size} on {args.gpu} x {args.tensor_parallel} "
-            "(deploy/sim/hardware.py)"
+            f"(deploy/sim/hardware.py){lora}"
         )
     origin = args.cost_model or f"the shipped {DEFAULT_COST_MODEL}"
     hint = (
@@ -424,7 +463,7 @@ def cost_line(args: argparse.Namespace, cost) -> str:
         if args.cost_model
         else ("; `iterserve calibrate --output FILE` fits this host, `--cost-model FILE` uses it")
     )
-    return f"{origin} ({cost.source or 'no source recorded'}){hint}"
+    return f"{origin} ({cost.source or 'no source recorded'}){lora}{hint}"
 
 
 def calibrate_command(args: argparse.Namespace) -> int:

@@ -9,6 +9,11 @@ requests re-decided every ``router.admission.POLL_S``) and
 ``routing_stats_period_s``, adjusted by what was routed since
 (:class:`router.choice.RoutedSince`), as in Serve.
 
+A request whose ``model`` names a LoRA adapter (:attr:`deploy.sim.trace.SimRequest.model`)
+runs with it, under the scheduler's ``max_loras`` rule; each replica's snapshot lists the
+adapters it holds (``LoadSnapshot.loras``), which the router prefers, and its prompt's
+prefix hashes are salted with the adapter's name, as the ingress's are.
+
 A discrete-event loop orders arrivals, re-decisions, snapshot publications and replica
 steps by virtual time. A step runs whole when it starts, so a snapshot published during it
 already shows its result (at most one step early); the network and Serve's own hops cost
@@ -31,6 +36,7 @@ from deploy.sim.runner import SimClock, sim_engine
 from deploy.sim.trace import SimRequest
 from engine import LLMEngine, RequestOutputKind, SamplingParams
 from engine.core.interfaces import StepRecord
+from engine.core.params import LoRARequest
 from policies import Admit, LoadSnapshot, Reject, TrafficClass
 from policies.autoscale import (
     AutoscalingSettings,
@@ -42,7 +48,7 @@ from policies.scaling_window import ClassWindow
 from router.admission import POLL_S, IngressAdmission, computed_tokens
 from router.choice import ReplicaChooser, RoutedSince
 from router.contract import RequestShape
-from router.prefix import cached_tokens, prefix_hashes
+from router.prefix import adapter_salt, cached_tokens, prefix_hashes
 
 IDLE_STEP_S = 0.005
 """Virtual seconds before an engine that scheduled nothing while it has work steps again
@@ -244,6 +250,8 @@ class Fleet:
         self.routed = RoutedSince()
         self.block_size = econfig.block_size
         self.vocab_size = engines[0].vocab_size
+        self.model_name = config.model_name()
+        """The base model's name: a request whose ``model`` is it runs without an adapter."""
         self.timeline_period_s = timeline_period_s
         self._events: list = []
         self._order = itertools.count()
@@ -455,13 +463,22 @@ class Fleet:
                 f"request {req.id}: unknown traffic class {req.traffic_class!r} "
                 f"(known: {sorted(self.admission.controller.classes)})"
             )
+        lora = self.lora(req)
+        salt = adapter_salt(lora.name) if lora is not None else 0
         hashes = (
-            prefix_hashes(_prompt(req, self.vocab_size), self.block_size)
+            prefix_hashes(_prompt(req, self.vocab_size), self.block_size, salt=salt)
             if self.config.prefix_affinity
             else ()
         )
         priority = cls.default_priority if req.priority is None else req.priority
-        return RequestShape(req.prompt_tokens, req.traffic_class, priority, hashes)
+        return RequestShape(req.prompt_tokens, req.traffic_class, priority, hashes, lora)
+
+    def lora(self, req: SimRequest) -> LoRARequest | None:
+        """The adapter ``req`` runs with (None: the base model), at a placeholder path
+        (``sim://NAME``) that nothing reads."""
+        if req.model is None or req.model == self.model_name:
+            return None
+        return LoRARequest(req.model, f"sim://{req.model}")
 
     def _loads(self, shape: RequestShape) -> list[tuple[LoadSnapshot, int]]:
         matched = self.chooser.prefixes.matched_blocks(shape.prefix_hashes)
@@ -588,6 +605,7 @@ class Fleet:
                 params,
                 traffic_class=req.traffic_class,
                 arrival_time=self.now,
+                lora_request=self.lora(req),
             )
         except ValueError as e:  # RequestRejectedError: too long for any replica
             o.status, o.reason, o.replica = "rejected", str(e), -1

@@ -312,6 +312,7 @@ def replay(
         engine.observe_step(s.num_prefill_tokens, s.num_decodes, s.seconds)
     runner = ReplayRunner(log.steps, fallback, engine.clock)
     runner.num_kv_blocks = engine.runner.num_kv_blocks
+    runner.lora = engine.runner.lora
     engine.runner = runner
     reqs = requests(log, t0)
     if not reqs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deploy.sim.hardware import GPUS, MODELS, GpuSpec, ModelSpec
-from engine.core.step_cost import StepShape
+from engine.core.step_cost import StepShape, check_lora_terms, lora_seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,11 @@ class RooflineCost:
     ``decode_efficiency`` (bandwidth-bound). ``step_overhead_s`` is the host's time per step
     (scheduling, launches, sampling) that the GPU does not overlap; 4 ms is an assumption
     in the range vLLM's V1 scheduler was reworked to reach (its 2025 blog), not a measure.
+    ``lora_token_s`` and ``lora_step_s`` price a step's LoRA adapters on top
+    (:func:`engine.core.step_cost.lora_seconds`; 0 by default: no measurement yet).
+
+    Raises:
+        ValueError: a LoRA term that is negative or not finite.
     """
 
     model: ModelSpec
@@ -39,6 +44,13 @@ class RooflineCost:
     tensor_parallel: int = 1
     """GPUs per replica: each computes and reads ``1 / tensor_parallel`` of the step, and
     their memory adds up (the all-reduces between them are not modelled)."""
+    lora_token_s: float = 0.0
+    """Seconds per step row (token) per distinct LoRA adapter in the step."""
+    lora_step_s: float = 0.0
+    """Seconds a step with any LoRA adapter adds."""
+
+    def __post_init__(self) -> None:
+        check_lora_terms(self.lora_token_s, self.lora_step_s)
 
     @classmethod
     def named(cls, model: str, gpu: str, **kw) -> RooflineCost:
@@ -86,4 +98,5 @@ class RooflineCost:
         eff = self.prefill_efficiency if shape.prefill_tokens else self.decode_efficiency
         compute = flops / (self.gpu.peak_flops * eff * self.tensor_parallel)
         memory = nbytes / (self.gpu.bandwidth_bytes_s * eff * self.tensor_parallel)
-        return max(compute, memory) + self.step_overhead_s
+        adapters = lora_seconds(shape, self.lora_token_s, self.lora_step_s)
+        return max(compute, memory) + self.step_overhead_s + adapters

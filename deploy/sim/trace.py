@@ -4,9 +4,10 @@ CSV: the Azure LLM inference trace 2023 (columns ``TIMESTAMP``, ``ContextTokens`
 ``GeneratedTokens``; Splitwise, Patel et al., ISCA 2024, CC-BY 4.0). Two ship with the
 package in ``deploy/sim/traces/`` (its README gives the source and attribution), named by
 :data:`SHIPPED` (``conv``, ``code``). JSONL: one request a line, ``{"arrival_s",
-"prompt_tokens", "output_tokens", "class"?, "prompt_key"?}`` (``class`` optional: the mix,
-or the default class, decides; ``prompt_key`` optional: lines with the same key share
-their prompt, see :attr:`SimRequest.prompt_key`).
+"prompt_tokens", "output_tokens", "class"?, "prompt_key"?, "model"?}`` (``class`` optional:
+the mix, or the default class, decides; ``prompt_key`` optional: lines with the same key
+share their prompt, see :attr:`SimRequest.prompt_key`; ``model`` optional: a LoRA adapter's
+name, see :attr:`SimRequest.model`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ class SimRequest:
     """Requests with the same key send the same prompt tokens, up to the shorter one's
     length (one system prompt, or one question asked many times), so prefix caching and
     prefix affinity apply between them; None: a prompt that shares no block."""
+    model: str | None = None
+    """The model it asks for, as a request's ``model``: a LoRA adapter's name, which the
+    simulated replica runs it with (:class:`deploy.sim.runner.SimLoRAs`: no file is
+    read); None, or the service's model name (``ServiceConfig.model_name()``): the base
+    model."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +88,9 @@ class TraceSpec:
     seed: int = 0
 
 
-def _rows(path: Path) -> list[tuple[float, int, int, str | None, str | None]]:
+def _rows(path: Path) -> list[tuple[float, int, int, str | None, str | None, str | None]]:
     """``(arrival s from the trace's first row, prompt, output, class or None, prompt key
-    or None)`` per row."""
+    or None, model or None)`` per row."""
     if path.suffix == ".jsonl":
         rows = []
         with path.open() as f:
@@ -100,6 +106,7 @@ def _rows(path: Path) -> list[tuple[float, int, int, str | None, str | None]]:
                             _count(d["output_tokens"]),
                             d.get("class"),
                             d.get("prompt_key"),
+                            d.get("model"),
                         )
                     )
                 except (ValueError, KeyError, TypeError) as e:
@@ -119,7 +126,7 @@ def _rows(path: Path) -> list[tuple[float, int, int, str | None, str | None]]:
         except (KeyError, ValueError, TypeError) as e:  # TypeError: a short row
             raise ValueError(f"{path}: not an Azure trace CSV ({e})") from e
     ref = raw[0][0] if raw else None
-    return _from_first([((t - ref).total_seconds(), p, o, None, None) for t, p, o in raw])
+    return _from_first([((t - ref).total_seconds(), p, o, None, None, None) for t, p, o in raw])
 
 
 def _count(value) -> int:
@@ -134,14 +141,16 @@ def _count(value) -> int:
     return int(n)
 
 
-def _checked(t: float, prompt: int, output: int, cls, key) -> tuple:
+def _checked(t: float, prompt: int, output: int, cls, key, model) -> tuple:
     if not math.isfinite(t):
         raise ValueError(f"arrival_s {t!r} is not a finite number")
     if cls is not None and not isinstance(cls, str):
         raise ValueError(f"class {cls!r} is not a name")
     if key is not None and not isinstance(key, str):
         raise ValueError(f"prompt_key {key!r} is not a string")
-    return t, prompt, output, cls, key
+    if model is not None and not (isinstance(model, str) and model):
+        raise ValueError(f"model {model!r} is not a name")
+    return t, prompt, output, cls, key, model
 
 
 def _from_first(rows: list[tuple]) -> list[tuple]:
@@ -174,7 +183,7 @@ def load_requests(spec: TraceSpec) -> list[SimRequest]:
             raise ValueError(f"{flag} must be a finite number > 0, got {value!r}")
     end = spec.window_start_s + spec.duration_s if spec.duration_s is not None else float("inf")
     out = []
-    for row, (t, prompt, output, cls, key) in enumerate(_rows(trace_path(spec.path))):
+    for row, (t, prompt, output, cls, key, model) in enumerate(_rows(trace_path(spec.path))):
         if not spec.window_start_s <= t < end:
             continue
         if cls is None:
@@ -187,6 +196,7 @@ def load_requests(spec: TraceSpec) -> list[SimRequest]:
                 max(1, round(output / spec.length_scale)),
                 cls,
                 prompt_key=key,
+                model=model,
             )
         )
     if not out:

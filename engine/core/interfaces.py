@@ -30,7 +30,10 @@ class ModelRunner(Protocol):
     last :meth:`execute` as ``((phase name, seconds), ...)`` (``TorchModelRunner``:
     prepare, forward, sample, on ``time.perf_counter``). The engine copies it into
     :attr:`StepRecord.phases` when the runner has it (``getattr(runner, "last_phases",
-    ())``), so a fake runner need not.
+    ())``), so a fake runner need not. ``lora``, the runner's LoRA adapters
+    (:class:`engine.lora.LoRAManager`, or anything with its ``get(lora)`` returning an
+    object with a ``key``, ``remove``, ``loaded`` and ``mean_load_s``:
+    ``deploy.sim.runner.SimLoRAs``); absent or None: the runner serves no adapter.
     """
 
     num_kv_blocks: int

@@ -11,12 +11,19 @@ The simulator costs its virtual steps with it (:mod:`deploy.sim`; GPUs the proje
 measure take :class:`deploy.sim.roofline.RooflineCost` instead); a live replica predicts its
 own steps with it (:mod:`engine.core.step_drift`). It is a pure function of the shape, so a
 simulated run is deterministic.
+
+A step that runs LoRA adapters costs more (:func:`lora_seconds`): each of a decoder layer's
+four fused projections adds two matrix products over the step's rows and the slots in use
+(:mod:`engine.lora`), and a decode-only step with an adapter leaves the packed weights'
+one-call decode path. Calibration runs no adapter, so those terms are not fitted: they are
+set from a measurement (``lora_token_s``, ``lora_step_s``; 0 by default).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
@@ -50,11 +57,14 @@ class StepShape:
     decode_context_tokens: int
     prefill_attention_pairs: float
     prefill_seqs: int
+    adapters: int = 0
+    """Distinct LoRA adapters among the step's sequences (0: the base model alone)."""
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepShape:
         """The shape of a scheduler's step (decodes come first in ``out.seqs``)."""
-        return cls.of_spans([(s.start, s.num_tokens) for s in out.seqs], out.num_decodes)
+        adapters = len({s.request.lora.name for s in out.seqs if s.request.lora is not None})
+        return cls.of_spans([(s.start, s.num_tokens) for s in out.seqs], out.num_decodes, adapters)
 
     @classmethod
     def of_record(cls, seqs: tuple[tuple[str, int, int], ...], num_decodes: int) -> StepShape:
@@ -63,9 +73,11 @@ class StepShape:
         return cls.of_spans([(start, n) for _, start, n in seqs], num_decodes)
 
     @classmethod
-    def of_spans(cls, spans: list[tuple[int, int]], num_decodes: int) -> StepShape:
+    def of_spans(
+        cls, spans: list[tuple[int, int]], num_decodes: int, adapters: int = 0
+    ) -> StepShape:
         """The shape of ``(first position, tokens)`` per scheduled sequence, the
-        ``num_decodes`` decodes first."""
+        ``num_decodes`` decodes first, with ``adapters`` distinct LoRA adapters."""
         decodes, prefills = spans[:num_decodes], spans[num_decodes:]
         return cls(
             prefill_tokens=sum(n for _, n in prefills),
@@ -73,7 +85,13 @@ class StepShape:
             decode_context_tokens=sum(start + 1 for start, _ in decodes),
             prefill_attention_pairs=sum(n * start + n * (n + 1) / 2 for start, n in prefills),
             prefill_seqs=len(prefills),
+            adapters=adapters,
         )
+
+    @property
+    def tokens(self) -> int:
+        """The step's rows: prefill tokens and one per decode."""
+        return self.prefill_tokens + self.decode_seqs
 
     def features(self) -> tuple[float, ...]:
         """``(1, prefill tokens, decodes, decode context tokens, prefill attention pairs /
@@ -93,12 +111,42 @@ class CostModel(Protocol):
     def step_seconds(self, shape: StepShape) -> float: ...
 
 
+def lora_seconds(shape: StepShape, token_s: float, step_s: float) -> float:
+    """The seconds a step's LoRA adapters add: ``token_s x tokens x adapters + step_s``
+    for a step with any adapter, 0 for one without.
+
+    Each fused projection's two extra matrix products span the step's ``tokens`` rows
+    and ``adapters x targets x max_lora_rank`` columns (the slots in use; the engine's
+    slots may reach past the distinct adapters' count, which this leaves out);
+    ``step_s`` is what a step pays for having any (the rows' slot matrix, and a decode-only
+    step running the model's layers instead of the packed weights' one-call decode path).
+    """
+    if not shape.adapters:
+        return 0.0
+    return token_s * shape.tokens * shape.adapters + step_s
+
+
+def check_lora_terms(token_s: float, step_s: float) -> None:
+    """Raises:
+    ValueError: a LoRA term that is not a finite number >= 0.
+    """
+    for name, value in (("lora_token_s", token_s), ("lora_step_s", step_s)):
+        if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} {value!r}: must be a finite number of seconds >= 0")
+
+
 @dataclass(frozen=True, slots=True)
 class LinearCost:
     """``seconds = coefficients . shape.features()``, fitted on one machine.
 
     ``num_kv_blocks``, ``block_size``, ``max_model_len`` and ``vocab_size`` are those of the
     engine it was measured on, so a simulated replica has the same KV capacity.
+
+    ``lora_token_s`` and ``lora_step_s`` price a step's LoRA adapters (:func:`lora_seconds`);
+    the fit does not set them, and a file without them reads them as 0.
+
+    Raises:
+        ValueError: a LoRA term that is negative or not finite.
     """
 
     coefficients: tuple[float, ...]
@@ -108,9 +156,17 @@ class LinearCost:
     vocab_size: int
     source: str = ""
     """Where the fit came from (model, host, steps, fit error), for reports."""
+    lora_token_s: float = 0.0
+    """Seconds per step row (token) per distinct LoRA adapter in the step."""
+    lora_step_s: float = 0.0
+    """Seconds a step with any LoRA adapter adds."""
+
+    def __post_init__(self) -> None:
+        check_lora_terms(self.lora_token_s, self.lora_step_s)
 
     def step_seconds(self, shape: StepShape) -> float:
-        return float(sum(c * f for c, f in zip(self.coefficients, shape.features())))
+        base = float(sum(c * f for c, f in zip(self.coefficients, shape.features())))
+        return base + lora_seconds(shape, self.lora_token_s, self.lora_step_s)
 
     def save(self, path: str | Path) -> None:
         data = asdict(self) | {"kind": "linear", "features": list(FEATURES)}
@@ -121,19 +177,25 @@ class LinearCost:
         """Read a fit written by :meth:`save` (``iterserve calibrate``).
 
         Raises:
-            ValueError: not a linear cost model file, or its features differ.
+            ValueError: not a linear cost model file, its features differ, or a LoRA
+                term is negative or not a number.
         """
         data = json.loads(Path(path).read_text())
         if data.get("kind") != "linear" or tuple(data.get("features", ())) != FEATURES:
             raise ValueError(f"{path}: not a calibrated cost model (iterserve calibrate)")
-        return cls(
-            tuple(data["coefficients"]),
-            data["num_kv_blocks"],
-            data["block_size"],
-            data["max_model_len"],
-            data["vocab_size"],
-            data.get("source", ""),
-        )
+        try:
+            return cls(
+                tuple(data["coefficients"]),
+                data["num_kv_blocks"],
+                data["block_size"],
+                data["max_model_len"],
+                data["vocab_size"],
+                data.get("source", ""),
+                data.get("lora_token_s", 0.0),
+                data.get("lora_step_s", 0.0),
+            )
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
 
 
 def fit_linear(shapes: list[StepShape], seconds: list[float]) -> tuple[float, ...]:
