@@ -466,8 +466,14 @@ TOOLKIT = (
     ),
     (
         "offline",
-        "the offline engines compared (iterserve, vLLM, transformers) and what is measured "
-        "around them",
+        "the offline engines compared (iterserve, vLLM), each loaded in its own venv, and the "
+        "measurements taken on them",
+    ),
+    (
+        "workers",
+        "the offline throughput workers (iterserve's `LLM.generate`, transformers' `generate` "
+        "and `generate_batch`, iterserve's decode sweep), each run in its own subprocess, and "
+        "what they measure around their timed section",
     ),
     (
         "inprocess",

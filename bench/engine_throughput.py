@@ -65,11 +65,11 @@ Decode sweep
 
 Code
     This module holds, in order: the workload and each system's config; the aggregation,
-    ratios, greedy agreement and JSON report; the markdown report; iterserve's worker, the
-    decode sweep and the workers' dispatch; the command line and the run itself (spawning the
-    workers, interleaving the systems' runs, the sweeps). Each worker runs in its own
-    subprocess (``python -m bench.engine_throughput --worker NAME``); transformers' workers
-    and the measuring they share are in :mod:`bench.toolkit.offline`.
+    ratios, greedy agreement and JSON report; the markdown report; the command line and the
+    run itself (interleaving the systems' runs, the sweeps). The workers (iterserve's,
+    transformers' two, the decode sweep) and the subprocess each runs in
+    (``python -m bench.toolkit.workers NAME``, started by :func:`bench.toolkit.workers.spawn`)
+    are in :mod:`bench.toolkit.workers`.
 
 Noise
     This machine is shared. Each timed section also records the cores this worker kept busy and
@@ -87,32 +87,18 @@ Output
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 from bench.toolkit import REPO, RESULTS, cli
 from bench.toolkit import report as rp
-from bench.toolkit.cpu_load import cpu_snapshot, foreign_cores
-from bench.toolkit.offline import (
-    Timed,
-    greedy_requests,
-    make_result,
-    peak_rss_mib,
-    rss_mib,
-    set_threads,
-    worker_hf_generate,
-    worker_hf_generate_batch,
-)
 from bench.toolkit.report import fmt
-from bench.toolkit.steps import PHASES
+from bench.toolkit.workers import spawn
 from bench.toolkit.workload import ATTRIBUTION, TOKEN_ID_RANGE, Lengths, read_trace
 
 
@@ -654,252 +640,10 @@ def markdown(report: dict) -> str:
     )
 
 
-# The workers, each in its own subprocess: iterserve, the decode sweep, the dispatch.
-def _make_llm(cfg: dict):
-    """iterserve's LLM on the embedded model, sized by the benchmark's config."""
-    from engine import LLM
-
-    return LLM(
-        model=None,
-        max_num_seqs=cfg["max_num_seqs"],
-        max_num_batched_tokens=cfg["max_num_batched_tokens"],
-        block_size=cfg["block_size"],
-        num_kv_blocks=cfg["num_kv_blocks"],
-        dtype="float32",
-        cpu_weight_prepack=cfg["cpu_weight_prepack"],
-    )
-
-
-def worker_iterserve(wl: dict, cfg: dict) -> dict:
-    from engine import SamplingParams
-
-    t0 = time.perf_counter()
-    llm = _make_llm(cfg)
-    setup = time.perf_counter() - t0
-    rss_loaded = rss_mib()
-    engine = llm.llm_engine
-    warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p[:32]} for p in wl["prompts"][:2]], warm, use_tqdm=False)
-    preempted_before = engine.scheduler.num_preemptions
-
-    prompts, params = greedy_requests(SamplingParams, zip(wl["prompts"], wl["output_lens"]))
-    with Timed() as tm:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = tm.wall
-    preemptions = engine.scheduler.num_preemptions - preempted_before
-    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
-    e2e = [o.metrics.finish_time - o.metrics.arrival_time for o in outs]
-    return make_result(
-        wl,
-        wall,
-        [list(o.outputs[0].token_ids) for o in outs],
-        setup_s=setup,
-        rss_after_load_mib=rss_loaded,
-        preemptions=preemptions,
-        foreign_cores=tm.foreign,
-        own_cores=tm.own,
-        ttft_s_p50=statistics.median(ttft),
-        e2e_s_p50=statistics.median(e2e),
-        model_dir=str(engine.model_dir),
-    )
-
-
-def _gemm_flops(n: int, reps: int) -> tuple[float, list[float]]:
-    import torch
-
-    a = torch.randn(n, n, dtype=torch.float32)
-    b = torch.randn(n, n, dtype=torch.float32)
-    for _ in range(2):
-        torch.mm(a, b)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(times), times
-
-
-def _num_params(model) -> int:
-    """Parameters the forward multiplies by (tied embeddings once)."""
-    from engine.cpu.linear import PackedLinear
-
-    # Prepacked layers hold their weights as buffers; a tied LM head's plain weight is the
-    # embedding's, already a parameter.
-    return sum(p.numel() for p in model.parameters()) + sum(
-        m.packed_weight.numel()
-        for m in model.modules()
-        if isinstance(m, PackedLinear) and not m.tied
-    )
-
-
-def _decode_steps(
-    engine, steps: list, prompts: list[list[int]], skip: int, measure: int
-) -> tuple[list[dict], float | None]:
-    """Run ``prompts`` until ``skip + measure`` steps have had every sequence decoding.
-
-    ``steps`` is the list a step listener of ``engine`` appends each
-    :class:`engine.StepRecord` to.
-    Returns the measured steps (seconds of the whole step and of each of :data:`PHASES`)
-    and the cores other processes kept busy over them.
-    """
-    from engine import SamplingParams
-
-    n = len(prompts)
-    params = SamplingParams(max_tokens=skip + measure + 4, temperature=0, ignore_eos=True)
-    ids = [f"sweep{n}-{i}" for i in range(n)]
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, params)
-    prefill_steps = 0
-    records: list[dict] = []
-    meas_start = None  # (cpu snapshot, time) before the first measured step
-    while len(records) < skip + measure:
-        steps.clear()
-        snap = cpu_snapshot()
-        t = time.perf_counter()
-        engine.step()
-        if not steps:
-            raise RuntimeError(f"sweep at {n} seqs: a step ran nothing")
-        rec = steps[-1]
-        if not rec.num_decodes == len(rec.seqs) == n:  # a prefill is still in this step
-            prefill_steps += 1
-            if records or prefill_steps > 100:
-                raise RuntimeError(f"sweep at {n} seqs: not all sequences decoding")
-            continue
-        if len(records) == skip:
-            meas_start = (snap, t)
-        phases = dict(rec.phases)
-        records.append(
-            {
-                "step": rec.seconds,
-                "schedule": rec.schedule_s,
-                **{k: phases.get(k, 0.0) for k in PHASES[1:]},
-            }
-        )
-    foreign = foreign_cores(meas_start[0], cpu_snapshot(), time.perf_counter() - meas_start[1])
-    engine.abort(ids)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return records[skip:], foreign
-
-
-def _sweep_point(n: int, rec: list[dict], roofline: float, foreign: float | None) -> dict:
-    total = sum(r["step"] for r in rec)
-    phase = {k: sum(r[k] for r in rec) / len(rec) for k in PHASES}
-    step_mean = total / len(rec)
-    other = step_mean - sum(phase.values())
-    tok_s = n * len(rec) / total
-    return {
-        "num_seqs": n,
-        "steps_measured": len(rec),
-        "tok_s": tok_s,
-        "pct_roofline": 100 * tok_s / roofline,
-        "step_ms_mean": 1000 * step_mean,
-        "step_ms_median": 1000 * statistics.median(r["step"] for r in rec),
-        "breakdown_ms": {**{k: 1000 * v for k, v in phase.items()}, "other": 1000 * other},
-        "sched_prep_pct": 100 * (phase["schedule"] + phase["prepare"]) / step_mean,
-        "outside_forward_pct": 100 * (step_mean - phase["forward"]) / step_mean,
-        "foreign_cores": foreign,
-    }
-
-
-def worker_sweep(wl: dict, cfg: dict) -> dict:
-    """Decode tokens/s at several batch sizes, with a per-phase breakdown of each step
-    from the engine's step records."""
-    import torch
-
-    gemm_flops, gemm_times = _gemm_flops(cfg["gemm_size"], cfg["gemm_reps"])
-    llm = _make_llm(cfg)
-    engine = llm.llm_engine
-    n_params = _num_params(engine.runner.model)
-    roofline = gemm_flops / (2 * n_params)
-    steps: list = []
-    engine.add_step_listener(steps.append)
-
-    rng = random.Random(cfg["seed"] + 1)
-    points = []
-    for n in cfg["batch_sizes"]:
-        prompts = [
-            [rng.randrange(*cfg["token_id_range"]) for _ in range(cfg["prompt_len"])]
-            for _ in range(n)
-        ]
-        rec, foreign = _decode_steps(engine, steps, prompts, cfg["warm_steps"], cfg["steps"])
-        points.append(_sweep_point(n, rec, roofline, foreign))
-    return {
-        "gemm": {
-            "n": cfg["gemm_size"],
-            "reps": cfg["gemm_reps"],
-            "gflop_s": gemm_flops / 1e9,
-            "times_s": gemm_times,
-        },
-        "num_params": n_params,
-        "flop_per_token": 2 * n_params,
-        "roofline_tok_s": roofline,
-        "torch_threads": torch.get_num_threads(),
-        "prompt_len": cfg["prompt_len"],
-        "points": points,
-    }
-
-
-WORKERS = {
-    "iterserve": worker_iterserve,
-    "iterserve_noprepack": worker_iterserve,
-    "hf_generate": worker_hf_generate,
-    "hf_generate_batch": worker_hf_generate_batch,
-    "sweep": worker_sweep,
-}
-
-
-def worker_main(name: str, spec_path: str, result_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    set_threads(spec["config"])
-    try:
-        res = WORKERS[name](spec["workload"], spec["config"])
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which records it
-        import traceback
-
-        res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    res["peak_rss_mib"] = peak_rss_mib()
-    import torch
-
-    res["torch_threads"] = torch.get_num_threads()
-    Path(result_path).write_text(json.dumps(res))
-
-
-# The command line: spawning the workers, the runs, the sweeps.
+# The command line, the runs, the sweeps.
 DEFAULT_OUT = RESULTS / "engine_throughput.json"
 QUICK_OUT = RESULTS / "engine_throughput_quick.json"
 SYSTEMS = ("iterserve", "iterserve_noprepack", "hf_generate", "hf_generate_batch")
-
-
-def spawn(name: str, workload: dict, config: dict, timeout: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="iterserve-bench-") as tmp:
-        spec, result = Path(tmp, "spec.json"), Path(tmp, "result.json")
-        spec.write_text(json.dumps({"workload": workload, "config": config}))
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        cmd = [
-            sys.executable,
-            "-m",
-            "bench.engine_throughput",
-            "--worker",
-            name,
-            "--spec",
-            str(spec),
-            "--result",
-            str(result),
-        ]
-        try:
-            proc = subprocess.run(
-                cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-            )
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout:.0f} s"}
-        if result.is_file():
-            res = json.loads(result.read_text())
-        else:
-            res = {"error": f"worker exited with {proc.returncode} and no result"}
-        if "error" in res:
-            res["stderr_tail"] = proc.stderr[-3000:]
-        return res
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -970,9 +714,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         f"or {os.path.relpath(QUICK_OUT, REPO)} with --quick)",
         type=Path,
     )
-    ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
-    ap.add_argument("--spec", help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.runs is None:
         args.runs = 1 if args.quick else 3
@@ -1090,9 +831,6 @@ def expected_s(args: argparse.Namespace) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        worker_main(args.worker, args.spec, args.result)
-        return 0
     cli.expected("engine_throughput", expected_s(args))
     systems, wl, stats, configs = prepare(args)
     workload = {"prompts": wl["prompts"], "output_lens": wl["output_lens"]}

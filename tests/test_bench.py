@@ -401,3 +401,15 @@ async def test_the_in_process_target_admits_as_the_ingress_does():
     )
     with pytest.raises(Refused):  # held past the class's max_queue_wait_s (1 s)
         await target._admit(req, "interactive", rec, time.perf_counter() - 5.0)
+
+
+def test_a_worker_runs_in_its_own_subprocess_and_its_failure_comes_back():
+    # bench.engine_throughput runs every worker as `python -m bench.toolkit.workers NAME`:
+    # the module path must resolve, and a worker's exception must come back as its result.
+    from bench.toolkit import workers
+
+    res = workers.spawn("sweep", {}, {"threads": 1}, timeout=300)
+    assert res["error"] == "KeyError: 'gemm_size'", res
+    assert "Traceback" in res["traceback"] and "stderr_tail" in res
+    assert res["torch_threads"] == 1 and res["peak_rss_mib"] > 0
+    assert workers.spawn("nonesuch", {}, {}, timeout=300)["error"].startswith("worker exited")
