@@ -172,6 +172,7 @@ def _iterserve_config(args: argparse.Namespace) -> dict:
         "num_kv_blocks": args.num_kv_blocks,
         "kv_tokens": args.num_kv_blocks * args.block_size,
         "dtype": "float32",
+        "quantization": "none",
         "cpu_weight_prepack": True,
     }
 

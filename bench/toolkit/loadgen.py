@@ -29,6 +29,7 @@ class LoadRequest:
     prompt_tokens: int
     max_tokens: int  # sent with ignore_eos, so it is the expected output length
     arrival_s: float = 0.0  # scheduled send time, seconds from the run's start
+    model: str | None = None  # the ``model`` sent (a LoRA adapter's name); None: the target's
 
 
 class Refused(Exception):

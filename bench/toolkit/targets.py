@@ -137,7 +137,7 @@ class HttpTarget:
 
     def request_parts(self, req: LoadRequest) -> tuple[dict, dict[str, str]]:
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": req.model or self.model,
             "prompt": req.prompt,
             "max_tokens": req.max_tokens,
             "temperature": 0,

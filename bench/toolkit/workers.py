@@ -116,6 +116,9 @@ def _make_llm(cfg: dict):
         block_size=cfg["block_size"],
         num_kv_blocks=cfg["num_kv_blocks"],
         dtype="float32",
+        # The embedded GGUF de-quantized, as transformers loads it: the systems compared
+        # multiply by the same fp32 weights (the packed weights are bench.peers_packed's).
+        quantization=cfg.get("quantization", "none"),
         cpu_weight_prepack=cfg["cpu_weight_prepack"],
     )
 
@@ -401,14 +404,18 @@ def _gemm_flops(n: int, reps: int) -> tuple[float, list[float]]:
 def _num_params(model) -> int:
     """Parameters the forward multiplies by (tied embeddings once)."""
     from engine.cpu.linear import PackedLinear
+    from engine.quant.linear import QuantLinear
 
-    # Prepacked layers hold their weights as buffers; a tied LM head's plain weight is the
-    # embedding's, already a parameter.
-    return sum(p.numel() for p in model.parameters()) + sum(
-        m.packed_weight.numel()
-        for m in model.modules()
-        if isinstance(m, PackedLinear) and not m.tied
-    )
+    # Prepacked and packed-quantized layers hold their weights as buffers; a tied LM
+    # head's plain weight is the embedding's, already a parameter. A packed embedding is
+    # only looked up (its LM head, tied or not, is a QuantLinear).
+    n = sum(p.numel() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, PackedLinear) and not m.tied:
+            n += m.packed_weight.numel()
+        elif isinstance(m, QuantLinear):
+            n += m.in_features * m.out_features
+    return n
 
 
 def _decode_steps(
