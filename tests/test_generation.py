@@ -23,11 +23,20 @@ def reference(model_dir, prompts):
     return greedy_reference(model_dir, prompts)
 
 
-def greedy_reference(model_dir, prompts: list[list[int]], max_new_tokens: int = MAX_TOKENS):
-    """transformers' greedy ``generate`` per prompt (unpadded): (token ids, logits per step)."""
+def greedy_reference(
+    model_dir, prompts: list[list[int]], max_new_tokens: int = MAX_TOKENS, adapter=None
+):
+    """transformers' greedy ``generate`` per prompt (unpadded): (token ids, logits per step).
+
+    ``adapter``: a PEFT LoRA directory, merged into the weights first (peft's
+    ``merge_and_unload``)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
     refs = []
     with torch.inference_mode():
         for ids in prompts:

@@ -7,6 +7,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -60,7 +61,8 @@ class LoRAManager:
         """
         with self._lock:
             adapter = self._cache.get(lora.name)
-            if adapter is not None and adapter.path == str(lora.path):
+            # As load_adapter spells it: "dir/" or "./dir" is the adapter kept as "dir".
+            if adapter is not None and adapter.path == str(Path(lora.path)):
                 self._cache.move_to_end(lora.name)
                 return adapter
             t0 = time.perf_counter()
