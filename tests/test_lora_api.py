@@ -18,8 +18,9 @@ import pytest
 from deploy.config import ServiceConfig
 from deploy.top import scrape
 from router.ingress import Ingress, add_routes, make_app
-from tests.lora_adapters import ALL_TARGETS, make_adapter
 from tests.serving_app import MODEL, free_port, running_local
+from tests.test_generation import greedy_reference
+from tests.test_lora import ADAPTERS, SEEDS, make_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -30,23 +31,17 @@ ADMIN, USER, LIMITED = "sk-admin", "sk-user", "sk-limited"
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, model_dir, tokenizer) -> dict[str, tuple[str, str]]:
-    """Two adapters: name -> (directory, its greedy text for :data:`PROMPT`); and the base
-    model's text under :data:`MODEL`."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.lora_adapters import greedy
-
+    """test_lora's two adapters under the names ``qv`` (A) and ``all`` (B): name ->
+    (directory, its greedy text for :data:`PROMPT`); and the base model's text under
+    :data:`MODEL`."""
     ids = tokenizer.encode(PROMPT)
     root = tmp_path_factory.mktemp("adapters")
     out = {}
-    for name, targets, rank, seed in (
-        ("qv", ["q_proj", "v_proj"], 8, 1),
-        ("all", ALL_TARGETS, 16, 2),
-    ):
-        [ref] = make_adapter(model_dir, root / name, targets, rank, seed, [ids], MAX_TOKENS)
+    for name, source in (("qv", "A"), ("all", "B")):
+        make_adapter(model_dir, root / name, SEEDS[source], **ADAPTERS[source])
+        [(ref, _)] = greedy_reference(model_dir, [ids], MAX_TOKENS, adapter=root / name)
         out[name] = (str(root / name), tokenizer.decode(ref))
-    base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    [ref] = greedy(base, [ids], MAX_TOKENS)
+    [(ref, _)] = greedy_reference(model_dir, [ids], MAX_TOKENS)
     out[MODEL] = ("", tokenizer.decode(ref))
     assert len({text for _, text in out.values()}) == 3, out  # each adapter changes the text
     return out
