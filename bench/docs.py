@@ -75,6 +75,12 @@ def _step_profile(name: str, result: dict) -> list[str]:
     return [*_run_lines(result), *step_profile.table(result), ""]
 
 
+def _adapters(name: str, result: dict) -> list[str]:
+    from bench import adapters
+
+    return [*_run_lines(result), *adapters.table(result), ""]
+
+
 def _scheduling(name: str, result: dict) -> list[str]:
     from bench import scheduling
 
@@ -360,6 +366,23 @@ SUITES: tuple[Suite, ...] = (
         ("python -m bench.step_profile",),
         ("step_profile.json",),
         _step_profile,
+    ),
+    Suite(
+        "LoRA adapters",
+        "bench.adapters",
+        "What LoRA adapters cost one engine step, with the embedded GGUF's weights packed: 1, "
+        "4 and 16 distinct adapters (rank 16 on all seven projections, random, made with "
+        "`peft`) against the base model, at 8 and 32 sequences decoding and one 512-token "
+        "prefill step. The base model's decode-only steps run in one C call, which a step "
+        "with adapters does not take: the base step without it is measured beside them, "
+        "which splits the overhead into losing that call and the LoRA passes. The "
+        "configurations alternate in rounds; ratios are taken within a round.",
+        (
+            "python -m bench.adapters",
+            "python -m bench.adapters --quick    # a smoke run",
+        ),
+        ("adapters.json",),
+        _adapters,
     ),
     Suite(
         "GPU check",
