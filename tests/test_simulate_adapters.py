@@ -121,9 +121,9 @@ def test_the_adapter_terms_price_a_step_and_are_zero_by_default(tmp_path):
     shape = StepShape(20, 3, 300, 210.0, 1, adapters=2)
     assert shape.tokens == 23
     assert COST.step_seconds(shape) == COST.step_seconds(dataclasses.replace(shape, adapters=0))
-    priced = dataclasses.replace(COST, lora_token_s=1e-4, lora_step_s=0.005)
+    priced = dataclasses.replace(COST, lora_token_s=1e-4, lora_step_s=0.005, lora_adapter_s=0.002)
     assert priced.step_seconds(shape) == pytest.approx(
-        COST.step_seconds(shape) + 1e-4 * 23 * 2 + 0.005
+        COST.step_seconds(shape) + 2 * (0.002 + 1e-4 * 23) + 0.005
     )
     base_shape = dataclasses.replace(shape, adapters=0)
     assert priced.step_seconds(base_shape) == COST.step_seconds(base_shape)
@@ -137,7 +137,7 @@ def test_the_adapter_terms_price_a_step_and_are_zero_by_default(tmp_path):
     priced.save(tmp_path / "c.json")
     assert LinearCost.load(tmp_path / "c.json") == priced
     old = json.loads((tmp_path / "c.json").read_text())
-    del old["lora_token_s"], old["lora_step_s"]
+    del old["lora_token_s"], old["lora_step_s"], old["lora_adapter_s"]
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert LinearCost.load(tmp_path / "old.json") == dataclasses.replace(COST, source="test")
     (tmp_path / "bad.json").write_text(json.dumps(old | {"lora_step_s": -1}))
@@ -145,6 +145,8 @@ def test_the_adapter_terms_price_a_step_and_are_zero_by_default(tmp_path):
         LinearCost.load(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="lora_token_s"):
         dataclasses.replace(gpu, lora_token_s=float("nan"))
+    with pytest.raises(ValueError, match="lora_adapter_s"):
+        dataclasses.replace(COST, lora_adapter_s=-1e-3)
 
 
 def test_simulated_steps_with_adapters_cost_the_terms_and_nothing_without():
@@ -159,7 +161,9 @@ def test_simulated_steps_with_adapters_cost_the_terms_and_nothing_without():
         (s.seqs, s.start, s.seconds) for s in plain.steps[0]
     ]
     assert free_run.busy_s == plain_run.busy_s
-    priced_cost = dataclasses.replace(COST, lora_token_s=2e-4, lora_step_s=0.01)
+    priced_cost = dataclasses.replace(
+        COST, lora_token_s=2e-4, lora_step_s=0.01, lora_adapter_s=3e-3
+    )
     priced = Fleet(service(), priced_cost, record_steps=True)
     priced_run = priced.run(reqs)
     assert priced_run.busy_s[0] > free_run.busy_s[0]
@@ -169,7 +173,7 @@ def test_simulated_steps_with_adapters_cost_the_terms_and_nothing_without():
         n = len({lora[rid] for rid, _, _ in s.seqs} - {None})
         tokens = sum(t for _, _, t in s.seqs)
         shape = StepShape.of_record(s.seqs, s.num_decodes)
-        extra = 2e-4 * tokens * n + 0.01 if n else 0.0
+        extra = n * (3e-3 + 2e-4 * tokens) + 0.01 if n else 0.0
         assert s.seconds == pytest.approx(COST.step_seconds(shape) + extra)
         with_adapters += n > 0
     assert with_adapters > 0
@@ -255,17 +259,20 @@ def test_the_command_line_takes_adapter_terms(tmp_path, capsys):
     COST.save(cost)
     out = tmp_path / "r.json"
     argv = ["simulate", "--trace", str(path), "--cost-model", str(cost), "--json", str(out)]
-    assert cli_main([*argv, "--lora-token-s", "0.0001", "--lora-step-s", "0.002"]) == 0
-    assert "LoRA adapters 0.0001 s per token per adapter + 0.002 s per step" in (
-        capsys.readouterr().out
+    flags = ["--lora-token-s", "0.0001", "--lora-step-s", "0.002", "--lora-adapter-s", "0.003"]
+    assert cli_main([*argv, *flags]) == 0
+    assert (
+        "LoRA adapters 0.003 s per adapter + 0.0001 s per token per adapter + 0.002 s per step"
+        in capsys.readouterr().out
     )
     report = json.loads(out.read_text())
     assert report["cost_model"]["lora_token_s"] == 0.0001
     assert report["cost_model"]["lora_step_s"] == 0.002
+    assert report["cost_model"]["lora_adapter_s"] == 0.003
     assert report["runs"][0]["classes"]["interactive"]["refused"] == 0
     assert cli_main([*argv, "--lora-step-s", "-1"]) == 2
     assert "lora_step_s" in capsys.readouterr().err
     log = tmp_path / "steps.jsonl"
     log.write_text("")
     assert cli_main(["simulate", "--replay-steps", str(log), "--lora-token-s", "0.001"]) == 2
-    assert "--lora-token-s and --lora-step-s do not apply" in capsys.readouterr().err
+    assert "--lora-step-s and --lora-adapter-s do not apply" in capsys.readouterr().err

@@ -119,6 +119,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds a step with any LoRA adapter adds (default: the cost model's "
         "lora_step_s, 0 where it has none)",
     )
+    c.add_argument(
+        "--lora-adapter-s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds a step adds per LoRA adapter in it (default: the cost model's "
+        "lora_adapter_s, 0 where it has none)",
+    )
     server_arguments(p.add_argument_group("a running server (--from-url)"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -183,7 +191,7 @@ def cost_model(args: argparse.Namespace):
     cost = _cost_model(args)
     terms = {
         k: getattr(args, k)
-        for k in ("lora_token_s", "lora_step_s")
+        for k in ("lora_token_s", "lora_step_s", "lora_adapter_s")
         if getattr(args, k, None) is not None
     }
     return dataclasses.replace(cost, **terms) if terms else cost
@@ -332,9 +340,13 @@ def check_args(args: argparse.Namespace) -> None:
         ),
         (twin and args.gpu, f"{source} fits the logged steps: --gpu does not apply"),
         (
-            twin and (args.lora_token_s is not None or args.lora_step_s is not None),
-            f"{source} replays requests without adapters: --lora-token-s and "
-            "--lora-step-s do not apply",
+            twin
+            and any(
+                getattr(args, k, None) is not None
+                for k in ("lora_token_s", "lora_step_s", "lora_adapter_s")
+            ),
+            f"{source} replays requests without adapters: --lora-token-s, --lora-step-s "
+            "and --lora-adapter-s do not apply",
         ),
         (twin and args.autoscale, f"{source} replays one fleet: --autoscale does not apply"),
         (args.last is not None and not args.from_url, "--last goes with --from-url"),
@@ -446,10 +458,11 @@ def run_command(args: argparse.Namespace) -> int:
 def cost_line(args: argparse.Namespace, cost) -> str:
     """Which step-time model the figures come from, for the terminal: a CPU fit is only
     right for the host (and the load on it) it was measured on."""
+    terms = [getattr(cost, k, 0) for k in ("lora_adapter_s", "lora_token_s", "lora_step_s")]
     lora = (
-        f"; LoRA adapters {cost.lora_token_s:g} s per token per adapter + "
-        f"{cost.lora_step_s:g} s per step"
-        if getattr(cost, "lora_token_s", 0) or getattr(cost, "lora_step_s", 0)
+        f"; LoRA adapters {terms[0]:g} s per adapter + {terms[1]:g} s per token per "
+        f"adapter + {terms[2]:g} s per step"
+        if any(terms)
         else ""
     )
     if args.gpu:

@@ -27,7 +27,7 @@ class RooflineCost:
     ``decode_efficiency`` (bandwidth-bound). ``step_overhead_s`` is the host's time per step
     (scheduling, launches, sampling) that the GPU does not overlap; 4 ms is an assumption
     in the range vLLM's V1 scheduler was reworked to reach (its 2025 blog), not a measure.
-    ``lora_token_s`` and ``lora_step_s`` price a step's LoRA adapters on top
+    ``lora_token_s``, ``lora_adapter_s`` and ``lora_step_s`` price a step's LoRA adapters on top
     (:func:`engine.core.step_cost.lora_seconds`; 0 by default: no measurement yet).
 
     Raises:
@@ -48,9 +48,11 @@ class RooflineCost:
     """Seconds per step row (token) per distinct LoRA adapter in the step."""
     lora_step_s: float = 0.0
     """Seconds a step with any LoRA adapter adds."""
+    lora_adapter_s: float = 0.0
+    """Seconds per distinct LoRA adapter in the step (reading its matrices)."""
 
     def __post_init__(self) -> None:
-        check_lora_terms(self.lora_token_s, self.lora_step_s)
+        check_lora_terms(self.lora_token_s, self.lora_step_s, self.lora_adapter_s)
 
     @classmethod
     def named(cls, model: str, gpu: str, **kw) -> RooflineCost:
@@ -98,5 +100,5 @@ class RooflineCost:
         eff = self.prefill_efficiency if shape.prefill_tokens else self.decode_efficiency
         compute = flops / (self.gpu.peak_flops * eff * self.tensor_parallel)
         memory = nbytes / (self.gpu.bandwidth_bytes_s * eff * self.tensor_parallel)
-        adapters = lora_seconds(shape, self.lora_token_s, self.lora_step_s)
+        adapters = lora_seconds(shape, self.lora_token_s, self.lora_step_s, self.lora_adapter_s)
         return max(compute, memory) + self.step_overhead_s + adapters

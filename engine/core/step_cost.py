@@ -111,26 +111,29 @@ class CostModel(Protocol):
     def step_seconds(self, shape: StepShape) -> float: ...
 
 
-def lora_seconds(shape: StepShape, token_s: float, step_s: float) -> float:
-    """The seconds a step's LoRA adapters add: ``token_s x tokens x adapters + step_s``
-    for a step with any adapter, 0 for one without.
+def lora_seconds(shape: StepShape, token_s: float, step_s: float, adapter_s: float = 0.0) -> float:
+    """The seconds a step's LoRA adapters add:
+    ``adapters x (adapter_s + token_s x tokens) + step_s`` for a step with any adapter, 0
+    for one without.
 
     Each fused projection's two extra matrix products span the step's ``tokens`` rows
     and ``adapters x targets x max_lora_rank`` columns (the slots in use; the engine's
-    slots may reach past the distinct adapters' count, which this leaves out);
-    ``step_s`` is what a step pays for having any (the rows' slot matrix, and a decode-only
-    step running the model's layers instead of the packed weights' one-call decode path).
+    slots may reach past the distinct adapters' count, which this leaves out), and read
+    every adapter's matrices once (``adapter_s``); ``step_s`` is what a step pays for
+    having any (the rows' slot matrix, and a decode-only step running the model's layers
+    instead of the packed weights' one-call decode path).
     """
     if not shape.adapters:
         return 0.0
-    return token_s * shape.tokens * shape.adapters + step_s
+    return shape.adapters * (adapter_s + token_s * shape.tokens) + step_s
 
 
-def check_lora_terms(token_s: float, step_s: float) -> None:
+def check_lora_terms(token_s: float, step_s: float, adapter_s: float = 0.0) -> None:
     """Raises:
     ValueError: a LoRA term that is not a finite number >= 0.
     """
-    for name, value in (("lora_token_s", token_s), ("lora_step_s", step_s)):
+    terms = (("lora_token_s", token_s), ("lora_step_s", step_s), ("lora_adapter_s", adapter_s))
+    for name, value in terms:
         if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} {value!r}: must be a finite number of seconds >= 0")
 
@@ -142,8 +145,9 @@ class LinearCost:
     ``num_kv_blocks``, ``block_size``, ``max_model_len`` and ``vocab_size`` are those of the
     engine it was measured on, so a simulated replica has the same KV capacity.
 
-    ``lora_token_s`` and ``lora_step_s`` price a step's LoRA adapters (:func:`lora_seconds`);
-    the fit does not set them, and a file without them reads them as 0.
+    ``lora_token_s``, ``lora_adapter_s`` and ``lora_step_s`` price a step's LoRA adapters
+    (:func:`lora_seconds`); the fit does not set them, and a file without them reads them
+    as 0.
 
     Raises:
         ValueError: a LoRA term that is negative or not finite.
@@ -160,13 +164,15 @@ class LinearCost:
     """Seconds per step row (token) per distinct LoRA adapter in the step."""
     lora_step_s: float = 0.0
     """Seconds a step with any LoRA adapter adds."""
+    lora_adapter_s: float = 0.0
+    """Seconds per distinct LoRA adapter in the step (reading its matrices)."""
 
     def __post_init__(self) -> None:
-        check_lora_terms(self.lora_token_s, self.lora_step_s)
+        check_lora_terms(self.lora_token_s, self.lora_step_s, self.lora_adapter_s)
 
     def step_seconds(self, shape: StepShape) -> float:
         base = float(sum(c * f for c, f in zip(self.coefficients, shape.features())))
-        return base + lora_seconds(shape, self.lora_token_s, self.lora_step_s)
+        return base + lora_seconds(shape, self.lora_token_s, self.lora_step_s, self.lora_adapter_s)
 
     def save(self, path: str | Path) -> None:
         data = asdict(self) | {"kind": "linear", "features": list(FEATURES)}
@@ -193,6 +199,7 @@ class LinearCost:
                 data.get("source", ""),
                 data.get("lora_token_s", 0.0),
                 data.get("lora_step_s", 0.0),
+                data.get("lora_adapter_s", 0.0),
             )
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
