@@ -118,13 +118,20 @@ async def replay(args: argparse.Namespace, server: ps.Server, names: list[str]) 
 
 
 def markdown(result: dict) -> str:
-    a = result["args"]
     lines = [
         "# Served goodput: requests over LoRA adapters against the base model",
         "",
         f"`{result['run']['command']}` on {result['run']['host']} at "
         f"{result['run']['date']} (commit {result['run']['commit']}).",
         "",
+    ]
+    return "\n".join(lines + table(result)) + "\n"
+
+
+def table(result: dict) -> list[str]:
+    """The setup in one paragraph, attainment per rate and mode, and goodput per mode."""
+    a = result["args"]
+    lines = [
         f"One `iterserve serve` (defaults; packed GGUF weights) with {a['adapters']} adapters "
         f"({RANK_NOTE}; max_loras = max_cpu_loras = {a['adapters']}). The same "
         f"{a['num_requests']} requests per rate (trace rows {a['window_start']}+, open "
@@ -149,7 +156,7 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {m} | {_num(g[m]['rps'])} | {_num(g[m]['interpolated'])} | {g[m]['bound']} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _p50(summary: dict, metric: str) -> str:

@@ -81,6 +81,12 @@ def _adapters(name: str, result: dict) -> list[str]:
     return [*_run_lines(result), *adapters.table(result), ""]
 
 
+def _adapters_served(name: str, result: dict) -> list[str]:
+    from bench import adapters_served
+
+    return [*_run_lines(result), *adapters_served.table(result), ""]
+
+
 def _scheduling(name: str, result: dict) -> list[str]:
     from bench import scheduling
 
@@ -383,6 +389,21 @@ SUITES: tuple[Suite, ...] = (
         ),
         ("adapters.json",),
         _adapters,
+    ),
+    Suite(
+        "LoRA adapters, served",
+        "bench.adapters_served",
+        "Served goodput when the requests spread over LoRA adapters, against the same "
+        "requests on the base model: one `iterserve serve` with its defaults and 8 adapters "
+        "(rank 16 on all seven projections), the trace window of the peers suite at rising "
+        "offered rates, the two modes back to back at each rate in alternating order, "
+        "judged by the suite's SLOs. See [adapters.md](adapters.md).",
+        (
+            "python -m bench.adapters_served",
+            "python -m bench.adapters_served --quick    # a smoke run",
+        ),
+        ("adapters_served.json",),
+        _adapters_served,
     ),
     Suite(
         "GPU check",

@@ -37,11 +37,17 @@ from tests.serving_errors import (  # noqa: E402, F401  (collected against this 
 
 pytestmark = pytest.mark.slow
 
+ADMIN_KEY = "sk-admin"
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # The Ray cluster of running_app has 2 CPUs, whatever the host has.
-    config = service_config(tmp_path_factory, num_replicas=2, replica_num_cpus=1)
+    config = service_config(
+        tmp_path_factory, num_replicas=2, replica_num_cpus=1, allow_runtime_lora_updates=True
+    )
+    admin = {ADMIN_KEY: {"tenant": "ops", "admin": True}}
+    config = config.model_copy(update={"api_keys": {**config.api_keys, **admin}})
     with app.running_app(config, replicas=2) as url:
         yield url
 
@@ -427,3 +433,40 @@ def test_interactive_first_token_while_batch_saturates(server):
     assert ttft < INTERACTIVE_TTFT_SLO_S, f"interactive TTFT {ttft:.2f} s behind batch load"
     assert len(done) == num_batch and all(reason == "length" for _, reason in done)
     app.wait_idle(server)
+
+
+def test_an_adapter_loaded_at_run_time_serves_on_every_replica(
+    server, model_dir, tokenizer, tmp_path
+):
+    # Loaded through one replica, which checks it; each replica reads it from its path
+    # on its first request there, so every answer is the merged model's.
+    from tests.test_generation import greedy_reference
+    from tests.test_lora import ADAPTERS, SEEDS, make_adapter
+
+    make_adapter(model_dir, tmp_path / "qv", SEEDS["A"], **ADAPTERS["A"])
+    [(ref, _)] = greedy_reference(model_dir, [tokenizer.encode(PROMPT)], 8, adapter=tmp_path / "qv")
+    body = {"lora_name": "qv", "lora_path": str(tmp_path / "qv")}
+    r = post(server, "/v1/load_lora_adapter", body, key=ADMIN_KEY)
+    assert r.status_code == 200, r.text
+    try:
+        assert "qv" in [m.id for m in app.client(server).models.list().data]
+        req = {"model": "qv", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                headers = {"Authorization": "Bearer sk-standard"}
+                calls = [
+                    client.post(f"{server}/v1/completions", json=req, headers=headers)
+                    for _ in range(12)
+                ]
+                return await asyncio.gather(*calls)
+
+        answers = asyncio.run(burst())
+        assert [a.status_code for a in answers] == [200] * 12, answers[0].text
+        assert {a.json()["choices"][0]["text"] for a in answers} == {tokenizer.decode(ref)}
+        print("replicas serving the adapter:", {a.headers["x-iterserve-replica"] for a in answers})
+    finally:
+        r = post(server, "/v1/unload_lora_adapter", {"lora_name": "qv"}, key=ADMIN_KEY)
+        assert r.status_code == 200, r.text
+    r = post(server, "/v1/completions", req)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
