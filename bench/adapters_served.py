@@ -3,7 +3,7 @@ the base model alone, on one ``iterserve serve`` in one run.
 
 Run from the repository root::
 
-    python -m bench.adapters_served [--quick] [--adapters 8] [--rates 1.5,2,2.5,3,3.75,4.5]
+    python -m bench.adapters_served [--quick] [--adapters 8] [--rates 2,3,4,5,6,7,8]
 
 Setup
     One ``iterserve serve`` (its defaults: the embedded GGUF's packed weights, the priority
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cli.add_seed(p)
     cli.add_out(p, RESULTS / "adapters_served.json", "the result (JSON; markdown beside it)")
     p.add_argument("--adapters", type=int, default=8, help="adapters the requests spread over")
-    p.add_argument("--rates", type=cli.floats, default="1.5,2,2.5,3,3.75,4.5", help="offered req/s")
+    p.add_argument("--rates", type=cli.floats, default="2,3,4,5,6,7,8", help="offered req/s")
     p.add_argument("--num-requests", type=int, default=50, help="requests per rate and mode")
     p.add_argument("--window-start", type=int, default=1000, help="the trace's first row")
     p.add_argument("--length-scale", type=float, default=8.0)
