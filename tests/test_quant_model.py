@@ -254,7 +254,7 @@ def test_a_mix_of_formats_runs_packed_as_its_fp32_path(tmp_path_factory, prompts
             assert {"Q5_0", "Q8_0", "Q4_0", "Q5_1", "Q4_1"} <= set(
                 runner.weights.format[5:].split("+")
             )
-            qkv = runner.model.model.layers[0].self_attn.qkv_proj
+            qkv = runner.model.model.layers[0].self_attn.qkv_proj.base  # in its LoRA wrapper
             assert qkv.formats() == ["Q5_0", "Q8_0"]
             assert runner.decode_stack is not None
         free(llm)

@@ -18,6 +18,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from router.tenants import ApiKeyConfig  # noqa: E402
 from tests import serving_app as app  # noqa: E402
 from tests.serving_app import (  # noqa: E402
     INTERACTIVE_TTFT_SLO_S,
@@ -46,7 +47,7 @@ def server(tmp_path_factory):
     config = service_config(
         tmp_path_factory, num_replicas=2, replica_num_cpus=1, allow_runtime_lora_updates=True
     )
-    admin = {ADMIN_KEY: {"tenant": "ops", "admin": True}}
+    admin = {ADMIN_KEY: ApiKeyConfig(tenant="ops", admin=True)}
     config = config.model_copy(update={"api_keys": {**config.api_keys, **admin}})
     with app.running_app(config, replicas=2) as url:
         yield url
