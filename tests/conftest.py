@@ -77,6 +77,18 @@ def model_dir():
 
 
 @pytest.fixture(scope="session")
+def lora_dirs(model_dir, tmp_path_factory) -> dict[str, str]:
+    """``tests.test_lora.ADAPTERS`` saved by peft once for the session: name -> directory
+    (the engine tests, the API tests and the Ray server's test share them)."""
+    from tests.test_lora import ADAPTERS, SEEDS, make_adapter
+
+    root = tmp_path_factory.mktemp("loras")
+    for name, config in ADAPTERS.items():
+        make_adapter(model_dir, root / name, SEEDS[name], **config)
+    return {name: str(root / name) for name in ADAPTERS}
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_dir):
     from transformers import AutoTokenizer
 

@@ -64,14 +64,9 @@ def lora_prompts(prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def loras(model_dir, tmp_path_factory) -> dict[str, LoRARequest]:
-    """The adapters of ADAPTERS, saved by peft in a temporary directory each."""
-    root = tmp_path_factory.mktemp("loras")
-    out = {}
-    for name, config in ADAPTERS.items():
-        make_adapter(model_dir, root / name, SEEDS[name], **config)
-        out[name] = LoRARequest(name, str(root / name))
-    return out
+def loras(lora_dirs) -> dict[str, LoRARequest]:
+    """The adapters of ADAPTERS (conftest's ``lora_dirs``)."""
+    return {name: LoRARequest(name, path) for name, path in lora_dirs.items()}
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from deploy.top import scrape
 from router.ingress import Ingress, add_routes, make_app
 from tests.serving_app import MODEL, free_port, running_local
 from tests.test_generation import greedy_reference
-from tests.test_lora import ADAPTERS, SEEDS, make_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -30,17 +29,15 @@ ADMIN, USER, LIMITED = "sk-admin", "sk-user", "sk-limited"
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory, model_dir, tokenizer) -> dict[str, tuple[str, str]]:
-    """test_lora's two adapters under the names ``qv`` (A) and ``all`` (B): name ->
-    (directory, its greedy text for :data:`PROMPT`); and the base model's text under
-    :data:`MODEL`."""
+def adapters(lora_dirs, model_dir, tokenizer) -> dict[str, tuple[str, str]]:
+    """test_lora's two adapters (conftest's ``lora_dirs``) under the names ``qv`` (A) and
+    ``all`` (B): name -> (directory, its greedy text for :data:`PROMPT`); and the base
+    model's text under :data:`MODEL`."""
     ids = tokenizer.encode(PROMPT)
-    root = tmp_path_factory.mktemp("adapters")
     out = {}
     for name, source in (("qv", "A"), ("all", "B")):
-        make_adapter(model_dir, root / name, SEEDS[source], **ADAPTERS[source])
-        [(ref, _)] = greedy_reference(model_dir, [ids], MAX_TOKENS, adapter=root / name)
-        out[name] = (str(root / name), tokenizer.decode(ref))
+        [(ref, _)] = greedy_reference(model_dir, [ids], MAX_TOKENS, adapter=lora_dirs[source])
+        out[name] = (lora_dirs[source], tokenizer.decode(ref))
     [(ref, _)] = greedy_reference(model_dir, [ids], MAX_TOKENS)
     out[MODEL] = ("", tokenizer.decode(ref))
     assert len({text for _, text in out.values()}) == 3, out  # each adapter changes the text

@@ -437,16 +437,15 @@ def test_interactive_first_token_while_batch_saturates(server):
 
 
 def test_an_adapter_loaded_at_run_time_serves_on_every_replica(
-    server, model_dir, tokenizer, tmp_path
+    server, model_dir, tokenizer, lora_dirs
 ):
     # Loaded through one replica, which checks it; each replica reads it from its path
     # on its first request there, so every answer is the merged model's.
     from tests.test_generation import greedy_reference
-    from tests.test_lora import ADAPTERS, SEEDS, make_adapter
 
-    make_adapter(model_dir, tmp_path / "qv", SEEDS["A"], **ADAPTERS["A"])
-    [(ref, _)] = greedy_reference(model_dir, [tokenizer.encode(PROMPT)], 8, adapter=tmp_path / "qv")
-    body = {"lora_name": "qv", "lora_path": str(tmp_path / "qv")}
+    ids = tokenizer.encode(PROMPT)
+    [(ref, _)] = greedy_reference(model_dir, [ids], 8, adapter=lora_dirs["A"])
+    body = {"lora_name": "qv", "lora_path": lora_dirs["A"]}
     r = post(server, "/v1/load_lora_adapter", body, key=ADMIN_KEY)
     assert r.status_code == 200, r.text
     try:
