@@ -145,25 +145,25 @@ def _sample(llm, shape, loras, steps: int) -> dict:
             sp = SamplingParams(max_tokens=1, temperature=0)
             for _ in range(steps):
                 n = len(records)
-                for i in range(seqs):
-                    lora = loras[i % len(loras)] if loras else None
-                    rid, ids = _prompt(ctx)
-                    engine.add_request(rid, {"prompt_token_ids": ids}, sp, lora_request=lora)
-                while engine.has_unfinished_requests():
-                    engine.step()
+                _run(engine, seqs, ctx, sp, loras)
                 used.append(records[n])
             return {"records": used}
         sp = SamplingParams(max_tokens=WARM_DECODES + steps + 4, temperature=0, ignore_eos=True)
-        for i in range(seqs):
-            lora = loras[i % len(loras)] if loras else None
-            rid, ids = _prompt(ctx)
-            engine.add_request(rid, {"prompt_token_ids": ids}, sp, lora_request=lora)
-        while engine.has_unfinished_requests():
-            engine.step()
+        _run(engine, seqs, ctx, sp, loras)
         decode = [r for r in records if r.num_decodes == seqs and r.num_prefill_tokens == 0]
         return {"records": decode[WARM_DECODES : WARM_DECODES + steps]}
     finally:
         engine.step_listeners.remove(records.append)
+
+
+def _run(engine, seqs: int, ctx: int, sp, loras) -> None:
+    """Run ``seqs`` new ``ctx``-token prompts to the end, spread over ``loras`` in turn."""
+    for i in range(seqs):
+        lora = loras[i % len(loras)] if loras else None
+        rid, ids = _prompt(ctx)
+        engine.add_request(rid, {"prompt_token_ids": ids}, sp, lora_request=lora)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 class _SlotWidth:

@@ -191,6 +191,20 @@ class IngressMetrics:
             "and failed requests miss all three.",
             ("slo",),
         )
+        self.per_request = (
+            self.ttft,
+            self.itl,
+            self.tpot,
+            self.e2e,
+            self.queue,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.success,
+            self.aborted,
+            self.slo_met,
+            self.slo_missed,
+        )
+        # The series a request's ``model`` label falls in (forget_model drops an adapter's).
         self.registry.register(_StateCollector(self))
         # Every class's series exist from the start at 0: a ratio such as missed / (met +
         # missed) has no value for a class while one of its terms has no series.
@@ -228,20 +242,7 @@ class IngressMetrics:
     def forget_model(self, model: str) -> None:
         """Drop every per-request series of adapter ``model`` (unloaded): the ``model``
         label takes only the names served now."""
-        metrics = (
-            self.ttft,
-            self.itl,
-            self.tpot,
-            self.e2e,
-            self.queue,
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.success,
-            self.aborted,
-            self.slo_met,
-            self.slo_missed,
-        )
-        for metric in metrics:
+        for metric in self.per_request:
             for labels in list(metric._metrics):  # noqa: SLF001 - prometheus-client has no
                 # public way to list a metric's children; remove() needs their labels.
                 if labels[0] == model:

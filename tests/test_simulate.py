@@ -49,12 +49,13 @@ def trace(n: int = 40, gap: float = 0.05) -> list[SimRequest]:
     ]
 
 
-def service(**kw) -> ServiceConfig:
+def service(classes: dict = CLASSES, **kw) -> ServiceConfig:
+    """One small replica without admission; ``engine`` fields over these, then ``kw``."""
     engine = {
         "block_size": 4,
         "max_num_batched_tokens": 64,
         "max_num_seqs": 8,
-        "traffic_classes": CLASSES,
+        "traffic_classes": classes,
     } | kw.pop("engine", {})
     return ServiceConfig(**({"num_replicas": 1, "admission": False, "engine": engine} | kw))
 

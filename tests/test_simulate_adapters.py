@@ -16,6 +16,7 @@ from deploy.sim.runner import SimLoRAs
 from deploy.sim.trace import SimRequest, TraceSpec, load_requests
 from engine.core.params import LoRARequest
 from engine.core.step_cost import LinearCost, StepShape
+from tests.test_simulate import service as sim_service
 
 CLASSES = {"interactive": {"ttft_slo_s": 5.0, "tpot_slo_s": 0.5}}
 COST = LinearCost((0.02, 0.0005, 0.003, 0.0, 0.0), 256, 4, 2048, 1000, "test")
@@ -23,13 +24,7 @@ COST = LinearCost((0.02, 0.0005, 0.003, 0.0, 0.0), 256, 4, 2048, 1000, "test")
 
 
 def service(**kw) -> ServiceConfig:
-    engine = {
-        "block_size": 4,
-        "max_num_batched_tokens": 64,
-        "max_num_seqs": 8,
-        "traffic_classes": CLASSES,
-    } | kw.pop("engine", {})
-    return ServiceConfig(**({"num_replicas": 1, "admission": False, "engine": engine} | kw))
+    return sim_service(CLASSES, **kw)
 
 
 def mixed(n: int = 24, gap: float = 0.02, models=("a", "b", None)) -> list[SimRequest]:
