@@ -382,8 +382,7 @@ class LLMEngine:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
             if params.prompt_logprobs is not None and i == 0:
                 req.prompt_logprobs = [None]
-            if params.json_schema is not None:
-                req.grammar = self.structured.matcher(params.json_schema)
+            req.grammar = self.structured.for_params(params)
             if resume_token_ids:
                 self._resume(req, list(resume_token_ids))
             seqs.append(req)
@@ -453,7 +452,7 @@ class LLMEngine:
         Raises:
             ValueError: unknown traffic class, empty prompt or a token id outside the
                 vocabulary (:class:`ParamError` for ``logit_bias`` and ``stop_token_ids``),
-                or a ``json_schema`` that does not compile (``ParamError``).
+                or a ``json_schema`` or ``structural_tag`` that does not compile (``ParamError``).
             RequestRejectedError: the request could never run here.
         """
         if traffic_class is not None and traffic_class not in self.traffic_classes:
@@ -470,8 +469,7 @@ class LLMEngine:
                 raise ParamError(
                     name, f"{name}: token id {bad[0]} is outside the vocabulary (ids 0-{vocab - 1})"
                 )
-        if params.json_schema is not None:
-            self.structured.compile(params.json_schema)
+        self.structured.check(params)
         text, ids = self.tokenize(prompt, tokenizer)
         return text, ids, self.check_length(len(ids), params.max_tokens)
 

@@ -49,7 +49,7 @@ from starlette.requests import ClientDisconnect
 from engine.core.params import LoRARequest, SamplingParams
 from policies import TrafficClass, make_classes, policy_from_spec
 from router import openai_format as fmt
-from router import responses
+from router import responses, tools
 from router.admission import AdmissionRejected, IngressAdmission
 from router.calls import RETRY_AFTER_S, ReplicaLost
 from router.contract import ModelInfo, ReplicaCall, Replicas, RequestShape, StepEvents
@@ -77,6 +77,7 @@ from router.tenants import (
     check_key_classes,
     resolve_caller,
 )
+from router.tools import ChatTemplates
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +176,8 @@ class Ingress:
         self._adapters_loaded = False
         """The configured adapters were loaded on a replica (at the first model info)."""
         self._info: ModelInfo | None = None
+        self._templates: ChatTemplates | None = None
+        """The chat templates, once the tokenizer is known (:meth:`_model_info`)."""
         self._info_lock = asyncio.Lock()
         self._created = int(time.time())
         self.metrics = IngressMetrics(
@@ -252,6 +255,8 @@ class Ingress:
                 "max_model_len": info.limits.max_model_len,
                 "weight_format": info.weight_format,
                 "weight_bytes": info.weight_bytes,
+                "chat_template": self._templates.describe() if self._templates else None,
+                "tool_call_parser": self.settings.tool_call_parser,
             }
         ]
         data += [
@@ -499,9 +504,10 @@ class Ingress:
             if bounded and bound is not None:
                 start_by = StartBy(arrival + bound[0], *bound)
             info = await self._model_info()
-            prompts = fmt.prompts(req, chat, info.tokenizer)
+            use = tools.tool_use(req, self.settings.tool_call_parser) if chat else None
+            prompts = fmt.prompts(req, chat, info.tokenizer, self._templates, use)
             scores_only = fmt.scores_only(req, chat)
-            params = fmt.sampling_params(req, chat)
+            params = fmt.sampling_params(req, chat, use)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             for p, (ids, text) in enumerate(prompts):
                 call_id = rid if len(prompts) == 1 else f"{rid}-{p}"
@@ -512,7 +518,7 @@ class Ingress:
         except BaseException:  # refused, a bug of ours, or the client left meanwhile
             self._cancel(calls)
             raise
-        reply = Reply(req, chat, rid, req.model, info.tokenizer, calls, scores_only, start_by)
+        reply = Reply(req, chat, rid, req.model, info.tokenizer, calls, scores_only, start_by, use)
         return reply, caller
 
     async def _dispatch(
@@ -678,6 +684,7 @@ class Ingress:
                 if self._info is None:
                     info = await self.replicas.info()
                     await self._load_configured_adapters()
+                    self._templates = ChatTemplates.of(info.tokenizer, self.settings.chat_template)
                     self._info = info
         return self._info
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from engine.core.params import ParamError, RequestOutputKind, SamplingParams
 from router.errors import ApiError
 from router.schemas import ApiRequest, unsupported_field
+from router.tools import ChatTemplates, ToolUse, render
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -82,9 +83,14 @@ def check_served(req: ApiRequest, chat: bool, models: Sequence[str], max_n: int)
 
 
 def prompts(
-    req: ApiRequest, chat: bool, tokenizer: PreTrainedTokenizerBase
+    req: ApiRequest,
+    chat: bool,
+    tokenizer: PreTrainedTokenizerBase,
+    templates: ChatTemplates | None = None,
+    use: ToolUse | None = None,
 ) -> list[tuple[list[int], str]]:
-    """Each prompt's token ids and text (chat: one, through the model's chat template).
+    """Each prompt's token ids and text (chat: one, through its chat template, with the
+    tools of ``use``: :func:`router.tools.render`; ``templates`` None: the model's own).
 
     Raises:
         ApiError: 400 for an empty prompt or messages the template refuses.
@@ -99,16 +105,7 @@ def prompts(
             if not out[-1][0]:
                 raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
         return out
-    try:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # jinja errors from a model's template: bad messages
-        raise ApiError(
-            400,
-            f"messages: cannot apply the chat template: {e}",
-            param="messages",
-            code="invalid_value",
-        ) from None
+    text = render(req, use, tokenizer, templates or ChatTemplates.of(tokenizer, None))
     return [(tokenizer.encode(text, add_special_tokens=False), text)]
 
 
@@ -131,10 +128,11 @@ def scores_only(req: ApiRequest, chat: bool) -> bool:
     return True
 
 
-def sampling_params(req: ApiRequest, chat: bool) -> SamplingParams:
+def sampling_params(req: ApiRequest, chat: bool, use: ToolUse | None = None) -> SamplingParams:
     """The request's sampling parameters, built (and so checked) once here; the replica
     hands them to its engine as they are. Asks for ``DELTA`` outputs: each step item
-    carries only that step's tokens (:class:`router.contract.StepItem`).
+    carries only that step's tokens (:class:`router.contract.StepItem`). ``use``: the
+    request's tool calls, whose grammar constrains the output.
 
     Raises:
         ApiError: 400 ``invalid_value`` naming the field, for a combination the API schema
@@ -164,6 +162,7 @@ def sampling_params(req: ApiRequest, chat: bool) -> SamplingParams:
             min_tokens=req.min_tokens,
             stop_token_ids=req.stop_token_ids or [],
             json_schema=req.response_format.output_schema() if req.response_format else None,
+            structural_tag=use.structural_tag() if use is not None else None,
             n=req.n,
             stop=req.stop or [],
             seed=req.seed,
@@ -172,7 +171,8 @@ def sampling_params(req: ApiRequest, chat: bool) -> SamplingParams:
             output_kind=RequestOutputKind.DELTA,
         )
     except ParamError as e:
-        raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
+        param = "tools" if e.param == "structural_tag" else e.param  # the API's name
+        raise ApiError(400, str(e), param=param, code="invalid_value") from None
 
 
 def wants_logprobs(req: ApiRequest, chat: bool) -> bool:

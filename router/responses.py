@@ -23,11 +23,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from router import openai_format as fmt
+from router import tool_parsers
 from router.calls import ReplicaLost
 from router.contract import ReplicaCall, SequenceDelta, StepItem
 from router.errors import ApiError
 from router.metrics import RequestRecord
 from router.schemas import ApiRequest
+from router.tool_parsers import ToolCallStream
+from router.tools import ToolUse
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -69,6 +72,8 @@ class Reply:
     scores_only: bool = False
     start_by: StartBy | None = None
     """The deadline of every prompt's first step item (:func:`merged`); None: none."""
+    tool_use: ToolUse | None = None
+    """How a chat request may call tools; its output is read as calls (None: text)."""
 
     @property
     def echo(self) -> bool:
@@ -280,7 +285,11 @@ async def collect(reply: Reply, start_by: StartBy | None = None) -> dict:
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
-        if reply.chat:
+        if reply.tool_use is not None:
+            choice["message"] = tool_parsers.message(reply.tool_use.format.scan(text, final=True))
+            if "tool_calls" in choice["message"] and c.finish_reason == "stop":
+                choice["finish_reason"] = "tool_calls"
+        elif reply.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
@@ -296,7 +305,11 @@ async def collect(reply: Reply, start_by: StartBy | None = None) -> dict:
     }
 
 
-def _stream_choice(reply: Reply, k: int, o: SequenceDelta, first: bool) -> dict:
+def _stream_choice(
+    reply: Reply, k: int, o: SequenceDelta, first: bool, calls: ToolCallStream | None
+) -> dict:
+    """One chunk's choice ``k`` for delta ``o`` (``calls``: the choice's tool-call reader,
+    which turns its text into content and call deltas)."""
     text, ids, entries = o.text, o.token_ids, o.logprobs or []
     if reply.scores_only:
         text, ids, entries = "", [], []
@@ -310,7 +323,11 @@ def _stream_choice(reply: Reply, k: int, o: SequenceDelta, first: bool) -> dict:
     }
     if o.finish_reason:
         choice["stop_reason"] = o.stop_reason
-    if reply.chat:
+    if calls is not None:
+        choice["delta"] = calls.feed(text, final=o.finish_reason is not None)
+        if o.finish_reason == "stop" and calls.made_calls:
+            choice["finish_reason"] = "tool_calls"
+    elif reply.chat:
         choice["delta"] = {"content": text} if text else {}
     else:
         choice["text"] = text
@@ -338,6 +355,11 @@ async def stream(
     opts = reply.req.stream_options
     include_usage = bool(opts and opts.include_usage)
     completion, seen = 0, set()
+    use = reply.tool_use
+    readers = [
+        ToolCallStream(use.format) if use is not None else None
+        for _ in range(len(reply.calls) * reply.req.n)
+    ]
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         data: dict[str, Any] = {
@@ -372,7 +394,7 @@ async def stream(
             for o in item.outputs:
                 k = p * reply.req.n + o.index
                 completion += 0 if reply.scores_only else len(o.token_ids)
-                yield chunk([_stream_choice(reply, k, o, k not in seen)])
+                yield chunk([_stream_choice(reply, k, o, k not in seen, readers[k])])
                 seen.add(k)
         if include_usage:
             yield chunk([], reply.usage(completion))

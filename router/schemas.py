@@ -10,17 +10,24 @@ behaviour; fields that change nothing about the output (``user``, ``metadata``, 
 
 from __future__ import annotations
 
+import json
 import types
 from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+TOOL_FIELDS: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+}
+"""The chat endpoint's tool-calling fields (:class:`ChatCompletionRequest`), which the
+completions endpoint refuses."""
+
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    **TOOL_FIELDS,
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "modalities": (None, ["text"]),
@@ -35,8 +42,12 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 are accepted as such)."""
 
 
-CHAT_UNSUPPORTED = {**UNSUPPORTED, "echo": (None, False)}
-"""Chat requests also refuse ``echo`` (a completions field)."""
+CHAT_UNSUPPORTED = {
+    **{k: v for k, v in UNSUPPORTED.items() if k not in TOOL_FIELDS},
+    "echo": (None, False),
+}
+"""Chat requests take the tool fields, and refuse ``echo`` (a completions field) and the
+deprecated ``functions``/``function_call`` (``tools``/``tool_choice`` replace them)."""
 
 
 def unsupported_field(
@@ -221,8 +232,6 @@ def _default_for_null(model: type[BaseModel], name: str) -> bool:
 
 MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "name": (None, ""),
-    "tool_calls": (None, []),
-    "tool_call_id": (None,),
     "function_call": (None,),
     "refusal": (None,),
     "annotations": (None, []),
@@ -231,12 +240,103 @@ MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
 """Message fields OpenAI defines that this server does not use: accepted only empty (as
 clients echo a previous response's message back), refused when set."""
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+"""OpenAI's rule for a function's name."""
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call: OpenAI's ``tools[].function``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    """Shown to the model in the prompt (the chat template renders it)."""
+    parameters: dict[str, Any] | None = None
+    """The JSON schema of the arguments, an object; absent: any JSON object."""
+    strict: bool | None = None
+    """Accepted: a call's arguments always follow ``parameters`` here."""
+
+    @field_validator("parameters")
+    @classmethod
+    def _a_schema_of_an_object(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        import jsonschema
+
+        try:
+            jsonschema.Draft202012Validator.check_schema(v)
+        except jsonschema.SchemaError as e:
+            where = "/".join(str(p) for p in e.absolute_path) or "the root"
+            raise ValueError(f"not a valid JSON schema (at {where}): {e.message}") from None
+        if v.get("type", "object") != "object":
+            raise ValueError(f"the arguments' schema must be of type object, not {v['type']!r}")
+        return v
+
+
+class FunctionTool(BaseModel):
+    """OpenAI's ``tools[]`` entry: ``{"type": "function", "function": {...}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call this one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str
+    """The arguments as a JSON text (OpenAI's form), an object."""
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v: str) -> str:
+        try:
+            parsed = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON: {e}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("must be a JSON object")
+        return v
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (OpenAI's ``messages[].tool_calls[]``), as a
+    response returned it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant's calls; rendered by the chat template."""
+    tool_call_id: str | None = None
+    """A ``tool`` message's answer to this call id."""
 
     @model_validator(mode="before")
     @classmethod
@@ -253,6 +353,10 @@ class ChatMessage(BaseModel):
         # or a refusal instead); any other role's missing content is a client's mistake.
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is required for a {self.role} message")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"`tool_calls` is for assistant messages, not {self.role}")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs `tool_call_id`, and only a tool message")
         return self
 
     def text(self) -> str:
@@ -279,12 +383,28 @@ class ChatCompletionRequest(_SamplingFields):
     """The newer name of ``max_tokens``; it wins when both are set."""
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[FunctionTool] | None = None
+    """Functions the model may call (:mod:`router.tools`)."""
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """``none``: text only; ``auto`` (the default with ``tools``): text or calls;
+    ``required``: one call or more; a named function: one call to it."""
+    parallel_tool_calls: bool = True
+    """Whether the model may make more than one call in a response."""
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("`top_logprobs` can only be set when `logprobs` is true")
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _names_unique(cls, v: list[FunctionTool] | None) -> list[FunctionTool] | None:
+        names = [t.function.name for t in v or []]
+        if len(set(names)) != len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"function {twice!r} is defined twice")
+        return v
 
 
 ApiRequest = CompletionRequest | ChatCompletionRequest

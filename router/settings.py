@@ -4,12 +4,13 @@ defined once here (``ServiceConfig`` inherits them), plus what ``build_app`` der
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from router.tenants import ApiKeyConfig
+from router.tools import read_template
 
 _KEYS = TypeAdapter(dict[str, ApiKeyConfig])
 
@@ -56,12 +57,30 @@ class IngressOptions(BaseModel):
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING); where api_keys are set, only an `admin` key may "
         "call them. Off: they answer 404",
     )
+    chat_template: str | None = Field(
+        None,
+        description="the chat template of every chat request: a Jinja file's path or the "
+        "template itself (read once, at start); null: the model's own, and where it does not "
+        "take tools, iterserve's Hermes-format template for requests with tools",
+    )
+    tool_call_parser: Literal["hermes"] = Field(
+        "hermes",
+        description="how the model writes tool calls, for their grammar and their parser: "
+        "`hermes` (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3, and the shipped "
+        "template)",
+    )
     stream_keepalive_s: float = Field(
         15.0,
         gt=0,
         description="seconds of silence after which a stream sends an SSE comment "
         "(`: keepalive`), so that a proxy's idle timeout does not cut a waiting request",
     )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, v: str | None) -> str | None:
+        # Read where the config is loaded, so that the text travels to every ingress.
+        return None if v is None else read_template(v)
 
     def all_api_keys(self) -> dict[str, ApiKeyConfig]:
         """``api_keys`` together with those in ``api_keys_file``.

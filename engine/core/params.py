@@ -88,6 +88,10 @@ class SamplingParams:
     json_schema: dict[str, Any] | None = None
     """Constrain the output to JSON that validates against this schema (``{"type":
     "object"}``: any JSON object, OpenAI's ``json_object``); see :mod:`engine.model.structured`."""
+    structural_tag: dict[str, Any] | None = None
+    """Constrain the output to an xgrammar structural tag (``{"type": "structural_tag",
+    "format": {...}}``, JSON-able): free text with tagged, schema-checked spans, as tool
+    calls are (:mod:`router.tools` builds them); errors name ``tools``."""
     seed: int | None = None
     """A signed 64-bit integer (``torch.Generator.manual_seed``'s range, as vLLM's API)."""
     stop: list[str] = field(default_factory=list)
@@ -173,6 +177,18 @@ class SamplingParams:
                 self.json_schema is None
                 or (isinstance(self.json_schema, dict) and not self.ignore_eos),
                 "must be a JSON schema object, and cannot be combined with ignore_eos",
+            ),
+            (
+                "structural_tag",
+                self.structural_tag,
+                self.structural_tag is None
+                or (
+                    isinstance(self.structural_tag, dict)
+                    and self.json_schema is None
+                    and not self.ignore_eos
+                ),
+                "must be a structural tag object, and cannot be combined with json_schema "
+                "or ignore_eos",
             ),
             ("n", self.n, self.n >= 1, "must be >= 1"),
             (

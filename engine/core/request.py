@@ -101,7 +101,8 @@ class Request:
     generator: Any = None
     """The request's own ``torch.Generator`` when it has a seed (made on first use)."""
     grammar: Any = None
-    """Its xgrammar matcher when it has a ``json_schema`` (:mod:`engine.model.structured`)."""
+    """Its xgrammar matcher when it has a ``json_schema`` or a ``structural_tag``
+    (:mod:`engine.model.structured`)."""
     detokenizer: Any = None
     error: Exception | None = None
     """What one of its per-request hooks raised in the step being run (a logits processor
