@@ -31,6 +31,7 @@ from deploy.engine_replica import EngineReplica
 from engine.core.params import LoRARequest
 from router.ingress import Ingress, add_routes, make_app
 from router.local import LocalReplicas
+from router.tools import ChatTemplates
 
 logger = logging.getLogger(__name__)
 
@@ -166,9 +167,9 @@ async def _stop_engine_after_grace(server: _Server, replica: EngineReplica) -> N
     await replica.engine.shutdown()
 
 
-def run_local(config: ServiceConfig, banner: Callable[[str | None], str]) -> int:
+def run_local(config: ServiceConfig, banner: Callable[[str | None, str], str]) -> int:
     """Load the model, then serve ``config`` in this process (see the module docstring);
-    ``banner(weights)`` is what to print once it accepts requests.
+    ``banner(weights, tool template)`` is what to print once it accepts requests.
 
     Raises:
         PortInUse: ``config.port`` is taken (checked before the model loads).
@@ -177,7 +178,8 @@ def run_local(config: ServiceConfig, banner: Callable[[str | None], str]) -> int
     server, replica = build_local(config)
     logger.info("serving in this process (pid %d), without Ray", os.getpid())
     weights = replica.engine.engine.weights
-    ready = banner(None if weights is None else weights.describe())
+    templates = ChatTemplates.of(replica.engine.engine.tokenizer, config.chat_template)
+    ready = banner(None if weights is None else weights.describe(), templates.describe())
     # uvloop, which `uvicorn.run` and vLLM's API server pick too: its event loop spends less
     # CPU per streamed chunk than asyncio's, CPU that the engine's threads share.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

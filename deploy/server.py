@@ -189,9 +189,16 @@ def uses_ray(config: ServiceConfig, address: str | None) -> bool:
     )
 
 
-def banner(config: ServiceConfig, url: str, where: str, weights: str | None = None) -> str:
+def banner(
+    config: ServiceConfig,
+    url: str,
+    where: str,
+    weights: str | None = None,
+    tool_template: str | None = None,
+) -> str:
     """What ``iterserve serve`` prints once it accepts requests; ``weights``: how a replica
-    holds the model's weights, in words (``WeightInfo.describe``)."""
+    holds the model's weights, in words (``WeightInfo.describe``); ``tool_template``: the
+    chat template that renders tools (``ChatTemplates.describe``), where known."""
     name = config.model_name()
     # A placeholder, not a configured key: the banner goes to logs.
     auth = (
@@ -205,6 +212,8 @@ def banner(config: ServiceConfig, url: str, where: str, weights: str | None = No
     return (
         f"\niterserve is ready: {url}/v1 (model {name!r}"
         + (f", weights {weights}" if weights else "")
+        + f", tools {config.tool_call_parser}"
+        + (f" with the {tool_template} template" if tool_template else "")
         + f", {n} replica{'s' * (n != 1)} "
         f"{where}{bounds}, pid {os.getpid()})\n"
         f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
@@ -249,7 +258,7 @@ def run_server(config: ServiceConfig, address: str | None = None) -> int:
         try:
             check_api_keys(config)
             url = f"http://{config.host}:{config.port}"
-            return run_local(config, lambda w: banner(config, url, "in this process", w))
+            return run_local(config, lambda w, t: banner(config, url, "in this process", w, t))
         except (ServeError, PortInUse) as e:
             print(f"iterserve: error: {e}", flush=True)
             return 1

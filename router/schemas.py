@@ -253,7 +253,7 @@ class FunctionDefinition(BaseModel):
     description: str | None = None
     """Shown to the model in the prompt (the chat template renders it)."""
     parameters: dict[str, Any] | None = None
-    """The JSON schema of the arguments, an object; absent: any JSON object."""
+    """The JSON schema of the arguments, an object; absent: no arguments (``{}``)."""
     strict: bool | None = None
     """Accepted: a call's arguments always follow ``parameters`` here."""
 

@@ -34,8 +34,9 @@ from router.tool_parsers import PARSERS, ToolCallFormat, ToolMode
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
-"""The arguments' schema of a function given without ``parameters``."""
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+"""The arguments' schema of a function given without ``parameters``: none, as OpenAI
+defines such a function ("an empty parameter list")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +83,7 @@ def tool_use(req: ChatCompletionRequest, parser: str) -> ToolUse | None:
             param="tools",
             code="invalid_value",
         )
-    functions = [(t.function.name, t.function.parameters or ANY_OBJECT) for t in tools]
+    functions = [(t.function.name, t.function.parameters or NO_ARGUMENTS) for t in tools]
     mode: ToolMode = "auto" if choice == "auto" else "required"
     if isinstance(choice, NamedToolChoice):
         wanted = choice.function.name

@@ -345,10 +345,27 @@ def test_every_field_is_honoured_or_refused_by_name():
 
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     for body, param in [
-        ({**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (
+            {**chat, "tools": [{"type": "function", "function": {"name": "f g"}}]},
+            "tools.0.function.name",
+        ),
+        (
+            {**chat, "tools": [{"type": "function", "function": {"name": "f", "x": 1}}]},
+            "tools.0.function.x",
+        ),
+        (
+            {
+                **chat,
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}
+                ],
+            },
+            "tools.0.function.parameters",
+        ),
+        ({**chat, "functions": [{"name": "f"}]}, "functions"),
         ({**chat, "response_format": {"type": "regex"}}, "response_format.type"),
         ({**chat, "response_format": {"type": "json_schema"}}, "response_format"),
-        ({**chat, "tool_choice": "auto"}, "tool_choice"),
+        ({**chat, "tool_choice": "sometimes"}, "tool_choice"),
         ({**chat, "frobnicate": 1}, "frobnicate"),
         ({**chat, "presence_penalty": 2.5}, "presence_penalty"),
         ({**chat, "logit_bias": {"abc": 1}}, "logit_bias"),
@@ -380,11 +397,16 @@ def test_every_field_is_honoured_or_refused_by_name():
         "function_call": None,
     }  # as clients echo it
     fmt.validate({**chat, "messages": [*chat["messages"], turn]}, ChatCompletionRequest)
-    for extra in ({"name": "bob"}, {"tool_calls": [{"id": "1"}]}, {"colour": "red"}):
+    for extra in (
+        {"name": "bob"},
+        {"tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{}"}}]},
+        {"tool_call_id": "1"},
+        {"colour": "red"},
+    ):
         msg = {**chat["messages"][0], **extra}
         with pytest.raises(ApiError) as e:
             fmt.validate({**chat, "messages": [msg]}, ChatCompletionRequest)
-        assert e.value.status == 400 and next(iter(extra)) in str(e.value)
+        assert e.value.status == 400 and next(iter(extra)) in str(e.value), extra
     many = fmt.validate(
         {"model": "m", "prompt": ["a", "b"], "echo": True, "logprobs": 2, "max_tokens": 0},
         CompletionRequest,
