@@ -30,6 +30,13 @@ pytestmark = pytest.mark.slow  # real batch commands, a Ray head and ray job sub
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 BAD = {"broken": 400, "badbody": 400, "toolong": 400, "badurl": 404}
 """The input's bad lines -> the status their records must carry ("broken" is line 2)."""
 
@@ -48,6 +55,8 @@ def _batch_file(path: Path, good: int = 24) -> list[str]:
         else:
             url, body = "/v1/completions", {"prompt": f"Item {i}: the city of"}
         body.update(model=MODEL, max_tokens=n, temperature=0)
+        if i == 5:  # a tool call, as the chat API takes it
+            body.update(tools=[WEATHER], tool_choice="required", max_tokens=64)
         rows.append(
             json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body})
         )
@@ -118,9 +127,14 @@ def _check_complete(out: Path, good: list[str]) -> dict[str, dict]:
     return recs
 
 
-def _text(body: dict) -> list[tuple[str, str]]:
+def _text(body: dict) -> list[tuple[str, str, list]]:
+    """Each choice's text, finish reason and calls (without their ids)."""
     return [
-        (c.get("text", (c.get("message") or {}).get("content")), c["finish_reason"])
+        (
+            c.get("text", (c.get("message") or {}).get("content")),
+            c["finish_reason"],
+            [t["function"] for t in (c.get("message") or {}).get("tool_calls", [])],
+        )
         for c in body["choices"]
     ]
 
@@ -167,6 +181,9 @@ def test_killed_run_resumes_with_every_record_exactly_once(resumed):
 def test_batch_answers_equal_the_apis_and_via_service(resumed, tmp_path):
     src, out, good, _, _ = resumed
     recs = _records(out)
+    [called] = recs["req-5"]["response"]["body"]["choices"]
+    assert called["finish_reason"] == "tool_calls"
+    assert called["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     lines = {
         json.loads(t)["custom_id"]: json.loads(t)
         for t in src.read_text().splitlines()

@@ -255,7 +255,9 @@ def client(url: str):
 
 def valid_calls(message, tools: list[dict]) -> list[tuple[str, dict]]:
     """The message's calls, each checked against its function's schema."""
-    schemas = {t["function"]["name"]: t["function"].get("parameters") or NO_ARGUMENTS for t in tools}
+    schemas = {
+        t["function"]["name"]: t["function"].get("parameters") or NO_ARGUMENTS for t in tools
+    }
     out = []
     for call in message.tool_calls or []:
         args = json.loads(call.function.arguments)
