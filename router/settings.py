@@ -63,11 +63,12 @@ class IngressOptions(BaseModel):
         "template itself (read once, at start); null: the model's own, and where it does not "
         "take tools, iterserve's Hermes-format template for requests with tools",
     )
-    tool_call_parser: Literal["hermes"] = Field(
+    tool_call_parser: Literal["hermes", "llama3_json"] = Field(
         "hermes",
         description="how the model writes tool calls, for their grammar and their parser: "
-        "`hermes` (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3, and the shipped "
-        "template)",
+        '`hermes` (<tool_call>{"name", "arguments"}</tool_call>: Hermes, Qwen2.5, Qwen3, and '
+        'the shipped template) or `llama3_json` ({"name", "parameters"}: Llama 3.1-3.3 with '
+        "their own template)",
     )
     stream_keepalive_s: float = Field(
         15.0,

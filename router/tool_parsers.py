@@ -71,30 +71,41 @@ class ToolCallFormat(Protocol):
         ...
 
 
-class HermesFormat:
-    """Hermes' format (NousResearch's Hermes 2 Pro; Qwen2.5 and Qwen3 write the same)::
+class TaggedJsonFormat:
+    """Calls written as a JSON object ``{"name": ..., <args key>: {...}}``, found by a
+    start marker (which may be the object's own opening) and closed by an end marker.
 
-        <tool_call>
-        {"name": "get_weather", "arguments": {"city": "Paris"}}
-        </tool_call>
+    Args:
+        name: the ``tool_call_parser`` value.
+        start: the text that starts a call (the structural tag's trigger).
+        opens: ``start`` is the call's own first characters (``{"name": ``), not a tag
+            around it.
+        args_key: the key of the arguments (``arguments``, ``parameters``).
+        end: what closes a call after its object ("" for none).
+        separator: what goes between two calls when only calls may be written.
+    """
 
-    Calls follow one another separated by a newline; text may come before (``auto``)."""
-
-    name = "hermes"
-    START = "<tool_call>"
-    END = "</tool_call>"
-    _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
-    _CLOSE = re.compile(r"\s*</tool_call>")
+    def __init__(
+        self, name: str, start: str, opens: bool, args_key: str, end: str, separator: str
+    ) -> None:
+        self.name = name
+        self.start, self.opens, self.args_key = start, opens, args_key
+        self.end, self.separator = end, separator
+        self._head = re.compile(
+            r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"' + re.escape(args_key) + r'"\s*:\s*'
+        )
+        self._close = re.compile(r"\s*" + re.escape(end.strip())) if end.strip() else None
 
     def structural_tag(
         self, tools: list[tuple[str, dict[str, Any]]], mode: ToolMode, parallel: bool
     ) -> dict[str, Any]:
+        lead = "" if self.opens else self.start + "\n"
         tags = [
             {
                 "type": "tag",
-                "begin": f'{self.START}\n{{"name": {json.dumps(name)}, "arguments": ',
+                "begin": f'{lead}{{"name": {json.dumps(name)}, "{self.args_key}": ',
                 "content": {"type": "json_schema", "json_schema": schema},
-                "end": f"}}\n{self.END}",
+                "end": "}" + self.end,
             }
             for name, schema in tools
         ]
@@ -104,14 +115,14 @@ class HermesFormat:
             fmt = {
                 "type": "tags_with_separator",
                 "tags": tags,
-                "separator": "\n",
+                "separator": self.separator,
                 "at_least_one": True,
                 "stop_after_first": not parallel,
             }
         else:
             fmt = {
                 "type": "triggered_tags",
-                "triggers": [self.START],
+                "triggers": [self.start],
                 "tags": tags,
                 "at_least_one": False,
                 "stop_after_first": not parallel,
@@ -124,12 +135,12 @@ class HermesFormat:
         calls: list[ScannedCall] = []
         pos = 0
         while True:
-            start = text.find(self.START, pos)
+            start = text.find(self.start, pos)
             if start < 0:
                 tail = text[pos:]
-                content.append(tail if final else tail[: len(tail) - _partial(tail, self.START)])
+                content.append(tail if final else tail[: len(tail) - _partial(tail, self.start)])
                 break
-            body = start + len(self.START)
+            body = start if self.opens else start + len(self.start)
             call, end = self._call(text, body, decoder, final)
             if call is None:  # not a call after all: its text is content
                 content.append(text[pos:] if final else text[pos:start])
@@ -144,12 +155,12 @@ class HermesFormat:
     def _call(
         self, text: str, body: int, decoder: json.JSONDecoder, final: bool
     ) -> tuple[ScannedCall | None, int]:
-        """The call whose body starts at ``body`` and where its text ends; None when it
+        """The call whose text starts at ``body`` and where its text ends; None when it
         is cut (``final``) or not a call."""
         k = body
         while k < len(text) and text[k].isspace():
             k += 1
-        head = self._HEAD.match(text, body)
+        head = self._head.match(text, body)
         try:
             obj, e = decoder.raw_decode(text, k)
         except ValueError:
@@ -158,22 +169,46 @@ class HermesFormat:
             if head is None:  # the name is not complete yet
                 return ScannedCall(None, ""), 0
             return ScannedCall(json.loads(head.group(1)), _settled(text[head.end() :])), 0
+        # Either key: models trained on one format sometimes write the other's.
+        keys = (self.args_key, "arguments", "parameters")
+        args = next((obj[k] for k in keys if k in obj), {}) if isinstance(obj, dict) else None
         if not (
-            isinstance(obj, dict)
-            and isinstance(obj.get("name"), str)
-            and isinstance(obj.get("arguments", {}), dict)
+            isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(args, dict)
         ):
             return None, 0
-        if head is not None and head.end() <= e:
+        if head is not None:
             arguments = text[head.end() : e - 1].rstrip()
         else:
-            arguments = json.dumps(obj.get("arguments", {}), ensure_ascii=False)
-        close = self._CLOSE.match(text, e)
+            arguments = json.dumps(args, ensure_ascii=False)
+        if self._close is None:
+            return ScannedCall(obj["name"], arguments, complete=True), e
+        close = self._close.match(text, e)
         if close is None:
             if final:
                 return None, 0
             return ScannedCall(obj["name"], arguments), 0
         return ScannedCall(obj["name"], arguments, complete=True), close.end()
+
+
+HERMES = TaggedJsonFormat(
+    "hermes", "<tool_call>", opens=False, args_key="arguments", end="\n</tool_call>", separator="\n"
+)
+"""Hermes' format (NousResearch's Hermes 2 Pro; Qwen2.5 and Qwen3 write the same, and the
+shipped template asks for it)::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+"""
+
+LLAMA3_JSON = TaggedJsonFormat(
+    "llama3_json", '{"name": ', opens=True, args_key="parameters", end="", separator="; "
+)
+"""Llama 3.1-3.3's JSON format (its template's "JSON based tool calling"), calls apart by
+``; `` as vLLM's ``llama3_json`` parser reads them::
+
+    {"name": "get_weather", "parameters": {"city": "Paris"}}
+"""
 
 
 def _partial(text: str, marker: str) -> int:
@@ -192,7 +227,7 @@ def _settled(arguments: str) -> str:
     return arguments if last < 0 else arguments[:last].rstrip()
 
 
-PARSERS: dict[str, ToolCallFormat] = {"hermes": HermesFormat()}
+PARSERS: dict[str, ToolCallFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON)}
 """``tool_call_parser`` -> its format."""
 
 

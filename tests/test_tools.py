@@ -18,12 +18,11 @@ import pytest
 from deploy.config import ServiceConfig
 from router.errors import ApiError
 from router.schemas import ChatCompletionRequest
-from router.tool_parsers import HermesFormat, ToolCallStream, message
+from router.tool_parsers import HERMES, LLAMA3_JSON, ToolCallStream, message
 from router.tools import NO_ARGUMENTS, ChatTemplates, render, tool_use
 from tests.serving_app import MODEL, free_port, running_local
 from tests.tool_schemas import HELD
 
-HERMES = HermesFormat()
 WEATHER = HELD[0][0]
 CALL = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
@@ -123,6 +122,21 @@ def test_streamed_deltas_reassemble_to_the_whole_message(seed):
         assert len({tc["id"] for tc in firsts}) == len(firsts)
 
 
+def test_llama3_json_calls_are_read_and_streamed():
+    text = (
+        'Sure. {"name": "f", "parameters": {"a": [1, {"b": "}"}]}}; {"name": "g", "parameters": {}}'
+    )
+    whole = message(LLAMA3_JSON.scan(text, final=True))
+    assert whole["content"] == "Sure. ; "
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+    assert calls == [("f", '{"a": [1, {"b": "}"}]}'), ("g", "{}")]
+    stream = ToolCallStream(LLAMA3_JSON)
+    deltas = [stream.feed(ch, final=i == len(text) - 1) for i, ch in enumerate(text)]
+    assert reassemble(deltas) == {"content": "Sure. ; ", "calls": calls}
+    other_key = message(LLAMA3_JSON.scan('{"name": "f", "arguments": {"x": 1}}', True))
+    assert other_key["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
+
+
 def test_a_call_cut_by_max_tokens_is_content_once_the_stream_ends():
     stream = ToolCallStream(HERMES)
     first = stream.feed(CALL[:60], final=False)
@@ -168,6 +182,10 @@ def test_the_grammar_admits_exactly_what_tool_choice_allows(structured, tokenize
     assert not a(required, "Text first", end=False) and not a(required, "")
     assert a(single, ok_call) and not a(single, ok_call + "\n" + other)
     assert a(named, ok_call) and not a(named, other, end=False)
+    llama = LLAMA3_JSON.structural_tag(tools, "required", True)
+    llama_call = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "celsius"}}'
+    assert a(llama, llama_call) and a(llama, llama_call + '; {"name": "f", "parameters": {}}')
+    assert not a(llama, CALL, end=False)
 
 
 def test_tool_choice_refusals_name_the_field():
