@@ -47,6 +47,16 @@ from tests.serving_app import MODEL, NUM_KV_BLOCKS, PROMPT, post
         ({"model": "gpt-4", "prompt": "a"}, 404, "model", "does not exist"),
         ({"prompt": "a"}, 400, "model", "required"),
         ({"model": MODEL, "prompt": "a", "suffix": "!"}, 400, "suffix", "not supported"),
+        (
+            {
+                "model": MODEL,
+                "prompt": "a",
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            400,
+            "tools",
+            "not supported",
+        ),
         ({"model": MODEL, "prompt": "a", "frobnicate": 1}, 400, "frobnicate", "not a parameter"),
         (
             {"model": MODEL, "prompt": "a", "logit_bias": {"99999999": 1}},
@@ -82,6 +92,25 @@ def test_bad_chat_input(server):
             model=MODEL, messages=[{"role": "user", "content": "x " * 9000}], max_tokens=4
         )
     assert "context" in str(e.value)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for extra, param in [
+        (
+            {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+            "tools.0.function.parameters",
+        ),
+        (
+            {"messages": [{"role": "tool", "content": "4"}]},
+            "messages.0",
+        ),
+    ]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **extra}
+        r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_malformed_json_oversized_body_and_auth(server):

@@ -302,6 +302,20 @@ def test_chat_response_format_json_schema(server):
         },
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    # A named tool call on Ray Serve: the grammar travels with the request to the replica.
+    tool = {"type": "function", "function": {"name": "describe_city", "parameters": schema}}
+    called = app.client(server).chat.completions.create(
+        model=MODEL,
+        max_tokens=64,
+        temperature=0,
+        messages=[{"role": "user", "content": "Name a large city and its population."}],
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "describe_city"}},
+    )
+    assert called.choices[0].finish_reason == "tool_calls"
+    [call] = called.choices[0].message.tool_calls
+    assert call.function.name == "describe_city"
+    assert set(json.loads(call.function.arguments)) == {"city", "population_millions"}
 
 
 def test_cors_preflight_from_a_browser_origin(server):
