@@ -55,6 +55,12 @@ def _run_lines(result: dict) -> list[str]:
     return lines
 
 
+def _tool_calls(result: dict) -> list[str]:
+    from bench import tool_calls
+
+    return [*tool_calls.table(result), ""]
+
+
 def _peers(name: str, result: dict) -> list[str]:
     from bench import peers, peers_packed
 
@@ -404,6 +410,23 @@ SUITES: tuple[Suite, ...] = (
         ),
         ("adapters_served.json",),
         _adapters_served,
+    ),
+    Suite(
+        "Tool calls",
+        "bench.tool_calls",
+        "Whether tool calls are valid on functions the grammar was not built around: the "
+        "23 held functions of `tests/tool_schemas.py` (nested objects, enums, arrays, optional "
+        "and nullable fields, bounded numbers), each offered with two others, under "
+        "`tool_choice: required` and the named function, greedy, one call each, 256 tokens at "
+        "most, with and without `repetition_penalty` 1.3; every returned call checked with "
+        "`jsonschema`. A call cut by `max_tokens` is not returned, so the table also says how "
+        "many responses ended in a call. See [api.md](api.md#tool-calling).",
+        (
+            "python -m bench.tool_calls",
+            "python -m bench.tool_calls --quick    # the first 6 functions",
+        ),
+        ("tool_calls.json",),
+        lambda name, result: _tool_calls(result),
     ),
     Suite(
         "GPU check",
