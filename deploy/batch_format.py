@@ -3,9 +3,9 @@ output file that makes a batch resumable with every record written exactly once.
 
 Input: one JSON object a line, ``{"custom_id", "method": "POST", "url", "body"}``, where
 ``url`` is ``/v1/completions``, ``/v1/chat/completions`` or ``/v1/embeddings`` and ``body``
-the API's request body. Output: one JSON object a line, ``{"id", "custom_id", "response": {"status_code",
-"request_id", "body"}, "error"}``; ``error`` is null for a 200, else ``{"code",
-"message"}``, and ``response.body`` then holds the API's error body.
+the API's request body. Output: one JSON object a line, ``{"id", "custom_id", "response":
+{"status_code", "request_id", "body"}, "error"}``; ``error`` is null for a 200, else
+``{"code", "message"}``, and ``response.body`` then holds the API's error body.
 """
 
 from __future__ import annotations

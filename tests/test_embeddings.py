@@ -7,13 +7,22 @@ usage and metrics on an ingress over a fake replica."""
 
 from __future__ import annotations
 
+import base64
 import gc
+import struct
 from dataclasses import replace
+from types import SimpleNamespace
 
+import httpx
+import openai
 import pytest
 import torch
 
 from engine import LLM, LoRARequest, ParamError, PoolingParams, RequestOutputKind, SamplingParams
+from policies.limits import RequestLimits
+from router.contract import Accepted, ModelInfo, SequenceDelta, StepItem
+from router.ingress import Ingress, add_routes, make_app
+from router.local import LocalReplicas
 from tests.embedding_reference import compare, final_hidden, pool
 
 LENGTHS = (1, 5, 33, 135)
@@ -233,3 +242,159 @@ def test_random_qwen3_embeds_as_transformers_does(pooling, tmp_path, tokenizer, 
     assert llm.llm_engine.embedding_size == 64
     for p, out in zip(chosen, embed(llm, chosen)):
         check(f"qwen3 {pooling}", out, pool(final_hidden(model, p), pooling))
+
+
+# -- the route, on an ingress over a fake replica ---------------------------------------------
+
+
+class _Tokenizer:
+    """One token per character."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+
+def _vector(ids: list[int], dimensions: int | None) -> list[float]:
+    """The fake replica's vector of a prompt: 8 numbers from its ids, cut, normalized, as
+    fp32 values (what an engine returns)."""
+    raw = [float(ids[i % len(ids)] + i) for i in range(8)][: dimensions or 8]
+    norm = sum(x * x for x in raw) ** 0.5
+    return list(
+        struct.unpack(f"<{len(raw)}f", struct.pack(f"<{len(raw)}f", *(x / norm for x in raw)))
+    )
+
+
+class _Replica:
+    """A replica in process (router.local.LocalReplica) that embeds: 8-long vectors, ``mean``
+    pooling, cut to 4 as well; it keeps the parameters of each request."""
+
+    replica_id = "fake"
+    engine = SimpleNamespace(dead=False)
+
+    def __init__(self) -> None:
+        self.params: list[PoolingParams] = []
+
+    def info(self) -> ModelInfo:
+        limits = RequestLimits(64, 1024, 64)
+        return ModelInfo(
+            _Tokenizer(),
+            limits,
+            embedding_size=8,
+            embedding_pooling="mean",
+            embedding_dimensions=(4,),
+        )
+
+    async def items(self, request_id, prompt_token_ids, params, shape, send_load=True):
+        self.params.append(params)
+        yield Accepted(len(prompt_token_ids), self.replica_id)
+        stop = SequenceDelta(0, "", [], None, "stop", None)
+        vector = _vector(prompt_token_ids, params.dimensions)
+        yield StepItem([stop], True, queue_s=0.0, cached_tokens=0, embedding=vector)
+
+    def record_routing_stats(self) -> dict:
+        return {}
+
+
+async def test_the_route_answers_validates_and_counts_by_class():
+    """Texts and token ids, in order, as floats or base64 (the same numbers; the openai
+    client's default decodes to them), usage, ``dimensions`` served or refused, the other
+    refusals, ``/v1/models``, ``/metrics`` by class, and a batch line's answer."""
+    replica = _Replica()
+    keys = {
+        "k-i": {"tenant": "a", "traffic_class": "interactive"},
+        "k-b": {"tenant": "b", "traffic_class": "batch"},
+    }
+    settings = {"model_name": "m", "admission": False, "max_embedding_inputs": 3, "api_keys": keys}
+    ingress = Ingress(LocalReplicas(replica), settings)
+    app = make_app()
+    add_routes(app, ingress)
+    transport = httpx.ASGITransport(app=app)
+    auth = {"Authorization": "Bearer k-i"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=auth) as client:
+
+        async def post(body: dict) -> httpx.Response:
+            return await client.post("/v1/embeddings", json={"model": "m", **body})
+
+        r = await post({"input": ["ab", "xyz"], "user": "u", "encoding_format": None})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["id"] == r.headers["x-request-id"] and body["id"].startswith("embd-")
+        assert r.headers["x-iterserve-class"] == "interactive"
+        assert (body["object"], body["model"]) == ("list", "m")
+        assert body["data"] == [
+            {"object": "embedding", "index": 0, "embedding": _vector([97, 98], None)},
+            {"object": "embedding", "index": 1, "embedding": _vector([120, 121, 122], None)},
+        ]
+        assert body["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+        assert replica.params[-2:] == [PoolingParams(), PoolingParams()]
+        r = await post({"input": "ab", "encoding_format": "base64"})
+        raw = base64.b64decode(r.json()["data"][0]["embedding"])
+        assert list(struct.unpack("<8f", raw)) == _vector([97, 98], None)
+        oa = openai.AsyncOpenAI(base_url="http://t/v1", api_key="k-i", http_client=client)
+        res = await oa.embeddings.create(model="m", input=[[97, 98], [120, 121, 122]])
+        assert [d.embedding for d in res.data] == [
+            _vector([97, 98], None),
+            _vector([120, 121, 122], None),
+        ]
+        assert res.usage.prompt_tokens == 5
+        for d in (4, 8):
+            r = await post({"input": "ab", "dimensions": d})
+            assert r.json()["data"][0]["embedding"] == _vector([97, 98], d)
+            assert replica.params[-1] == PoolingParams(dimensions=d)
+        served = len(replica.params)
+        refused = {
+            "dimensions": ({"input": "ab", "dimensions": 3}, 400),
+            "encoding_format": ({"input": "ab", "encoding_format": "int8"}, 400),
+            "input": ({"input": ["a", "b", "c", "d"]}, 400),
+            "stream": ({"input": "ab", "stream": True}, 400),
+            "model": ({"input": "ab", "model": "x"}, 404),
+        }
+        for param, (bad, status) in refused.items():
+            r = await post(bad)
+            assert (r.status_code, r.json()["error"]["param"]) == (status, param), r.text
+        for bad in (
+            {"input": ""},
+            {"input": []},
+            {"input": [[1], []]},
+            {"input": [-1]},
+            {"input": ["a", [1]]},
+        ):
+            r = await post(bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+        assert (
+            "cut to 4 only"
+            in (await post({"input": "a", "dimensions": 5})).json()["error"]["message"]
+        )
+        assert len(replica.params) == served  # none of them reached the replica
+        card = (await client.get("/v1/models")).json()["data"][0]
+        assert (card["embedding_pooling"], card["embedding_dimensions"]) == ("mean", [4, 8])
+        answer = await ingress.answer(
+            "/v1/embeddings", {"model": "m", "input": ["ab"]}, {"authorization": "Bearer k-b"}
+        )
+        assert answer.status == 200 and answer.body["data"][0]["embedding"] == _vector(
+            [97, 98], None
+        )
+        bad = await ingress.answer(
+            "/v1/embeddings",
+            {"model": "m", "input": "ab", "dimensions": 3},
+            {"authorization": "Bearer k-b"},
+        )
+        assert bad.status == 400 and bad.body["error"]["param"] == "dimensions"
+        scrape = (await client.get("/metrics")).text
+    counts = {
+        (name, cls): float(line.rsplit(" ", 1)[1])
+        for line in scrape.splitlines()
+        for name in ("embedding_requests_total", "embedding_prompt_tokens_total")
+        for cls in ("interactive", "batch")
+        if line.startswith(f'iterserve:{name}{{model="m",traffic_class="{cls}"}}')
+    }
+    # interactive: 2 + 1 + 2 + 2 inputs (the refused ones not counted); batch: 1
+    assert counts == {
+        ("embedding_requests_total", "interactive"): 7,
+        ("embedding_prompt_tokens_total", "interactive"): 5 + 2 + 5 + 2 + 2,
+        ("embedding_requests_total", "batch"): 1,
+        ("embedding_prompt_tokens_total", "batch"): 2,
+    }
