@@ -477,8 +477,8 @@ class Ingress:
         connection, and a batch line waits for its turn however long that takes.
 
         Raises:
-            ValueError: ``path`` is not one of :data:`ANSWERED`. Nothing for the request's
-            own faults; a bug of ours is a 500 (logged).
+            ValueError: ``path`` is not one of :data:`ANSWERED`. The request's own faults
+                raise nothing (its answer is the API's error; a bug of ours, a logged 500).
         """
         if path not in ANSWERED:
             raise ValueError(f"{path!r} is not one of {ANSWERED}")

@@ -312,7 +312,7 @@ class TorchModelRunner:
         (``req.error``)."""
         for rid in [rid for rid, (r, _) in self._pool_sums.items() if r.is_finished]:
             del self._pool_sums[rid]  # aborted or failed mid-prompt
-        results = {}
+        done: dict[str, torch.Tensor] = {}
         for p in pools:
             req, rows = p.request, hidden[p.row_start : p.row_end]
             if self.embedding_pooling == "mean":
@@ -333,10 +333,15 @@ class TorchModelRunner:
             else:
                 vector = rows[-1].float()
             dims = req.pooling.dimensions
-            if dims is not None:
-                vector = vector[:dims]
-            results[req.request_id] = PooledResult(F.normalize(vector, dim=0).tolist())
-        return results
+            done[req.request_id] = F.normalize(vector[:dims] if dims else vector, dim=0)
+        if not done:
+            return {}
+        # One copy to the host for the step's vectors (on CUDA, one wait for the device).
+        flat = torch.cat(list(done.values())).tolist()
+        ends = itertools.accumulate(len(v) for v in done.values())
+        return {
+            rid: PooledResult(flat[end - len(v) : end]) for (rid, v), end in zip(done.items(), ends)
+        }
 
     def _prepare(self, out: SchedulerOutput):
         """Flatten the step into varlen tensors (shapes in :class:`AttentionMetadata`).
