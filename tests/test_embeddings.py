@@ -381,6 +381,13 @@ async def test_the_route_answers_validates_and_counts_by_class():
         assert answer.status == 200 and answer.body["data"][0]["embedding"] == _vector(
             [97, 98], None
         )
+        streamed = await ingress.answer(
+            "/v1/embeddings",
+            {"model": "m", "input": "ab", "stream": True},
+            {"authorization": "Bearer k-b"},
+        )
+        refused_stream = await post({"input": "ab", "stream": True})
+        assert (streamed.status, streamed.body) == (400, refused_stream.json())
         bad = await ingress.answer(
             "/v1/embeddings",
             {"model": "m", "input": "ab", "dimensions": 3},
