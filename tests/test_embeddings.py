@@ -3,7 +3,7 @@ hidden states pooled and L2-normalized the same way (``tests/embedding_reference
 cosine >= 0.99999, every component within 1e-5, fp32), on the embedded SmolLM2 (fp32
 weights and the packed GGUF ones) and on a random Qwen3, under chunked prefill, beside
 generation in the same steps, from the prefix cache; and the route's fields, encodings,
-usage and metrics on an ingress over a fake replica."""
+usage and metrics on an ingress over a fake replica (not ``slow``: no model)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,7 @@ def check(label: str, out, want: torch.Tensor) -> None:
     print(f"{label}, {len(out.prompt_token_ids)} tokens: cosine {cosine:.9f}, max error {err:.1e}")
 
 
+@pytest.mark.slow
 def test_last_pooling_in_chunks_and_beside_generation_is_transformers(
     fp32, hidden, chosen, prompts
 ):
@@ -134,6 +135,7 @@ def test_last_pooling_in_chunks_and_beside_generation_is_transformers(
     assert all_blocks_free(fp32)
 
 
+@pytest.mark.slow
 def test_a_prefix_cache_hit_gives_the_same_vector(fp32, hidden, chosen):
     p = chosen[3]  # 135 tokens, embedded by the test before
     out = embed(fp32, [p])[0]
@@ -142,6 +144,7 @@ def test_a_prefix_cache_hit_gives_the_same_vector(fp32, hidden, chosen):
     assert all_blocks_free(fp32)
 
 
+@pytest.mark.slow
 def test_dimensions_cut_then_normalize(fp32, hidden, chosen):
     out = embed(fp32, chosen[2:3], PoolingParams(dimensions=64))[0]
     assert len(out.embedding) == 64
@@ -155,6 +158,7 @@ def test_dimensions_cut_then_normalize(fp32, hidden, chosen):
     assert not fp32.llm_engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_an_adapter_embeds_as_peft_applies_it(fp32, lora_dirs, reference, hidden, chosen):
     """With a LoRA adapter (peft's, on all seven projections) a prompt embeds as the
     model peft wraps with it does. peft wraps ``reference`` itself, once ``hidden`` holds
@@ -168,6 +172,7 @@ def test_an_adapter_embeds_as_peft_applies_it(fp32, lora_dirs, reference, hidden
     check("fp32 last, adapter B", out, want)
 
 
+@pytest.mark.slow
 def test_mean_pooling_in_chunks_takes_no_cache_hit(hidden, chosen):
     llm = LLM(
         quantization="none", max_num_batched_tokens=STEP, num_kv_blocks=64, embedding_pooling="mean"
@@ -191,6 +196,7 @@ def test_mean_pooling_in_chunks_takes_no_cache_hit(hidden, chosen):
         gc.collect()
 
 
+@pytest.mark.slow
 def test_packed_gguf_weights_embed_as_transformers_does(hidden, chosen):
     """The default packed weights (Q4_1 and Q8_0 blocks, de-quantized inside the kernels)
     compute what transformers computes on the same weights de-quantized once, which the
@@ -215,6 +221,7 @@ def test_packed_gguf_weights_embed_as_transformers_does(hidden, chosen):
         gc.collect()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_random_qwen3_embeds_as_transformers_does(pooling, tmp_path, tokenizer, chosen):
     from transformers import Qwen3Config, Qwen3ForCausalLM
