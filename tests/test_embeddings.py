@@ -201,16 +201,21 @@ def test_packed_gguf_weights_embed_as_transformers_does(hidden, chosen):
     """The default packed weights (Q4_1 and Q8_0 blocks, de-quantized inside the kernels)
     compute what transformers computes on the same weights de-quantized once, which the
     reference holds: the same bounds apply. The 63-token prompt, alone in 62-token steps,
-    ends in a step whose one token is a decode, which the packed decode stack would run
-    without hidden states."""
+    ends in a step whose one token is a decode: the model's forward runs it, not the
+    packed decode stack (which runs the decode-only steps of generation)."""
     llm = LLM(max_num_batched_tokens=STEP - 2, num_kv_blocks=64)
     try:
-        engine = llm.llm_engine
-        assert engine.runner.decode_stack is not None and "gguf" in engine.weights.format
+        engine, runner = llm.llm_engine, llm.llm_engine.runner
+        assert runner.decode_stack is not None and "gguf" in engine.weights.format
+        stack, stacked = runner.decode_stack, []
+        runner.decode_stack = lambda *args: stacked.append(args) or stack(*args)
         steps = []
         engine.add_step_listener(steps.append)
         outs = [*embed(llm, chosen[4:]), *embed(llm, chosen[1:3])]
-        assert steps[1].num_decodes == len(steps[1].seqs) == 1
+        assert steps[1].num_decodes == len(steps[1].seqs) == 1 and not stacked
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": chosen[1]}], params, use_tqdm=False)
+        assert stacked  # a decode-only step of generation takes it
         for out in outs:
             check("packed last", out, pool(hidden[tuple(out.prompt_token_ids)]))
         with pytest.raises(ParamError, match="cannot be cut"):

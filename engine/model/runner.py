@@ -267,6 +267,8 @@ class TorchModelRunner:
             else None
         )
         try:
+            # A step that pools runs the model's own forward, whose final norm sees every
+            # row: the decode stack's contract is the kept rows' logits, nothing more.
             if (
                 self.decode_stack is not None
                 and out.num_decodes == len(out.seqs)
