@@ -305,7 +305,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def _run_engine(args: argparse.Namespace, todo: list[BatchLine], progress: _Progress) -> None:
     engine = _engine_config(args, apply_config(args))
-    work = [(line.custom_id, line.chat, line.body) for line in todo]
+    work = [(line.custom_id, line.url, line.body) for line in todo]
     # Not inside a job and no --address: this machine alone, never the cluster that an
     # `iterserve serve` on it runs, whose CPUs its replicas already hold.
     local = args.address is None and "RAY_ADDRESS" not in os.environ

@@ -76,10 +76,11 @@ class BatchWorker:
         """The engine's ``max_num_seqs`` (the driver sizes its window with it)."""
         return self.engine.engine.config.max_num_seqs
 
-    async def answer(self, chat: bool, body: dict[str, Any]) -> Answer:
-        """Run one request to the end, at the batch class; never raises for the request's
-        own faults (its answer is then the API's error)."""
-        return await self.ingress.answer(chat, body, {CLASS_HEADER: BATCH_CLASS})
+    async def answer(self, url: str, body: dict[str, Any]) -> Answer:
+        """Run one request to ``url`` (one of :data:`deploy.batch_format.URLS`) to the end,
+        at the batch class; never raises for the request's own faults (its answer is then
+        the API's error)."""
+        return await self.ingress.answer(url, body, {CLASS_HEADER: BATCH_CLASS})
 
 
 @dataclass(slots=True)
@@ -161,9 +162,9 @@ class RemoteBatchWorker:
         """The actor engine's ``max_num_seqs``, read once when it started."""
         return self.max_num_seqs
 
-    def answer(self, chat: bool, body: dict[str, Any]) -> Awaitable[Answer]:
+    def answer(self, url: str, body: dict[str, Any]) -> Awaitable[Answer]:
         """:meth:`BatchWorker.answer` on the actor; await the returned object ref."""
-        return self.actor.answer.remote(chat, body)
+        return self.actor.answer.remote(url, body)
 
 
 def plan_local(num_cpus: float | None, num_gpus: float) -> ReplicaPlan:
@@ -191,10 +192,10 @@ def plan_local(num_cpus: float | None, num_gpus: float) -> ReplicaPlan:
 
 async def run_on_replicas(
     replicas: list[BatchWorker | RemoteBatchWorker],
-    work: list[tuple[str, bool, dict]],
+    work: list[tuple[str, str, dict]],
     done: Callable[[str, Answer], None],
 ) -> None:
-    """Answer every ``(custom_id, chat, body)`` of ``work`` on ``replicas``; ``done`` is
+    """Answer every ``(custom_id, url, body)`` of ``work`` on ``replicas``; ``done`` is
     called (in this event loop) as each finishes, in completion order.
 
     Each replica gets ``2 * max_num_seqs`` requests in flight, pulled from one queue, so a
@@ -206,7 +207,7 @@ async def run_on_replicas(
 
     async def feed(replica: BatchWorker | RemoteBatchWorker) -> None:
         while not queue.empty():
-            cid, chat, body = queue.get_nowait()
-            done(cid, await replica.answer(chat, body))
+            cid, url, body = queue.get_nowait()
+            done(cid, await replica.answer(url, body))
 
     await asyncio.gather(*(feed(r) for r in replicas for _ in range(2 * r.ready())))

@@ -2,10 +2,10 @@
 output file that makes a batch resumable with every record written exactly once.
 
 Input: one JSON object a line, ``{"custom_id", "method": "POST", "url", "body"}``, where
-``url`` is ``/v1/completions`` or ``/v1/chat/completions`` and ``body`` the API's request
-body. Output: one JSON object a line, ``{"id", "custom_id", "response": {"status_code",
-"request_id", "body"}, "error"}``; ``error`` is null for a 200, else ``{"code",
-"message"}``, and ``response.body`` then holds the API's error body.
+``url`` is ``/v1/completions``, ``/v1/chat/completions`` or ``/v1/embeddings`` and ``body``
+the API's request body. Output: one JSON object a line, ``{"id", "custom_id", "response":
+{"status_code", "request_id", "body"}, "error"}``; ``error`` is null for a 200, else
+``{"code", "message"}``, and ``response.body`` then holds the API's error body.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from router.errors import ApiError
 BATCH_CLASS = "batch"
 """The traffic class batch lines run at."""
 
-URLS = {"/v1/completions": False, "/v1/chat/completions": True}
-"""The endpoints a batch line may name -> whether it is chat."""
+URLS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+"""The endpoints a batch line may name (:data:`router.ingress.ANSWERED`)."""
 
 
 class BatchFileError(ValueError):
@@ -38,12 +38,9 @@ class BatchLine:
     """1-based line number in the input file."""
     custom_id: str
     url: str = ""
+    """One of :data:`URLS` (unless ``error`` is set)."""
     body: dict[str, Any] | None = None
     error: ApiError | None = None
-
-    @property
-    def chat(self) -> bool:
-        return URLS[self.url]
 
 
 def _parse_line(n: int, text: str) -> tuple[BatchLine | None, str | None]:
@@ -76,7 +73,7 @@ def _parse_line(n: int, text: str) -> tuple[BatchLine | None, str | None]:
     elif line.url not in URLS:
         line.error = ApiError(
             404,
-            f"url {line.url!r} is not a batch endpoint; use one of {sorted(URLS)}",
+            f"url {line.url!r} is not a batch endpoint; use one of {list(URLS)}",
             param="url",
             code="unknown_url",
         )

@@ -21,6 +21,7 @@ from engine import (
     AsyncLLMEngine,
     EngineConfig,
     LoRARequest,
+    PoolingParams,
     RequestFailedError,
     RequestOutput,
     RequestOutputKind,
@@ -126,18 +127,25 @@ class EngineReplica:
         logger.info("replica ready (pid %d, %d torch threads)", os.getpid(), num_threads)
 
     def info(self) -> ModelInfo:
-        """What the ingress needs once: the tokenizer and the limits."""
+        """What the ingress needs once: the tokenizer, the limits, how the weights are
+        held and what embeddings the engine computes."""
         engine = self.engine.engine
         w = engine.weights
-        if w is None:
-            return ModelInfo(engine.tokenizer, engine.limits)
-        return ModelInfo(engine.tokenizer, engine.limits, w.format, w.bytes)
+        return ModelInfo(
+            engine.tokenizer,
+            engine.limits,
+            w.format if w is not None else "",
+            w.bytes if w is not None else 0,
+            embedding_size=engine.embedding_size,
+            embedding_pooling=engine.config.embedding_pooling,
+            embedding_dimensions=tuple(engine.config.embedding_dimensions or ()),
+        )
 
     def items(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         shape: RequestShape,
         send_load: bool = True,
         resume: Sequence[int] = (),
@@ -189,7 +197,7 @@ async def engine_items(
     replica_id: str,
     request_id: str,
     prompt_token_ids: list[int],
-    params: SamplingParams,
+    params: SamplingParams | PoolingParams,
     shape: RequestShape,
     send_load: bool = True,
     resume: Sequence[int] = (),
@@ -198,8 +206,10 @@ async def engine_items(
 
     ``params`` go to the engine as they are: built and checked by the ingress
     (:func:`router.openai_format.sampling_params`), with ``DELTA`` outputs, which the step
-    items need (each carries one step's tokens). The engine checks what only it can (the
-    vocabulary, its context and KV capacity, a ``json_schema``'s grammar), once.
+    items need (each carries one step's tokens); or an embedding's
+    :class:`engine.PoolingParams`, whose one step item carries its vector. The engine
+    checks what only it can (the vocabulary, its context and KV capacity, a
+    ``json_schema``'s grammar, the embedding ``dimensions`` it serves), once.
 
     The first item is :class:`router.contract.Accepted` once the request is queued, or a
     :class:`router.contract.Refused` (and nothing more) if the engine refuses it (context
@@ -220,7 +230,8 @@ async def engine_items(
 
     Closing or cancelling the iteration aborts the engine request before its next step.
     """
-    if params.output_kind is not RequestOutputKind.DELTA:  # not the ingress's: a test's, say
+    if isinstance(params, SamplingParams) and params.output_kind is not RequestOutputKind.DELTA:
+        # not the ingress's: a test's, say
         params = replace(params, output_kind=RequestOutputKind.DELTA)
     try:
         # Queued before Accepted: admission reads the engine's load, and a burst of
@@ -275,6 +286,7 @@ def _step_item(
         cached_tokens=cached,
         prompt_logprobs=out.prompt_logprobs,
         load=_load(engine, send_load),
+        embedding=out.embedding,
     )
 
 

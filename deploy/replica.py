@@ -16,7 +16,7 @@ from typing import Any
 from ray import serve
 
 from deploy.engine_replica import EngineReplica
-from engine.core.params import SamplingParams
+from engine.core.params import PoolingParams, SamplingParams
 from engine.core.step_cost import LinearCost
 from policies.scaling_signals import encode_replica, replica_load
 from router.contract import FirstItem, Lost, RequestShape, StepItem, StreamItem
@@ -57,7 +57,7 @@ class ModelReplica(EngineReplica):
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         shape: RequestShape,
         ingress: str,
         resume: tuple[int, ...] = (),

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
     from engine.config import EngineConfig
     from engine.core.interfaces import ModelRunner, StepRecord
-    from engine.core.params import ParamError, RequestOutputKind, SamplingParams
+    from engine.core.params import ParamError, PoolingParams, RequestOutputKind, SamplingParams
     from engine.core.request import CompletionOutput, RequestOutput
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
@@ -33,6 +33,7 @@ _HOMES = {
     "ModelLoadError": "engine.model.loader",
     "ModelRunner": "engine.core.interfaces",
     "ParamError": "engine.core.params",
+    "PoolingParams": "engine.core.params",
     "RequestOutput": "engine.core.request",
     "RequestOutputKind": "engine.core.params",
     "RequestFailedError": "engine.async_engine",
@@ -53,6 +54,7 @@ __all__ = [
     "ModelLoadError",
     "ModelRunner",
     "ParamError",
+    "PoolingParams",
     "RequestOutput",
     "RequestOutputKind",
     "RequestFailedError",

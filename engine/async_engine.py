@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core.heap_trim import IdleRelease
-from engine.core.params import LoRARequest, SamplingParams
+from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 from engine.core.request import CheckedRequest, RequestOutput
 from engine.llm_engine import LLMEngine, PromptType
 from policies import LoadSnapshot
@@ -129,7 +129,7 @@ class AsyncLLMEngine:
     async def generate(
         self,
         prompt: PromptType,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         priority: int | None = None,
         traffic_class: str | None = None,
@@ -162,7 +162,7 @@ class AsyncLLMEngine:
     def submit(
         self,
         prompt: PromptType,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         priority: int | None = None,
         traffic_class: str | None = None,
@@ -174,8 +174,9 @@ class AsyncLLMEngine:
         From this call on, :meth:`load_snapshot` counts the request as waiting, so that
         admission decisions made before its stream is first read see it. Each output is
         shaped by ``sampling_params.output_kind`` (all so far, by default; a streaming
-        caller asks for ``DELTA``). :meth:`RequestStream.close` before the last output,
-        read or not, aborts the request.
+        caller asks for ``DELTA``); a :class:`PoolingParams` request (an embedding) has
+        one output, its last, with its ``embedding``. :meth:`RequestStream.close` before
+        the last output, read or not, aborts the request.
 
         ``priority`` None means the traffic class's default; ``resume_token_ids``: the
         output the request already produced on a replica that died (see
@@ -213,7 +214,7 @@ class AsyncLLMEngine:
     def validate(
         self,
         prompt: PromptType,
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | PoolingParams,
         traffic_class: str | None = None,
         resume_token_ids: Sequence[int] = (),
     ) -> list[int]:

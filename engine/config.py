@@ -136,6 +136,19 @@ class EngineConfig(BaseModel):
         description="LoRA adapters kept in host memory, the least recently used evicted "
         "(read again on their next use); None: max_loras",
     )
+    embedding_pooling: Literal["last", "mean"] = Field(
+        "last",
+        description="how /v1/embeddings pools the prompt's final hidden states (after the "
+        "model's last norm) into one vector, then L2-normalizes it: last, the last token's "
+        "(Qwen3-Embedding's); mean, their mean over the prompt's tokens (such requests "
+        "take no prefix-cache hits)",
+    )
+    embedding_dimensions: list[int] | None = Field(
+        None,
+        description="the sizes a Matryoshka-trained model's embeddings may be cut to "
+        "(/v1/embeddings `dimensions`: the first components, then normalized); None: "
+        "`dimensions` is refused unless it is the hidden size",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -144,6 +157,13 @@ class EngineConfig(BaseModel):
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras {self.max_cpu_loras} is below max_loras {self.max_loras}"
+            )
+        if self.embedding_dimensions is not None and (
+            not self.embedding_dimensions or min(self.embedding_dimensions) < 1
+        ):
+            raise ValueError(
+                f"embedding_dimensions {self.embedding_dimensions}: a non-empty list of "
+                "sizes >= 1 (or null)"
             )
         if self.attention_backend == "flash_attn" and self.block_size % FLASH_BLOCK_MULTIPLE:
             raise ValueError(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.core.params import LoRARequest, RequestOutputKind, SamplingParams
+from engine.core.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from engine.core.request import RequestOutput
 from engine.llm_engine import LLMEngine, PromptType
 
@@ -93,28 +93,70 @@ class LLM:
             ValueError: a list argument's length differs from the prompts', or a prompt is
                 rejected (see :meth:`LLMEngine.add_request`); nothing runs then.
         """
-        if isinstance(prompts, (str, dict)) or (
-            prompts and isinstance(prompts, Sequence) and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         n = len(prompts)
-        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * n
+        given = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * n
+        # Only the last output is kept: nothing is copied on the way.
+        params = [
+            replace(p or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY) for p in given
+        ]
+        return self._run(prompts, params, priority, use_tqdm, traffic_class, lora_request)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+        traffic_class: Sequence[str] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Embed every prompt (vLLM's ``LLM.embed``): each output, in prompt order, is
+        finished with its :attr:`RequestOutput.embedding` (the engine's
+        ``embedding_pooling`` of the prompt's final hidden states, L2-normalized; a list
+        of ``hidden_size`` floats, or ``dimensions``).
+
+        Arguments as :meth:`generate`'s; ``pooling_params``: one for all prompts, or one
+        per prompt (default ``PoolingParams()``).
+
+        Raises:
+            ValueError: as :meth:`generate`; ``dimensions`` this model does not serve.
+        """
+        prompts = _prompt_list(prompts)
+        n = len(prompts)
+        given = pooling_params if isinstance(pooling_params, Sequence) else [pooling_params] * n
+        params = [p or PoolingParams() for p in given]
+        return self._run(prompts, params, priority, use_tqdm, traffic_class, lora_request)
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams | PoolingParams],
+        priority: Sequence[int] | None,
+        use_tqdm: bool,
+        traffic_class: Sequence[str] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+    ) -> list[RequestOutput]:
+        """Add every prompt with its parameters, then step until all are finished.
+
+        Raises:
+            ValueError: see :meth:`generate`.
+        """
+        n = len(prompts)
         prios = list(priority) if priority is not None else [None] * n
         classes = list(traffic_class) if traffic_class is not None else [None] * n
         loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * n
         if not len(params) == len(prios) == len(classes) == len(loras) == n:
             raise ValueError(
-                f"{n} prompts but {len(params)} sampling_params, {len(prios)} priorities, "
+                f"{n} prompts but {len(params)} parameters, {len(prios)} priorities, "
                 f"{len(classes)} traffic classes and {len(loras)} LoRA requests"
             )
         engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in range(n)]
         try:
             for rid, prompt, p, prio, cls, lora in zip(ids, prompts, params, prios, classes, loras):
-                # Only the last output is kept: nothing is copied on the way.
-                final = replace(p or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(
-                    rid, prompt, final, priority=prio, traffic_class=cls, lora_request=lora
+                    rid, prompt, p, priority=prio, traffic_class=cls, lora_request=lora
                 )
         except Exception:
             engine.abort(ids)
@@ -127,3 +169,12 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[rid] for rid in ids]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """``prompts`` as a list: one prompt (text, token ids or a dict) becomes a list of it."""
+    if isinstance(prompts, (str, dict)) or (
+        prompts and isinstance(prompts, Sequence) and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)

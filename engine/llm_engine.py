@@ -13,10 +13,23 @@ from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.heap_trim import release_free_memory
-from engine.core.interfaces import FinishRecord, ModelRunner, SampleResult, StepRecord
+from engine.core.interfaces import (
+    FinishRecord,
+    ModelRunner,
+    PooledResult,
+    SampleResult,
+    StepRecord,
+    StepResult,
+)
 from engine.core.kv_cache import BlockManager
 from engine.core.outputs import RequestGroup, make_output
-from engine.core.params import LoRARequest, ParamError, SamplingParams
+from engine.core.params import (
+    LoRARequest,
+    ParamError,
+    PoolingParams,
+    RequestOutputKind,
+    SamplingParams,
+)
 from engine.core.request import (
     CheckedRequest,
     CompletionOutput,
@@ -116,6 +129,15 @@ class LLMEngine:
         self.max_model_len = runner.max_model_len
         self.vocab_size = runner.vocab_size
         self.eos_token_ids = set(runner.eos_token_ids)
+        self.embedding_size: int = getattr(runner, "hidden_size", 0)
+        """The size of an embedding request's full vector (the model's hidden size); 0:
+        the runner pools nothing, and embedding requests are refused."""
+        too_big = [d for d in config.embedding_dimensions or () if d > self.embedding_size]
+        if too_big and self.embedding_size:
+            raise ValueError(
+                f"embedding_dimensions {too_big} exceed the model's hidden size "
+                f"{self.embedding_size}"
+            )
         self.scheduler = scheduler or Scheduler.from_config(
             config,
             BlockManager(
@@ -269,7 +291,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | PoolingParams | None = None,
         priority: int | None = None,
         traffic_class: str | None = None,
         arrival_time: float | None = None,
@@ -281,7 +303,8 @@ class LLMEngine:
         Args:
             request_id: unique among unfinished requests.
             prompt: text, token ids, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}``.
-            sampling_params: default ``SamplingParams()``.
+            sampling_params: default ``SamplingParams()``; a :class:`PoolingParams` makes
+                it an embedding request (one output, finished, with its ``embedding``).
             priority: lower is more urgent; None: the traffic class's default priority.
             traffic_class: a configured class (default ``standard``).
             arrival_time: seconds on the engine's clock; default now.
@@ -299,7 +322,9 @@ class LLMEngine:
             ValueError: duplicate id, empty prompt or unknown traffic class; resumed
                 tokens with ``n > 1``, outside the vocabulary, or not under
                 ``max_tokens`` (see :meth:`check`); an adapter that cannot be served
-                (:class:`engine.lora.AdapterError`).
+                (:class:`engine.lora.AdapterError`); an embedding request with resumed
+                tokens, or with ``dimensions`` this model does not serve (``ParamError``),
+                or on a runner that pools nothing.
             RequestRejectedError: prompt plus max_tokens exceeds the model's context or the
                 whole KV cache, so it could never run.
         """
@@ -310,7 +335,7 @@ class LLMEngine:
     def check(
         self,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         traffic_class: str | None = None,
         resume_token_ids: Sequence[int] = (),
         tokenizer=None,
@@ -333,6 +358,8 @@ class LLMEngine:
         traffic_class = traffic_class or DEFAULT_CLASS
         text, ids, max_tokens = self.validate(prompt, params, traffic_class, tokenizer)
         if resume_token_ids:
+            if isinstance(params, PoolingParams):
+                raise ValueError("an embedding request has no output to resume")
             self.check_resume(resume_token_ids, params, max_tokens)
         key = self.lora_adapter(lora).key if lora is not None else b""
         return CheckedRequest(
@@ -353,11 +380,14 @@ class LLMEngine:
         """
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if priority is None:
+            priority = self.traffic_classes[checked.traffic_class].default_priority
+        now = self.clock() if arrival_time is None else arrival_time
+        if isinstance(checked.params, PoolingParams):
+            self._add_pooling(request_id, checked, priority, now)
+            return
         params, ids, max_tokens = checked.params, checked.prompt_token_ids, checked.max_tokens
         traffic_class, resume_token_ids = checked.traffic_class, checked.resume_token_ids
-        if priority is None:
-            priority = self.traffic_classes[traffic_class].default_priority
-        now = self.clock() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -391,6 +421,33 @@ class LLMEngine:
         )
         for req in seqs:
             self.scheduler.add(req)
+
+    def _add_pooling(
+        self, request_id: str, checked: CheckedRequest, priority: int, now: float
+    ) -> None:
+        """Queue an embedding request: one sequence that samples nothing (its
+        ``params`` are defaults no step reads) and has one output, when it finishes."""
+        cls = self.traffic_classes[checked.traffic_class]
+        req = Request(
+            request_id,
+            checked.prompt_token_ids,
+            SamplingParams(),
+            now,
+            0,
+            priority=priority,
+            traffic_class=checked.traffic_class,
+            parent_id=request_id,
+            lora=checked.lora,
+            lora_key=checked.lora_key,
+            ttft_slo_s=cls.ttft_slo_s,
+            tpot_slo_s=cls.tpot_slo_s,
+            pooling=checked.params,
+        )
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self._groups[request_id] = RequestGroup(
+            request_id, checked.prompt_text, [req], now, RequestOutputKind.FINAL_ONLY
+        )
+        self.scheduler.add(req)
 
     def check_resume(
         self, resume_token_ids: Sequence[int], params: SamplingParams, max_tokens: int
@@ -442,23 +499,30 @@ class LLMEngine:
     def validate(
         self,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         traffic_class: str | None = None,
         tokenizer=None,
     ) -> tuple[str | None, list[int], int]:
         """:meth:`check` but for resumed tokens: ``(prompt text or None, prompt token ids,
-        effective max_tokens)`` (``tokenizer``: see :meth:`tokenize`).
+        effective max_tokens)`` (``tokenizer``: see :meth:`tokenize`; max_tokens 0 for
+        an embedding request).
 
         Raises:
             ValueError: unknown traffic class, empty prompt or a token id outside the
                 vocabulary (:class:`ParamError` for ``logit_bias`` and ``stop_token_ids``),
-                or a ``json_schema`` or ``structural_tag`` that does not compile (``ParamError``).
+                or a ``json_schema`` or ``structural_tag`` that does not compile
+                (``ParamError``); an embedding request with ``dimensions`` not served
+                (``ParamError``) or on a runner that pools nothing.
             RequestRejectedError: the request could never run here.
         """
         if traffic_class is not None and traffic_class not in self.traffic_classes:
             raise ValueError(
                 f"unknown traffic_class {traffic_class!r}; known: {sorted(self.traffic_classes)}"
             )
+        if isinstance(params, PoolingParams):
+            self.check_pooling(params)
+            text, ids = self.tokenize(prompt, tokenizer)
+            return text, ids, self.check_length(len(ids), 0)
         vocab = self.runner.vocab_size
         for name, token_ids in (
             ("logit_bias", params.logit_bias),
@@ -472,6 +536,32 @@ class LLMEngine:
         self.structured.check(params)
         text, ids = self.tokenize(prompt, tokenizer)
         return text, ids, self.check_length(len(ids), params.max_tokens)
+
+    def check_pooling(self, params: PoolingParams) -> None:
+        """Whether this engine serves an embedding request with ``params``.
+
+        Raises:
+            ValueError: the runner pools nothing.
+            ParamError: ``dimensions`` is neither the hidden size nor one of
+                ``embedding_dimensions``.
+        """
+        if not self.embedding_size:
+            raise ValueError("this engine's runner computes no embeddings")
+        d = params.dimensions
+        served = self.config.embedding_dimensions or []
+        if d is None or d == self.embedding_size or d in served:
+            return
+        if served:
+            why = f"they can be cut to {sorted(served)} only"
+        else:
+            why = (
+                "they cannot be cut (embedding_dimensions lists the sizes a "
+                "Matryoshka-trained model supports)"
+            )
+        raise ParamError(
+            "dimensions",
+            f"dimensions={d}: this model's embeddings are {self.embedding_size} long; {why}",
+        )
 
     def abort(self, request_id: str | Sequence[str]) -> list[RequestOutput]:
         """Finish requests with reason ``abort`` and free their KV blocks at once.
@@ -547,7 +637,7 @@ class LLMEngine:
             self.on_scheduled(self.load_snapshot(out))
         return _Scheduled(out, start, schedule_s, predicted)
 
-    def _run(self, out: SchedulerOutput) -> dict[str, SampleResult]:
+    def _run(self, out: SchedulerOutput) -> dict[str, StepResult]:
         """Run: the model executes the step; the sampled token of each request whose chunk
         reached its last token, by request id.
 
@@ -558,24 +648,46 @@ class LLMEngine:
         self._failed_steps = 0
         return samples
 
-    def _update(self, out: SchedulerOutput, samples: dict[str, SampleResult]) -> _Update:
+    def _update(self, out: SchedulerOutput, samples: dict[str, StepResult]) -> _Update:
         """Update: the scheduler takes the sampled tokens, then each request that got one
-        advances (:meth:`_advance`: grammar, logprobs, text, stop). A request whose own
-        work raised is kept in ``failed`` (the first error of its caller request) and
-        the others go on."""
-        got = self.scheduler.update(out, {rid: s.token_id for rid, s in samples.items()})
+        advances (:meth:`_advance`: grammar, logprobs, text, stop), and each embedding
+        request whose prompt is done finishes with its vector. A request whose own work
+        raised is kept in ``failed`` (the first error of its caller request) and the
+        others go on."""
+        tokens = {rid: s.token_id for rid, s in samples.items() if isinstance(s, SampleResult)}
+        got = self.scheduler.update(out, tokens)
         now = self.clock()
         deltas: dict[str, tuple[str, int]] = {}
         failed: dict[str, Exception] = {}
         for req in got:
             # A try costs nothing until it catches (zero-cost exceptions, Python 3.11).
             try:
-                deltas[req.request_id] = (self._advance(req, samples, now), 1)
+                if req.pooling is not None:
+                    self._pooled(req, samples.get(req.request_id), now)
+                    deltas[req.request_id] = ("", 0)
+                else:
+                    deltas[req.request_id] = (self._advance(req, samples, now), 1)
             except Exception as e:  # this request's own work: it alone fails
                 failed.setdefault(req.parent_id, e)
         return _Update(got, deltas, failed, now)
 
-    def _advance(self, req: Request, samples: dict[str, SampleResult], now: float) -> str:
+    def _pooled(self, req: Request, result: StepResult | None, now: float) -> None:
+        """Finish embedding request ``req`` with its vector (finish reason ``stop``; its
+        blocks freed, its full blocks left in the prefix cache).
+
+        Raises:
+            What its pooling raised in the runner (``req.error``); RuntimeError when the
+            runner returned no vector for it.
+        """
+        if req.error is not None:
+            raise req.error
+        if not isinstance(result, PooledResult):
+            raise RuntimeError(f"the runner returned {type(result).__name__}, not a vector")
+        req.embedding = result.embedding
+        req.first_token_time = now
+        self.scheduler.finish(req, FinishReason.STOP, now)
+
+    def _advance(self, req: Request, samples: dict[str, StepResult], now: float) -> str:
         """Advance ``req`` by its sampled token: its grammar, first-token time, logprobs,
         text and stop check; a request that stops here finishes (its blocks freed, its
         held-back text flushed unless a stop string ended it). Returns its new text.
@@ -587,6 +699,7 @@ class LLMEngine:
         if req.error is not None:
             raise req.error
         sample = samples[req.request_id]
+        assert isinstance(sample, SampleResult)  # a generating request samples
         if req.grammar is not None:
             req.grammar.accept_token(sample.token_id)
         if req.first_token_time is None:

@@ -37,7 +37,8 @@ class RequestLimits:
     chunked_prefill: bool = True
 
     def check(self, prompt_len: int, max_tokens: int | None) -> int:
-        """Return the effective max_tokens (None: up to the context or KV capacity).
+        """Return the effective max_tokens (None: up to the context or KV capacity; 0: a
+        prompt that generates nothing, an embedding request's).
 
         Raises:
             RequestRejectedError: prompt plus max_tokens exceeds the context, the KV cache,
@@ -56,6 +57,8 @@ class RequestLimits:
                 )
         need = prompt_len + max_tokens
         asked = f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) = {need} tokens"
+        if max_tokens == 0:  # an embedding: its prompt alone
+            asked = f"prompt of {prompt_len} tokens"
         if need > self.max_model_len:
             raise RequestRejectedError(
                 f"{asked} exceeds the model's context of {self.max_model_len} tokens",

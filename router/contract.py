@@ -4,20 +4,22 @@ replica streams back, and the protocols that every way of reaching a replica imp
 A request's path: the ingress (:class:`router.ingress.Ingress`) asks its
 :class:`Replicas` for a :class:`ReplicaCall` per prompt, with the prompt's token ids, its
 :class:`engine.core.params.SamplingParams` (built and checked once by
-:func:`router.openai_format.sampling_params`; the replica's engine takes them as they are)
-and its :class:`RequestShape`. The replica answers the call with one :data:`FirstItem`: an
+:func:`router.openai_format.sampling_params`; the replica's engine takes them as they are),
+or an embedding's :class:`engine.core.params.PoolingParams`, and its
+:class:`RequestShape`. The replica answers the call with one :data:`FirstItem`: an
 :class:`Accepted` once its engine queued the request, or a :class:`Refused` (and nothing
 more) when the engine can never run it. Then one :class:`StepItem` per engine step that
 produced tokens, the last with ``finished`` (and ``error`` when the request alone failed
 inside the engine); a :class:`Lost` instead when the engine serving the request failed.
+An embedding request has one step item, ``finished``, with its ``embedding``.
 
 Both sides import this module: the ingress (:mod:`router.ingress`, :mod:`router.dispatch`,
 :mod:`router.local`) and the replicas (:mod:`deploy.engine_replica`, :mod:`deploy.replica`).
 It sits in ``router`` because ``deploy`` is the layer above: the replicas may import the
 router's modules, the ingress never imports ``deploy``. Ray Serve pickles the call's
 arguments and the items between the replica's and the ingress's processes: they are data
-classes of plain values, :class:`engine.core.params.SamplingParams` and
-:class:`policies.LoadSnapshot`, so both ends need only this module, the torch-free
+classes of plain values, :class:`engine.core.params.SamplingParams` (or ``PoolingParams``)
+and :class:`policies.LoadSnapshot`, so both ends need only this module, the torch-free
 :mod:`engine.core.params` and ``policies``.
 
 :class:`Replicas` is implemented by :class:`router.dispatch.RayReplicas` (a Ray Serve
@@ -32,7 +34,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engine.core.params import LoRARequest, SamplingParams
+from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 from policies import LoadSnapshot
 from policies.limits import RequestLimits
 from router.errors import ApiError
@@ -70,6 +72,15 @@ class ModelInfo:
     empty where unknown."""
     weight_bytes: int = 0
     """Bytes the weights occupy in one replica (0 where unknown)."""
+    embedding_size: int = 0
+    """The length of an embedding's full vector (the model's hidden size); 0: the
+    replicas compute no embeddings."""
+    embedding_pooling: str = "last"
+    """How an embedding pools the prompt's final hidden states (``last`` or ``mean``; the
+    engine's ``embedding_pooling``)."""
+    embedding_dimensions: tuple[int, ...] = ()
+    """The sizes an embedding may be cut to besides ``embedding_size`` (the engine's
+    ``embedding_dimensions``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +155,8 @@ class StepItem:
     """The request failed inside the engine (an exception in its step; the engine went
     on): what was raised. Set on its last item, ``finished``, with no outputs; the
     ingress answers 503 ``request_failed`` (:func:`router.calls.request_failed`)."""
+    embedding: list[float] | None = None
+    """An embedding request's vector, on its one item (``finished``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,13 +225,13 @@ class Replicas(Protocol):
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         shape: RequestShape,
         record: RequestRecord | None = None,
     ) -> ReplicaCall:
         """The call of one prompt; ``params`` as :func:`router.openai_format.sampling_params`
-        built them (``DELTA`` outputs), ``record`` is told of every item and of how the call
-        ended.
+        built them (``DELTA`` outputs), or an embedding's; ``record`` is told of every item
+        and of how the call ended.
 
         Raises:
             ApiError: 503 when no replica can be called.

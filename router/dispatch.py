@@ -37,7 +37,7 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from engine.core.params import LoRARequest, SamplingParams
+from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 from policies import LoadSnapshot
 from router.calls import RETRY_AFTER_S, ReplicaLost, accepted, record_item, request_failed
 from router.contract import Lost, ModelInfo, Refused, RequestShape, StepItem
@@ -88,7 +88,7 @@ class RayCall:
         handle: DeploymentHandle,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         shape: RequestShape,
         streams: StepStreams,
         record: RequestRecord | None = None,
@@ -216,7 +216,9 @@ class RayCall:
             view.replica_died(self.replica)
 
     def _can_migrate(self) -> bool:
-        return self.attempts < MAX_DISPATCH_ATTEMPTS and (not self.produced or self.params.n == 1)
+        return self.attempts < MAX_DISPATCH_ATTEMPTS and (
+            not self.produced or isinstance(self.params, PoolingParams) or self.params.n == 1
+        )
 
     async def _migrate(self, why: str) -> None:
         """Send the request to another replica with the output it produced so far.
@@ -311,7 +313,7 @@ class RayReplicas:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         shape: RequestShape,
         record: RequestRecord | None = None,
     ) -> RayCall:

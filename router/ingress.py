@@ -5,7 +5,8 @@ the field), the model checked (404), the caller resolved from its API key
 (:mod:`router.tenants`), the prompt tokenized (chat template for chat), admission asked
 (:mod:`router.admission`; 429 with Retry-After), and the request sent to a replica. The
 replica's step items become OpenAI chunks (SSE ending with ``data: [DONE]``) or one
-response (:mod:`router.openai_format`).
+response (:mod:`router.openai_format`). ``POST /v1/embeddings`` takes the same path, each
+input a prefill-only request whose one item carries its vector (:mod:`router.embeddings`).
 
 :class:`Ingress` holds no Ray: its replicas are a :class:`router.contract.Replicas`
 (:class:`router.dispatch.RayReplicas` for the Ray Serve deployment, :mod:`router.api`;
@@ -36,9 +37,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -46,8 +47,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from engine.core.params import LoRARequest, SamplingParams
+from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 from policies import TrafficClass, make_classes, policy_from_spec
+from router import embeddings as emb
 from router import openai_format as fmt
 from router import responses, tools
 from router.admission import AdmissionRejected, IngressAdmission
@@ -64,6 +66,7 @@ from router.scaling import ScalingRecord, ScalingSignals
 from router.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
@@ -88,6 +91,7 @@ ROUTES: tuple[tuple[str, str, str, type[BaseModel] | None], ...] = (
     ("GET", "/steps", "steps", None),
     ("POST", "/v1/completions", "completions", CompletionRequest),
     ("POST", "/v1/chat/completions", "chat_completions", ChatCompletionRequest),
+    ("POST", "/v1/embeddings", "embeddings", EmbeddingRequest),
     ("POST", "/v1/load_lora_adapter", "load_lora_adapter", LoadLoRAAdapterRequest),
     ("POST", "/v1/unload_lora_adapter", "unload_lora_adapter", UnloadLoRAAdapterRequest),
 )
@@ -95,6 +99,11 @@ ROUTES: tuple[tuple[str, str, str, type[BaseModel] | None], ...] = (
 None) of every route; every POST route has a body."""
 CLIENT_GONE = 499
 """Status of a response nobody reads: its client disconnected (nginx's code for it)."""
+COMPLETIONS, CHAT, EMBEDDINGS = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
+ANSWERED = (COMPLETIONS, CHAT, EMBEDDINGS)
+"""The routes :meth:`Ingress.answer` answers a body of (a batch line's ``url``)."""
+
+T = TypeVar("T")
 
 
 def make_app() -> ApiApp:
@@ -246,6 +255,13 @@ class Ingress:
             return self._error(e)
         base = self.settings.model_name
         card = {"object": "model", "created": self._created, "owned_by": "iterserve"}
+        # What /v1/embeddings answers with (the adapters' embeddings are pooled alike).
+        embedding = {
+            "embedding_pooling": info.embedding_pooling,
+            "embedding_dimensions": sorted({info.embedding_size, *info.embedding_dimensions})
+            if info.embedding_size
+            else [],
+        }
         data = [
             {
                 "id": base,
@@ -257,6 +273,7 @@ class Ingress:
                 "weight_bytes": info.weight_bytes,
                 "chat_template": self._templates.describe() if self._templates else None,
                 "tool_call_parser": self.settings.tool_call_parser,
+                **embedding,
             }
         ]
         data += [
@@ -266,6 +283,7 @@ class Ingress:
                 "root": path,
                 "parent": base,
                 "max_model_len": info.limits.max_model_len,
+                **embedding,
             }
             for name, path in self.adapters.items()
         ]
@@ -378,6 +396,39 @@ class Ingress:
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, chat=True)
 
+    async def embeddings(self, request: Request) -> Response:
+        """``POST /v1/embeddings``: one vector per input (:mod:`router.embeddings`), with
+        the same checks, admission, queue bound and disconnect handling as a completion
+        not streamed."""
+        arrival = time.monotonic()
+        try:
+            authenticate(self.api_keys, request.headers.get("authorization"))
+            body = await self._read_json(request)
+            reply, caller = await self._open_embeddings(
+                body, request.headers, arrival, bounded=True
+            )
+        except ClientDisconnect:
+            logger.info("POST %s: client disconnected while sending the body", EMBEDDINGS)
+            return Response(status_code=CLIENT_GONE)
+        except Exception as e:  # noqa: BLE001 - answered; a bug of ours is logged
+            return self._error(_failure(e))
+        headers = self._headers(reply.rid, caller, reply.calls)
+        try:
+            out = await self._unless_gone(request, emb.collect(reply))
+            if out is None:  # the client left; its calls are aborted below
+                logger.info("%s: client disconnected; request aborted", reply.rid)
+                return Response(status_code=CLIENT_GONE)
+            return JSONResponse(out, headers=headers)
+        except ReplicaLost as e:
+            return self._error(_lost(e))
+        except QueueTimeout as e:
+            self._refused(reply.rid, reply.calls, caller.traffic_class)(e)
+            return self._error(e.error(retry_after(e.bound_s)))
+        except ApiError as e:  # the request failed in the engine, or a re-send was refused
+            return self._error(e)
+        finally:
+            self._cancel(reply.calls)
+
     # -- one request -------------------------------------------------------------------
 
     async def _serve(self, request: Request, chat: bool) -> Response:
@@ -397,13 +448,8 @@ class Ingress:
             return Response(status_code=CLIENT_GONE)
         except Exception as e:  # noqa: BLE001 - answered; a bug of ours is logged
             return self._error(_failure(e))
-        headers = {
-            "x-request-id": reply.rid,
-            "x-iterserve-class": caller.traffic_class,
-            "x-iterserve-priority": str(caller.priority),
-            "x-iterserve-replica": reply.calls[0].dispatch.replica,
-        }
-        refused = self._refused(reply, caller.traffic_class)
+        headers = self._headers(reply.rid, caller, reply.calls)
+        refused = self._refused(reply.rid, reply.calls, caller.traffic_class)
         if reply.req.stream:
             chunks = responses.stream(
                 reply, reply.start_by, self.settings.stream_keepalive_s, refused
@@ -426,34 +472,44 @@ class Ingress:
             self._cancel(reply.calls)
 
     async def answer(
-        self, chat: bool, body: dict[str, Any], headers: Mapping[str, str] | None = None
+        self, path: str, body: dict[str, Any], headers: Mapping[str, str] | None = None
     ) -> Answer:
-        """Answer one request body, not streamed, as ``POST /v1/chat/completions`` (``chat``)
-        or ``POST /v1/completions`` with ``headers`` (lower-case names) would: the same
-        checks, admission, dispatch and body, and the same status and error body when it
-        fails. ``request_id`` is the response's ``x-request-id`` (empty on an error).
-        Unlike ``POST``, no queue bound applies (:func:`queue_bound`): no client waits on
-        a connection, and a batch line waits for its turn however long that takes.
+        """Answer one request body, not streamed, as ``POST path`` (one of
+        :data:`ANSWERED`) with ``headers`` (lower-case names) would: the same checks,
+        admission, dispatch and body, and the same status and error body when it fails.
+        ``request_id`` is the response's ``x-request-id`` (empty on an error). Unlike
+        ``POST``, no queue bound applies (:func:`queue_bound`): no client waits on a
+        connection, and a batch line waits for its turn however long that takes.
 
-        Raises nothing for the request's own faults; a bug of ours is a 500 (logged).
+        Raises:
+            ValueError: ``path`` is not one of :data:`ANSWERED`. The request's own faults
+                raise nothing (its answer is the API's error; a bug of ours, a logged 500).
         """
+        if path not in ANSWERED:
+            raise ValueError(f"{path!r} is not one of {ANSWERED}")
         arrival = time.monotonic()
         headers = headers or {}
         try:
             authenticate(self.api_keys, headers.get("authorization"))
-            if body.get("stream"):
+            # An embeddings body has no `stream`: its schema refuses the field, as POST does.
+            if path != EMBEDDINGS and body.get("stream"):
                 raise ApiError(
                     400,
                     "stream: this call answers with the whole response; it cannot stream",
                     param="stream",
                     code="invalid_value",
                 )
-            reply, _ = await self._open(body, chat, headers, arrival)
+            if path == EMBEDDINGS:
+                reply, _ = await self._open_embeddings(body, headers, arrival)
+                work = emb.collect(reply)
+            else:
+                reply, _ = await self._open(body, path == CHAT, headers, arrival)
+                work = responses.collect(reply)
         except Exception as e:  # noqa: BLE001 - answered; a bug of ours is logged
             err = _failure(e)
             return Answer(err.status, "", err.body())
         try:
-            out = await responses.collect(reply)
+            out = await work
         except ReplicaLost as e:
             err = _lost(e)
             return Answer(err.status, "", err.body())
@@ -461,7 +517,7 @@ class Ingress:
             return Answer(e.status, "", e.body())
         finally:
             self._cancel(reply.calls)
-        return Answer(200, reply.rid, out, out["usage"]["completion_tokens"])
+        return Answer(200, reply.rid, out, out["usage"].get("completion_tokens", 0))
 
     async def _open(
         self,
@@ -488,44 +544,112 @@ class Ingress:
             fmt.check_served(
                 req, chat, [self.settings.model_name, *self.adapters], self.settings.max_n
             )
-            caller = resolve_caller(
-                self.api_keys,
-                self.classes,
-                headers.get("authorization"),
-                headers.get(CLASS_HEADER),
-                req.priority,
-            )
-            lora = None
-            if req.model != self.settings.model_name:
-                check_adapter(caller, req.model)
-                lora = LoRARequest(req.model, self.adapters[req.model])
-            start_by = None
-            bound = self.queue_bounds[caller.traffic_class]
-            if bounded and bound is not None:
-                start_by = StartBy(arrival + bound[0], *bound)
+            caller, lora, start_by = self._route(req.model, req.priority, headers, arrival, bounded)
             info = await self._model_info()
             use = tools.tool_use(req, self.settings.tool_call_parser) if chat else None
             prompts = fmt.prompts(req, chat, info.tokenizer, self._templates, use)
             scores_only = fmt.scores_only(req, chat)
             params = fmt.sampling_params(req, chat, use)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            for p, (ids, text) in enumerate(prompts):
-                call_id = rid if len(prompts) == 1 else f"{rid}-{p}"
-                call, record = await self._dispatch(
-                    call_id, ids, params, caller, info, arrival, start_by, lora
-                )
-                calls.append(PromptCall(ids, text, call, record=record))
+            await self._send(calls, rid, prompts, params, caller, info, arrival, start_by, lora)
         except BaseException:  # refused, a bug of ours, or the client left meanwhile
             self._cancel(calls)
             raise
         reply = Reply(req, chat, rid, req.model, info.tokenizer, calls, scores_only, start_by, use)
         return reply, caller
 
+    async def _open_embeddings(
+        self,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        arrival: float,
+        bounded: bool = False,
+    ) -> tuple[emb.EmbeddingReply, Caller]:
+        """:meth:`_open` for ``POST /v1/embeddings``: each input sent to a replica once
+        admitted, as a prefill-only request (:class:`PoolingParams`).
+
+        Raises:
+            ApiError: as :meth:`_open`'s; 400 too for ``dimensions`` the model does not
+                serve and for more inputs than ``max_embedding_inputs``.
+        """
+        calls: list[PromptCall] = []
+        try:
+            req = fmt.validate(body, EmbeddingRequest)
+            fmt.check_model(req.model, [self.settings.model_name, *self.adapters])
+            caller, lora, start_by = self._route(req.model, req.priority, headers, arrival, bounded)
+            info = await self._model_info()
+            emb.check(req, info, self.settings.max_embedding_inputs)
+            prompts = emb.prompts(req, info.tokenizer)
+            rid = f"embd-{uuid.uuid4().hex}"
+            params = emb.pooling_params(req)
+            await self._send(calls, rid, prompts, params, caller, info, arrival, start_by, lora)
+        except BaseException:  # refused, a bug of ours, or the client left meanwhile
+            self._cancel(calls)
+            raise
+        return emb.EmbeddingReply(rid, req.model, calls, req.encoding_format, start_by), caller
+
+    def _route(
+        self,
+        model: str,
+        priority: int | None,
+        headers: Mapping[str, str],
+        arrival: float,
+        bounded: bool,
+    ) -> tuple[Caller, LoRARequest | None, StartBy | None]:
+        """The caller of a request for served ``model`` (asking for ``priority``), its
+        adapter (None: the base model), and its deadline to start when ``bounded``.
+
+        Raises:
+            ApiError: 401/403 (key, class, priority or adapter not allowed).
+        """
+        caller = resolve_caller(
+            self.api_keys,
+            self.classes,
+            headers.get("authorization"),
+            headers.get(CLASS_HEADER),
+            priority,
+        )
+        lora = None
+        if model != self.settings.model_name:
+            check_adapter(caller, model)
+            lora = LoRARequest(model, self.adapters[model])
+        start_by = None
+        bound = self.queue_bounds[caller.traffic_class]
+        if bounded and bound is not None:
+            start_by = StartBy(arrival + bound[0], *bound)
+        return caller, lora, start_by
+
+    async def _send(
+        self,
+        calls: list[PromptCall],
+        rid: str,
+        prompts: list[tuple[list[int], str]],
+        params: SamplingParams | PoolingParams,
+        caller: Caller,
+        info: ModelInfo,
+        arrival: float,
+        start_by: StartBy | None,
+        lora: LoRARequest | None,
+    ) -> None:
+        """Dispatch each of ``prompts`` (``(token ids, text)``) in turn, appending its call
+        to ``calls`` once a replica accepted it (the caller cancels them on failure); one
+        prompt's call id is ``rid``, several prompts' ``rid-<index>``.
+
+        Raises:
+            ApiError: as :meth:`_dispatch`.
+        """
+        for p, (ids, text) in enumerate(prompts):
+            call_id = rid if len(prompts) == 1 else f"{rid}-{p}"
+            call, record = await self._dispatch(
+                call_id, ids, params, caller, info, arrival, start_by, lora
+            )
+            calls.append(PromptCall(ids, text, call, record=record))
+
     async def _dispatch(
         self,
         rid: str,
         ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         caller: Caller,
         info: ModelInfo,
         arrival: float,
@@ -534,7 +658,9 @@ class Ingress:
     ) -> tuple[ReplicaCall, RequestRecord]:
         """Admit one prompt (within ``start_by``, if given) and send it to a replica with
         its adapter (None: the base model); its call once accepted, and the call's metrics
-        record."""
+        record. An embedding (``PoolingParams``) has no output tokens: 0 ``max_tokens``."""
+        embedding = isinstance(params, PoolingParams)
+        max_tokens = 0 if embedding else params.max_tokens
         bs = self.settings.prefix_block_size
         salt = adapter_salt(lora.name) if lora is not None else 0
         hashes = prefix_hashes(ids, bs, salt=salt) if bs else ()
@@ -545,21 +671,17 @@ class Ingress:
         hold: int | None = None
         log = self.step_log
         if log is not None:
-            log.arrival(
-                rid, arrival, caller.traffic_class, caller.priority, len(ids), params.max_tokens
-            )
+            log.arrival(rid, arrival, caller.traffic_class, caller.priority, len(ids), max_tokens)
         if self.scaling is not None:
-            self.scaling.arrived(caller.traffic_class, arrival, len(ids), params.max_tokens or 0)
+            self.scaling.arrived(caller.traffic_class, arrival, len(ids), max_tokens or 0)
         try:
-            if info.limits.fits(len(ids), params.max_tokens):
+            if info.limits.fits(len(ids), max_tokens):
                 if self.admission.enabled:
                     # Counted as held, ahead of later arrivals, until the replica has queued
                     # it: a burst admitted before any of it is queued must not all pass.
                     hold = self.admission.hold(caller.traffic_class, arrival, len(ids))
                 try:
-                    held_s = await self._admit(
-                        caller, shape, params.max_tokens, arrival, start_by, hold
-                    )
+                    held_s = await self._admit(caller, shape, max_tokens, arrival, start_by, hold)
                 except ApiError as e:
                     if log is not None:
                         log.refused(rid, time.monotonic(), e.message)
@@ -574,6 +696,7 @@ class Ingress:
                 len(ids),
                 held_s,
                 lora.name if lora is not None else None,
+                embedding=embedding,
             )
             dispatch = self.replicas.call(rid, ids, params, shape, record)
             try:
@@ -587,17 +710,25 @@ class Ingress:
         return dispatch, record
 
     async def _collect(self, request: Request, reply: Reply) -> dict | None:
-        """The whole response; None if the client disconnected first (only watched when
-        ``watch_disconnects``). The caller then cancels the calls, which aborts their
-        engine requests and frees their KV blocks.
+        """The whole response; None if the client disconnected first (:meth:`_unless_gone`).
 
         Raises:
             QueueTimeout: a prompt had not started by ``reply.start_by``.
             ReplicaLost: a replica failed after the request produced tokens.
         """
+        return await self._unless_gone(request, responses.collect(reply, reply.start_by))
+
+    async def _unless_gone(self, request: Request, response: Coroutine[Any, Any, T]) -> T | None:
+        """What ``response`` returns; None if the client disconnected first (only watched
+        when ``watch_disconnects``). The caller then cancels the calls, which aborts their
+        engine requests and frees their KV blocks.
+
+        Raises:
+            What ``response`` raises.
+        """
         if not self.watch_disconnects:
-            return await responses.collect(reply, reply.start_by)
-        work = asyncio.ensure_future(responses.collect(reply, reply.start_by))
+            return await response
+        work = asyncio.ensure_future(response)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -612,17 +743,29 @@ class Ingress:
         for c in calls:
             c.dispatch.cancel()
 
-    def _refused(self, reply: Reply, traffic_class: str) -> Callable[[QueueTimeout], None]:
-        """What to do when ``reply`` times out in a queue (before its calls are
+    @staticmethod
+    def _headers(rid: str, caller: Caller, calls: list[PromptCall]) -> dict[str, str]:
+        """A response's ``x-`` headers: its id, class, priority and first prompt's replica."""
+        return {
+            "x-request-id": rid,
+            "x-iterserve-class": caller.traffic_class,
+            "x-iterserve-priority": str(caller.priority),
+            "x-iterserve-replica": calls[0].dispatch.replica,
+        }
+
+    def _refused(
+        self, rid: str, calls: list[PromptCall], traffic_class: str
+    ) -> Callable[[QueueTimeout], None]:
+        """What to do when request ``rid`` times out in a queue (before its ``calls`` are
         cancelled): count the refusal once, and end its calls' records without counting
         them as aborted."""
 
         def refused(e: QueueTimeout) -> None:
             self.metrics.reject(traffic_class, "queue_timeout")
-            for c in reply.calls:
+            for c in calls:
                 if c.record is not None:
                     c.record.refused()
-            logger.info("%s: refused: %s", reply.rid, e)
+            logger.info("%s: refused: %s", rid, e)
 
         return refused
 

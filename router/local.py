@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
-from engine.core.params import LoRARequest, SamplingParams
+from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 from policies import LoadSnapshot
 from router.calls import ReplicaLost, accepted, record_item, request_failed
 from router.contract import FirstItem, ModelInfo, Refused, RequestShape, StepItem
@@ -120,7 +120,7 @@ class LocalReplica(Protocol):
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         shape: RequestShape,
         send_load: bool = True,
     ) -> AsyncGenerator[FirstItem | StepItem, None]:
@@ -170,7 +170,7 @@ class LocalReplicas:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         shape: RequestShape,
         record: RequestRecord | None = None,
     ) -> LocalCall:

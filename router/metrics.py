@@ -11,7 +11,7 @@ Two sources feed it:
 
 * the ingress measures each request as its client sees it (:class:`RequestRecord`): TTFT,
   inter-token latency, TPOT, end-to-end latency, queue time, tokens, finish reasons,
-  aborts, admission rejections, SLO outcomes;
+  aborts, admission rejections, SLO outcomes, and embedding inputs and their tokens;
 * each replica counts its own steps (:class:`engine.core.step_metrics.StepMetrics`: step time,
   prefill and decode tokens per step, preemptions, with their buckets) and checks their
   times against the simulator's step-time model (:class:`engine.core.step_drift.DriftMonitor`);
@@ -167,9 +167,18 @@ class IngressMetrics:
             TTFT_BUCKETS,
         )
         self.prompt_tokens = counter(
-            "prompt_tokens", "Prompt tokens prefilled (counted at each request's first token)."
+            "prompt_tokens",
+            "Prompt tokens prefilled (counted at each request's first token; an "
+            "embedding's when its vector arrives).",
         )
         self.generation_tokens = counter("generation_tokens", "Output tokens streamed.")
+        self.embedding_requests = counter(
+            "embedding_requests",
+            "Embedding inputs answered (one per input of a /v1/embeddings request).",
+        )
+        self.embedding_tokens = counter(
+            "embedding_prompt_tokens", "Prompt tokens of the embedding inputs answered."
+        )
         self.success = counter(
             "request_success", "Requests finished, by finish reason.", ("finish_reason",)
         )
@@ -199,6 +208,8 @@ class IngressMetrics:
             self.queue,
             self.prompt_tokens,
             self.generation_tokens,
+            self.embedding_requests,
+            self.embedding_tokens,
             self.success,
             self.aborted,
             self.slo_met,
@@ -217,6 +228,8 @@ class IngressMetrics:
                 self.queue,
                 self.prompt_tokens,
                 self.generation_tokens,
+                self.embedding_requests,
+                self.embedding_tokens,
                 self.aborted,
             ):
                 metric.labels(model, cls)
@@ -233,11 +246,15 @@ class IngressMetrics:
         prompt_tokens: int,
         held_s: float = 0.0,
         model: str | None = None,
+        embedding: bool = False,
     ) -> RequestRecord:
         """A record for one request (one prompt) sent to a replica after ``held_s``
         seconds held by admission. ``model``: the LoRA adapter it ran with, its series'
-        ``model`` label (None: the base model's name)."""
-        return RequestRecord(self, traffic_class, arrival_s, prompt_tokens, held_s, model)
+        ``model`` label (None: the base model's name); ``embedding``: it is one input of
+        an embeddings request."""
+        return RequestRecord(
+            self, traffic_class, arrival_s, prompt_tokens, held_s, model, embedding
+        )
 
     def forget_model(self, model: str) -> None:
         """Drop every per-request series of adapter ``model`` (unloaded): the ``model``
@@ -398,7 +415,8 @@ class RequestRecord:
 
     Call :meth:`tokens` as items arrive, then exactly one of :meth:`finished`,
     :meth:`aborted` (client gone), :meth:`failed` or :meth:`refused`; later calls are
-    ignored.
+    ignored. An embedding input (``embedding``) has no tokens: its prompt tokens count
+    when it finishes, as does its TTFT SLO's outcome (its vector is its first result).
     """
 
     def __init__(
@@ -409,9 +427,11 @@ class RequestRecord:
         prompt_tokens: int,
         held_s: float = 0.0,
         model: str | None = None,
+        embedding: bool = False,
     ) -> None:
         self.m, self.cls, self.arrival = m, traffic_class, arrival_s
         self.prompt_tokens, self.held_s = prompt_tokens, held_s
+        self.embedding = embedding
         self.model = model or m.model
         self.labels = (self.model, traffic_class)
         self.first: float | None = None
@@ -449,6 +469,10 @@ class RequestRecord:
         m, labels = self.m, self.labels
         for r in self.reasons or ["unknown"]:
             m.success.labels(*labels, r).inc()
+        if self.embedding:
+            m.prompt_tokens.labels(*labels).inc(self.prompt_tokens)
+            m.embedding_requests.labels(*labels).inc()
+            m.embedding_tokens.labels(*labels).inc(self.prompt_tokens)
         now = m.clock()
         m.e2e.labels(*labels).observe(now - self.arrival)
         per_seq = self.count / max(1, len(self.reasons))

@@ -64,14 +64,7 @@ def check_served(req: ApiRequest, chat: bool, models: Sequence[str], max_n: int)
         ApiError: 404 for a model not in ``models``; 400 when ``n`` times the number of
             prompts is over ``max_n``.
     """
-    if req.model not in models:
-        served = ", ".join(repr(m) for m in models)
-        raise ApiError(
-            404,
-            f"model {req.model!r} does not exist; this server serves {served}",
-            param="model",
-            code="model_not_found",
-        )
+    check_model(req.model, models)
     num_prompts = 1 if chat else len(req.prompt)
     if req.n * num_prompts > max_n:
         raise ApiError(
@@ -79,6 +72,23 @@ def check_served(req: ApiRequest, chat: bool, models: Sequence[str], max_n: int)
             f"n={req.n} for {num_prompts} prompt(s) is over the server's cap of {max_n} choices",
             param="n",
             code="invalid_value",
+        )
+
+
+def check_model(model: str, models: Sequence[str]) -> None:
+    """Whether ``model`` is one of the served ``models`` (the base model's name, then its
+    LoRA adapters').
+
+    Raises:
+        ApiError: 404 ``model_not_found``, naming the served models.
+    """
+    if model not in models:
+        served = ", ".join(repr(m) for m in models)
+        raise ApiError(
+            404,
+            f"model {model!r} does not exist; this server serves {served}",
+            param="model",
+            code="model_not_found",
         )
 
 

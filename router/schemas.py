@@ -209,15 +209,24 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, v: Any) -> list[str | list[int]]:
-        many = isinstance(v, list) and bool(v) and isinstance(v[0], str | list)
-        prompts = list(v) if many else [v]
-        if not prompts or any(not p for p in prompts):
-            raise ValueError("prompt is empty")
-        for p in prompts:
-            if not isinstance(p, str) and not all(0 <= t < 2**31 for t in p):
-                bad = next(t for t in p if not 0 <= t < 2**31)
-                raise ValueError(f"{bad} is not a token id")
-        return prompts
+        return _prompt_list(v, "prompt")
+
+
+def _prompt_list(v: Any, name: str) -> list[str | list[int]]:
+    """A text, token ids, or a list of either, as a list of prompts.
+
+    Raises:
+        ValueError: no prompt, an empty one, or a number that is not a token id.
+    """
+    many = isinstance(v, list) and bool(v) and isinstance(v[0], str | list)
+    prompts = list(v) if many else [v]
+    if not prompts or any(not p for p in prompts):
+        raise ValueError(f"{name} is empty")
+    for p in prompts:
+        if not isinstance(p, str) and not all(0 <= t < 2**31 for t in p):
+            bad = next(t for t in p if not 0 <= t < 2**31)
+            raise ValueError(f"{bad} is not a token id")
+    return prompts
 
 
 def _default_for_null(model: type[BaseModel], name: str) -> bool:
@@ -409,6 +418,43 @@ class ChatCompletionRequest(_SamplingFields):
 
 ApiRequest = CompletionRequest | ChatCompletionRequest
 """A validated request body of either endpoint."""
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings``: one vector per input (see
+    :class:`engine.core.params.PoolingParams`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    model: str
+    input: str | list[int] | list[str] | list[list[int]]
+    """A text, token ids, or a list of texts or of token-id lists: one vector each, in
+    order."""
+    encoding_format: Literal["float", "base64"] = "float"
+    """``float``: each vector a list of numbers; ``base64``: its little-endian float32
+    bytes, base64-encoded (the ``openai`` client's default)."""
+    dimensions: int | None = Field(None, ge=1)
+    """Cut each vector to its first ``dimensions`` components, then normalize: only a
+    size the server's ``embedding_dimensions`` lists (a Matryoshka-trained model's), or
+    the full size."""
+    user: str | None = None
+    """Accepted; changes nothing (OpenAI uses it for abuse monitoring)."""
+    priority: int | None = None
+    """iterserve's (and vLLM's) extension: lower is more urgent; may only lower urgency."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        # null asks for the default (as OpenAI's API), where null is not a value itself
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if not (v is None and _default_for_null(cls, k))}
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, v: Any) -> list[str | list[int]]:
+        return _prompt_list(v, "input")
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -33,6 +33,9 @@ class IngressOptions(BaseModel):
     )
     admission: bool = Field(True, description="SLO-aware admission at the ingress")
     max_n: int = Field(8, ge=1, description="cap on a request's choices: `n` times its prompts")
+    max_embedding_inputs: int = Field(
+        2048, ge=1, description="cap on the inputs of one /v1/embeddings request (OpenAI's)"
+    )
     max_request_body_bytes: int = Field(1 << 20, ge=1024, description="larger bodies get 413")
     allowed_origins: list[str] = Field(
         default_factory=lambda: ["*"],

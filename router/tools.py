@@ -156,7 +156,8 @@ class ChatTemplates:
         Raises:
             ValueError: see :func:`read_template`.
         """
-        own = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        own = getattr(tokenizer, "chat_template", None)
+        own = own if isinstance(own, str) else None
         return cls(None if configured is None else read_template(configured), own)
 
     def for_request(self, tools: bool) -> str:

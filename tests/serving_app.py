@@ -59,6 +59,7 @@ def service_config(tmp_path_factory, num_replicas: int, **more) -> ServiceConfig
             "num_kv_blocks": NUM_KV_BLOCKS // 2,
             "max_num_seqs": MAX_NUM_SEQS,
             "max_model_len": 8192,
+            "embedding_dimensions": [64],
             # A class that can never meet its SLO under load and goes after everything:
             # it shows admission's 429 without touching the other classes.
             "traffic_classes": {

@@ -38,7 +38,7 @@ def _write(path, lines: list[str]) -> str:
     return str(path)
 
 
-def test_both_urls_and_bad_lines_become_error_lines(tmp_path):
+def test_the_three_urls_and_bad_lines_become_error_lines(tmp_path):
     src = _write(
         tmp_path / "in.jsonl",
         [
@@ -46,7 +46,8 @@ def test_both_urls_and_bad_lines_become_error_lines(tmp_path):
             _line("b", url="/v1/chat/completions"),
             '{"custom_id": "c", "url": ',
             "",
-            _line("d", url="/v1/embeddings"),
+            _line("d", url="/v1/moderations"),
+            _line("h", url="/v1/embeddings"),
             _line("e", method="GET"),
             json.dumps(
                 {
@@ -67,16 +68,17 @@ def test_both_urls_and_bad_lines_become_error_lines(tmp_path):
         ],
     )
     lines = {line.custom_id: line for line in read_input(src)}
-    assert list(lines) == ["a", "b", "line-3", "d", "e", "f", "g", "line-9"]
-    assert lines["a"].error is None and not lines["a"].chat
-    assert lines["b"].error is None and lines["b"].chat
+    assert list(lines) == ["a", "b", "line-3", "d", "h", "e", "f", "g", "line-10"]
+    for cid, url in (("a", "/v1/completions"), ("b", "/v1/chat/completions")):
+        assert lines[cid].error is None and lines[cid].url == url
+    assert lines["h"].error is None and lines["h"].url == "/v1/embeddings"
     assert lines["line-3"].error.status == 400 and lines["line-3"].error.code == "invalid_json"
     assert "line 3" in lines["line-3"].error.message
     assert lines["d"].error.status == 404 and lines["d"].error.param == "url"
     assert lines["e"].error.param == "method"
     assert lines["f"].error.param == "body"
     assert lines["g"].error.param == "stream"
-    assert lines["line-9"].error.code == "invalid_json"
+    assert lines["line-10"].error.code == "invalid_json"
 
 
 def test_missing_and_repeated_ids_are_refused_naming_the_lines(tmp_path):

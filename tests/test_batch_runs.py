@@ -20,8 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from deploy.config import ServiceConfig
+from tests.embedding_reference import compare
 from tests.ray_head import ray, ray_env, start_head, stop_head
 from tests.serving_app import free_port, running_local
 
@@ -42,19 +44,23 @@ BAD = {"broken": 400, "badbody": 400, "toolong": 400, "badurl": 404}
 
 
 def _batch_file(path: Path, good: int = 24) -> list[str]:
-    """A batch of ``good`` requests (both URLs, outputs of 2 to 48 tokens, so records
-    finish one by one) and four bad lines; returns the good lines' ids."""
+    """A batch of ``good`` requests (the three URLs; completions of 2 to 48 tokens, so
+    records finish one by one) and four bad lines; returns the good lines' ids."""
     rows, ids = [], []
     for i in range(good):
         n = 2 + 2 * i
-        if i % 3 == 2:
+        if i % 8 == 4:
+            url, body = "/v1/embeddings", {"input": [f"Item {i}: the city of", "a harbour"]}
+        elif i % 3 == 2:
             url, body = (
                 "/v1/chat/completions",
                 {"messages": [{"role": "user", "content": f"Tell me fact number {i}."}]},
             )
         else:
             url, body = "/v1/completions", {"prompt": f"Item {i}: the city of"}
-        body.update(model=MODEL, max_tokens=n, temperature=0)
+        body.update(model=MODEL)
+        if url != "/v1/embeddings":
+            body.update(max_tokens=n, temperature=0)
         if i == 5:  # a tool call, as the chat API takes it
             body.update(tools=[WEATHER], tool_choice="required", max_tokens=64)
         rows.append(
@@ -117,7 +123,8 @@ def _check_complete(out: Path, good: list[str]) -> dict[str, dict]:
     for cid in good:
         r = recs[cid]
         assert r["error"] is None and r["response"]["status_code"] == 200, r
-        assert r["response"]["body"]["choices"], r
+        body = r["response"]["body"]
+        assert body.get("choices") or len(body["data"]) == 2, r
     statuses = {
         cid: recs["line-2" if cid == "broken" else cid]["response"]["status_code"] for cid in BAD
     }
@@ -137,6 +144,17 @@ def _text(body: dict) -> list[tuple[str, str, list]]:
         )
         for c in body["choices"]
     ]
+
+
+def _same(got: dict, want: dict) -> None:
+    """Two answers to one line agree: a completion's texts and finish reasons, an
+    embedding's vectors (within the reference bounds: two batches' sums may round apart)."""
+    if "choices" in want:
+        assert _text(got) == _text(want)
+        return
+    assert got["usage"] == want["usage"] and len(got["data"]) == len(want["data"])
+    for a, b in zip(got["data"], want["data"]):
+        compare(a["embedding"], torch.tensor(b["embedding"]))
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +219,7 @@ def test_batch_answers_equal_the_apis_and_via_service(resumed, tmp_path):
         with ThreadPoolExecutor(8) as pool:
             for cid, resp in zip(good, pool.map(ask, good)):
                 assert resp.status_code == 200, resp.text
-                assert _text(resp.json()) == _text(recs[cid]["response"]["body"]), cid
+                _same(resp.json(), recs[cid]["response"]["body"])
         via = tmp_path / "via.jsonl"
         run = subprocess.run(
             [
@@ -225,8 +243,8 @@ def test_batch_answers_equal_the_apis_and_via_service(resumed, tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
     via_recs = _check_complete(via, good)
     for cid in good:
-        assert _text(via_recs[cid]["response"]["body"]) == _text(recs[cid]["response"]["body"]), cid
-        assert via_recs[cid]["response"]["request_id"].startswith(("cmpl-", "chatcmpl-"))
+        _same(via_recs[cid]["response"]["body"], recs[cid]["response"]["body"])
+        assert via_recs[cid]["response"]["request_id"].startswith(("cmpl-", "chatcmpl-", "embd-"))
 
 
 def test_ray_job_submit_stop_and_resubmit_exactly_once(tmp_path):

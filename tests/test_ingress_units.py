@@ -622,7 +622,7 @@ async def test_answer_is_what_the_api_answers():
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         for name, body in bodies.items():
             resp = await client.post("/v1/completions", json=body, headers=headers)
-            answer = await ingress.answer(False, body, headers)
+            answer = await ingress.answer("/v1/completions", body, headers)
             assert answer.status == resp.status_code, name
             if resp.status_code != 200:
                 assert answer.body == resp.json(), name
@@ -635,7 +635,9 @@ async def test_answer_is_what_the_api_answers():
             got.pop("created"), want.pop("created")
             assert got == want, name
             assert answer.completion_tokens == want["usage"]["completion_tokens"] > 0
-    statuses = {n: (await ingress.answer(False, b, headers)).status for n, b in bodies.items()}
+    statuses = {
+        n: (await ingress.answer("/v1/completions", b, headers)).status for n, b in bodies.items()
+    }
     assert statuses == {
         "ok": 200,
         "two prompts": 200,
@@ -643,7 +645,7 @@ async def test_answer_is_what_the_api_answers():
         "other model": 404,
         "too long": 400,
     }
-    streamed = await ingress.answer(False, {**bodies["ok"], "stream": True}, headers)
+    streamed = await ingress.answer("/v1/completions", {**bodies["ok"], "stream": True}, headers)
     assert streamed.status == 400 and streamed.body["error"]["param"] == "stream"
 
 

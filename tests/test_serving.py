@@ -106,6 +106,46 @@ def test_echo_scores_a_prompt_as_transformers_does(server, model_dir, tokenizer)
     assert streamed == echoed.choices[0].text
 
 
+def test_embeddings_through_the_openai_client(server, model_dir, tokenizer):
+    """``client.embeddings.create``: texts (base64, the client's default) and token ids
+    (floats) give transformers' last-token final hidden states, L2-normalized; ``dimensions``
+    is served for the configured size only; ``usage`` and ``/metrics`` count the inputs by
+    class; ``/v1/models`` states the pooling."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from deploy.top import scrape
+    from tests.embedding_reference import compare, final_hidden, pool
+
+    texts = [PROMPT, "Once upon a time"]
+    ids = [tokenizer.encode(t) for t in texts]
+    names = ("iterserve:embedding_requests_total", "iterserve:embedding_prompt_tokens_total")
+    labels = (("model", MODEL), ("traffic_class", "interactive"))
+    before = scrape(server)
+    client = app.client(server, key="sk-interactive")
+    coded = client.embeddings.create(model=MODEL, input=texts)
+    floats = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    cut = client.embeddings.create(model=MODEL, input=ids[0], dimensions=64)
+    assert coded.usage.prompt_tokens == floats.usage.prompt_tokens == sum(map(len, ids))
+    assert [d.index for d in coded.data] == [0, 1]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hidden = [final_hidden(model, p) for p in ids]
+    for a, b, h in zip(coded.data, floats.data, hidden):
+        compare(a.embedding, pool(h))
+        compare(b.embedding, pool(h))
+    compare(cut.data[0].embedding, pool(hidden[0], dimensions=64))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=MODEL, input=texts[0], dimensions=100)
+    assert e.value.body["param"] == "dimensions"
+    after = scrape(server)
+    added = [after[(n, labels)] - before.get((n, labels), 0.0) for n in names]
+    assert added == [5, 2 * sum(map(len, ids)) + len(ids[0])]
+    card = httpx.get(
+        f"{server}/v1/models", headers={"Authorization": "Bearer sk-interactive"}
+    ).json()["data"][0]
+    assert (card["embedding_pooling"], card["embedding_dimensions"]) == ("last", [64, 576])
+
+
 def test_several_prompts_index_choices_across_prompts_and_n(server):
     prompts = [PROMPT, "Once upon a time"]
     out = app.client(server).completions.create(

@@ -39,6 +39,7 @@ from tests.test_serving import (  # noqa: F401  (collected against this module's
     test_completion_streaming_equals_non_streaming,
     test_cors_preflight_from_a_browser_origin,
     test_echo_scores_a_prompt_as_transformers_does,
+    test_embeddings_through_the_openai_client,
     test_interactive_first_token_while_batch_saturates,
     test_max_tokens_null_means_unset,
     test_n_seed_and_logprobs,

@@ -23,6 +23,20 @@ class SampleResult:
     logprobs: dict[int, float] | None = None
 
 
+@dataclass(slots=True)
+class PooledResult:
+    """An embedding request's result (:class:`engine.core.params.PoolingParams`): its
+    pooled final hidden state, cut to the asked dimensions and L2-normalized, in fp32
+    (as Python floats, which hold fp32 values exactly)."""
+
+    embedding: list[float]
+
+
+StepResult = SampleResult | PooledResult
+"""What :meth:`ModelRunner.execute` returns for one request whose chunk reached its last
+token: a sampled token, or (an embedding request) its pooled vector."""
+
+
 class ModelRunner(Protocol):
     """Runs scheduled steps and samples them (:class:`engine.model.runner.TorchModelRunner`).
 
@@ -43,9 +57,10 @@ class ModelRunner(Protocol):
     vocab_size: int
     eos_token_ids: Collection[int]
 
-    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
+    def execute(self, out: SchedulerOutput) -> dict[str, StepResult]:
         """Run one step; the sampled token (and logprobs) of each request, by id, whose
-        scheduled chunk reached its last token (``ScheduledSeq.samples``)."""
+        scheduled chunk reached its last token (``ScheduledSeq.samples``); for an
+        embedding request (``Request.pooling``) its :class:`PooledResult` instead."""
         ...
 
 

@@ -80,6 +80,7 @@ def make_output(group: RequestGroup, deltas: dict[str, tuple[str, int]]) -> Requ
         finished=finished,
         prompt_logprobs=None if plp is None else list(plp),
         num_cached_tokens=group.seqs[0].num_cached_tokens,
+        embedding=group.seqs[0].embedding,
         metrics=RequestMetrics(
             arrival_time=group.arrival_time,
             first_scheduled_time=min(scheduled) if scheduled else None,

@@ -1,9 +1,10 @@
-"""What a request asks of the engine: its sampling parameters, and how its outputs are shaped.
+"""What a request asks of the engine: its sampling parameters (or, for an embedding, its
+pooling parameters), and how its outputs are shaped.
 
-Torch-free (standard library only): the router builds :class:`SamplingParams` once per
-request, checked at construction, and hands it to a replica as is (pickled on the Ray path;
-unpickling runs no check again). ``tests/test_request_params.py`` checks that importing the
-router leaves torch out.
+Torch-free (standard library only): the router builds :class:`SamplingParams` (or
+:class:`PoolingParams`) once per request, checked at construction, and hands it to a
+replica as is (pickled on the Ray path; unpickling runs no check again).
+``tests/test_request_params.py`` checks that importing the router leaves torch out.
 """
 
 from __future__ import annotations
@@ -53,6 +54,30 @@ class LoRARequest:
     """The adapter's name, as clients choose it in ``model``."""
     path: str
     """The adapter's directory."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """An embedding request (vLLM's ``PoolingParams``): a prefill-only request whose
+    result is one vector, the final hidden states of its prompt (after the model's last
+    norm) pooled as the engine's ``embedding_pooling`` says (``last``: the last token's;
+    ``mean``: the mean over the prompt's tokens), cut to ``dimensions`` components and
+    L2-normalized, in fp32 (:attr:`engine.core.request.RequestOutput.embedding`).
+
+    Raises:
+        ParamError: ``dimensions`` under 1.
+    """
+
+    dimensions: int | None = None
+    """Keep the first ``dimensions`` components, then normalize (a Matryoshka-trained
+    model's truncation); None: all of the hidden size. The engine serves only the sizes
+    its ``embedding_dimensions`` lists, and the full hidden size."""
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ParamError(
+                "dimensions", f"PoolingParams.dimensions={self.dimensions!r}: must be >= 1"
+            )
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.params import LoRARequest, SamplingParams
+from engine.core.params import LoRARequest, PoolingParams, SamplingParams
 from policies.priority import DEFAULT_CLASS
 
 
@@ -20,10 +20,12 @@ class CheckedRequest:
     prompt_text: str | None
     """The prompt as text, when it came as text."""
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
+    """:class:`PoolingParams` for an embedding request (prefill only, no output tokens)."""
     traffic_class: str
     max_tokens: int
-    """Output tokens at most, after clamping ``params.max_tokens`` to the context."""
+    """Output tokens at most, after clamping ``params.max_tokens`` to the context (0 for
+    an embedding request)."""
     resume_token_ids: tuple[int, ...] = ()
     """Output the request already produced elsewhere (see ``LLMEngine.add_request``)."""
     lora: LoRARequest | None = None
@@ -79,6 +81,12 @@ class Request:
     """Its LoRA adapter; None: the base model."""
     lora_key: bytes = b""
     """Salts its prefix-cache block hashes: one prompt under two adapters has two KV."""
+    pooling: PoolingParams | None = None
+    """Set for an embedding request: its prompt is prefilled, it samples no token, and
+    the step that computes its last prompt token returns its pooled vector, which ends it
+    (finish reason ``stop``; :attr:`embedding`). ``params`` are then unused defaults."""
+    embedding: list[float] | None = None
+    """An embedding request's vector (:class:`PoolingParams`), once its prompt is done."""
     index: int = 0
     """This sequence's place among the ``n`` of its parent."""
     status: RequestStatus = RequestStatus.WAITING
@@ -176,6 +184,9 @@ class RequestOutput:
     asked for; a ``DELTA`` request gets it once, with its first output."""
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache (OpenAI's ``cached_tokens``)."""
+    embedding: list[float] | None = None
+    """An embedding request's vector (:class:`engine.core.params.PoolingParams`: pooled,
+    cut to its ``dimensions``, L2-normalized), on its last output; None otherwise."""
     error: str | None = None
     """Set on the last output (``finished``, finish reason ``error``) of a request that
     failed inside the engine: the exception's type and message. Other requests go on."""

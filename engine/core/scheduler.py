@@ -320,8 +320,12 @@ class Scheduler:
 
     def cached_prefix(self, req: Request) -> list[int]:
         """The cached KV blocks ``req`` may start from; none when it asks for prompt
-        logprobs, which need the logits of every prompt position."""
-        if req.params.prompt_logprobs is not None:
+        logprobs, which need the logits of every prompt position, nor for an embedding
+        request under ``mean`` pooling, which needs the hidden states of every prompt
+        position (a cached block holds only its KV)."""
+        if req.params.prompt_logprobs is not None or (
+            req.pooling is not None and self.config.embedding_pooling == "mean"
+        ):
             return []
         return self.block_manager.cached_prefix(req.token_ids, req.request_id, req.lora_key)
 
@@ -373,10 +377,13 @@ class Scheduler:
 
         Args:
             out: the step that ran.
-            sampled: request id -> token id for each request whose chunk sampled.
+            sampled: request id -> token id for each request whose chunk sampled (an
+                embedding request's chunk that reached its last token has none).
 
         Returns:
-            The requests that received a new token, in ``out.seqs`` order.
+            The requests that received a new token, and the embedding requests whose
+            prompt is done (their pooled vector is the step's result), in ``out.seqs``
+            order.
         """
         got_token = []
         for seq in out.seqs:
@@ -386,7 +393,8 @@ class Scheduler:
                 req.request_id, req.token_ids, req.num_computed_tokens, req.lora_key
             )
             if seq.samples:
-                req.append_token(sampled[req.request_id])
+                if req.pooling is None:
+                    req.append_token(sampled[req.request_id])
                 got_token.append(req)
         return got_token
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
-from engine.core.interfaces import SampleResult
+from engine.core.interfaces import PooledResult, StepResult
 from engine.core.request import Request
 from engine.core.schedule_output import ScheduledSeq, SchedulerOutput
 from engine.cpu.kernel_layers import KernelDecoderLayer
@@ -35,6 +37,19 @@ from engine.model.sampler import Sampler, prompt_logprob_rows, record_prompt_log
 logger = logging.getLogger(__name__)
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+
+
+@dataclass(slots=True)
+class PoolSpan:
+    """An embedding request's chunk in a step: rows ``[row_start, row_end)`` of the
+    step's flattened tokens, from its prompt position ``start``; ``last``: the chunk
+    ends its prompt."""
+
+    request: Request
+    row_start: int
+    row_end: int
+    start: int
+    last: bool
 
 
 def model_context(hf_config, max_model_len: int | None = None) -> int:
@@ -91,6 +106,7 @@ class TorchModelRunner:
         max_loras: int = 4,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        embedding_pooling: Literal["last", "mean"] = "last",
     ) -> None:
         cfg = model.config
         self.model = model
@@ -99,6 +115,15 @@ class TorchModelRunner:
         self.num_kv_blocks = num_blocks
         self.max_model_len = model_context(cfg, max_model_len)
         self.vocab_size = cfg.vocab_size
+        self.hidden_size: int = cfg.hidden_size
+        """The length of an embedding request's full vector."""
+        self.embedding_pooling = embedding_pooling
+        """How an embedding request's final hidden states become one vector (``last``
+        or ``mean``; :class:`engine.core.params.PoolingParams`)."""
+        self._pool_sums: dict[str, tuple[Request, torch.Tensor]] = {}
+        """``mean`` pooling: the fp32 sum of the final hidden states of each embedding
+        request's prompt chunks so far, by request id, with the request (an aborted
+        one's sum is dropped at the next step)."""
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos]) - {None}
         kernel_layers = [m for m in model.modules() if isinstance(m, KernelDecoderLayer)]
@@ -212,6 +237,7 @@ class TorchModelRunner:
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras,
+            embedding_pooling=config.embedding_pooling,
         )
         runner.weights = loaded.weights
         if not runner.eos_token_ids and tokenizer.eos_token_id is not None:
@@ -219,19 +245,36 @@ class TorchModelRunner:
         return runner, tokenizer, model_dir
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
-        """Run one step: forward over all scheduled tokens, sample where chunks end.
+    def execute(self, out: SchedulerOutput) -> dict[str, StepResult]:
+        """Run one step: forward over all scheduled tokens, sample where chunks end, and
+        pool the final hidden states of embedding requests' chunks.
 
         Returns:
             The sampled token (and log-probabilities) of each request whose chunk
-            reached its last token.
+            reached its last token; an embedding request's vector
+            (:class:`engine.core.interfaces.PooledResult`) instead.
         """
         t0 = time.perf_counter()
-        input_ids, positions, md, keep_idx, sampling_reqs, spans = self._prepare(out)
+        input_ids, positions, md, keep_idx, sampling_reqs, spans, pools = self._prepare(out)
         t1 = time.perf_counter()
         adapters = self.lora is not None and self.lora.step.onehot is not None
+        # The final norm's output: the hidden states an embedding pools. Hooked only for a
+        # step that pools, so other steps pay nothing.
+        final: list[torch.Tensor] = []
+        hook = (
+            self.model.model.norm.register_forward_hook(lambda m, a, o: final.append(o))
+            if pools
+            else None
+        )
         try:
-            if self.decode_stack is not None and out.num_decodes == len(out.seqs) and not adapters:
+            # A step that pools runs the model's own forward, whose final norm sees every
+            # row: the decode stack's contract is the kept rows' logits, nothing more.
+            if (
+                self.decode_stack is not None
+                and out.num_decodes == len(out.seqs)
+                and not adapters
+                and not pools
+            ):
                 logits = self.decode_stack(input_ids, positions, md, keep_idx)
             else:
                 logits = self.model(
@@ -244,6 +287,8 @@ class TorchModelRunner:
         finally:
             if adapters:
                 self.lora.finish()
+            if hook is not None:
+                hook.remove()
         t2 = time.perf_counter()
         ns = len(sampling_reqs)
         if spans:
@@ -253,9 +298,52 @@ class TorchModelRunner:
             if sampling_reqs
             else []
         )
+        step: dict[str, StepResult] = {r.request_id: s for r, s in zip(sampling_reqs, results)}
+        if pools:
+            step.update(self._pool(final[-1].reshape(-1, self.hidden_size), pools))
         t3 = time.perf_counter()
         self.last_phases = (("prepare", t1 - t0), ("forward", t2 - t1), ("sample", t3 - t2))
-        return {r.request_id: s for r, s in zip(sampling_reqs, results)}
+        return step
+
+    def _pool(self, hidden: torch.Tensor, pools: list[PoolSpan]) -> dict[str, PooledResult]:
+        """The vector of each embedding request whose prompt ends in this step, from the
+        step's final hidden states ``[T, hidden]``; ``mean`` pooling adds each chunk's
+        rows to the request's sum first, so a prompt chunked over steps pools as one.
+        A sum that is missing (it cannot be: a ``mean`` request takes no prefix-cache
+        hit, and starts over at position 0 after a preemption) fails its request alone
+        (``req.error``)."""
+        for rid in [rid for rid, (r, _) in self._pool_sums.items() if r.is_finished]:
+            del self._pool_sums[rid]  # aborted or failed mid-prompt
+        done: dict[str, torch.Tensor] = {}
+        for p in pools:
+            req, rows = p.request, hidden[p.row_start : p.row_end]
+            if self.embedding_pooling == "mean":
+                total = rows.float().sum(0)
+                if p.start > 0:
+                    kept = self._pool_sums.pop(req.request_id, None)
+                    if kept is None:
+                        req.error = RuntimeError(
+                            f"mean pooling: the hidden states of positions 0-{p.start - 1} "
+                            "were not computed"
+                        )
+                        continue
+                    total = kept[1] + total
+                if not p.last:
+                    self._pool_sums[req.request_id] = (req, total)
+                    continue
+                vector = total / req.num_tokens
+            else:
+                vector = rows[-1].float()
+            dims = req.pooling.dimensions
+            done[req.request_id] = F.normalize(vector[:dims] if dims else vector, dim=0)
+        if not done:
+            return {}
+        # One copy to the host for the step's vectors (on CUDA, one wait for the device).
+        flat = torch.cat(list(done.values())).tolist()
+        ends = itertools.accumulate(len(v) for v in done.values())
+        return {
+            rid: PooledResult(flat[end - len(v) : end]) for (rid, v), end in zip(done.items(), ends)
+        }
 
     def _prepare(self, out: SchedulerOutput):
         """Flatten the step into varlen tensors (shapes in :class:`AttentionMetadata`).
@@ -271,6 +359,7 @@ class TorchModelRunner:
         tables: list[list[int]] = []
         sample_idx: list[int] = []
         sampling_reqs: list[Request] = []
+        pools: list[PoolSpan] = []
         bm_tables = out.block_tables
         for seq in seqs:
             req, start, n = seq.request, seq.start, seq.num_tokens
@@ -279,7 +368,11 @@ class TorchModelRunner:
             qsl.append(qsl[-1] + n)
             ctx.append(start + n)
             tables.append(bm_tables[req.request_id])
-            if seq.samples:
+            if req.pooling is not None:
+                # Only the last chunk matters to `last` pooling; `mean` sums every chunk.
+                if seq.samples or self.embedding_pooling == "mean":
+                    pools.append(PoolSpan(req, qsl[-2], qsl[-1], start, seq.samples))
+            elif seq.samples:
                 sample_idx.append(qsl[-1] - 1)
                 sampling_reqs.append(req)
         max_blocks = max(len(t) for t in tables)
@@ -322,6 +415,7 @@ class TorchModelRunner:
             torch.tensor(sample_idx + rows, dtype=torch.int64, device=self.device),
             sampling_reqs,
             spans,
+            pools,
         )
 
     def _prepare_sdpa(
