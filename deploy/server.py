@@ -212,8 +212,8 @@ def banner(
     return (
         f"\niterserve is ready: {url}/v1 (model {name!r}"
         + (f", weights {weights}" if weights else "")
-        + f", tools {config.tool_call_parser}"
-        + (f" with the {tool_template} template" if tool_template else "")
+        + f", tool calls {config.tool_call_parser}"
+        + (f" ({tool_template} template)" if tool_template else "")
         + f", {n} replica{'s' * (n != 1)} "
         f"{where}{bounds}, pid {os.getpid()})\n"
         f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"

@@ -73,7 +73,9 @@ def test_one_process_without_ray(command):
         if p.name.isdigit() and _session(p.name) == command.pid
     ]
     assert members == [str(command.pid)], members
-    assert "1 replica in this process" in command.log.read_text()
+    ready = command.log.read_text()
+    assert "1 replica in this process" in ready
+    assert "tool calls hermes (hermes (shipped) template)" in ready
 
 
 def _session(pid: str) -> int | None:
