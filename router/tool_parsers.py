@@ -1,7 +1,7 @@
 """Tool-call formats: the grammar that makes a model's calls valid, and the parser that
 turns its output back into OpenAI's ``tool_calls``, for each format a model is trained on.
 
-A format (``tool_call_parser`` in the config) knows three things of its model's output:
+A format (``tool_call_parser`` in the config) knows two things of its model's output:
 how a call is written, so it can build the xgrammar structural tag that constrains it
 (:meth:`ToolCallFormat.structural_tag`), and how to read calls back, whole
 (:meth:`ToolCallFormat.scan` with ``final``) or from a prefix of the output while it
