@@ -114,13 +114,13 @@ def test_a_grammar_matcher_error_fails_only_its_request(
     fault_server: LocalServer, greedy_text: str, monkeypatch
 ):
     structured = fault_server.engine.engine.structured
-    real = structured.matcher
+    real = structured.for_params
 
     class Flaky:
         """A real matcher that raises once the request has a few tokens."""
 
-        def __init__(self, schema: dict[str, Any]) -> None:
-            self.inner, self.fills = real(schema), 0
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.fills = inner, 0
 
         def fill_next_token_bitmask(self, bitmask, index: int) -> None:
             self.fills += 1
@@ -131,7 +131,11 @@ def test_a_grammar_matcher_error_fails_only_its_request(
         def accept_token(self, token_id: int) -> bool:
             return self.inner.accept_token(token_id)
 
-    monkeypatch.setattr(structured, "matcher", Flaky)
+    def flaky(params: Any) -> Flaky | None:
+        inner = real(params)
+        return None if inner is None else Flaky(inner)
+
+    monkeypatch.setattr(structured, "for_params", flaky)
     chat = {
         "model": MODEL,
         "max_tokens": 32,
