@@ -58,7 +58,7 @@ def _run_lines(result: dict) -> list[str]:
 def _tool_calls(result: dict) -> list[str]:
     from bench import tool_calls
 
-    return [*tool_calls.table(result), ""]
+    return [*_run_lines(result), *tool_calls.table(result), ""]
 
 
 def _peers(name: str, result: dict) -> list[str]:
