@@ -124,8 +124,9 @@ def read_template(value: str) -> str:
     raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
 
 
+@cache
 def template_takes_tools(template: str | None) -> bool:
-    """Whether a Jinja chat template reads a ``tools`` variable."""
+    """Whether a Jinja chat template reads a ``tools`` variable (parsed once per template)."""
     if not template:
         return False
     import jinja2
